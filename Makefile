@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+JOB_VENV := .venv-job
+UV := $(VENV)/bin/uv
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.ok $(JOB_VENV)/.ok
+
+# The orchestrator's environment: Prefect and the package; never torch or axolotl.
+$(VENV)/.ok: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check uv
+	$(UV) pip install -q --python $(VENV)/bin/python -e '.[dev]'
+	touch $@
+
+# The job environment the local target names: torch (CPU build here) and axolotl.
+$(JOB_VENV)/.ok: scripts/job-env.sh scripts/job-constraints.txt $(VENV)/.ok
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/job-env.sh $(JOB_VENV)
+	touch $@
+
+lint: $(VENV)/.ok
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: setup lint
+	$(VENV)/bin/pytest -ra
+
+demo: setup
+	$(VENV)/bin/python demo/run_demo.py
+
+bench: setup
+	@for script in bench/*.py; do $(VENV)/bin/python $$script || echo "BENCH-ERROR $$script"; done
+
+clean:
+	rm -rf $(VENV) $(JOB_VENV) .cache

@@ -1,0 +1,1 @@
+"""overbrainer-prefect."""

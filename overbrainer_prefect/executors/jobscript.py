@@ -1,0 +1,154 @@
+"""The job's wrapper script and how its status is read back, shared by every
+executor: the job runs as `sh job.sh` in its own session, detached from the
+process that started it, and its status is read from the target's `/proc` and
+two files, so another process on another day reads the same answer.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+
+from overbrainer_prefect.executors.base import (
+    CANCEL_FILE,
+    EXIT_FILE,
+    JOB_LOG,
+    JobId,
+    JobSpec,
+    JobStatus,
+)
+
+JOB_SCRIPT = "job.sh"
+"""The wrapper, written into the run directory next to the job's files."""
+
+CANCEL_GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL of a cancelled job
+
+
+def job_script(job: JobSpec) -> str:
+    """The wrapper script of `job`: runs its commands in order in the run
+    directory with their output appended to `JOB_LOG`, stops at the first that
+    fails, and writes the exit code to `EXIT_FILE` (atomically) once they end.
+
+    Only `job.env` is written into the script; `job.secrets` never are (they
+    reach the job through the environment of the process that starts it).
+    """
+    lines = [
+        "#!/bin/sh",
+        "# Written by overbrainer-prefect: runs the job's commands, then records their exit code.",
+        f"cd {shlex.quote(job.run_dir)} || exit 97",
+        f"exec >>{JOB_LOG} 2>&1 </dev/null",
+        "finish() {",
+        f"  printf '%s\\n' \"$1\" > {EXIT_FILE}.tmp && mv -f {EXIT_FILE}.tmp {EXIT_FILE}",
+        '  exit "$1"',
+        "}",
+        'step() { "$@"; code=$?; [ "$code" -eq 0 ] || finish "$code"; }',
+    ]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in _checked(job.env).items()]
+    lines += ["step " + shlex.join(command) for command in job.commands]
+    lines.append("finish 0")
+    return "\n".join(lines) + "\n"
+
+
+def launch_command(run_dir: str) -> str:
+    """A shell command that starts `sh job.sh` in `run_dir` in a new session,
+    detached (reparented away from the caller), and prints the job's
+    `/proc/<pid>/stat` line, from which `parse_launch` reads its identity."""
+    quoted = shlex.quote(run_dir)
+    return (
+        f"cd {quoted} || exit 1; rm -f {EXIT_FILE} {CANCEL_FILE}; "
+        f"setsid sh {JOB_SCRIPT} </dev/null >/dev/null 2>&1 & "
+        'pid=$!; cat /proc/"$pid"/stat'
+    )
+
+
+def parse_launch(run_dir: str, stat_line: str) -> JobId:
+    """The `JobId` of a job from the `/proc/<pid>/stat` line `launch_command` printed.
+
+    Raises ValueError when the line is not a stat line.
+    """
+    pid, _state, started = _parse_stat(stat_line)
+    return JobId(dir=run_dir, pid=pid, started=started)
+
+
+def status_command(job: JobId) -> str:
+    """A shell command printing what `parse_status` needs: the exit file, the
+    job's stat line and whether it was cancelled, one section each."""
+    run_dir = shlex.quote(job.dir)
+    return (
+        f"cd {run_dir} 2>/dev/null; printf 'exit:'; cat {EXIT_FILE} 2>/dev/null; echo; "
+        f"printf 'stat:'; cat /proc/{job.pid}/stat 2>/dev/null; echo; "
+        f"printf 'cancelled:'; [ -e {CANCEL_FILE} ] && printf yes; echo"
+    )
+
+
+def parse_status(job: JobId, output: str) -> JobStatus:
+    """The status of `job` from the output of `status_command`.
+
+    A job with an exit code has exited; otherwise it runs while its PID is alive
+    with the same start time (a reused PID is not the job); gone, it was
+    cancelled when `CANCEL_FILE` exists, and is lost otherwise.
+    """
+    sections = {}
+    for line in output.splitlines():
+        key, _, value = line.partition(":")
+        sections[key] = value.strip()
+    exit_text = sections.get("exit", "")
+    if exit_text.lstrip("-").isdigit():
+        return JobStatus.exited(int(exit_text))
+    if _alive(job, sections.get("stat", "")):
+        return JobStatus.running()
+    if sections.get("cancelled") == "yes":
+        return JobStatus.cancelled()
+    return JobStatus.lost()
+
+
+def cancel_command(job: JobId, grace_s: float = CANCEL_GRACE_S) -> str:
+    """A shell command that cancels the job's process group, when the job is
+    still the process it was: writes `CANCEL_FILE`, sends SIGTERM to the group,
+    waits up to `grace_s` for it to end, then sends SIGKILL."""
+    run_dir = shlex.quote(job.dir)
+    checks = int(grace_s * 10)
+    started = shlex.quote(job.started or "")
+    return (
+        f"cd {run_dir} || exit 0; [ -e {EXIT_FILE} ] && exit 0; "
+        f"s=$(cat /proc/{job.pid}/stat 2>/dev/null | sed 's/.*) //' | cut -d' ' -f20); "
+        f'[ -n "$s" ] || exit 0; [ -z {started} ] || [ "$s" = {started} ] || exit 0; '
+        f": > {CANCEL_FILE}; kill -TERM -{job.pid} 2>/dev/null; i=0; "
+        f"while kill -0 -{job.pid} 2>/dev/null && [ $i -lt {checks} ]; "
+        "do sleep 0.1; i=$((i+1)); done; "
+        f"kill -KILL -{job.pid} 2>/dev/null; exit 0"
+    )
+
+
+def _alive(job: JobId, stat_line: str) -> bool:
+    if not stat_line:
+        return False
+    try:
+        pid, state, started = _parse_stat(stat_line)
+    except ValueError:
+        return False
+    if pid != job.pid or state in ("Z", "X"):
+        return False
+    return job.started is None or job.started == started
+
+
+def _parse_stat(stat_line: str) -> tuple[int, str, str]:
+    """(pid, state, start time) of a `/proc/<pid>/stat` line. The command name
+    sits in parentheses and may hold spaces, so fields are counted after the
+    last `)`."""
+    head, sep, tail = stat_line.strip().rpartition(")")
+    if not sep:
+        raise ValueError("not a /proc stat line")
+    pid_text = head.split("(", 1)[0].strip()
+    fields = tail.split()
+    if not pid_text.isdigit() or len(fields) < 20:
+        raise ValueError("not a /proc stat line")
+    # fields[0] is field 3 (state); field 22 (starttime) is fields[19]
+    return int(pid_text), fields[0], fields[19]
+
+
+def _checked(env: Mapping[str, str]) -> Mapping[str, str]:
+    for name in env:
+        if not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise ValueError(f"{name!r} is not a valid environment variable name")
+    return env

@@ -1,0 +1,5 @@
+"""The Prefect flows of overbrainer-prefect."""
+
+from overbrainer_prefect.flows.train import RunFailed, RunResult, attach, cancel, stop, train
+
+__all__ = ["RunFailed", "RunResult", "attach", "cancel", "stop", "train"]

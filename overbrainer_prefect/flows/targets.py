@@ -1,0 +1,36 @@
+"""Finding the target block a flow names, and the messages when there is none."""
+
+from __future__ import annotations
+
+from overbrainer_prefect.blocks import LocalTarget, TargetBlock
+
+TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget,)
+"""The target block types, in the order a bare name is looked up."""
+
+
+class UnknownTarget(ValueError):
+    """No target block has the name a flow was given."""
+
+
+async def load_target(name: str) -> tuple[str, TargetBlock]:
+    """The target block `name` (`<block-type-slug>/<name>` or a bare block name,
+    looked up in each target type) and its qualified reference.
+
+    Raises UnknownTarget with one line saying how to create it.
+    """
+    slug, sep, bare = name.rpartition("/")
+    types = [t for t in TARGET_TYPES if not sep or t.get_block_type_slug() == slug]
+    if sep and not types:
+        known = ", ".join(t.get_block_type_slug() for t in TARGET_TYPES)
+        raise UnknownTarget(f"{slug!r} is not a target block type: use one of {known}")
+    for block_type in types:
+        try:
+            block = await block_type.aload(bare)
+        except ValueError:
+            continue
+        return f"{block_type.get_block_type_slug()}/{bare}", block
+    kinds = " or ".join(f"'{t.get_block_type_name()}'" for t in types)
+    raise UnknownTarget(
+        f"no target block named {bare!r} ({kinds}): create it with "
+        f"`python blocks/create_blocks.py` or in the Prefect UI under Blocks"
+    )

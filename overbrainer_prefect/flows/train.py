@@ -1,0 +1,296 @@
+"""The run flows: `train`, `attach`, `stop` and `cancel`.
+
+Each works from `run.json` alone once a run exists, so any of them can pick a
+run up in another process, on another worker, another day. The steps
+themselves live in `overbrainer_prefect.runs`; these flows add what Prefect
+shows: logs, progress, a metrics table and a run summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
+from pydantic import BaseModel, Field
+
+from overbrainer_prefect.artifacts import (
+    PrefectReporter,
+    next_step,
+    publish_metrics_table,
+    publish_summary,
+    summary_markdown,
+)
+from overbrainer_prefect.blocks import TargetBlock
+from overbrainer_prefect.executors.base import Executor
+from overbrainer_prefect.flows.targets import load_target
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.lifecycle import Outcome, RunContext, RunError
+from overbrainer_prefect.runs.resume import resume_path, resume_point, stage_checkpoint
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
+from overbrainer_prefect.trainers.spec import TrainingSpec
+
+
+class RunFailed(Exception):
+    """A run ended failed; the message says why and what to do next."""
+
+
+class FileEntry(BaseModel):
+    """A retrieved file, verified by SHA-256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class RunResult(BaseModel):
+    """What a run flow returns (and Prefect persists): how the run ended."""
+
+    run_id: str
+    state: RunState
+    target: str
+    message: str | None = None
+    steps: int = 0
+    first_loss: float | None = None
+    final_loss: float | None = None
+    retrieved: bool = False
+    files: list[FileEntry] = Field(default_factory=list)
+    run_dir: str
+    next: str
+
+
+def _trainer(runs: Runs, record: RunRecord) -> AxolotlTrainer:
+    """The trainer of a run, rebuilt from its record."""
+    if record.spec is None:
+        raise RunError(f"run {record.id} has no training spec in its record: it cannot be followed")
+    spec = TrainingSpec.model_validate(record.spec)
+    resume = resume_path(record.resumed_from) if record.resumed_from else None
+    return AxolotlTrainer(spec, resume_from=resume)
+
+
+def _context(runs: Runs, block: TargetBlock, executor: Executor, reporter: Any) -> RunContext:
+    return RunContext(
+        runs=runs,
+        executor=executor,
+        reporter=reporter,
+        python=block.python,
+        poll_s=block.poll_seconds,
+        max_hours=block.max_hours,
+        stall_s=block.stall_minutes * 60,
+    )
+
+
+@task(name="create-run", cache_policy=NO_CACHE, persist_result=False)
+async def create_run(
+    runs: Runs, target_ref: str, block: TargetBlock, training: TrainingSpec
+) -> RunRecord:
+    """Creates the run's record, `preparing`."""
+    executor = block.executor(target_ref)
+    record = lifecycle.create(
+        runs,
+        target=target_ref,
+        target_kind=block.kind,
+        workdir=executor.workdir,
+        spec=training.model_dump(mode="json"),
+        flow_run_id=flow_run.id,
+    )
+    get_run_logger().info(
+        "run %s created on %s (files in %s)", record.id, executor.description, runs.run_dir(record.id)
+    )
+    return record
+
+
+@task(name="start-job", cache_policy=NO_CACHE, persist_result=False)
+async def start_job(
+    ctx: RunContext, trainer: AxolotlTrainer, record: RunRecord, block: TargetBlock
+) -> RunRecord:
+    """Checks the target, uploads the run and starts its job."""
+    record = await lifecycle.start(ctx, trainer, record, block.secrets())
+    get_run_logger().info(
+        "run %s: job started on %s (pid %s), deadline %s",
+        record.id,
+        ctx.executor.description,
+        record.job.pid if record.job else "?",
+        record.deadline,
+    )
+    return record
+
+
+@task(name="follow-job", cache_policy=NO_CACHE, persist_result=False)
+async def follow_job(ctx: RunContext, trainer: AxolotlTrainer, record: RunRecord) -> Outcome:
+    """Follows the job to its end, then retrieves and verifies its files."""
+    reporter = ctx.reporter
+    assert isinstance(reporter, PrefectReporter)
+    await reporter.open()
+
+    async def pump() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await reporter.flush()
+
+    pumping = asyncio.create_task(pump())
+    try:
+        return await lifecycle.watch(ctx, trainer, record)
+    finally:
+        pumping.cancel()
+        await reporter.flush(force=True)
+
+
+async def _finish(
+    runs: Runs, outcome: Outcome, executor: Executor, *, cancelling: bool = False
+) -> RunResult | State[Any]:
+    """Publishes the metrics table and the run summary, and turns the outcome into
+    the flow's result: failed runs fail the flow, cancelled ones cancel it (unless
+    this flow is the one that cancelled them)."""
+    record = outcome.record
+    logger = get_run_logger()
+    await publish_metrics_table(record.id, outcome.summary)
+    step = next_step(record)
+    await publish_summary(
+        record.id,
+        summary_markdown(record, executor.description, outcome.summary, outcome.files, step),
+    )
+    result = RunResult(
+        run_id=record.id,
+        state=record.state,
+        target=record.target,
+        message=record.message,
+        steps=outcome.summary.last.step if outcome.summary.last else 0,
+        first_loss=outcome.summary.first_loss,
+        final_loss=outcome.summary.final_loss,
+        retrieved=outcome.retrieved,
+        files=[FileEntry(path=f.path, size=f.size, sha256=f.sha256) for f in outcome.files],
+        run_dir=str(runs.run_dir(record.id)),
+        next=step,
+    )
+    if record.state == RunState.FAILED:
+        raise RunFailed(f"run {record.id} failed: {record.message}")
+    if record.state == RunState.CANCELLED and not cancelling:
+        return Cancelled(message=f"run {record.id} was cancelled", data=result)
+    logger.info(
+        "run %s %s: %d steps, final loss %s, %d files verified. %s",
+        record.id,
+        record.state,
+        result.steps,
+        result.final_loss,
+        len(result.files),
+        step,
+    )
+    return result
+
+
+@flow(name="train", persist_result=True)
+async def train(
+    target: str,
+    training: TrainingSpec | None = None,
+    resume_from: str | None = None,
+    runs_dir: str | None = None,
+) -> RunResult | State[Any]:
+    """Fine-tunes a model with axolotl on `target` (a target block's name): creates
+    a run, starts its job, follows it live, then retrieves and verifies its files.
+
+    `resume_from` names a stopped run whose checkpoint the new run starts from
+    (its training spec is reused when `training` is not given). Fails before any
+    run exists when the target block or a dataset file is missing; fails with the
+    run's message when its job fails.
+    """
+    runs = Runs(runs_dir)
+    target_ref, block = await load_target(target)
+    point = None
+    if resume_from is not None:
+        stopped = runs.load(resume_from)
+        point = resume_point(runs, stopped)
+        if training is None and stopped.spec is not None:
+            training = TrainingSpec.model_validate(stopped.spec)
+    if training is None:
+        raise ValueError("give the training spec (training=...), or a stopped run to resume_from")
+    training.check_local_files()
+    record = await create_run(runs, target_ref, block, training)
+    resume = None
+    if point is not None:
+        resume = stage_checkpoint(runs, point, record)
+        record.resumed_from = point
+        runs.save(record)
+    trainer = AxolotlTrainer(training, resume_from=resume)
+    executor = block.executor(target_ref)
+    try:
+        ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+        record = await start_job(ctx, trainer, record, block)
+        outcome = await follow_job(ctx, trainer, record)
+        return await _finish(runs, outcome, executor)
+    finally:
+        await executor.close()
+
+
+async def _load(run_id: str, runs_dir: str | None) -> tuple[Runs, RunRecord, TargetBlock]:
+    runs = Runs(runs_dir)
+    record = runs.load(run_id)
+    _, block = await load_target(record.target)
+    return runs, record, block
+
+
+@flow(name="attach", persist_result=True)
+async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
+    """Follows a started run again (after its first follower died, or its files
+    could not be retrieved) until its job ends, then retrieves and verifies its
+    files. For a run already ended whose files were not retrieved, retrieves
+    them again. Touches nothing for an unknown or invalid run ID."""
+    runs, record, block = await _load(run_id, runs_dir)
+    executor = block.executor(record.target)
+    try:
+        trainer = _trainer(runs, record)
+        ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+        if record.state.ended and lifecycle.artifacts_missing(record):
+            record, _ = await lifecycle.collect(ctx, trainer, record)
+        outcome = await follow_job(ctx, trainer, record)
+        return await _finish(runs, outcome, executor)
+    finally:
+        await executor.close()
+
+
+@flow(name="stop", persist_result=True)
+async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
+    """Asks a running job to save a resumable checkpoint and stop, then follows it
+    to its end and retrieves its files (checkpoint included). Resume it with the
+    `train` flow and `resume_from=<run_id>`."""
+    runs, record, block = await _load(run_id, runs_dir)
+    executor = block.executor(record.target)
+    try:
+        trainer = _trainer(runs, record)
+        ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+        await lifecycle.request_stop(ctx, record)
+        get_run_logger().info("run %s: asked its job for a checkpoint and a stop", run_id)
+        outcome = await follow_job(ctx, trainer, record)
+        return await _finish(runs, outcome, executor)
+    finally:
+        await executor.close()
+
+
+@flow(name="cancel", persist_result=True)
+async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
+    """Cancels the job of a run (its whole process group), records it
+    `cancelled`, and retrieves what it left, best effort."""
+    runs, record, block = await _load(run_id, runs_dir)
+    executor = block.executor(record.target)
+    try:
+        trainer = _trainer(runs, record)
+        ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+        record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
+        if status.kind != "cancelled":
+            raise RunError(
+                f"run {run_id}: its job had already ended ({status}), so nothing was cancelled; "
+                f"follow it with the attach flow (run_id={run_id}) to record its outcome"
+            )
+        outcome = await lifecycle.watch(ctx, trainer, record)
+        outcome.retrieved = retrieved
+        get_run_logger().info(
+            "run %s cancelled; its files were %sretrieved", run_id, "" if retrieved else "not "
+        )
+        return await _finish(runs, outcome, executor, cancelling=True)
+    finally:
+        await executor.close()

@@ -1,0 +1,31 @@
+"""Runs: their IDs, their records in `runs/<id>/`, and the steps of a run."""
+
+from overbrainer_prefect.runs.ids import is_valid_run_id, new_run_id, rfc3339
+from overbrainer_prefect.runs.records import InvalidRecord, RecordError, RecordIoError
+from overbrainer_prefect.runs.store import (
+    RECORD_FILE,
+    InvalidRunId,
+    ResumedFrom,
+    RunNotFound,
+    RunRecord,
+    Runs,
+    RunsError,
+    RunState,
+)
+
+__all__ = [
+    "RECORD_FILE",
+    "InvalidRecord",
+    "InvalidRunId",
+    "RecordError",
+    "RecordIoError",
+    "ResumedFrom",
+    "RunNotFound",
+    "RunRecord",
+    "RunState",
+    "Runs",
+    "RunsError",
+    "is_valid_run_id",
+    "new_run_id",
+    "rfc3339",
+]

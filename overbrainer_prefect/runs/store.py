@@ -1,0 +1,192 @@
+"""The run store: `runs/<run-id>/run.json`, one record per run, written before
+each step it describes, so that any process (another worker, another day) can
+find a run's job again from the record alone."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from overbrainer_prefect.executors.base import JobId
+from overbrainer_prefect.runs.ids import is_valid_run_id
+from overbrainer_prefect.runs.records import (
+    InvalidRecord,
+    RecordError,
+    RecordIoError,
+    load_record,
+    save_record,
+)
+
+log = logging.getLogger(__name__)
+
+RUNS_DIR = "runs"
+"""The directory holding the runs, under the project (or the deployment's) directory."""
+
+RECORD_FILE = "run.json"
+"""The record of a run, in its directory."""
+
+RUNS_ROOT_ENV = "OVERBRAINER_RUNS_DIR"
+"""Environment variable naming the runs directory (a shared volume when several
+machines attach to the same runs); default `./runs`."""
+
+
+class RunState(StrEnum):
+    """Where a run stands, as last seen."""
+
+    PREPARING = "preparing"
+    """Files are being prepared or uploaded; the job has not started."""
+    RUNNING = "running"
+    """The job was started and has not been seen ending."""
+    SUCCEEDED = "succeeded"
+    """The job ended with exit code 0, wrote metrics, and its files were verified."""
+    STOPPED = "stopped"
+    """The job was asked to stop, saved a resumable checkpoint and ended."""
+    FAILED = "failed"
+    """The job failed, stopped without an exit code, or wrote no metrics."""
+    CANCELLED = "cancelled"
+    """The job was cancelled."""
+
+    @property
+    def ended(self) -> bool:
+        """Whether the run is in a final state (nothing left to follow)."""
+        return self not in (RunState.PREPARING, RunState.RUNNING)
+
+
+class ResumedFrom(BaseModel):
+    """The checkpoint of a stopped run that a new run started from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field(description="The stopped run.")
+    checkpoint: str = Field(description="Its checkpoint, relative to its run directory.")
+    step: int = Field(ge=0, description="The step the checkpoint was saved at.")
+
+
+class RunRecord(BaseModel):
+    """`runs/<run-id>/run.json`: what is needed to find a run's job again and to
+    say how it ended. It never holds a secret."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    id: str = Field(description="The run ID, also the directory name.")
+    target: str = Field(description="Name of the target block the run runs on.")
+    target_kind: str = Field(default="local", description="local, ssh or runpod.")
+    trainer: str = Field(default="training", description="The kind of job.")
+    created: str = Field(description="Creation time, RFC 3339 UTC.")
+    remote_dir: str = Field(description="The run directory on the target.")
+    job: JobId | None = Field(default=None, description="The job, once started.")
+    state: RunState = Field(default=RunState.PREPARING)
+    message: str | None = Field(default=None, description="Why the run failed, when it did.")
+    started: str | None = Field(default=None, description="When the job started, RFC 3339.")
+    ended: str | None = Field(default=None, description="When the run was seen ending.")
+    deadline: str | None = Field(
+        default=None, description="When the job is cancelled if still running (max_hours)."
+    )
+    spec: dict[str, Any] | None = Field(
+        default=None,
+        description="The job's parameters (a TrainingSpec), so any process can "
+        "follow, stop or resume the run.",
+    )
+    resumed_from: ResumedFrom | None = Field(default=None)
+    checkpoint: str | None = Field(
+        default=None,
+        description="The resumable checkpoint of a stopped run, relative to its run directory.",
+    )
+    flow_run_id: str | None = Field(
+        default=None, description="The Prefect flow run that created the run."
+    )
+
+
+class RunsError(Exception):
+    """A run ID, directory or record is not usable. The message is one line."""
+
+
+class InvalidRunId(RunsError):
+    """An ID that cannot name a run directory."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(
+            f"{run_id!r} is not a valid run ID (YYYYMMDD-HHMMSS-xxxx): list the runs with "
+            "the pods or runs flow, or look in runs/"
+        )
+
+
+class RunNotFound(RunsError):
+    """A valid ID without a record."""
+
+    def __init__(self, run_id: str, root: Path) -> None:
+        super().__init__(f"no run {run_id} in {root}: check the run ID and the runs directory")
+
+
+def default_runs_root() -> Path:
+    """The runs directory: `$OVERBRAINER_RUNS_DIR`, else `./runs`."""
+    return Path(os.environ.get(RUNS_ROOT_ENV) or RUNS_DIR).absolute()
+
+
+class Runs:
+    """The runs directory of a project or deployment."""
+
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.root = Path(root).absolute() if root is not None else default_runs_root()
+
+    def run_dir(self, run_id: str) -> Path:
+        """The local directory of the run `run_id`.
+
+        Raises InvalidRunId when `run_id` is not a run ID, so a directory
+        outside the runs directory is never returned.
+        """
+        if not is_valid_run_id(run_id):
+            raise InvalidRunId(run_id)
+        return self.root / run_id
+
+    def save(self, record: RunRecord) -> None:
+        """Writes `record` to its `run.json`, replacing it atomically, and creates
+        the run directory if needed.
+
+        Raises InvalidRunId for an invalid ID and RecordIoError when it cannot be written.
+        """
+        save_record(self.run_dir(record.id), RECORD_FILE, record)
+
+    def load(self, run_id: str) -> RunRecord:
+        """The record of the run `run_id`.
+
+        Raises InvalidRunId for an invalid ID, RunNotFound when it has no record,
+        RecordIoError or InvalidRecord when the record cannot be read.
+        """
+        path = self.run_dir(run_id) / RECORD_FILE
+        try:
+            return load_record(path, RunRecord, "run")
+        except FileNotFoundError:
+            raise RunNotFound(run_id, self.root) from None
+
+    def list(self, skipped: Callable[[str, RecordError], None] | None = None) -> list[RunRecord]:
+        """Every run with a readable record, oldest first. Directories without a
+        record are ignored; records that fail to load are skipped and passed to
+        `skipped` (by default logged as a warning).
+
+        Raises RecordIoError when the runs directory itself cannot be read.
+        """
+        try:
+            names = sorted(entry.name for entry in self.root.iterdir())
+        except FileNotFoundError:
+            return []
+        except OSError as error:
+            raise RecordIoError(self.root, error) from None
+        records = []
+        for name in names:
+            if not is_valid_run_id(name) or not (self.root / name / RECORD_FILE).is_file():
+                continue
+            try:
+                records.append(self.load(name))
+            except (InvalidRecord, RecordIoError) as error:
+                if skipped is None:
+                    log.warning("skipping unreadable run record for %s: %s", name, error)
+                else:
+                    skipped(name, error)
+        return records
