@@ -1,0 +1,94 @@
+"""The probe of a target's job environment: which Python, how many GPUs, which modules.
+
+Before a run is started, the job venv's Python is run once on the target with
+a small script that prints one JSON line. Modules are looked up without being
+imported (axolotl takes twenty seconds to import); only torch is imported, to
+count the CUDA devices it sees.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Sequence
+
+from overbrainer_prefect.executors.base import CommandResult
+from overbrainer_prefect.trainers.base import TargetFacts, TrainError
+
+PROBE_MARK = "OVERBRAINER-PROBE "
+"""Starts the probe's JSON line, so that whatever else the interpreter prints is ignored."""
+
+MISSING_CODES = (126, 127)  # a shell's exit codes for a command it cannot find or run
+
+PROBE_SCRIPT = """\
+import importlib.metadata as md, importlib.util, json, sys
+mods = {}
+for name in sys.argv[1:]:
+    version = None
+    try:
+        if importlib.util.find_spec(name) is not None:
+            try:
+                version = md.version(name)
+            except md.PackageNotFoundError:
+                dists = md.packages_distributions().get(name) or []
+                version = md.version(dists[0]) if dists else "unknown"
+    except Exception:
+        version = None
+    mods[name] = version
+gpus = 0
+try:
+    import torch
+    gpus = torch.cuda.device_count()
+except Exception:
+    pass
+print(@MARK@ + json.dumps({"python": sys.version.split()[0], "gpus": gpus, "modules": mods}))
+""".replace("@MARK@", repr(PROBE_MARK))
+
+
+def probe_command(python: str, modules: Sequence[str]) -> list[str]:
+    """The command that probes the job environment of `python` for `modules`."""
+    return [python, "-c", PROBE_SCRIPT, *modules]
+
+
+def parse_probe(python: str, result: CommandResult) -> TargetFacts:
+    """What the probe of `python` found.
+
+    Raises TrainError when the venv has no such Python, or the probe failed or
+    printed no answer.
+    """
+    if result.code in MISSING_CODES or (result.code != 0 and "No such file" in result.stderr):
+        venv = _venv_of(python)
+        raise TrainError(
+            f"the job venv {venv} has no bin/python: create it with "
+            f"`python3 -m venv {venv}` and install axolotl in it "
+            f"(`uv pip install --python {python} axolotl`), or set the target's job_venv"
+        )
+    if result.code != 0:
+        raise TrainError(
+            f"the probe of the job venv's {python} failed (exit {result.code}): "
+            f"{_last_line(result.stderr)}; run `{python} -c 'import torch'` there to see why"
+        )
+    for line in reversed(result.stdout.splitlines()):
+        if line.startswith(PROBE_MARK):
+            try:
+                found = json.loads(line[len(PROBE_MARK) :])
+                modules = {
+                    str(k): (None if v is None else str(v)) for k, v in found["modules"].items()
+                }
+                return TargetFacts(python=python, gpus=int(found["gpus"]), modules=modules)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                break
+    raise TrainError(
+        f"the probe of the job venv's {python} printed no answer: check that it is a Python 3 "
+        "interpreter"
+    )
+
+
+def _venv_of(python: str) -> str:
+    bin_dir = posixpath.dirname(python)
+    return posixpath.dirname(bin_dir) if posixpath.basename(bin_dir) == "bin" else bin_dir
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "no error output"

@@ -1,0 +1,262 @@
+"""What a fine-tune trains: the model, its data and its hyperparameters.
+
+`TrainingSpec` is a flow parameter: the Prefect UI renders it as a form, so
+every field says what it is and has a default where one makes sense. It is
+validated when the flow is called (each problem is one line saying what to
+fix); `check_local_files` then checks, on the machine that starts the run,
+that every local dataset file exists, before any run is created.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from overbrainer_prefect.trainers.base import TrainError
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""A Hugging Face Hub repository id: `org/name`."""
+
+DATA_SUFFIXES = frozenset(
+    {".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zst", ".bz2"}
+)
+"""File extensions that make a dataset path a local file, not a Hub id (a Hub
+name may hold a dot, like `teknium/OpenHermes-2.5`)."""
+
+OWNED_KEYS = frozenset(
+    {
+        "output_dir",
+        "dataset_prepared_path",
+        "plugins",
+        "datasets",
+        "resume_from_checkpoint",
+        "auto_resume_from_checkpoints",
+        "logging_steps",
+        "overbrainer_metrics_file",
+        "overbrainer_stop_file",
+    }
+)
+"""axolotl keys the trainer sets itself: the run directory's layout, the
+metrics plugin, the datasets it uploads and the checkpoint it resumes from."""
+
+
+class DatasetSpec(BaseModel):
+    """One training dataset: a local file uploaded with the run, or a Hub dataset.
+
+    A bare string is accepted as shorthand for `{"path": ...}`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(
+        min_length=1,
+        description="A local .jsonl/.json/.parquet/.csv file on the machine that starts the run "
+        "(it is uploaded with the run), or a Hugging Face Hub dataset id like `org/name`.",
+    )
+    type: str = Field(
+        default="chat_template",
+        min_length=1,
+        description="axolotl's dataset format: `chat_template` for rows of `messages`, or "
+        "`alpaca`, `completion`, `input_output`...",
+    )
+    split: str | None = Field(
+        default=None, description="The split to train on (Hub datasets); default `train`."
+    )
+    field_messages: str | None = Field(
+        default=None,
+        description="The column that holds the conversation (`chat_template`); default `messages`.",
+    )
+    name: str | None = Field(
+        default=None, description="The Hub dataset's configuration name, when it has several."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"path": data}
+        return data
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_usable(cls, path: str) -> str:
+        path = path.strip()
+        if not path:
+            raise ValueError("the dataset path is empty: give a local .jsonl file or org/name")
+        if "/" in path and not (_is_local(path) or HUB_ID.match(path)):
+            raise ValueError(
+                f"dataset {path} is neither a local file nor a Hub dataset id: give a path "
+                "to a local .jsonl file or a Hub dataset id like org/name"
+            )
+        return path
+
+    @property
+    def is_local(self) -> bool:
+        """Whether `path` names a file on this machine (it exists, or it looks like a
+        path: it starts with `.`, `/` or `~`, or ends with a data file extension)
+        rather than a Hub dataset id."""
+        return _is_local(self.path)
+
+    def local_problem(self) -> str | None:
+        """One line saying why this dataset cannot be used from this machine, or None."""
+        if not self.is_local:
+            if HUB_ID.match(self.path):
+                return None
+            return (
+                f"dataset {self.path} is neither a local file nor a Hub dataset id: give a path "
+                "to a local .jsonl file or a Hub dataset id like org/name"
+            )
+        local = Path(self.path).expanduser()
+        if not local.exists():
+            return (
+                f"dataset file {self.path} does not exist: give a path to a local .jsonl file "
+                "or a Hub dataset id like org/name"
+            )
+        if not (local.is_file() or local.is_dir()):
+            return f"dataset {self.path} is not a file: give a path to a local .jsonl file"
+        return None
+
+
+class TrainingSpec(BaseModel):
+    """A fine-tune: the base model, the datasets, the adapter and the training
+    hyperparameters, as axolotl takes them. Keys it does not name can be passed
+    to axolotl as they are in `extra`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_model: str = Field(
+        default="HuggingFaceTB/SmolLM2-135M-Instruct",
+        min_length=1,
+        description="The model to fine-tune: a Hugging Face Hub id like `org/name`, or a "
+        "directory on the target that holds a model.",
+    )
+    adapter: Literal["lora", "qlora", "full"] = Field(
+        default="lora",
+        description="`lora` trains a small adapter; `qlora` a LoRA over a 4-bit model (GPU "
+        "only, least memory); `full` trains every weight (most memory).",
+    )
+    datasets: list[DatasetSpec] = Field(
+        min_length=1,
+        description="The training data: local files (uploaded with the run) or Hub dataset ids.",
+    )
+    sequence_len: int = Field(
+        default=2048, gt=0, description="Longest sample in tokens; longer ones are dropped."
+    )
+    micro_batch_size: int = Field(default=2, gt=0, description="Samples per GPU per step.")
+    gradient_accumulation_steps: int = Field(
+        default=4, gt=0, description="Micro-batches summed into one optimizer step."
+    )
+    num_epochs: float = Field(
+        default=1.0, gt=0, description="Passes over the data (ignored when max_steps is set)."
+    )
+    max_steps: int | None = Field(
+        default=None,
+        gt=0,
+        description="Optimizer steps to train; when set it wins over num_epochs.",
+    )
+    learning_rate: float = Field(default=2e-4, gt=0, description="Peak learning rate.")
+    lr_scheduler: str = Field(
+        default="cosine",
+        min_length=1,
+        description="Learning-rate schedule: `cosine`, `linear`, `constant`, "
+        "`constant_with_warmup`...",
+    )
+    warmup_steps: int = Field(
+        default=10, ge=0, description="Steps of linear warm-up to the peak learning rate."
+    )
+    lora_r: int = Field(default=16, gt=0, description="LoRA rank (lora and qlora).")
+    lora_alpha: int = Field(default=32, gt=0, description="LoRA scaling (lora and qlora).")
+    lora_dropout: float = Field(
+        default=0.05, ge=0, lt=1, description="Dropout on the LoRA layers (lora and qlora)."
+    )
+    lora_target_modules: list[str] | None = Field(
+        default=None,
+        description="Module names LoRA adapts, like `q_proj`; empty means every linear layer.",
+    )
+    val_set_size: float = Field(
+        default=0.0,
+        ge=0,
+        description="Held-out evaluation share (0 to 1), or a number of rows; 0 means no eval.",
+    )
+    save_steps: int | None = Field(
+        default=None,
+        gt=0,
+        description="Save a checkpoint every this many steps; empty saves only at the end "
+        "(a stop request always saves one).",
+    )
+    seed: int = Field(default=42, description="Random seed, for runs that can be repeated.")
+    chat_template: str = Field(
+        default="tokenizer_default",
+        min_length=1,
+        description="Chat template: `tokenizer_default` (the model's own), `chatml`, "
+        "`llama3`, `qwen3`...",
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other axolotl config key, passed as it is (e.g. "
+        "`gradient_checkpointing: true`).",
+    )
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _no_empty_modules(cls, modules: list[str] | None) -> list[str] | None:
+        if modules is not None and any(not m.strip() for m in modules):
+            raise ValueError("lora_target_modules holds an empty name: remove it")
+        return modules or None
+
+    @field_validator("val_set_size")
+    @classmethod
+    def _fraction_or_rows(cls, size: float) -> float:
+        if size >= 1 and size != int(size):
+            raise ValueError(
+                f"val_set_size {size} is neither a share below 1 nor a whole number of rows"
+            )
+        return size
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_owns_nothing(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        own = set(cls.model_fields) - {"extra"}
+        for key in extra:
+            if key in OWNED_KEYS:
+                raise ValueError(
+                    f"extra sets {key}, which the trainer sets itself: remove it from extra"
+                )
+            if key in own:
+                raise ValueError(
+                    f"extra sets {key}, a field of its own: set the {key} field instead"
+                )
+        return extra
+
+    def local_datasets(self) -> list[DatasetSpec]:
+        """The datasets that are files on this machine, to upload with the run."""
+        return [d for d in self.datasets if d.is_local]
+
+    def check_local_files(self) -> None:
+        """Checks that every local dataset file exists on this machine, before a run
+        is created. Relative paths are read from the current directory.
+
+        Raises TrainError with one line for the first dataset that cannot be used.
+        """
+        for dataset in self.datasets:
+            problem = dataset.local_problem()
+            if problem is not None:
+                raise TrainError(problem)
+
+
+def spec_problem(spec: TrainingSpec) -> str | None:
+    """One line saying why `spec` cannot start a run from this machine, or None."""
+    try:
+        spec.check_local_files()
+    except TrainError as exc:
+        return str(exc)
+    return None
+
+
+def _is_local(path: str) -> bool:
+    if path.startswith((".", "/", "~")) or Path(path).suffix.lower() in DATA_SUFFIXES:
+        return True
+    return Path(path).expanduser().exists()
