@@ -1,1 +1,32 @@
-"""overbrainer-prefect."""
+"""overbrainer-prefect: fine-tune LLMs with axolotl on this machine, an SSH box
+or a Runpod pod, as Prefect flows.
+
+The blocks and flows are imported lazily (`from overbrainer_prefect import
+LocalTarget`), so that the core (runs, executors, trainers) can be imported
+without Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LocalTarget": "overbrainer_prefect.blocks",
+    "train": "overbrainer_prefect.flows",
+    "attach": "overbrainer_prefect.flows",
+    "stop": "overbrainer_prefect.flows",
+    "cancel": "overbrainer_prefect.flows",
+    "TrainingSpec": "overbrainer_prefect.trainers.spec",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'overbrainer_prefect' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -131,8 +131,7 @@ def summary_markdown(
     ]
     if record.resumed_from is not None:
         lines.append(
-            f"| resumed from | run {record.resumed_from.run_id}, "
-            f"{record.resumed_from.checkpoint} |"
+            f"| resumed from | run {record.resumed_from.run_id}, {record.resumed_from.checkpoint} |"
         )
     if record.message:
         lines.append(f"| message | {_cell(record.message)} |")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr
+from pydantic import Field, HttpUrl, SecretStr
 
 from overbrainer_prefect.envfile import read_env_file
 from overbrainer_prefect.executors.base import Executor
@@ -25,8 +25,8 @@ class TargetBlock(Block):
     """What every target has: the job environment, the bounds of a job, and
     how to build its executor."""
 
-    _logo_url = LOGO_URL
-    _documentation_url = DOCS_URL
+    _logo_url = HttpUrl(LOGO_URL)
+    _documentation_url = HttpUrl(DOCS_URL)
     kind: ClassVar[str] = "target"
 
     job_venv: str = Field(
@@ -49,6 +49,12 @@ class TargetBlock(Block):
     )
     poll_seconds: float = Field(
         default=5.0, gt=0, description="Seconds between two looks at a running job."
+    )
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="Threads a job may use on a target without a GPU (OMP_NUM_THREADS); "
+        "unset lets torch decide.",
     )
 
     @property

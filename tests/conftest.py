@@ -48,3 +48,12 @@ def job_python() -> str:
     if not python.exists():
         pytest.fail(f"no job venv at {job_venv()}: run `make setup` first")
     return str(python)
+
+
+@pytest.fixture(scope="session")
+def tiny(job_python: str) -> tuple[Path, Path]:
+    """The tiny model and its chat dataset, built once in the job venv and cached."""
+    from tests.tinymodel import tiny_dataset, tiny_model
+
+    cache = REPO / ".cache"
+    return tiny_model(cache), tiny_dataset(cache)

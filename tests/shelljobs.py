@@ -18,8 +18,8 @@ from overbrainer_prefect.trainers.base import (
 )
 
 WRITE_METRICS = (
-    "printf '%s\\n' '{\"event\":\"begin\",\"max_steps\":3}' >> metrics.jsonl; "
-    "for s in 1 2 3; do printf '{\"event\":\"log\",\"step\":%s,\"loss\":1.%s}\\n' $s $s "
+    'printf \'%s\\n\' \'{"event":"begin","max_steps":3}\' >> metrics.jsonl; '
+    'for s in 1 2 3; do printf \'{"event":"log","step":%s,"loss":1.%s}\\n\' $s $s '
     ">> metrics.jsonl; done"
 )
 WRITE_OUTPUT = "mkdir -p output && echo weights > output/adapter_model.safetensors"

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import getpass
 import os
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import time

@@ -88,7 +88,11 @@ def test_a_job_with_metrics_and_output_succeeds_with_every_file_verified(tmp_pat
     outcome = run_job(tmp_path, f"{WRITE_METRICS}; {WRITE_OUTPUT}; echo done")
     record = outcome.record
     assert record.state == RunState.SUCCEEDED and outcome.retrieved
-    assert [f.path for f in outcome.files] == [JOB_LOG, "metrics.jsonl", "output/adapter_model.safetensors"]
+    assert [f.path for f in outcome.files] == [
+        JOB_LOG,
+        "metrics.jsonl",
+        "output/adapter_model.safetensors",
+    ]
     local = Runs(tmp_path / "runs").run_dir(record.id)
     assert (local / "output/adapter_model.safetensors").read_text() == "weights\n"
     assert "done" in (local / JOB_LOG).read_text()
@@ -108,7 +112,10 @@ def test_a_job_that_exits_0_without_metrics_fails_with_the_plugin_message(tmp_pa
 def test_a_failing_job_fails_with_its_exit_code(tmp_path: Path) -> None:
     outcome = run_job(tmp_path, f"{WRITE_METRICS}; exit 3")
     assert outcome.record.state == RunState.FAILED
-    assert outcome.record.message == f"the job exited with code 3 (see runs/{outcome.record.id}/job.log)"
+    assert (
+        outcome.record.message
+        == f"the job exited with code 3 (see runs/{outcome.record.id}/job.log)"
+    )
 
 
 def test_a_success_without_output_is_a_permanent_failure(tmp_path: Path) -> None:
@@ -187,9 +194,7 @@ def test_cancel_stops_the_job_and_retrieves_what_it_left(tmp_path: Path) -> None
         ctx = context(tmp_path)
         trainer = ShellTrainer(f"{WRITE_OUTPUT}; {WRITE_METRICS}; sleep 60 & wait")
         record = await started(ctx, trainer)
-        await wait_for(
-            lambda: os.path.exists(f"{record.remote_dir}/metrics.jsonl"), what="metrics"
-        )
+        await wait_for(lambda: os.path.exists(f"{record.remote_dir}/metrics.jsonl"), what="metrics")
         record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
         assert status == JobStatus.cancelled()
         assert record.state == RunState.CANCELLED and retrieved
@@ -252,8 +257,7 @@ def test_secrets_reach_the_job_but_no_file_of_the_run(tmp_path: Path) -> None:
     async def go() -> RunRecord:
         ctx = context(tmp_path)
         trainer = ShellTrainer(
-            f'[ "${{#HF_TOKEN}}" -eq {len(secret)} ] || exit 9; '
-            f"{WRITE_METRICS}; {WRITE_OUTPUT}"
+            f'[ "${{#HF_TOKEN}}" -eq {len(secret)} ] || exit 9; {WRITE_METRICS}; {WRITE_OUTPUT}'
         )
         record = lifecycle.create(
             ctx.runs, target="box", target_kind="local", workdir=ctx.executor.workdir

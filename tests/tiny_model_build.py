@@ -42,7 +42,8 @@ ASKS = [
 
 
 def conversations() -> list[dict[str, list[dict[str, str]]]]:
-    """The dataset's rows: a system prompt, a question, a short answer."""
+    """The dataset's rows: a question and a short answer, short enough for
+    `sequence_len: 64`."""
     rows = []
     for i in range(ROWS):
         thing, colour = THINGS[i % len(THINGS)], COLOURS[i % len(COLOURS)]
@@ -50,7 +51,6 @@ def conversations() -> list[dict[str, list[dict[str, str]]]]:
         rows.append(
             {
                 "messages": [
-                    {"role": "system", "content": "You answer in one short sentence."},
                     {"role": "user", "content": ask},
                     {"role": "assistant", "content": f"The {thing} is {colour}."},
                 ]

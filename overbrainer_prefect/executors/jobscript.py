@@ -105,18 +105,22 @@ def parse_status(job: JobId, output: str) -> JobStatus:
 def cancel_command(job: JobId, grace_s: float = CANCEL_GRACE_S) -> str:
     """A shell command that cancels the job's process group, when the job is
     still the process it was: writes `CANCEL_FILE`, sends SIGTERM to the group,
-    waits up to `grace_s` for it to end, then sends SIGKILL."""
+    waits up to `grace_s` for every process of it to end (zombies count as
+    ended: a container's PID 1 may never reap them), then sends SIGKILL."""
     run_dir = shlex.quote(job.dir)
     checks = int(grace_s * 10)
     started = shlex.quote(job.started or "")
+    pgid = job.pid
     return (
         f"cd {run_dir} || exit 0; [ -e {EXIT_FILE} ] && exit 0; "
-        f"s=$(cat /proc/{job.pid}/stat 2>/dev/null | sed 's/.*) //' | cut -d' ' -f20); "
+        f"s=$(cat /proc/{pgid}/stat 2>/dev/null | sed 's/.*) //' | cut -d' ' -f20); "
         f'[ -n "$s" ] || exit 0; [ -z {started} ] || [ "$s" = {started} ] || exit 0; '
-        f": > {CANCEL_FILE}; kill -TERM -{job.pid} 2>/dev/null; i=0; "
-        f"while kill -0 -{job.pid} 2>/dev/null && [ $i -lt {checks} ]; "
-        "do sleep 0.1; i=$((i+1)); done; "
-        f"kill -KILL -{job.pid} 2>/dev/null; exit 0"
+        "alive() { for f in /proc/[0-9]*/stat; do "
+        'read -r l < "$f" 2>/dev/null || continue; r=${l##*) }; set -- $r; '
+        f'[ "$3" = {pgid} ] && [ "$1" != Z ] && return 0; done; return 1; }}; '
+        f": > {CANCEL_FILE}; kill -TERM -{pgid} 2>/dev/null; i=0; "
+        f"while alive && [ $i -lt {checks} ]; do sleep 0.1; i=$((i+1)); done; "
+        f"kill -KILL -{pgid} 2>/dev/null; exit 0"
     )
 
 

@@ -55,7 +55,10 @@ SAFE_ENV = (
     "HF_HOME",
     "HF_HUB_CACHE",
     "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
     "XDG_CACHE_HOME",
+    "OMP_NUM_THREADS",
 )
 """The variables of this process that jobs and commands inherit (plus `LC_*`):
 what a program needs to run and find its caches, never a credential. Anything
@@ -117,6 +120,9 @@ class LocalExecutor:
             raise ExecError(
                 "run", f"{argv[0]!r} did not finish within {timeout:g} s on {self.description}"
             ) from None
+        except asyncio.CancelledError:
+            _kill_group(process.pid)  # a command never outlives the task that ran it
+            raise
         return CommandResult(
             code=process.returncode if process.returncode is not None else -1,
             stdout=stdout.decode(errors="replace"),

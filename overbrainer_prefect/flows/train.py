@@ -9,13 +9,13 @@ shows: logs, progress, a metrics table and a run summary.
 from __future__ import annotations
 
 import asyncio
-
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, State
+from prefect.client.schemas.objects import State
+from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
 from overbrainer_prefect.artifacts import (
@@ -64,13 +64,13 @@ class RunResult(BaseModel):
     next: str
 
 
-def _trainer(runs: Runs, record: RunRecord) -> AxolotlTrainer:
+def _trainer(record: RunRecord, block: TargetBlock) -> AxolotlTrainer:
     """The trainer of a run, rebuilt from its record."""
     if record.spec is None:
         raise RunError(f"run {record.id} has no training spec in its record: it cannot be followed")
     spec = TrainingSpec.model_validate(record.spec)
     resume = resume_path(record.resumed_from) if record.resumed_from else None
-    return AxolotlTrainer(spec, resume_from=resume)
+    return AxolotlTrainer(spec, resume_from=resume, cpu_threads=block.cpu_threads)
 
 
 def _context(runs: Runs, block: TargetBlock, executor: Executor, reporter: Any) -> RunContext:
@@ -100,7 +100,10 @@ async def create_run(
         flow_run_id=flow_run.id,
     )
     get_run_logger().info(
-        "run %s created on %s (files in %s)", record.id, executor.description, runs.run_dir(record.id)
+        "run %s created on %s (files in %s)",
+        record.id,
+        executor.description,
+        runs.run_dir(record.id),
     )
     return record
 
@@ -216,7 +219,7 @@ async def train(
         resume = stage_checkpoint(runs, point, record)
         record.resumed_from = point
         runs.save(record)
-    trainer = AxolotlTrainer(training, resume_from=resume)
+    trainer = AxolotlTrainer(training, resume_from=resume, cpu_threads=block.cpu_threads)
     executor = block.executor(target_ref)
     try:
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
@@ -243,7 +246,7 @@ async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     runs, record, block = await _load(run_id, runs_dir)
     executor = block.executor(record.target)
     try:
-        trainer = _trainer(runs, record)
+        trainer = _trainer(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         if record.state.ended and lifecycle.artifacts_missing(record):
             record, _ = await lifecycle.collect(ctx, trainer, record)
@@ -261,7 +264,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
     runs, record, block = await _load(run_id, runs_dir)
     executor = block.executor(record.target)
     try:
-        trainer = _trainer(runs, record)
+        trainer = _trainer(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         await lifecycle.request_stop(ctx, record)
         get_run_logger().info("run %s: asked its job for a checkpoint and a stop", run_id)
@@ -278,7 +281,7 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     runs, record, block = await _load(run_id, runs_dir)
     executor = block.executor(record.target)
     try:
-        trainer = _trainer(runs, record)
+        trainer = _trainer(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
         if status.kind != "cancelled":

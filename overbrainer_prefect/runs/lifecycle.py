@@ -304,7 +304,9 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
         )
     succeeded = state in (RunState.SUCCEEDED, RunState.STOPPED)
     try:
-        files, no_output = await retrieve(ctx.executor, trainer, record.remote_dir, local, succeeded)
+        files, no_output = await retrieve(
+            ctx.executor, trainer, record.remote_dir, local, succeeded
+        )
     except ExecError as error:
         if succeeded:
             raise NotRetrieved(
@@ -332,9 +334,7 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     return Outcome(record=record, summary=summary, retrieved=True, files=files)
 
 
-def outcome(
-    status: JobStatus, summary: MetricsSummary, run_id: str
-) -> tuple[RunState, str | None]:
+def outcome(status: JobStatus, summary: MetricsSummary, run_id: str) -> tuple[RunState, str | None]:
     """The final state of a run whose job ended with `status`, and its message.
 
     Exit 0 with metrics succeeded (or stopped, when the job stopped on request

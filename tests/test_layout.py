@@ -1,0 +1,25 @@
+"""The shape of the package: the core never imports Prefect."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CORE = [
+    "overbrainer_prefect.runs.lifecycle",
+    "overbrainer_prefect.runs.resume",
+    "overbrainer_prefect.executors.local",
+    "overbrainer_prefect.executors.jobscript",
+    "overbrainer_prefect.trainers.axolotl",
+]
+
+
+def test_the_core_imports_without_prefect() -> None:
+    code = (
+        "import sys\n"
+        + "".join(f"import {module}\n" for module in CORE)
+        + "loaded = sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.'))\n"
+        + "print(','.join(loaded))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""

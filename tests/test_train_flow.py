@@ -1,0 +1,285 @@
+"""The Prefect run flows on the local target, with real axolotl fine-tunes of
+the tiny model, on the real (ephemeral) Prefect server: train, cancel, stop
+and resume, attach after the first follower was killed, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+from overbrainer_prefect.blocks import LocalTarget
+from overbrainer_prefect.flows import RunResult, attach, cancel, stop, train
+from overbrainer_prefect.flows.targets import UnknownTarget
+from overbrainer_prefect.runs import InvalidRunId, RunNotFound, Runs, RunState
+from overbrainer_prefect.trainers.spec import TrainingSpec
+from tests.conftest import REPO, job_venv
+
+pytestmark = pytest.mark.slow
+
+SECRET = "hf_FLOWSECRETFLOWSECRET0123456789xyz"
+
+
+def spec(model: Path, dataset: Path, **changes: Any) -> TrainingSpec:
+    values: dict[str, Any] = {
+        "base_model": str(model),
+        "datasets": [str(dataset)],
+        "sequence_len": 64,
+        "micro_batch_size": 4,
+        "max_steps": 6,
+        "learning_rate": 5e-3,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "warmup_steps": 0,
+        "seed": 0,
+    }
+    values.update(changes)
+    return TrainingSpec.model_validate(values)
+
+
+@pytest.fixture
+def target(prefect_server: None, tmp_path: Path) -> str:
+    """A saved local target block whose jobs run in this test's work dir, with a
+    secret in its env file."""
+    env_file = tmp_path / "job.env"
+    env_file.write_text(f"HF_TOKEN={SECRET}\n")
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(
+        job_venv=str(job_venv()),
+        work_dir=str(tmp_path / "work"),
+        env_file=str(env_file),
+        poll_seconds=0.5,
+        cpu_threads=1,
+    ).save(name)
+    return name
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_artifacts(run_id: str) -> dict[str, Any]:
+    async def go() -> dict[str, Any]:
+        async with get_client() as client:
+            found = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_=f"run-{run_id}"))
+            )
+            return {a.key: a for a in found}
+
+    return run(go())
+
+
+def assert_no_secret_under(*roots: Path) -> None:
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file():
+                assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_a_real_fine_tune_through_the_train_flow_is_retrieved_and_verified(
+    target: str, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    runs_dir = tmp_path / "runs"
+    result = run(train(target=target, training=spec(*tiny), runs_dir=str(runs_dir)))
+    assert isinstance(result, RunResult)
+    assert result.state == RunState.SUCCEEDED, result.message
+    assert result.steps == 6 and result.final_loss is not None
+    local = Runs(runs_dir).run_dir(result.run_id)
+    paths = {f.path for f in result.files}
+    assert {"job.log", "metrics.jsonl", "axolotl.yaml", "output/adapter_model.safetensors"} <= paths
+    for entry in result.files:
+        assert sha256(local / entry.path) == entry.sha256
+        assert (local / entry.path).stat().st_size == entry.size
+    record = Runs(runs_dir).load(result.run_id)
+    assert record.state == RunState.SUCCEEDED and record.job is not None
+    events = [
+        json.loads(line)["event"] for line in (local / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert events[0] == "begin" and events[-1] == "end" and events.count("log") == 6
+    artifacts = read_artifacts(result.run_id)
+    assert {f"run-{result.run_id}-{k}" for k in ("progress", "metrics", "summary")} <= set(
+        artifacts
+    )
+    summary = artifacts[f"run-{result.run_id}-summary"].data
+    assert "output/adapter_model.safetensors" in summary and result.run_id in summary
+    table = json.loads(artifacts[f"run-{result.run_id}-metrics"].data)
+    assert [row["step"] for row in table] == [1, 2, 3, 4, 5, 6]
+    progress = artifacts[f"run-{result.run_id}-progress"].data
+    assert float(progress) == 100.0
+    assert_no_secret_under(runs_dir, tmp_path / "work")
+    assert all(SECRET not in json.dumps(a.data) for a in artifacts.values())
+
+
+def wait_until(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def start_in_child(
+    target: str, training: TrainingSpec, runs_dir: Path, log: Path
+) -> subprocess.Popen[bytes]:
+    """Runs the train flow in another Python process, against this session's server."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
+    code = (
+        "import asyncio, json, sys\n"
+        "from overbrainer_prefect.flows import train\n"
+        "from overbrainer_prefect.trainers.spec import TrainingSpec\n"
+        "spec = TrainingSpec.model_validate(json.loads(sys.argv[2]))\n"
+        "asyncio.run(train(target=sys.argv[1], training=spec, runs_dir=sys.argv[3]))\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, target, training.model_dump_json(), str(runs_dir)],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def first_running(runs_dir: Path) -> Any:
+    for record in Runs(runs_dir).list():
+        if record.state == RunState.RUNNING and record.job is not None:
+            metrics = Path(record.remote_dir) / "metrics.jsonl"
+            if metrics.exists() and '"log"' in metrics.read_text():
+                return record
+    return None
+
+
+def kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def test_attach_from_a_second_process_completes_a_run_whose_first_follower_was_killed(
+    target: str, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    runs_dir = tmp_path / "runs"
+    child = start_in_child(target, spec(*tiny, max_steps=30), runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: first_running(runs_dir) is not None, 240, "the child's job to train")
+    finally:
+        kill(child)  # SIGKILL: no hook, no cleanup, the job keeps running
+    record = first_running(runs_dir) or Runs(runs_dir).list()[0]
+    assert Runs(runs_dir).load(record.id).state == RunState.RUNNING
+    result = run(attach(run_id=record.id, runs_dir=str(runs_dir)))
+    assert result.state == RunState.SUCCEEDED, result.message
+    assert result.steps == 30
+    assert "output/adapter_model.safetensors" in {f.path for f in result.files}
+
+
+def test_cancel_stops_a_training_job_and_retrieves_what_it_left(
+    target: str, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    runs_dir = tmp_path / "runs"
+    child = start_in_child(target, spec(*tiny, max_steps=400), runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: first_running(runs_dir) is not None, 240, "the job to train")
+        record = first_running(runs_dir)
+        result = run(cancel(run_id=record.id, runs_dir=str(runs_dir)))
+    finally:
+        kill(child)
+    assert result.state == RunState.CANCELLED
+    assert result.retrieved
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.CANCELLED and saved.message is None
+    local = Runs(runs_dir).run_dir(record.id)
+    assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
+    # the whole process group is gone
+    assert record.job is not None
+    assert (
+        not Path(f"/proc/{record.job.pid}").exists()
+        or "Z" in Path(f"/proc/{record.job.pid}/stat").read_text().rpartition(")")[2][:3]
+    )
+
+
+def test_stop_saves_a_checkpoint_and_a_new_run_resumes_from_it(
+    target: str, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    runs_dir = tmp_path / "runs"
+    training = spec(*tiny, max_steps=200)
+    child = start_in_child(target, training, runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: first_running(runs_dir) is not None, 240, "the job to train")
+        record = first_running(runs_dir)
+        stopped = run(stop(run_id=record.id, runs_dir=str(runs_dir)))
+    finally:
+        kill(child)
+    assert stopped.state == RunState.STOPPED, stopped.message
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.checkpoint is not None and saved.checkpoint.startswith("output/checkpoint-")
+    step = int(saved.checkpoint.rpartition("-")[2])
+    assert 0 < step < 200
+    checkpoint = Runs(runs_dir).run_dir(record.id) / saved.checkpoint
+    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "trainer_state.json").is_file()
+    assert f"resume_from={record.id}" in (saved.message or "")
+
+    resumed = run(
+        train(
+            target=target,
+            training=spec(*tiny, max_steps=step + 3),
+            resume_from=record.id,
+            runs_dir=str(runs_dir),
+        )
+    )
+    assert resumed.state == RunState.SUCCEEDED, resumed.message
+    new = Runs(runs_dir).load(resumed.run_id)
+    assert new.resumed_from is not None and new.resumed_from.run_id == record.id
+    assert new.resumed_from.step == step
+    lines = (Runs(runs_dir).run_dir(new.id) / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines if '"log"' in line]
+    assert steps and steps[0] == step + 1 and steps[-1] == step + 3
+
+
+def test_an_unknown_target_block_fails_before_any_run_exists(
+    prefect_server: None, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(UnknownTarget, match="no target block named 'nope'.*create it"):
+        run(train(target="nope", training=spec(*tiny), runs_dir=str(tmp_path / "runs")))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_missing_dataset_file_fails_before_any_run_exists(
+    target: str, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, _ = tiny
+    training = spec(model, tmp_path / "missing.jsonl")
+    with pytest.raises(Exception, match="missing.jsonl"):
+        run(train(target=target, training=training, runs_dir=str(tmp_path / "runs")))
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("flow", [attach, stop, cancel])
+def test_an_invalid_or_unknown_run_id_touches_nothing(
+    prefect_server: None, tmp_path: Path, flow: Any
+) -> None:
+    runs_dir = tmp_path / "runs"
+    with pytest.raises(InvalidRunId, match="is not a valid run ID"):
+        run(flow(run_id="../etc", runs_dir=str(runs_dir)))
+    with pytest.raises(RunNotFound, match="no run 20260101-000000-zzzz"):
+        run(flow(run_id="20260101-000000-zzzz", runs_dir=str(runs_dir)))
+    assert not runs_dir.exists()
