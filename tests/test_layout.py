@@ -21,5 +21,7 @@ def test_the_core_imports_without_prefect() -> None:
         + "loaded = sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.'))\n"
         + "print(','.join(loaded))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == ""

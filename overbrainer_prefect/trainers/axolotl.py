@@ -36,6 +36,9 @@ PLUGINS_DIR = "plugins"
 PLUGIN_MODULE = "overbrainer_metrics"
 PLUGIN = f"{PLUGIN_MODULE}.MetricsPlugin"
 
+SAVE_KEYS = frozenset({"save_strategy", "saves_per_epoch", "hub_model_id"})
+"""Keys of `extra` that say when checkpoints are saved (hub_model_id pushes them)."""
+
 CPU_FLAGS: dict[str, Any] = {
     # axolotl turns `bf16: auto` into fp16 on a CPU, and its LoRA kernels need CUDA
     "bf16": False,
@@ -144,15 +147,16 @@ class AxolotlTrainer:
         }
         if spec.max_steps is not None:
             config["max_steps"] = spec.max_steps
-        config |= {
-            "learning_rate": spec.learning_rate,
-            "lr_scheduler": spec.lr_scheduler,
-            "warmup_steps": spec.warmup_steps,
-            "val_set_size": spec.val_set_size,
-            "seed": spec.seed,
-        }
+        config |= {"learning_rate": spec.learning_rate, "lr_scheduler": spec.lr_scheduler}
+        if "warmup_ratio" not in spec.extra:  # axolotl refuses both
+            config["warmup_steps"] = spec.warmup_steps
+        config |= {"val_set_size": spec.val_set_size, "seed": spec.seed}
         if spec.save_steps is not None:
             config["save_steps"] = spec.save_steps
+        elif not SAVE_KEYS & spec.extra.keys():
+            # no checkpoint each epoch (model and optimizer state: heavy to bring back);
+            # the final model is saved all the same, and a stop request still saves one
+            config["save_strategy"] = "no"
         if spec.adapter != "full":
             config |= {
                 "adapter": spec.adapter,
@@ -227,7 +231,9 @@ class AxolotlTrainer:
     def _copy_datasets(self, run_dir: Path) -> list[str]:
         copied: list[str] = []
         taken: set[str] = set()
-        for index, dataset in enumerate(self.spec.local_datasets()):
+        for index, dataset in enumerate(self.spec.datasets):
+            if not dataset.is_local:
+                continue
             source = Path(dataset.path).expanduser()
             name = source.name if source.name not in taken else f"{index}-{source.name}"
             taken.add(name)
