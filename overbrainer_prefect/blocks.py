@@ -48,7 +48,7 @@ class TargetBlock(Block):
         description="Minutes without a new metric before a job is reported as stalled.",
     )
     poll_seconds: float = Field(
-        default=5.0, gt=0, description="Seconds between two looks at a running job."
+        default=2.0, gt=0, description="Seconds between two looks at a running job."
     )
     cpu_threads: int | None = Field(
         default=None,

@@ -14,6 +14,7 @@ with the same keys, to test what a client does when its target goes away.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import shutil
@@ -170,10 +171,8 @@ class Sshd:
         """
         if self.pid is not None:
             return
-        try:
+        with contextlib.suppress(PermissionError):  # a non-root sshd does not need it
             PRIVSEP_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
-        except PermissionError:
-            pass  # a non-root sshd does not need it
         log = self.log_path.open("ab")
         try:
             self._proc = subprocess.Popen(
@@ -216,10 +215,8 @@ class Sshd:
                 proc.kill()
                 proc.wait(timeout=STOP_TIMEOUT_S)
             for pid in sessions:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
     def restart(self) -> None:
         """Stops then starts sshd again, on the same port with the same keys."""

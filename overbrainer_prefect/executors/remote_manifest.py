@@ -52,7 +52,7 @@ def list_command(remote: str, entries: Sequence[str]) -> str:
         f"cd {shlex.quote(remote)} || exit 3; root=$(pwd -P) || exit 3; set --; "
         f"for e in {quoted}; do "
         '{ [ -e "$e" ] || [ -L "$e" ]; } || continue; '
-        'case $e in */*) p=${e%/*};; *) p=.;; esac; '
+        "case $e in */*) p=${e%/*};; *) p=.;; esac; "
         'd=$(cd -- "$p" 2>/dev/null && pwd -P) || continue; '
         'case "$d/" in "${root%/}"/*) set -- "$@" "./$e";; esac; '
         "done; "
@@ -72,7 +72,7 @@ def parse_listing(output: bytes) -> tuple[dict[str, int], list[str]]:
     for record in output.split(b"\0"):
         if not record:
             continue
-        kind, size_text, raw_path = (record.split(b" ", 2) + [b"", b""])[:3]
+        kind, size_text, raw_path = [*record.split(b" ", 2), b"", b""][:3]
         if kind not in (b"f", b"l") or not size_text.isdigit() or not raw_path:
             raise ValueError("the target's file listing is not `f|l <size> <path>` records")
         path = _relative(raw_path)
@@ -122,10 +122,7 @@ def hash_command(remote: str) -> str:
     """A shell command that hashes, in the directory `remote`, the files whose
     names it reads NUL-separated from stdin, printing `<sha256>  <path>\\0` for
     each (no escaping of odd names, thanks to `-z`)."""
-    return (
-        f"cd {shlex.quote(remote)} || exit 3; "
-        f"exec xargs -0 -r -n {HASH_BATCH} sha256sum -z --"
-    )
+    return f"cd {shlex.quote(remote)} || exit 3; exec xargs -0 -r -n {HASH_BATCH} sha256sum -z --"
 
 
 def hash_input(paths: Sequence[str]) -> bytes:

@@ -153,4 +153,3 @@ async def _bounded(copy: Callable[[str], Awaitable[None]], paths: Sequence[str])
 
 def _raise(error: OSError) -> None:
     raise error
-

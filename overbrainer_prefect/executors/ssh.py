@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import asyncssh
+from asyncssh.known_hosts import KnownHostsArg
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors import remote_manifest, sftp_transfer
@@ -116,7 +117,9 @@ class SshExecutor:
         self._name = name or host
         self._connect_timeout = connect_timeout
         if not posixpath.isabs(workdir):
-            raise ExecError("connect", f"the workdir {workdir!r} of {self.description} must be absolute")
+            raise ExecError(
+                "connect", f"the workdir {workdir!r} of {self.description} must be absolute"
+            )
         self._workdir = posixpath.normpath(workdir)
         self._host_keys = _pinned_keys(known_host_key, self.description, host, port)
         self._client_key = _client_key(client_key, key_path, self.description)
@@ -277,19 +280,16 @@ class SshExecutor:
         if not files:
             return []
         paths = sorted(files)
-        try:
-            result = await self._short(
-                "manifest",
-                remote_manifest.hash_command(remote),
-                stdin=remote_manifest.hash_input(paths),
-                timeout=HASH_TIMEOUT_S,
-            )
-        except TargetUnreachable:
-            raise
+        result = await self._short(
+            "manifest",
+            remote_manifest.hash_command(remote),
+            stdin=remote_manifest.hash_input(paths),
+            timeout=HASH_TIMEOUT_S,
+        )
         if _code(result) != 0:
             raise ExecError("manifest", f"cannot hash the files of {remote}: {_last_line(result)}")
         try:
-            digests = remote_manifest.parse_hashes(result.stdout)
+            digests = remote_manifest.parse_hashes(_bytes(result.stdout))
         except ValueError as error:
             raise ExecError("manifest", str(error)) from None
         missing = [path for path in paths if path not in digests]
@@ -364,7 +364,7 @@ class SshExecutor:
             return self._conn, True
 
     async def _connect(self, action: str) -> asyncssh.SSHClientConnection:
-        known_hosts = (self._host_keys, [], [], [], [], [], [])
+        known_hosts: KnownHostsArg = (self._host_keys, [], [], [], [], [], [])
         try:
             return await asyncssh.connect(
                 self._host,
@@ -511,7 +511,7 @@ class SshExecutor:
         if _code(result) != 0:
             raise ExecError(action, f"cannot list the files of {remote}: {_last_line(result)}")
         try:
-            files, links = remote_manifest.parse_listing(result.stdout)
+            files, links = remote_manifest.parse_listing(_bytes(result.stdout))
         except ValueError as error:
             raise ExecError(action, str(error)) from None
         files = {path: size for path, size in files.items() if not is_excluded(path, exclude)}
@@ -519,7 +519,7 @@ class SshExecutor:
         if links:
             linked = await self._short(action, remote_manifest.links_command(remote, links))
             try:
-                files.update(remote_manifest.parse_links(links, linked.stdout))
+                files.update(remote_manifest.parse_links(links, _bytes(linked.stdout)))
             except ValueError as error:
                 raise ExecError(action, str(error)) from None
         return files
@@ -575,14 +575,15 @@ def _client_key(
         except (asyncssh.KeyImportError, ValueError):
             raise ExecError(
                 "connect",
-                f"the client key of {description} is not an unencrypted OpenSSH or PEM "
-                "private key",
+                f"the client key of {description} is not an unencrypted OpenSSH or PEM private key",
             ) from None
     if key_path is not None:
         try:
             return asyncssh.read_private_key(Path(key_path).expanduser())
         except OSError as error:
-            raise ExecError("connect", f"cannot read the client key {key_path}: {_reason(error)}") from None
+            raise ExecError(
+                "connect", f"cannot read the client key {key_path}: {_reason(error)}"
+            ) from None
         except (asyncssh.KeyImportError, ValueError):
             raise ExecError(
                 "connect",
@@ -607,6 +608,10 @@ def _secrets_input(job: JobSpec) -> bytes:
 def _code(result: asyncssh.SSHCompletedProcess) -> int:
     code = result.returncode
     return code if code is not None else -1
+
+
+def _bytes(data: object) -> bytes:
+    return data if isinstance(data, bytes) else str(data or "").encode()
 
 
 def _text(data: object) -> str:

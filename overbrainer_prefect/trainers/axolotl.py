@@ -226,7 +226,8 @@ class AxolotlTrainer:
 
     def _needs_no_hub(self) -> bool:
         model_is_dir = self.spec.base_model.startswith(("/", "."))
-        return model_is_dir and all(d.is_local for d in self.spec.datasets)
+        pushes = "hub_model_id" in self.spec.extra
+        return model_is_dir and not pushes and all(d.is_local for d in self.spec.datasets)
 
     def _copy_datasets(self, run_dir: Path) -> list[str]:
         copied: list[str] = []

@@ -1,0 +1,425 @@
+"""The SSH executor against a real OpenSSH sshd on 127.0.0.1 (this machine is
+the remote, with its work directory under tmp_path): transfers verified by
+SHA-256, detached jobs and their statuses, cancels of whole process groups,
+secrets kept to the job's environment, tails, manifests hashed on the target,
+a pinned host key, and what happens when the sshd goes away and comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets as tokens
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from pydantic import SecretStr
+
+from overbrainer_prefect.executors import (
+    CANCEL_FILE,
+    EXIT_FILE,
+    JOB_LOG,
+    ExecError,
+    Executor,
+    JobId,
+    JobSpec,
+    JobStatus,
+    TargetUnreachable,
+    local_manifest,
+    verify,
+)
+from overbrainer_prefect.executors.jobscript import JOB_SCRIPT
+from overbrainer_prefect.executors.ssh import SshExecutor
+from tests.sshd import SSH_KEYGEN, Sshd
+
+T = TypeVar("T")
+WAIT_S = 15.0  # seconds any wait in these tests may take at most (a loaded 2-core machine)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    """One sshd for the module's tests that leave it running."""
+    server = Sshd.create(tmp_path_factory.mktemp("sshd"))
+    with server:
+        yield server
+
+
+@pytest.fixture
+def own_sshd(tmp_path: Path) -> Iterator[Sshd]:
+    """An sshd of the test's own, which the test may stop and start."""
+    server = Sshd.create(tmp_path / "sshd")
+    with server:
+        yield server
+
+
+def executor_for(server: Sshd, workdir: Path, **overrides: object) -> SshExecutor:
+    """An executor for `server`, its host key pinned, its work directory `workdir`."""
+    options: dict[str, object] = {
+        "port": server.port,
+        "user": server.user,
+        "client_key": SecretStr(server.client_key_text),
+        "known_host_key": server.host_key_line,
+        "workdir": str(workdir),
+        "name": "loopback",
+    }
+    options.update(overrides)
+    return SshExecutor("127.0.0.1", **options)  # type: ignore[arg-type]
+
+
+def with_executor(
+    server: Sshd, workdir: Path, scenario: Callable[[SshExecutor], Awaitable[T]]
+) -> T:
+    """Runs `scenario` with a new executor in its own event loop, then closes it."""
+
+    async def main() -> T:
+        executor = executor_for(server, workdir)
+        try:
+            return await scenario(executor)
+        finally:
+            await executor.close()
+
+    return asyncio.run(main())
+
+
+async def finished(executor: Executor, job: JobId) -> JobStatus:
+    """The job's status once it has ended (bounded by WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        status = await executor.status(job)
+        if status.is_finished:
+            return status
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"job {job.pid} still running after {WAIT_S} s")
+
+
+def shell_job(run_dir: Path, script: str, **secrets: str) -> JobSpec:
+    """A job that runs `script` with `sh -c` in `run_dir`."""
+    return JobSpec(
+        run_id="r1",
+        run_dir=str(run_dir),
+        commands=[["sh", "-c", script]],
+        env={"GREETING": "hello"},
+        secrets={name: SecretStr(value) for name, value in secrets.items()},
+    )
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def test_an_upload_then_download_round_trip_is_verified_and_leaves_skipped_names_out(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    local = tmp_path / "local"
+    (local / "data" / "nested").mkdir(parents=True)
+    (local / "config.yml").write_text("base_model: tiny\n")
+    (local / "data" / "nested" / "weights.bin").write_bytes(os.urandom(3 << 20))
+    (local / "data" / "empty.txt").write_bytes(b"")
+    (local / ".ssh").mkdir()
+    (local / ".ssh" / "id_ed25519").write_text("private")
+    (local / "pod.json").write_text("{}")
+    remote = tmp_path / "remote" / "run1"
+    back = tmp_path / "back"
+
+    async def scenario(executor: SshExecutor) -> None:
+        await executor.upload(local, str(remote), skip=[".ssh", "pod.json"])
+        manifest = await executor.manifest(str(remote), ["."])
+        assert [file.path for file in manifest] == [
+            "config.yml",
+            "data/empty.txt",
+            "data/nested/weights.bin",
+        ]
+        await executor.download(str(remote), back, ["."])
+        verify(back, ["."], [], manifest)
+        verify(local, ["."], [".ssh", "pod.json"], manifest)
+
+    with_executor(sshd, tmp_path / "remote", scenario)
+    assert not (remote / ".ssh").exists()
+    assert not (remote / "pod.json").exists()
+    assert (back / "data" / "nested" / "weights.bin").read_bytes() == (
+        local / "data" / "nested" / "weights.bin"
+    ).read_bytes()
+
+
+def test_a_spawned_job_exits_0_with_its_log_and_its_env(sshd: Sshd, tmp_path: Path) -> None:
+    run_dir = tmp_path / "remote" / "run1"
+
+    async def scenario(executor: SshExecutor) -> JobStatus:
+        job = await executor.spawn(shell_job(run_dir, 'echo "$GREETING from the job"'))
+        assert job.dir == str(run_dir)
+        return await finished(executor, job)
+
+    assert with_executor(sshd, tmp_path / "remote", scenario) == JobStatus.exited(0)
+    assert (run_dir / JOB_LOG).read_text() == "hello from the job\n"
+    assert (run_dir / EXIT_FILE).read_text().strip() == "0"
+
+
+def test_a_failing_job_reads_exited_with_its_code(sshd: Sshd, tmp_path: Path) -> None:
+    run_dir = tmp_path / "remote" / "run1"
+
+    async def scenario(executor: SshExecutor) -> JobStatus:
+        job = await executor.spawn(shell_job(run_dir, "echo failing; exit 3"))
+        return await finished(executor, job)
+
+    assert with_executor(sshd, tmp_path / "remote", scenario) == JobStatus.exited(3)
+    assert (run_dir / JOB_LOG).read_text() == "failing\n"
+
+
+def test_a_cancelled_job_reads_cancelled_and_its_whole_process_group_is_gone(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "remote" / "run1"
+    child_pid = run_dir / "child.pid"
+
+    async def scenario(executor: SshExecutor) -> tuple[JobId, JobStatus]:
+        job = await executor.spawn(shell_job(run_dir, "sleep 60 & echo $! > child.pid; wait"))
+        deadline = time.monotonic() + WAIT_S
+        while not child_pid.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert await executor.status(job) == JobStatus.running()
+        await executor.cancel(job)
+        return job, await executor.status(job)
+
+    job, status = with_executor(sshd, tmp_path / "remote", scenario)
+    assert status == JobStatus.cancelled()
+    assert (run_dir / CANCEL_FILE).exists()
+    assert not (run_dir / EXIT_FILE).exists()
+    assert not alive(job.pid)
+    assert not alive(int(child_pid.read_text()))
+
+
+def test_secrets_reach_the_job_and_appear_in_no_file_log_or_process_argument(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    token = "hf_" + tokens.token_hex(16)
+    run_dir = tmp_path / "remote" / "run1"
+    script = '[ "$HF_TOKEN" = "$EXPECTED" ] || exit 1; echo token seen; sleep 2'
+    seen_in_argv: list[int] = []
+
+    async def scenario(executor: SshExecutor) -> JobStatus:
+        # The job compares with a copy it reads from a file of the test's, so
+        # that the token is not in the job's own arguments either.
+        spec = shell_job(run_dir, f'EXPECTED=$(cat {tmp_path / "expected"}); {script}')
+        spec = JobSpec(
+            run_id=spec.run_id,
+            run_dir=spec.run_dir,
+            commands=spec.commands,
+            secrets={"HF_TOKEN": SecretStr(token)},
+        )
+        job = await executor.spawn(spec)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # the job runs for 2 s: look at every process
+            seen_in_argv.extend(processes_whose_argv_holds(token.encode()))
+            await asyncio.sleep(0.1)
+        assert await executor.status(job) == JobStatus.running()
+        return await finished(executor, job)
+
+    (tmp_path / "expected").write_text(token)
+    status = with_executor(sshd, tmp_path / "remote", scenario)
+    (tmp_path / "expected").unlink()
+    assert status == JobStatus.exited(0)
+    assert (run_dir / JOB_LOG).read_text() == "token seen\n"
+    assert seen_in_argv == []
+    assert token not in (run_dir / JOB_SCRIPT).read_text()
+    for path in [*tmp_path.rglob("*"), sshd.log_path]:
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path
+
+
+def processes_whose_argv_holds(needle: bytes) -> list[int]:
+    """PIDs of the processes whose command line holds `needle`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def test_read_from_returns_the_bytes_after_an_offset_and_nothing_for_a_missing_file(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    data = os.urandom(3 << 20)
+    (remote / "metrics.jsonl").write_bytes(data)
+
+    async def scenario(executor: SshExecutor) -> None:
+        path = str(remote / "metrics.jsonl")
+        assert await executor.read_from(path, 0, 10) == data[:10]
+        assert await executor.read_from(path, 1000, 5000) == data[1000:6000]
+        assert await executor.read_from(path, (3 << 20) - 7) == data[-7:]
+        assert await executor.read_from(path, 2 << 20) == data[2 << 20 : 3 << 20]
+        assert await executor.read_from(path, 3 << 20) == b""
+        assert await executor.read_from(str(remote / "not-yet.jsonl"), 0) == b""
+        with pytest.raises(ExecError, match="must not be negative"):
+            await executor.read_from(path, -1)
+
+    with_executor(sshd, remote, scenario)
+
+
+def test_the_remote_manifest_equals_the_local_one_and_honours_excludes(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    run = tmp_path / "remote" / "run1"
+    (run / "output" / "checkpoint-10").mkdir(parents=True)
+    (run / "output" / "adapter.safetensors").write_bytes(os.urandom(70_000))
+    (run / "output" / "checkpoint-10" / "optimizer.pt").write_bytes(b"big")
+    (run / "output" / "odd name\nwith newline.txt").write_text("odd")
+    (run / "output" / "-dash.txt").write_text("dash")
+    (run / "output" / "scratch.tmp").write_text("tmp")
+    (run / "output" / "link-inside").symlink_to("adapter.safetensors")
+    (run / "output" / "link-outside").symlink_to(tmp_path / "outside.txt")
+    (tmp_path / "outside.txt").write_text("not the run's")
+    (run / JOB_LOG).write_text("log\n")
+    (run / "ignored.txt").write_text("not an entry")
+    entries = ["output", JOB_LOG, "missing-entry"]
+    exclude = ["checkpoint-*", "*.tmp"]
+
+    async def scenario(executor: SshExecutor) -> None:
+        remote = await executor.manifest(str(run), entries, exclude)
+        assert remote == local_manifest(run, entries, exclude)
+        assert [file.path for file in remote] == [
+            JOB_LOG,
+            "output/-dash.txt",
+            "output/adapter.safetensors",
+            "output/link-inside",
+            "output/odd name\nwith newline.txt",
+        ]
+        assert await executor.manifest(str(run), ["missing-entry"]) == []
+        with pytest.raises(ExecError, match="inside the run directory"):
+            await executor.manifest(str(run), ["../outside.txt"])
+        with pytest.raises(ExecError, match="does not exist"):
+            await executor.manifest(str(tmp_path / "remote" / "nope"), ["."])
+
+    with_executor(sshd, tmp_path / "remote", scenario)
+
+
+def test_a_host_showing_another_key_is_refused_before_anything_is_sent(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    impostor = tmp_path / "impostor"
+    subprocess.run(
+        [SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-f", str(impostor)],
+        check=True,
+        capture_output=True,
+    )
+    pinned = impostor.with_suffix(".pub").read_text()
+    marker = tmp_path / "remote" / "marker"
+    log_before = len(sshd.log_text())
+
+    async def scenario() -> None:
+        executor = executor_for(sshd, tmp_path / "remote", known_host_key=pinned)
+        with pytest.raises(ExecError) as caught:
+            await executor.touch(str(marker))
+        assert not isinstance(caught.value, TargetUnreachable)
+        assert "does not match the pinned one" in str(caught.value)
+        assert f"ssh-keyscan -p {sshd.port} 127.0.0.1" in str(caught.value)
+
+    asyncio.run(scenario())
+    assert not marker.exists()
+    log = wait_for_log(sshd, log_before, "Connection closed")
+    for attempt in ("publickey", "Accepted", "Failed", "Postponed", "Starting session"):
+        assert attempt not in log
+
+
+def wait_for_log(server: Sshd, offset: int, text: str) -> str:
+    """The sshd log after `offset` once it holds `text` (bounded by WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        log = server.log_text()[offset:]
+        if text in log:
+            return log
+        time.sleep(0.05)
+    raise AssertionError(f"the sshd log never showed {text!r}: {server.log_text()[offset:]}")
+
+
+def test_an_executor_without_a_pinned_host_key_refuses_with_the_keyscan_command(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    for missing in (None, "", "# nothing here\n"):
+        with pytest.raises(ExecError) as caught:
+            executor_for(sshd, tmp_path, known_host_key=missing)
+        message = str(caught.value)
+        assert "\n" not in message
+        assert "no host key is pinned" in message
+        assert f"ssh-keyscan -p {sshd.port} 127.0.0.1" in message
+    with pytest.raises(ExecError, match="not a public key line"):
+        executor_for(sshd, tmp_path, known_host_key="ssh-ed25519 not-base64")
+    keyscan_line = f"[127.0.0.1]:{sshd.port} {sshd.host_key_line}"
+    assert executor_for(sshd, tmp_path, known_host_key=keyscan_line).workdir == str(tmp_path)
+
+
+def test_a_stopped_sshd_is_unreachable_and_once_restarted_the_same_executor_works_again(
+    own_sshd: Sshd, tmp_path: Path
+) -> None:
+    remote = tmp_path / "remote"
+    key_text = own_sshd.client_key_text
+
+    async def scenario(executor: SshExecutor) -> None:
+        assert (await executor.run(["echo", "up"])).stdout == "up\n"
+        own_sshd.stop()
+        for call in (
+            lambda: executor.touch(str(remote / "a")),
+            lambda: executor.run(["true"]),
+            lambda: executor.read_from(str(remote / "a"), 0),
+        ):
+            with pytest.raises(TargetUnreachable) as caught:
+                await call()
+            assert f"127.0.0.1:{own_sshd.port}" in str(caught.value)
+            assert key_text not in str(caught.value)
+        own_sshd.start()
+        await executor.touch(str(remote / "b"))
+        own_sshd.restart()  # the connection is lost while nothing uses it
+        await executor.touch(str(remote / "c"))
+        assert (await executor.run(["echo", "again"])).stdout == "again\n"
+
+    with_executor(own_sshd, remote, scenario)
+    assert not (remote / "a").exists()
+    assert (remote / "b").exists()
+    assert (remote / "c").exists()
+
+
+def test_a_job_keeps_running_after_its_connection_is_closed(
+    own_sshd: Sshd, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "remote" / "run1"
+
+    async def spawn(executor: SshExecutor) -> JobId:
+        return await executor.spawn(shell_job(run_dir, "sleep 1; echo done"))
+
+    job = with_executor(own_sshd, tmp_path / "remote", spawn)
+    own_sshd.restart()  # no session of the spawn's connection is left
+    assert alive(job.pid)
+
+    async def follow(executor: SshExecutor) -> JobStatus:
+        return await finished(executor, job)
+
+    assert with_executor(own_sshd, tmp_path / "remote", follow) == JobStatus.exited(0)
+    assert (run_dir / JOB_LOG).read_text() == "done\n"
+
+
+def test_bad_paths_and_a_bad_client_key_are_refused_with_one_line(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    with pytest.raises(ExecError, match="must be absolute"):
+        executor_for(sshd, tmp_path, workdir="relative/dir")
+    with pytest.raises(ExecError, match="not an unencrypted OpenSSH or PEM private key") as bad:
+        executor_for(sshd, tmp_path, client_key=SecretStr("-----BEGIN nonsense-----"))
+    assert "nonsense" not in str(bad.value)
+
+    async def scenario(executor: SshExecutor) -> None:
+        with pytest.raises(ExecError, match="not an absolute path"):
+            await executor.touch("relative/marker")
+
+    with_executor(sshd, tmp_path, scenario)
