@@ -208,7 +208,7 @@ def test_secrets_reach_the_job_and_appear_in_no_file_log_or_process_argument(
     async def scenario(executor: SshExecutor) -> JobStatus:
         # The job compares with a copy it reads from a file of the test's, so
         # that the token is not in the job's own arguments either.
-        spec = shell_job(run_dir, f'EXPECTED=$(cat {tmp_path / "expected"}); {script}')
+        spec = shell_job(run_dir, f"EXPECTED=$(cat {tmp_path / 'expected'}); {script}")
         spec = JobSpec(
             run_id=spec.run_id,
             run_dir=spec.run_dir,
@@ -390,9 +390,7 @@ def test_a_stopped_sshd_is_unreachable_and_once_restarted_the_same_executor_work
     assert (remote / "c").exists()
 
 
-def test_a_job_keeps_running_after_its_connection_is_closed(
-    own_sshd: Sshd, tmp_path: Path
-) -> None:
+def test_a_job_keeps_running_after_its_connection_is_closed(own_sshd: Sshd, tmp_path: Path) -> None:
     run_dir = tmp_path / "remote" / "run1"
 
     async def spawn(executor: SshExecutor) -> JobId:

@@ -13,8 +13,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
 from prefect.client.schemas.objects import State
+from prefect.runtime import flow_run
 from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
