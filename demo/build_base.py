@@ -62,6 +62,17 @@ def build(out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         pkg, gguf_file=GGUF_FILE, dtype=torch.float32, **options
     )
+    # transformers 5.16 reads the GGUF's bos as the tokenizer's eos too (<|im_start|>),
+    # while the model's config has the right one (2, <|im_end|>, which ends every
+    # chat turn). Left so, axolotl would never train the model to end its answer.
+    eos_id = model.config.eos_token_id
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+    eos = tokenizer.convert_ids_to_tokens(eos_id)
+    if eos not in (tokenizer.chat_template or ""):
+        raise RuntimeError(f"the model's eos token {eos!r} does not end the chat template's turns")
+    tokenizer.eos_token = eos
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = eos
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

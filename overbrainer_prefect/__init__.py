@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LocalTarget": "overbrainer_prefect.blocks",
+    "SshTarget": "overbrainer_prefect.blocks",
+    "HuggingFaceCredentials": "overbrainer_prefect.blocks",
     "train": "overbrainer_prefect.flows",
     "attach": "overbrainer_prefect.flows",
     "stop": "overbrainer_prefect.flows",

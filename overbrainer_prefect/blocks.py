@@ -16,9 +16,35 @@ from pydantic import Field, HttpUrl, SecretStr
 from overbrainer_prefect.envfile import read_env_file
 from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.executors.local import LocalExecutor
+from overbrainer_prefect.executors.ssh import SshExecutor
 
 DOCS_URL = "https://github.com/overbrainer/overbrainer-prefect#readme"
 LOGO_URL = "https://raw.githubusercontent.com/overbrainer/overbrainer-prefect/main/logo.png"
+
+
+class HuggingFaceCredentials(Block):
+    """A Hugging Face token: it reaches jobs as `HF_TOKEN` through their
+    environment only, and the Hub client when a model is pushed.
+
+    Example:
+        Load saved Hugging Face credentials:
+        ```python
+        from overbrainer_prefect.blocks import HuggingFaceCredentials
+
+        hugging_face_credentials_block = HuggingFaceCredentials.load("BLOCK_NAME")
+        ```
+    """
+
+    _block_type_name = "Overbrainer Hugging Face Credentials"
+    _block_type_slug = "overbrainer-hugging-face-credentials"
+    _logo_url = HttpUrl(LOGO_URL)
+    _documentation_url = HttpUrl(DOCS_URL)
+
+    token: SecretStr = Field(description="A Hugging Face access token (read, or write to push).")
+    endpoint: str | None = Field(
+        default=None,
+        description="The Hub's URL when it is not huggingface.co (a mirror or a gateway).",
+    )
 
 
 class TargetBlock(Block):
@@ -50,6 +76,10 @@ class TargetBlock(Block):
     poll_seconds: float = Field(
         default=2.0, gt=0, description="Seconds between two looks at a running job."
     )
+    huggingface: HuggingFaceCredentials | None = Field(
+        default=None,
+        description="Hugging Face credentials whose token the job gets as HF_TOKEN.",
+    )
     cpu_threads: int | None = Field(
         default=None,
         ge=1,
@@ -63,9 +93,13 @@ class TargetBlock(Block):
         return f"{self.job_venv.rstrip('/')}/bin/python"
 
     def secrets(self) -> dict[str, SecretStr]:
-        """The values of `env_file`, for the job's environment. Raises ValueError
+        """The values of `env_file` and the Hugging Face token (`HF_TOKEN`), for the
+        job's environment. Raises ValueError
         with one line when the file cannot be read or is malformed."""
-        return read_env_file(Path(self.env_file).expanduser()) if self.env_file else {}
+        secrets = read_env_file(Path(self.env_file).expanduser()) if self.env_file else {}
+        if self.huggingface is not None:
+            secrets["HF_TOKEN"] = self.huggingface.token
+        return secrets
 
     @abstractmethod
     def executor(self, name: str) -> Executor:
@@ -98,3 +132,60 @@ class LocalTarget(TargetBlock):
     def executor(self, name: str) -> Executor:
         """A `LocalExecutor` over `work_dir`."""
         return LocalExecutor(Path(self.work_dir).expanduser(), name=name)
+
+
+class SshTarget(TargetBlock):
+    """A machine reached over SSH (a GPU box you own or rent): jobs run there
+    detached, outlive the connection, and their files come back over SFTP,
+    verified against a SHA-256 manifest computed on the machine.
+
+    The host's public key must be pinned (`host_key`): a host whose key cannot
+    be checked is refused before anything is sent.
+
+    Example:
+        Load a saved SSH target:
+        ```python
+        from overbrainer_prefect.blocks import SshTarget
+
+        ssh_target_block = SshTarget.load("BLOCK_NAME")
+        ```
+    """
+
+    _block_type_name = "Overbrainer SSH Target"
+    _block_type_slug = "overbrainer-ssh-target"
+    kind: ClassVar[str] = "ssh"
+
+    host: str = Field(description="The machine's host name or address.")
+    port: int = Field(default=22, ge=1, le=65535, description="Its SSH port.")
+    user: str = Field(default="root", description="The user jobs run as.")
+    private_key: SecretStr | None = Field(
+        default=None, description="The client's private key (OpenSSH text), or use key_file."
+    )
+    key_file: str | None = Field(
+        default=None, description="A file on this machine holding the client's private key."
+    )
+    host_key: str | None = Field(
+        default=None,
+        description="The host's public key as `ssh-keyscan -p PORT HOST` prints it; required "
+        "to connect.",
+    )
+    work_dir: str = Field(
+        default="/root/overbrainer",
+        description="The absolute directory on the host that holds the run directories.",
+    )
+    connect_timeout: float = Field(default=15.0, gt=0, description="Seconds to connect.")
+
+    def executor(self, name: str) -> Executor:
+        """An `SshExecutor` to this host. Raises ExecError when no host key is
+        pinned or the client key cannot be read."""
+        return SshExecutor(
+            self.host,
+            port=self.port,
+            user=self.user,
+            client_key=self.private_key,
+            key_path=self.key_file,
+            known_host_key=self.host_key,
+            workdir=self.work_dir,
+            name=name,
+            connect_timeout=self.connect_timeout,
+        )

@@ -84,6 +84,8 @@ class Sshd:
         root.chmod(0o700)
         sshd = cls(root, port if port is not None else free_port())
         for key in (sshd.host_key_path, sshd.client_key_path):
+            key.unlink(missing_ok=True)  # ssh-keygen would ask before replacing it
+            key.with_suffix(".pub").unlink(missing_ok=True)
             subprocess.run(
                 [SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", key.name, "-f", str(key)],
                 check=True,

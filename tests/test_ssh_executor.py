@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import os
 import secrets as tokens
+import shutil
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -31,6 +32,7 @@ from overbrainer_prefect.executors import (
     JobStatus,
     TargetUnreachable,
     local_manifest,
+    remote_manifest,
     verify,
 )
 from overbrainer_prefect.executors.jobscript import JOB_SCRIPT
@@ -130,6 +132,8 @@ def test_an_upload_then_download_round_trip_is_verified_and_leaves_skipped_names
     (local / "pod.json").write_text("{}")
     remote = tmp_path / "remote" / "run1"
     back = tmp_path / "back"
+    back.mkdir()
+    (back / "config.yml").write_text("an older copy, replaced\n")
 
     async def scenario(executor: SshExecutor) -> None:
         await executor.upload(local, str(remote), skip=[".ssh", "pod.json"])
@@ -146,6 +150,7 @@ def test_an_upload_then_download_round_trip_is_verified_and_leaves_skipped_names
     with_executor(sshd, tmp_path / "remote", scenario)
     assert not (remote / ".ssh").exists()
     assert not (remote / "pod.json").exists()
+    assert not [path for path in back.rglob("*") if path.name.endswith(".part")]
     assert (back / "data" / "nested" / "weights.bin").read_bytes() == (
         local / "data" / "nested" / "weights.bin"
     ).read_bytes()
@@ -202,33 +207,38 @@ def test_secrets_reach_the_job_and_appear_in_no_file_log_or_process_argument(
     sshd: Sshd, tmp_path: Path
 ) -> None:
     token = "hf_" + tokens.token_hex(16)
-    digest = hashlib.sha256(token.encode()).hexdigest()
+    marker = tokens.token_hex(8)
+    odd = f' it\'s "{marker}" $HOME `x` \\\n\n'  # quotes, $, newlines: all kept
     run_dir = tmp_path / "remote" / "run1"
-    # The job checks the token against its SHA-256, so that the token is not in
-    # the job's own arguments either.
-    script = (
-        f'[ "$(printf %s "$HF_TOKEN" | sha256sum | cut -c1-64)" = {digest} ] || exit 1; '
-        "echo token seen; sleep 2"
+    # The job checks each secret against its SHA-256, so that no secret is in
+    # the job's own arguments either (the `x` keeps trailing newlines).
+    script = "".join(
+        f'[ "$(printf %sx "${name}" | sha256sum | cut -c1-64)" = '
+        f"{hashlib.sha256((value + 'x').encode()).hexdigest()} ] || exit 1; "
+        for name, value in (("HF_TOKEN", token), ("ODD_SECRET", odd))
     )
+    script += "echo secrets seen; sleep 2"
     seen_in_argv: list[int] = []
 
     async def scenario(executor: SshExecutor) -> JobStatus:
-        job = await executor.spawn(shell_job(run_dir, script, HF_TOKEN=token))
+        job = await executor.spawn(shell_job(run_dir, script, HF_TOKEN=token, ODD_SECRET=odd))
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:  # the job runs for 2 s: look at every process
-            seen_in_argv.extend(processes_whose_argv_holds(token.encode()))
+            for secret in (token, marker):
+                seen_in_argv.extend(processes_whose_argv_holds(secret.encode()))
             await asyncio.sleep(0.1)
         assert await executor.status(job) == JobStatus.running()
         return await finished(executor, job)
 
     status = with_executor(sshd, tmp_path / "remote", scenario)
     assert status == JobStatus.exited(0)
-    assert (run_dir / JOB_LOG).read_text() == "token seen\n"
+    assert (run_dir / JOB_LOG).read_text() == "secrets seen\n"
     assert seen_in_argv == []
-    assert token not in (run_dir / JOB_SCRIPT).read_text()
-    for path in [*tmp_path.rglob("*"), sshd.log_path]:
+    assert (run_dir / JOB_SCRIPT).is_file()
+    for path in [*tmp_path.rglob("*"), sshd.log_path]:  # job.sh, job.log among them
         if path.is_file():
-            assert token.encode() not in path.read_bytes(), path
+            for secret in (token, marker):
+                assert secret.encode() not in path.read_bytes(), path
 
 
 def processes_whose_argv_holds(needle: bytes) -> list[int]:
@@ -324,7 +334,7 @@ def test_a_host_showing_another_key_is_refused_before_anything_is_sent(
 
     asyncio.run(scenario())
     assert not marker.exists()
-    log = wait_for_log(sshd, log_before, "Connection closed")
+    log = wait_for_log(sshd, log_before, "[preauth]")
     for attempt in ("publickey", "Accepted", "Failed", "Postponed", "Starting session"):
         assert attempt not in log
 
@@ -403,17 +413,66 @@ def test_a_job_keeps_running_after_its_connection_is_closed(own_sshd: Sshd, tmp_
     assert (run_dir / JOB_LOG).read_text() == "done\n"
 
 
-def test_bad_paths_and_a_bad_client_key_are_refused_with_one_line(
+def test_writes_outside_the_work_directory_and_a_bad_client_key_are_refused(
     sshd: Sshd, tmp_path: Path
 ) -> None:
     with pytest.raises(ExecError, match="must be absolute"):
-        executor_for(sshd, tmp_path, workdir="relative/dir")
+        executor_for(sshd, Path("relative/dir"))
     with pytest.raises(ExecError, match="not an unencrypted OpenSSH or PEM private key") as bad:
         executor_for(sshd, tmp_path, client_key=SecretStr("-----BEGIN nonsense-----"))
     assert "nonsense" not in str(bad.value)
 
     async def scenario(executor: SshExecutor) -> None:
-        with pytest.raises(ExecError, match="not an absolute path"):
-            await executor.touch("relative/marker")
+        for outside in (str(tmp_path / "elsewhere"), "../escape", str(tmp_path / "remote")):
+            with pytest.raises(ExecError, match="not inside the work directory"):
+                await executor.touch(outside)
+        with pytest.raises(ExecError, match="not inside the work directory"):
+            await executor.upload(tmp_path, str(tmp_path / "elsewhere"))
+        await executor.touch("relative/marker")
 
-    with_executor(sshd, tmp_path, scenario)
+    with_executor(sshd, tmp_path / "remote", scenario)
+    assert (tmp_path / "remote" / "relative" / "marker").is_file()
+    assert not (tmp_path / "escape").exists()
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_the_target_hashes_the_same_without_python(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"  # a PATH with the fallback's tools and no python3
+    bare.mkdir()
+    for tool in ("xargs", "sha256sum"):
+        found = shutil.which(tool)
+        assert found is not None
+        (bare / tool).symlink_to(found)
+    (tmp_path / "a b.bin").write_bytes(os.urandom(100_000))
+    (tmp_path / "c").write_text("c")
+    names = ["a b.bin", "c"]
+    outputs = [
+        subprocess.run(
+            ["/bin/sh", "-c", remote_manifest.hash_command(str(tmp_path))],
+            input=remote_manifest.hash_input(names),
+            capture_output=True,
+            check=True,
+            env={"PATH": path},
+        ).stdout
+        for path in (str(bare), os.environ["PATH"])
+    ]
+    expected = {name: hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() for name in names}
+    assert [remote_manifest.parse_hashes(output) for output in outputs] == [expected, expected]
+
+
+def test_concurrent_calls_share_one_connection(sshd: Sshd, tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "log").write_text("line\n")
+    log_before = len(sshd.log_text())
+
+    async def scenario(executor: SshExecutor) -> list[object]:
+        calls: list[Awaitable[object]] = [
+            executor.read_from(str(remote / "log"), 0) for _ in range(8)
+        ]
+        calls += [executor.run(["echo", str(n)]) for n in range(8)]
+        return await asyncio.gather(*calls)
+
+    results = with_executor(sshd, remote, scenario)
+    assert results[:8] == [b"line\n"] * 8
+    assert sshd.log_text()[log_before:].count("Accepted publickey") == 1

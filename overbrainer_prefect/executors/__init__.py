@@ -16,6 +16,7 @@ from overbrainer_prefect.executors.base import (
 )
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.manifest import is_excluded, local_manifest, verify
+from overbrainer_prefect.executors.ssh import SshExecutor
 
 __all__ = [
     "CANCEL_FILE",
@@ -30,6 +31,7 @@ __all__ = [
     "JobSpec",
     "JobStatus",
     "LocalExecutor",
+    "SshExecutor",
     "TargetUnreachable",
     "is_excluded",
     "local_manifest",

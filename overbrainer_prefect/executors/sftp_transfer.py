@@ -36,12 +36,14 @@ def block_size(sftp: asyncssh.SFTPClient) -> int:
 def local_tree(root: Path, skip: Sequence[str] = ()) -> tuple[list[str], list[str]]:
     """(directories, files) under `root`, as POSIX paths relative to it, parents
     before their children, leaving out the top-level entries named in `skip`.
-    Symbolic links are followed: the target gets their content.
+    Symbolic links are followed (the target gets their content), each
+    directory entered once.
 
     Raises OSError when `root` cannot be read.
     """
     dirs: list[str] = []
     files: list[str] = []
+    seen = {os.path.realpath(root)}  # directories entered: a link cycle is entered once
     for current, subdirs, names in os.walk(root, followlinks=True, onerror=_raise):
         rel = Path(current).relative_to(root).as_posix()
         if rel == ".":
@@ -51,7 +53,13 @@ def local_tree(root: Path, skip: Sequence[str] = ()) -> tuple[list[str], list[st
         else:
             dirs.append(rel)
             prefix = rel + "/"
-        subdirs.sort()
+        fresh = []
+        for name in sorted(subdirs):
+            real = os.path.realpath(os.path.join(current, name))
+            if real not in seen:
+                seen.add(real)
+                fresh.append(name)
+        subdirs[:] = fresh
         files += [prefix + name for name in sorted(names)]
     return dirs, files
 
@@ -91,7 +99,9 @@ async def download_files(
     sftp: asyncssh.SFTPClient, remote: str, local: Path, paths: Sequence[str]
 ) -> None:
     """Copies the files `paths` (relative to `remote`) into `local`, same
-    layout, creating directories as needed and replacing existing files.
+    layout, creating directories as needed and replacing existing files; each
+    file is written under a temporary name and renamed, so none is ever half
+    there.
 
     Raises SFTPError for a remote file that cannot be read, OSError for a local
     one that cannot be written.
@@ -100,15 +110,21 @@ async def download_files(
 
     async def get(rel: str) -> None:
         target = local / rel
+        partial = target.with_name(f".{target.name}.part")
         target.parent.mkdir(parents=True, exist_ok=True)
-        await sftp.get(
-            posixpath.join(remote, rel),
-            str(target),
-            preserve=True,
-            sparse=False,
-            block_size=size,
-            max_requests=MAX_REQUESTS,
-        )
+        try:
+            await sftp.get(
+                posixpath.join(remote, rel),
+                str(partial),
+                preserve=True,
+                sparse=False,
+                block_size=size,
+                max_requests=MAX_REQUESTS,
+            )
+            partial.replace(target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
 
     await _bounded(get, paths)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import os
 import posixpath
 import shlex
 from collections.abc import Awaitable, Callable, Sequence
@@ -66,10 +68,11 @@ ENCRYPTION = (  # fastest first where AES-NI exists (every x86 server), all stan
 _SECRETS_READER = (
     # Reads `NAME=<base64>` lines from stdin up to an empty line and exports
     # them: secrets reach the job's environment without touching a file or a
-    # process argument (printf and export are shell builtins).
+    # process argument (printf and export are shell builtins). The `x` keeps a
+    # value's trailing newlines, which `$(...)` would strip.
     'while IFS= read -r line && [ -n "$line" ]; do '
-    'v=$(printf %s "${line#*=}" | base64 -d) || exit 98; '
-    'export "${line%%=*}=$v"; done; '
+    'v=$(printf %s "${line#*=}" | base64 -d && printf x) || exit 98; '
+    'export "${line%%=*}=${v%x}"; done; '
 )
 
 _LOST = (
@@ -92,8 +95,10 @@ class SshExecutor:
     `ssh-keyscan -p PORT HOST` prints (`<type> <base64>`, with or without the
     host in front; several lines pin several keys): the only key accepted.
 
-    Every method raises ExecError, TargetUnreachable when the host cannot be
-    reached or the connection is lost; the next call connects again. The
+    Paths on the host are absolute, or relative to `workdir`; nothing outside
+    `workdir` is ever written. Every method raises ExecError, TargetUnreachable
+    when the host cannot be reached or the connection is lost; the next call
+    connects again. The
     constructor raises ExecError (`connect`) when no host key is pinned or a
     key cannot be read. No message ever quotes a key.
     """
@@ -143,7 +148,9 @@ class SshExecutor:
 
     async def run(self, argv: Sequence[str], timeout: float = 60.0) -> CommandResult:
         """Runs `argv` on the host (quoted for its shell) and returns its exit
-        code and output. A command is never retried: it may not be idempotent.
+        code and output. A command is never retried, since it may not be
+        idempotent: on a connection found lost it raises TargetUnreachable, and
+        the next call connects again.
 
         Raises ExecError (`run`) when it runs past `timeout` seconds, and
         TargetUnreachable when the host cannot be reached.
@@ -168,14 +175,15 @@ class SshExecutor:
         parents; files replaced, modes and times kept), less the top-level
         entries named in `skip`, over SFTP with many requests in flight.
 
-        Raises ExecError (`upload`) when a local file cannot be read or a remote
-        one written, TargetUnreachable when the host cannot be reached.
+        Raises ExecError (`upload`) when `remote` is outside the work directory,
+        a local file cannot be read or a remote one written; TargetUnreachable
+        when the host cannot be reached.
         """
         if not local.is_dir():
             raise ExecError("upload", f"{local} is not a directory")
-        remote = self._absolute("upload", remote)
+        remote = self._inside("upload", remote)
         await self._sftp_call(
-            "upload", lambda sftp: sftp_transfer.upload_tree(sftp, local, remote, skip)
+            "upload", lambda sftp: sftp_transfer.upload_tree(sftp, local, remote, skip), remote
         )
 
     async def spawn(self, job: JobSpec) -> JobId:
@@ -186,10 +194,12 @@ class SshExecutor:
         environment only, never a file, a process argument or sshd's
         `AcceptEnv`. The job outlives the connection.
 
-        Raises ExecError (`spawn`) on a bad secret name or a failed launch,
-        TargetUnreachable when the host cannot be reached.
+        Raises ExecError (`spawn`) when the run directory is outside the work
+        directory, on a bad secret name or a failed launch; TargetUnreachable
+        when the host cannot be reached.
         """
-        run_dir = self._absolute("spawn", job.run_dir)
+        run_dir = self._inside("spawn", job.run_dir, strictly=True)
+        job = dataclasses.replace(job, run_dir=run_dir)
         try:
             script = job_script(job)
         except ValueError as error:
@@ -204,7 +214,7 @@ class SshExecutor:
 
         # The script is written first, on a connection then known to be alive:
         # the launch itself is never retried, so a job never starts twice.
-        await self._sftp_call("spawn", write_script)
+        await self._sftp_call("spawn", write_script, script_path)
         command = "sh -c " + shlex.quote(_SECRETS_READER + launch_command(run_dir))
         try:
             result = await self._command("spawn", command, stdin=secrets, retry=False)
@@ -239,9 +249,11 @@ class SshExecutor:
         for the group to end, then sends SIGKILL (see `jobscript.cancel_command`).
         A job already ended is left alone.
 
-        Raises ExecError (`cancel`) when the command fails, TargetUnreachable
+        Raises ExecError (`cancel`) when the run directory is outside the work
+        directory or the command fails, TargetUnreachable
         when the host cannot be reached.
         """
+        self._inside("cancel", job.dir, strictly=True)
         result = await self._short(
             "cancel", cancel_command(job), timeout=CANCEL_GRACE_S + COMMAND_TIMEOUT_S
         )
@@ -258,9 +270,9 @@ class SshExecutor:
         """
         if offset < 0 or limit < 0:
             raise ExecError("read", f"offset {offset} and limit {limit} must not be negative")
-        path = self._absolute("read", path)
+        path = self._path(path)
         return await self._sftp_call(
-            "read", lambda sftp: sftp_transfer.read_range(sftp, path, offset, limit)
+            "read", lambda sftp: sftp_transfer.read_range(sftp, path, offset, limit), path
         )
 
     async def manifest(
@@ -275,7 +287,7 @@ class SshExecutor:
         file that cannot be read; TargetUnreachable when the host cannot be
         reached.
         """
-        remote = self._absolute("manifest", remote)
+        remote = self._path(remote)
         files = await self._files("manifest", remote, entries, exclude)
         if not files:
             return []
@@ -307,30 +319,32 @@ class SshExecutor:
         Raises ExecError (`download`) when a file cannot be read or written,
         TargetUnreachable when the host cannot be reached.
         """
-        remote = self._absolute("download", remote)
+        remote = self._path(remote)
         files = await self._files("download", remote, entries, exclude)
         paths = sorted(files)
         if not paths:
             return
         await self._sftp_call(
-            "download", lambda sftp: sftp_transfer.download_files(sftp, remote, local, paths)
+            "download",
+            lambda sftp: sftp_transfer.download_files(sftp, remote, local, paths),
+            remote,
         )
 
     async def touch(self, path: str) -> None:
         """Creates the file `path` on the host (and its directories) if it does
         not exist; an existing file is left as it is.
 
-        Raises ExecError (`touch`) when it cannot be created, TargetUnreachable
-        when the host cannot be reached.
+        Raises ExecError (`touch`) when `path` is outside the work directory or
+        cannot be created, TargetUnreachable when the host cannot be reached.
         """
-        path = self._absolute("touch", path)
+        path = self._inside("touch", path, strictly=True)
 
         async def touch(sftp: asyncssh.SFTPClient) -> None:
             await sftp.makedirs(posixpath.dirname(path), exist_ok=True)
             async with sftp.open(path, "ab"):
                 pass
 
-        await self._sftp_call("touch", touch)
+        await self._sftp_call("touch", touch, path)
 
     async def close(self) -> None:
         """Closes the connection, if any; the next call opens a new one."""
@@ -415,16 +429,17 @@ class SshExecutor:
         """`call` on the connection. When a connection kept from an earlier call
         turns out lost, it is dropped and, with `retry` (idempotent calls), the
         call is made once more on a new one; otherwise TargetUnreachable."""
-        while True:
+        for attempt in (1, 2):
             conn, fresh = await self._connection(action)
             try:
                 return await call(conn)
             except _LOST as error:
                 self._drop(conn)
-                if fresh or not retry:
+                if fresh or not retry or attempt == 2:
                     raise TargetUnreachable(
                         action, f"lost the connection to {self.description}: {_reason(error)}"
                     ) from None
+        raise AssertionError("unreachable")
 
     async def _command(
         self,
@@ -469,10 +484,11 @@ class SshExecutor:
             ) from None
 
     async def _sftp_call(
-        self, action: str, call: Callable[[asyncssh.SFTPClient], Awaitable[T]]
+        self, action: str, call: Callable[[asyncssh.SFTPClient], Awaitable[T]], subject: str
     ) -> T:
         """`call` with the connection's SFTP session (started once per
-        connection); an SFTP or local file error is ExecError(`action`)."""
+        connection); an SFTP or local file error is ExecError(`action`), naming
+        the file, else `subject`."""
 
         async def with_sftp(conn: asyncssh.SSHClientConnection) -> T:
             sftp = await self._sftp_of(conn)
@@ -481,9 +497,10 @@ class SshExecutor:
             except _LOST:
                 raise
             except asyncssh.SFTPError as error:
-                raise ExecError(action, f"{_sftp_path(error)}{error.reason}") from None
+                path = _sftp_path(error) or subject
+                raise ExecError(action, f"{path}: {error.reason}") from None
             except OSError as error:
-                raise ExecError(action, _reason(error)) from None
+                raise ExecError(action, f"{subject}: {_reason(error)}") from None
 
         return await self._attempt(action, with_sftp)
 
@@ -524,10 +541,22 @@ class SshExecutor:
                 raise ExecError(action, str(error)) from None
         return files
 
-    def _absolute(self, action: str, path: str) -> str:
-        if not posixpath.isabs(path):
-            raise ExecError(action, f"{path!r} is not an absolute path on {self.description}")
-        return posixpath.normpath(path)
+    def _path(self, path: str) -> str:
+        """`path` made absolute (a relative path is taken under the work directory)."""
+        return posixpath.normpath(posixpath.join(self._workdir, path))
+
+    def _inside(self, action: str, path: str, strictly: bool = False) -> str:
+        """`path` made absolute and checked to lie under the work directory (and
+        not to be the work directory itself when `strictly`): nothing outside it
+        is ever written."""
+        resolved = self._path(path)
+        inside = resolved.startswith(self._workdir.rstrip("/") + "/")
+        if not inside and (strictly or resolved != self._workdir):
+            raise ExecError(
+                action,
+                f"{path} is not inside the work directory {self._workdir} of {self.description}",
+            )
+        return resolved
 
 
 def _pinned_keys(
@@ -626,10 +655,11 @@ def _last_line(result: asyncssh.SSHCompletedProcess) -> str:
 
 
 def _sftp_path(error: asyncssh.SFTPError) -> str:
+    """The file an SFTP copy failed on, when asyncssh says."""
     path = getattr(error, "srcpath", None) or getattr(error, "dstpath", None)
     if isinstance(path, bytes):
         path = path.decode(errors="replace")
-    return f"{path}: " if path else ""
+    return str(path or "")
 
 
 def _reason(error: BaseException) -> str:
@@ -637,6 +667,7 @@ def _reason(error: BaseException) -> str:
         return error.reason or type(error).__name__
     if isinstance(error, TimeoutError):
         return "timed out"
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror + (f" ({error.filename})" if error.filename else "")
+    if isinstance(error, OSError) and error.errno:
+        # asyncio's "Connect call failed (addr)" says less than the errno does
+        return os.strerror(error.errno) + (f" ({error.filename})" if error.filename else "")
     return str(error) or type(error).__name__

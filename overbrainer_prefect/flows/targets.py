@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from overbrainer_prefect.blocks import LocalTarget, TargetBlock
+from overbrainer_prefect.blocks import LocalTarget, SshTarget, TargetBlock
 
-TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget,)
+TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget, SshTarget)
 """The target block types, in the order a bare name is looked up."""
 
 

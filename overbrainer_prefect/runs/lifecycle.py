@@ -59,6 +59,8 @@ MANIFEST_FILE = "manifest.json"
 LOCAL_ONLY = (RECORD_FILE, MANIFEST_FILE, "pod.json", ".ssh", "exports", "compares")
 """Entries of a local run directory that never leave this machine."""
 
+ENDING_POLL_S = 0.25  # seconds between looks at a job that wrote its end event
+
 STALL_LOG_LINES = 20  # lines of job.log shown when a job makes no progress
 
 
@@ -404,7 +406,8 @@ async def _follow(
                 except ExecError as error:
                     failures = _retry(ctx, record, failures, error)
                 timed_out = True
-        await asyncio.sleep(ctx.poll_s)
+        # once the job wrote its end event it is about to exit: look again sooner
+        await asyncio.sleep(min(ctx.poll_s, ENDING_POLL_S) if summary.ended else ctx.poll_s)
     while True:
         before = stream.offset
         try:

@@ -2,8 +2,10 @@
 
 Before a run is started, the job venv's Python is run once on the target with
 a small script that prints one JSON line. Modules are looked up without being
-imported (axolotl takes twenty seconds to import); only torch is imported, to
-count the CUDA devices it sees.
+imported (axolotl takes twenty seconds to import, torch three): a CPU build of
+torch is told by its `version.py`, and the GPUs of a CUDA build are counted by
+the CUDA driver, as torch would count them (torch is imported only when the
+driver library is not there).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ PROBE_MARK = "OVERBRAINER-PROBE "
 MISSING_CODES = (126, 127)  # a shell's exit codes for a command it cannot find or run
 
 PROBE_SCRIPT = """\
-import importlib.metadata as md, importlib.util, json, sys
+import ctypes, importlib.metadata as md, importlib.util, json, os, sys
 mods = {}
 for name in sys.argv[1:]:
     version = None
@@ -35,12 +37,38 @@ for name in sys.argv[1:]:
     except Exception:
         version = None
     mods[name] = version
+def torch_build():
+    # torch/version.py names the accelerator torch was built for; reading it costs
+    # nothing, where importing torch costs seconds
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    found = {}
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as file:
+            exec(file.read(), found)
+    except Exception:
+        return "unknown"
+    return found.get("cuda") or found.get("hip")
+
+def cuda_devices():
+    # the driver's count, as torch.cuda.device_count() gets it (CUDA_VISIBLE_DEVICES applies)
+    lib = ctypes.CDLL("libcuda.so.1")
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
 gpus = 0
-try:
-    import torch
-    gpus = torch.cuda.device_count()
-except Exception:
-    pass
+if torch_build() is not None:
+    try:
+        gpus = cuda_devices()
+    except OSError:  # no CUDA driver library (ROCm, or none): ask torch itself
+        try:
+            import torch
+            gpus = torch.cuda.device_count()
+        except Exception:
+            pass
 print(@MARK@ + json.dumps({"python": sys.version.split()[0], "gpus": gpus, "modules": mods}))
 """.replace("@MARK@", repr(PROBE_MARK))
 
