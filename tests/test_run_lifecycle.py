@@ -69,19 +69,22 @@ def run_job(tmp_path: Path, script: str, **changes: object) -> lifecycle.Outcome
 
 def test_outcomes_follow_the_exit_code_and_the_metrics() -> None:
     summary = MetricsSummary()
-    state, message = lifecycle.outcome(JobStatus.exited(0), summary, "r1")
+    state, message = lifecycle.outcome(JobStatus.exited(0), summary, "runs/r1")
     assert state == RunState.FAILED
     assert message is not None and "plugin was not loaded" in message
     summary.add('{"event": "begin", "time": 1}')
-    assert lifecycle.outcome(JobStatus.exited(0), summary, "r1") == (RunState.SUCCEEDED, None)
-    assert lifecycle.outcome(JobStatus.exited(2), summary, "r1") == (
+    assert lifecycle.outcome(JobStatus.exited(0), summary, "runs/r1") == (RunState.SUCCEEDED, None)
+    assert lifecycle.outcome(JobStatus.exited(2), summary, "runs/r1") == (
         RunState.FAILED,
         "the job exited with code 2 (see runs/r1/job.log)",
     )
-    assert lifecycle.outcome(JobStatus.cancelled(), summary, "r1") == (RunState.CANCELLED, None)
-    assert lifecycle.outcome(JobStatus.lost(), summary, "r1")[0] == RunState.FAILED
+    assert lifecycle.outcome(JobStatus.cancelled(), summary, "runs/r1") == (
+        RunState.CANCELLED,
+        None,
+    )
+    assert lifecycle.outcome(JobStatus.lost(), summary, "runs/r1")[0] == RunState.FAILED
     summary.add('{"event": "end", "stopped": true, "checkpoint": "output/checkpoint-2"}')
-    assert lifecycle.outcome(JobStatus.exited(0), summary, "r1") == (RunState.STOPPED, None)
+    assert lifecycle.outcome(JobStatus.exited(0), summary, "runs/r1") == (RunState.STOPPED, None)
 
 
 def test_a_job_with_metrics_and_output_succeeds_with_every_file_verified(tmp_path: Path) -> None:

@@ -32,7 +32,15 @@ from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.runs.ids import new_run_id, parse_rfc3339, rfc3339
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.records import write_atomic
-from overbrainer_prefect.runs.store import RECORD_FILE, RunRecord, Runs, RunState
+from overbrainer_prefect.runs.store import (
+    RECORD_FILE,
+    RunRecord,
+    Runs,
+    RunState,
+    follow_again,
+    local_path,
+    subject,
+)
 from overbrainer_prefect.runs.tail import LineStream
 from overbrainer_prefect.trainers.base import (
     STOP_FILE,
@@ -142,8 +150,6 @@ class RunContext:
     """How long a job may run before it is cancelled and the run failed."""
     stall_s: float = 900.0
     """How long without a new metric before the job is reported as stalled."""
-    attach_hint: str = "the attach flow"
-    """How messages name the way to follow a run again."""
 
 
 @dataclass
@@ -297,12 +303,12 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     summary = MetricsSummary()
     stream = LineStream(ctx.executor, f"{record.remote_dir}/{trainer.metrics_file}")
     status, timed_out = await _follow(ctx, record, job, stream, summary)
-    state, message = outcome(status, summary, record.id)
+    state, message = outcome(status, summary, local_path(record))
     if timed_out:
         state = RunState.FAILED
         message = (
             f"the job ran past max_hours ({ctx.max_hours:g} h, deadline {record.deadline}) "
-            f"and was cancelled (see runs/{record.id}/{JOB_LOG})"
+            f"and was cancelled (see {local_path(record)}/{JOB_LOG})"
         )
     succeeded = state in (RunState.SUCCEEDED, RunState.STOPPED)
     try:
@@ -312,8 +318,8 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     except ExecError as error:
         if succeeded:
             raise NotRetrieved(
-                f"run {record.id} succeeded but its files could not be retrieved ({error}); "
-                f"it stays running: retrieve it with {ctx.attach_hint} (run_id={record.id})"
+                f"{subject(record)} succeeded but its files could not be retrieved ({error}); "
+                f"it stays running: retrieve it with {follow_again(record)}"
             ) from None
         record.state = state
         record.message = not_retrieved(message, error)
@@ -322,7 +328,7 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
         return Outcome(record=record, summary=summary, retrieved=False)
     if no_output:
         state = RunState.FAILED
-        message = f"the job succeeded but left no output (see runs/{record.id}/{JOB_LOG})"
+        message = f"the job succeeded but left no output (see {local_path(record)}/{JOB_LOG})"
     if state == RunState.STOPPED:
         record.checkpoint = summary.checkpoint
         message = (
@@ -336,15 +342,16 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     return Outcome(record=record, summary=summary, retrieved=True, files=files)
 
 
-def outcome(status: JobStatus, summary: MetricsSummary, run_id: str) -> tuple[RunState, str | None]:
-    """The final state of a run whose job ended with `status`, and its message.
+def outcome(status: JobStatus, summary: MetricsSummary, where: str) -> tuple[RunState, str | None]:
+    """The final state of a run whose job ended with `status`, and its message
+    (which names its job log under `where`, e.g. `runs/R`).
 
     Exit 0 with metrics succeeded (or stopped, when the job stopped on request
     and saved a checkpoint); exit 0 without metrics failed, since the metrics
     plugin was not loaded; another exit code failed with that code; a cancelled
     job is cancelled; a job gone without an exit code failed.
     """
-    see = f"see runs/{run_id}/{JOB_LOG}"
+    see = f"see {where}/{JOB_LOG}"
     if status.kind == "exited" and status.code == 0:
         if summary.lines == 0:
             return RunState.FAILED, (
@@ -399,7 +406,8 @@ async def _follow(
                 await _report_stall(ctx, record)
             if deadline is not None and datetime.now(UTC) >= deadline:
                 ctx.reporter.warning(
-                    f"run {record.id} ran past max_hours ({ctx.max_hours:g} h): cancelling its job"
+                    f"{subject(record)} ran past max_hours ({ctx.max_hours:g} h): "
+                    "cancelling its job"
                 )
                 try:
                     await ctx.executor.cancel(job)
@@ -425,9 +433,9 @@ def _retry(ctx: RunContext, record: RunRecord, failures: int, error: ExecError) 
     up with a message saying the job keeps running and how to follow it again."""
     if failures >= MAX_FAILURES:
         raise Unreachable(
-            f"cannot reach the job of run {record.id} on {ctx.executor.description} after "
+            f"cannot reach the job of {subject(record)} on {ctx.executor.description} after "
             f"{MAX_FAILURES + 1} tries ({error}); the job keeps running there: follow it again "
-            f"with {ctx.attach_hint} (run_id={record.id})"
+            f"with {follow_again(record)}"
         ) from None
     ctx.reporter.warning(f"cannot reach the job ({failures + 1}/{MAX_FAILURES}): {error}")
     return failures + 1
@@ -443,7 +451,7 @@ def _publish(ctx: RunContext, lines: list[str], summary: MetricsSummary) -> None
 async def _report_stall(ctx: RunContext, record: RunRecord) -> None:
     tail = await job_log_tail(ctx.executor, record.remote_dir)
     ctx.reporter.warning(
-        f"run {record.id} has written no new metric for {ctx.stall_s:g} s; "
+        f"{subject(record)} has written no new metric for {ctx.stall_s:g} s; "
         f"the last lines of its job log:\n{tail}"
     )
 
@@ -531,7 +539,7 @@ async def collect(ctx: RunContext, trainer: Trainer, record: RunRecord) -> tuple
     try:
         await retrieve(ctx.executor, trainer, record.remote_dir, local, succeeded)
     except ExecError as error:
-        ctx.reporter.warning(f"cannot retrieve the files of run {record.id}: {error}")
+        ctx.reporter.warning(f"cannot retrieve the files of {subject(record)}: {error}")
         return record, False
     if artifacts_missing(record):
         record.message = without_note(record.message)
@@ -567,7 +575,7 @@ async def cancel(
     try:
         await retrieve(ctx.executor, trainer, record.remote_dir, local, False)
     except ExecError as error:
-        ctx.reporter.warning(f"cannot retrieve the files of cancelled run {record.id}: {error}")
+        ctx.reporter.warning(f"cannot retrieve the files of cancelled {subject(record)}: {error}")
         record.message = not_retrieved(None, error)
         try:
             ctx.runs.save(record)
@@ -587,7 +595,7 @@ async def request_stop(ctx: RunContext, record: RunRecord) -> None:
     if record.job is None:
         raise NotStarted(record.id)
     if record.state.ended:
-        raise RunError(f"run {record.id} has already ended ({record.state}): nothing to stop")
+        raise RunError(f"{subject(record)} has already ended ({record.state}): nothing to stop")
     await ctx.executor.touch(f"{record.remote_dir}/{STOP_FILE}")
 
 

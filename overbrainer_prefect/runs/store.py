@@ -98,9 +98,34 @@ class RunRecord(BaseModel):
         default=None,
         description="The resumable checkpoint of a stopped run, relative to its run directory.",
     )
+    parent: str | None = Field(
+        default=None,
+        description="For an export or a compare: the run it belongs to.",
+    )
     flow_run_id: str | None = Field(
         default=None, description="The Prefect flow run that created the run."
     )
+
+
+def subject(record: RunRecord) -> str:
+    """How messages name a record: `run R`, or `export E of run R`."""
+    if record.parent is None:
+        return f"run {record.id}"
+    return f"{record.trainer} {record.id} of run {record.parent}"
+
+
+def follow_again(record: RunRecord) -> str:
+    """The flow, with its parameters, that follows a record again."""
+    if record.parent is None:
+        return f"the attach flow (run_id={record.id})"
+    return f"the {record.trainer} flow (run_id={record.parent}, {record.trainer}_id={record.id})"
+
+
+def local_path(record: RunRecord) -> str:
+    """Where a record's files are, as messages name it (`runs/R` or `runs/R/exports/E`)."""
+    if record.parent is None:
+        return f"runs/{record.id}"
+    return f"runs/{record.parent}/{record.trainer}s/{record.id}"
 
 
 class RunsError(Exception):
@@ -120,8 +145,10 @@ class InvalidRunId(RunsError):
 class RunNotFound(RunsError):
     """A valid ID without a record."""
 
-    def __init__(self, run_id: str, root: Path) -> None:
-        super().__init__(f"no run {run_id} in {root}: check the run ID and the runs directory")
+    def __init__(self, run_id: str, root: Path, kind: str = "run") -> None:
+        super().__init__(
+            f"no {kind} {run_id} in {root}: check the {kind} ID and the runs directory"
+        )
 
 
 def default_runs_root() -> Path:
@@ -130,10 +157,20 @@ def default_runs_root() -> Path:
 
 
 class Runs:
-    """The runs directory of a project or deployment."""
+    """The runs directory of a project or deployment; also, with another
+    `record_file` and `kind`, the exports or compares of a run."""
 
-    def __init__(self, root: Path | str | None = None) -> None:
+    def __init__(
+        self, root: Path | str | None = None, record_file: str = RECORD_FILE, kind: str = "run"
+    ) -> None:
         self.root = Path(root).absolute() if root is not None else default_runs_root()
+        self.record_file = record_file
+        self.kind = kind
+
+    def children(self, run_id: str, kind: str) -> Runs:
+        """The store of the `kind` records (`export`, `compare`) of run `run_id`:
+        `<run dir>/<kind>s/<id>/<kind>.json`. Raises InvalidRunId for an invalid ID."""
+        return Runs(self.run_dir(run_id) / f"{kind}s", record_file=f"{kind}.json", kind=kind)
 
     def run_dir(self, run_id: str) -> Path:
         """The local directory of the run `run_id`.
@@ -151,7 +188,7 @@ class Runs:
 
         Raises InvalidRunId for an invalid ID and RecordIoError when it cannot be written.
         """
-        save_record(self.run_dir(record.id), RECORD_FILE, record)
+        save_record(self.run_dir(record.id), self.record_file, record)
 
     def load(self, run_id: str) -> RunRecord:
         """The record of the run `run_id`.
@@ -159,11 +196,11 @@ class Runs:
         Raises InvalidRunId for an invalid ID, RunNotFound when it has no record,
         RecordIoError or InvalidRecord when the record cannot be read.
         """
-        path = self.run_dir(run_id) / RECORD_FILE
+        path = self.run_dir(run_id) / self.record_file
         try:
-            return load_record(path, RunRecord, "run")
+            return load_record(path, RunRecord, self.kind)
         except FileNotFoundError:
-            raise RunNotFound(run_id, self.root) from None
+            raise RunNotFound(run_id, self.root, self.kind) from None
 
     def list(self, skipped: Callable[[str, RecordError], None] | None = None) -> list[RunRecord]:
         """Every run with a readable record, oldest first. Directories without a
@@ -180,13 +217,13 @@ class Runs:
             raise RecordIoError(self.root, error) from None
         records = []
         for name in names:
-            if not is_valid_run_id(name) or not (self.root / name / RECORD_FILE).is_file():
+            if not is_valid_run_id(name) or not (self.root / name / self.record_file).is_file():
                 continue
             try:
                 records.append(self.load(name))
             except (InvalidRecord, RecordIoError) as error:
                 if skipped is None:
-                    log.warning("skipping unreadable run record for %s: %s", name, error)
+                    log.warning("skipping unreadable %s record for %s: %s", self.kind, name, error)
                 else:
                     skipped(name, error)
         return records
