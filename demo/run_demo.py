@@ -143,6 +143,11 @@ def fine_tune() -> tuple[Any, float]:
         result = asyncio.run(
             train(target=BLOCK_NAME, training=training_spec(), runs_dir=str(RUNS_DIR))
         )
+    except KeyboardInterrupt:
+        fail(
+            f"interrupted: a job already started keeps running under {WORK_DIR}; its run is "
+            f"the newest in {RUNS_DIR}: follow it with the attach flow (run_id=<that run>)"
+        )
     except Exception as exc:
         fail(f"the train flow failed: {type(exc).__name__}: {exc}")
     if not isinstance(result, RunResult):

