@@ -30,6 +30,7 @@ from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.flows.targets import load_target
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import Outcome, RunContext, RunError
+from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
 from overbrainer_prefect.runs.resume import resume_path, resume_point, stage_checkpoint
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
@@ -222,10 +223,11 @@ async def train(
     trainer = AxolotlTrainer(training, resume_from=resume, cpu_threads=block.cpu_threads)
     executor = block.executor(target_ref)
     try:
-        ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
-        record = await start_job(ctx, trainer, record, block)
-        outcome = await follow_job(ctx, trainer, record)
-        return await _finish(runs, outcome, executor)
+        with follow_lock(runs.run_dir(record.id), flow_run.id):
+            ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+            record = await start_job(ctx, trainer, record, block)
+            outcome = await follow_job(ctx, trainer, record)
+            return await _finish(runs, outcome, executor)
     finally:
         await executor.close()
 
@@ -248,10 +250,18 @@ async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     try:
         trainer = _trainer(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
-        if record.state.ended and lifecycle.artifacts_missing(record):
-            record, _ = await lifecycle.collect(ctx, trainer, record)
-        outcome = await follow_job(ctx, trainer, record)
-        return await _finish(runs, outcome, executor)
+        try:
+            with follow_lock(runs.run_dir(record.id), flow_run.id):
+                record = runs.load(run_id)  # as the last follower left it
+                if record.state.ended and lifecycle.artifacts_missing(record):
+                    record, _ = await lifecycle.collect(ctx, trainer, record)
+                outcome = await follow_job(ctx, trainer, record)
+                return await _finish(runs, outcome, executor)
+        except RunBusy as busy:
+            raise RunError(
+                f"run {run_id} is already followed by {busy.holder}: it records the outcome; "
+                "attach again only once that follower has ended"
+            ) from None
     finally:
         await executor.close()
 
@@ -267,9 +277,21 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
         trainer = _trainer(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         await lifecycle.request_stop(ctx, record)
-        get_run_logger().info("run %s: asked its job for a checkpoint and a stop", run_id)
-        outcome = await follow_job(ctx, trainer, record)
-        return await _finish(runs, outcome, executor)
+        logger = get_run_logger()
+        logger.info("run %s: asked its job for a checkpoint and a stop", run_id)
+        try:
+            with follow_lock(runs.run_dir(run_id), flow_run.id):
+                outcome = await follow_job(ctx, trainer, runs.load(run_id))
+                return await _finish(runs, outcome, executor)
+        except RunBusy as busy:
+            logger.info(
+                "run %s is followed by %s, which will record the stop and retrieve the "
+                "checkpoint; resume it afterwards with the train flow (resume_from=%s)",
+                run_id,
+                busy.holder,
+                run_id,
+            )
+            return await _wait_for_end(runs, run_id, executor)
     finally:
         await executor.close()
 
@@ -283,6 +305,15 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     try:
         trainer = _trainer(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+        if is_followed(runs.run_dir(run_id)) and record.job is not None:
+            # its follower sees the cancel, records it and retrieves what the job left
+            await executor.cancel(record.job)
+            get_run_logger().info(
+                "run %s: job cancelled; its follower (%s) records it",
+                run_id,
+                holder_of(runs.run_dir(run_id)),
+            )
+            return await _wait_for_end(runs, run_id, executor, cancelling=True)
         record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
         if status.kind != "cancelled":
             raise RunError(
@@ -297,3 +328,34 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[
         return await _finish(runs, outcome, executor, cancelling=True)
     finally:
         await executor.close()
+
+
+FOLLOWER_WAIT_S = 300.0  # how long stop and cancel wait for another follower to record the end
+
+
+async def _wait_for_end(
+    runs: Runs, run_id: str, executor: Executor, *, cancelling: bool = False
+) -> RunResult | State[Any]:
+    """Waits (bounded) until the run's other follower has recorded its end, and
+    reports that outcome; past the bound, says the run is still followed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + FOLLOWER_WAIT_S
+    while loop.time() < deadline:
+        record = runs.load(run_id)
+        if record.state.ended and not is_followed(runs.run_dir(run_id)):
+            outcome = await lifecycle.watch(
+                RunContext(runs=runs, executor=executor), _record_trainer(record), record
+            )
+            return await _finish(runs, outcome, executor, cancelling=cancelling)
+        await asyncio.sleep(1.0)
+    raise RunError(
+        f"run {run_id} is still followed by {holder_of(runs.run_dir(run_id))} after "
+        f"{FOLLOWER_WAIT_S:g} s; see its flow run for the outcome"
+    )
+
+
+def _record_trainer(record: RunRecord) -> AxolotlTrainer:
+    """The trainer of an ended run, for reading its local files."""
+    if record.spec is None:
+        raise RunError(f"run {record.id} has no training spec in its record")
+    return AxolotlTrainer(TrainingSpec.model_validate(record.spec))

@@ -30,6 +30,7 @@ from overbrainer_prefect.executors.base import (
 )
 from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.runs.ids import new_run_id, parse_rfc3339, rfc3339
+from overbrainer_prefect.runs.lock import LOCK_FILE
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.records import write_atomic
 from overbrainer_prefect.runs.store import (
@@ -64,7 +65,15 @@ NOT_RETRIEVED = "artifacts not retrieved: "
 MANIFEST_FILE = "manifest.json"
 """The verified manifest of a run's retrieved files, kept locally."""
 
-LOCAL_ONLY = (RECORD_FILE, MANIFEST_FILE, "pod.json", ".ssh", "exports", "compares")
+LOCAL_ONLY = (
+    RECORD_FILE,
+    MANIFEST_FILE,
+    LOCK_FILE,
+    "pod.json",
+    ".ssh",
+    "exports",
+    "compares",
+)
 """Entries of a local run directory that never leave this machine."""
 
 ENDING_POLL_S = 0.25  # seconds between looks at a job that wrote its end event
