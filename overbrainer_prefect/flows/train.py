@@ -27,6 +27,7 @@ from overbrainer_prefect.artifacts import (
 )
 from overbrainer_prefect.blocks import TargetBlock
 from overbrainer_prefect.executors.base import Executor
+from overbrainer_prefect.flows.hooks import on_cancelled, on_crashed
 from overbrainer_prefect.flows.targets import load_target
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import Outcome, RunContext, RunError
@@ -65,8 +66,9 @@ class RunResult(BaseModel):
     next: str
 
 
-def _trainer(record: RunRecord, block: TargetBlock) -> AxolotlTrainer:
-    """The trainer of a run, rebuilt from its record."""
+def trainer_of(record: RunRecord, block: TargetBlock) -> AxolotlTrainer:
+    """The trainer of a run, rebuilt from its record. Raises RunError when the
+    record holds no training spec."""
     if record.spec is None:
         raise RunError(f"run {record.id} has no training spec in its record: it cannot be followed")
     spec = TrainingSpec.model_validate(record.spec)
@@ -188,7 +190,7 @@ async def _finish(
     return result
 
 
-@flow(name="train", persist_result=True)
+@flow(name="train", persist_result=True, on_cancellation=[on_cancelled], on_crashed=[on_crashed])
 async def train(
     target: str,
     training: TrainingSpec | None = None,
@@ -239,7 +241,7 @@ async def _load(run_id: str, runs_dir: str | None) -> tuple[Runs, RunRecord, Tar
     return runs, record, block
 
 
-@flow(name="attach", persist_result=True)
+@flow(name="attach", persist_result=True, on_cancellation=[on_cancelled], on_crashed=[on_crashed])
 async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
     """Follows a started run again (after its first follower died, or its files
     could not be retrieved) until its job ends, then retrieves and verifies its
@@ -248,7 +250,7 @@ async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     runs, record, block = await _load(run_id, runs_dir)
     executor = block.executor(record.target)
     try:
-        trainer = _trainer(record, block)
+        trainer = trainer_of(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         try:
             with follow_lock(runs.run_dir(record.id), flow_run.id):
@@ -274,7 +276,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
     runs, record, block = await _load(run_id, runs_dir)
     executor = block.executor(record.target)
     try:
-        trainer = _trainer(record, block)
+        trainer = trainer_of(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         await lifecycle.request_stop(ctx, record)
         logger = get_run_logger()
@@ -303,7 +305,7 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     runs, record, block = await _load(run_id, runs_dir)
     executor = block.executor(record.target)
     try:
-        trainer = _trainer(record, block)
+        trainer = trainer_of(record, block)
         ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         if is_followed(runs.run_dir(run_id)) and record.job is not None:
             # its follower sees the cancel, records it and retrieves what the job left

@@ -1,0 +1,306 @@
+"""Pushing a GGUF to an Ollama server through its REST API.
+
+The file goes up once, as a blob named by its SHA-256 (`HEAD
+/api/blobs/sha256:<hex>` says whether the server has it; `POST` sends it and
+the server checks the digest), then `POST /api/create` makes a model of it
+with its chat template, stop words and default system prompt. The create call
+answers a stream of `{"status": ...}` lines ending in `success`, or an
+`{"error": ...}` line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from overbrainer_prefect.delivery import DeliveryError
+
+DEFAULT_URL = "http://127.0.0.1:11434"
+"""Where `ollama serve` listens by default."""
+
+CHUNK = 1 << 20  # bytes read from the GGUF per piece of a blob upload
+TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
+"""A blob of gigabytes takes minutes to write and the server hashes it before
+answering; a create parses the whole GGUF before its first status line."""
+
+MAX_ERROR_TEXT = 200  # characters of a server's error message kept in ours
+
+CHATML_TEMPLATE = (
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n"
+    "{{ .Content }}<|im_end|>\n"
+    "{{ end }}<|im_start|>assistant\n"
+)
+"""ChatML as an Ollama Go template: each message `<|im_start|>role\\ncontent<|im_end|>\\n`,
+then the assistant's turn opened, as the Jinja templates of SmolLM2 and Qwen render it."""
+
+CHATML_STOP = ("<|im_end|>",)
+"""Where a ChatML answer ends."""
+
+_CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
+_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\n(.+?)<\|im_end\|>", re.DOTALL)
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+class OllamaError(DeliveryError):
+    """The Ollama server could not be reached, or refused a step."""
+
+
+class OllamaUnreachable(OllamaError):
+    """Nothing answered at the server's URL (refused, timed out, cut off)."""
+
+
+class OllamaRejected(OllamaError):
+    """The server answered with an error (a digest it refused, a model it could
+    not create); `status` is the HTTP status, or 200 for an error in the stream."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How Ollama renders prompts for a model: its Go template (None lets the
+    server pick one from the GGUF), its default system prompt and its
+    parameters (`stop`, `temperature`...)."""
+
+    template: str | None = None
+    system: str | None = None
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def described(self) -> str:
+        """A few words for logs: `ChatML template, stop <|im_end|>`."""
+        if self.template == CHATML_TEMPLATE:
+            kind = "ChatML template"
+        elif self.template is None:
+            kind = "the server's template for the GGUF"
+        else:
+            kind = "a custom template"
+        stop = self.parameters.get("stop")
+        return f"{kind}, stop {' '.join(stop)}" if stop else kind
+
+
+def chat_settings(chat_template: str | None, training_template: str | None = None) -> ModelSettings:
+    """The Ollama settings that render prompts as the model was trained on.
+
+    A ChatML Jinja template (the GGUF's `tokenizer.chat_template`, or a run
+    trained with `chat_template: chatml`) becomes `CHATML_TEMPLATE` with the
+    stop word `<|im_end|>`, and the system prompt the Jinja template adds when a
+    conversation has none (SmolLM2's) becomes the model's default system
+    prompt. Anything else is left to the server, which matches the GGUF's
+    template to one it knows. Never fails.
+    """
+    is_chatml = chat_template is not None and all(m in chat_template for m in _CHATML_MARKERS)
+    if not is_chatml and training_template != "chatml":
+        return ModelSettings()
+    system = None
+    if chat_template is not None:
+        found = _DEFAULT_SYSTEM.search(chat_template)
+        if found and "{{" not in found.group(1) and "{%" not in found.group(1):
+            system = found.group(1)
+    return ModelSettings(
+        template=CHATML_TEMPLATE, system=system, parameters={"stop": list(CHATML_STOP)}
+    )
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """A model created on an Ollama server from a GGUF blob."""
+
+    model: str
+    digest: str
+    """`sha256:<hex>` of the GGUF."""
+    file_name: str
+    uploaded: bool
+    """Whether the blob was sent (False: the server already had it)."""
+    statuses: list[str]
+
+
+def public_url(url: str) -> str:
+    """`url` without a user name or password, as messages and records show it."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url.rstrip("/")
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment)).rstrip("/")
+
+
+class OllamaClient:
+    """An Ollama server's blob and create API, over httpx. Use it as an async
+    context manager; `transport` replaces the network (tests)."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        timeout: httpx.Timeout = TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.public = public_url(url)
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, transport=transport)
+
+    async def __aenter__(self) -> OllamaClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the connections. Never fails."""
+        await self._client.aclose()
+
+    async def has_blob(self, sha256: str) -> bool:
+        """Whether the server holds the blob `sha256` (lowercase hex).
+
+        Raises OllamaUnreachable when the server cannot be reached, OllamaRejected
+        when it answers neither 200 nor 404.
+        """
+        response = await self._send("check a blob", "HEAD", _blob_path(sha256))
+        if response.status_code == 404:
+            return False
+        if response.status_code != 200:
+            raise self._rejected("check a blob", response.status_code, None)
+        return True
+
+    async def push_blob(self, path: Path, sha256: str) -> None:
+        """Sends the file `path` as the blob `sha256`, streamed in `CHUNK` pieces;
+        the server hashes what it receives and refuses it when it differs.
+
+        Raises OllamaUnreachable or OllamaRejected; OSError when the file cannot be read.
+        """
+        size = path.stat().st_size
+        response = await self._send(
+            "store the GGUF",
+            "POST",
+            _blob_path(sha256),
+            content=_file_chunks(path),
+            headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+        )
+        if response.status_code not in (200, 201):
+            raise self._rejected("store the GGUF", response.status_code, _error_of(response))
+
+    async def create(
+        self, model: str, files: Mapping[str, str], settings: ModelSettings
+    ) -> list[str]:
+        """Creates (or replaces) the model `model` from blobs (`files` maps a file
+        name to `sha256:<hex>`) with `settings`; returns the status lines the
+        server streamed.
+
+        Raises OllamaUnreachable, or OllamaRejected when the server refuses the
+        request or streams an error.
+        """
+        body: dict[str, Any] = {"model": model, "files": dict(files), "stream": True}
+        if settings.template is not None:
+            body["template"] = settings.template
+        if settings.system is not None:
+            body["system"] = settings.system
+        if settings.parameters:
+            body["parameters"] = dict(settings.parameters)
+        step = f"create the model {model}"
+        statuses: list[str] = []
+        try:
+            async with self._client.stream("POST", "/api/create", json=body) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise self._rejected(step, response.status_code, _error_of(response))
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = _json_object(line)
+                    if event is None:
+                        raise self._rejected(step, response.status_code, "an unreadable answer")
+                    error = event.get("error")
+                    if error is not None:
+                        raise self._rejected(step, response.status_code, str(error))
+                    status = event.get("status")
+                    if isinstance(status, str):
+                        statuses.append(status)
+        except httpx.TransportError as error:
+            raise self._unreachable(error) from None
+        if not statuses or statuses[-1] != "success":
+            raise self._rejected(step, 200, "its answer ended before success")
+        return statuses
+
+    async def push_gguf(
+        self, path: Path, sha256: str, model: str, settings: ModelSettings
+    ) -> Pushed:
+        """Makes the model `model` of the GGUF `path` whose SHA-256 is `sha256`:
+        sends its blob unless the server already has it, then creates the model
+        with `settings`, the GGUF named by its file name.
+
+        Raises OllamaUnreachable or OllamaRejected; OSError when the file cannot be read.
+        """
+        if not _DIGEST.match(sha256):
+            raise ValueError(f"{sha256!r} is not a SHA-256 in lowercase hex")
+        uploaded = False
+        if not await self.has_blob(sha256):
+            await self.push_blob(path, sha256)
+            uploaded = True
+        digest = f"sha256:{sha256}"
+        statuses = await self.create(model, {path.name: digest}, settings)
+        return Pushed(
+            model=model, digest=digest, file_name=path.name, uploaded=uploaded, statuses=statuses
+        )
+
+    async def _send(self, step: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self._client.request(method, path, **kwargs)
+        except httpx.TransportError as error:
+            raise self._unreachable(error) from None
+
+    def _unreachable(self, error: httpx.TransportError) -> OllamaUnreachable:
+        if isinstance(error, httpx.ConnectError):
+            why = "nothing answers there"
+        elif isinstance(error, httpx.TimeoutException):
+            why = "it did not answer in time"
+        else:
+            why = "the connection was lost"
+        return OllamaUnreachable(f"cannot reach the Ollama server at {self.public} ({why})")
+
+    def _rejected(self, step: str, status: int, error: str | None) -> OllamaRejected:
+        detail = f"{status}: {_one_line(error)}" if error else str(status)
+        return OllamaRejected(
+            f"the Ollama server at {self.public} refused to {step} ({detail})", status
+        )
+
+
+def _blob_path(sha256: str) -> str:
+    return f"/api/blobs/sha256:{sha256}"
+
+
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    with open(path, "rb") as file:
+        while chunk := await asyncio.to_thread(file.read, CHUNK):
+            yield chunk
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _error_of(response: httpx.Response) -> str | None:
+    """The `error` field of an Ollama error answer (its API's message), if any."""
+    event = _json_object(response.text) if response.content else None
+    error = event.get("error") if event else None
+    return str(error) if error is not None else None
+
+
+def _one_line(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_ERROR_TEXT else f"{line[: MAX_ERROR_TEXT - 3]}..."

@@ -1,0 +1,162 @@
+"""What a run delivers, checked before it leaves: the GGUF of its export of a
+quant type, and its adapter (the top-level files of `output/`), each file
+hashed again and compared with the SHA-256 manifest it was retrieved with.
+
+An export lives in `runs/<run-id>/exports/<export-id>/` (`export.json`, its
+retrieved `gguf/<name>-<quant>.gguf` and the `manifest.json` of the
+retrieval); the run's own `manifest.json` lists its `output/` files.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from overbrainer_prefect.delivery import DeliveryError
+from overbrainer_prefect.executors.manifest import sha256_file
+from overbrainer_prefect.runs.lifecycle import load_manifest
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+
+OUTPUT_DIR = "output"
+"""Where a run's adapter (or full model) is, in its run directory."""
+
+EXPORT_KIND = "export"
+"""The kind of an export's record (`exports/<id>/export.json`)."""
+
+NOT_DELIVERED = ("checkpoint-*", "README.md", "training_args.bin")
+"""Files of `output/` never delivered: checkpoints (resumable training state),
+axolotl's own card (the delivery writes its own) and the trainer's pickled
+arguments (the card lists the settings instead)."""
+
+_QUANT = re.compile(r"^[a-z0-9_]+$")
+
+
+class SourceError(DeliveryError):
+    """What a delivery needs is missing locally or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """A file to deliver: where it is, its path in the run directory as messages
+    name it (`runs/R/output/adapter_model.safetensors`), and its verified size
+    and SHA-256."""
+
+    path: Path
+    shown: str
+    size: int
+    sha256: str
+
+    @property
+    def name(self) -> str:
+        """The file's name."""
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class ExportedGguf:
+    """The verified GGUF of a succeeded export of a run."""
+
+    run_id: str
+    export_id: str
+    quant: str
+    file: LocalFile
+
+
+def normalize_quant(quant: str) -> str:
+    """A quant type as exports name it (`Q4_K_M` → `q4_k_m`).
+
+    Raises SourceError when it is not a quant type name.
+    """
+    value = quant.strip().lower()
+    if not _QUANT.match(value):
+        raise SourceError(
+            f"{quant!r} is not a quant type: use one like q4_k_m, q5_k_m, q8_0 or f16"
+        )
+    return value
+
+
+def find_gguf(runs: Runs, record: RunRecord, quant: str) -> ExportedGguf:
+    """The GGUF of the latest succeeded export of run `record` of type `quant`,
+    checked against the manifest of the export's retrieval.
+
+    Raises SourceError with one line when the run has no such export (saying to
+    run the export flow), or when its GGUF is missing or differs from its
+    manifest (saying to export it again).
+    """
+    quant = normalize_quant(quant)
+    exports = runs.children(record.id, EXPORT_KIND)
+    candidates: list[tuple[str, RunRecord, str, int, str]] = []
+    for export in exports.list(skipped=lambda _name, _error: None):
+        if export.state != RunState.SUCCEEDED:
+            continue
+        spec_quant = str((export.spec or {}).get("quant", "")).lower()
+        for entry in load_manifest(exports.run_dir(export.id)):
+            if not (entry.path.startswith("gguf/") and entry.path.endswith(".gguf")):
+                continue
+            named = entry.path.lower().endswith(f"-{quant}.gguf")
+            if spec_quant == quant or (not spec_quant and named):
+                when = export.ended or export.created
+                candidates.append((when, export, entry.path, entry.size, entry.sha256))
+    if not candidates:
+        raise SourceError(
+            f"run {record.id} has no succeeded export of quant {quant}: run the export flow "
+            f"(run_id={record.id}, quant={quant}) first"
+        )
+    _, export, rel, size, sha256 = max(candidates, key=lambda c: (c[0], c[1].id))
+    shown = f"runs/{record.id}/exports/{export.id}/{rel}"
+    path = exports.run_dir(export.id) / rel
+    again = f"export it again with the export flow (run_id={record.id}, quant={quant})"
+    file = verified(path, shown, size, sha256, again)
+    return ExportedGguf(run_id=record.id, export_id=export.id, quant=quant, file=file)
+
+
+def adapter_files(runs: Runs, record: RunRecord) -> list[LocalFile]:
+    """The files a run's adapter (or full model) is delivered as: the top-level
+    files of its `output/`, less `NOT_DELIVERED`, each checked against the run's
+    manifest.
+
+    Raises SourceError with one line when the run has no retrieved output or a
+    file differs from its manifest.
+    """
+    local = runs.run_dir(record.id)
+    manifest = {
+        entry.path: entry
+        for entry in load_manifest(local)
+        if entry.path.startswith(f"{OUTPUT_DIR}/") and entry.path.count("/") == 1
+    }
+    again = f"retrieve it again with the attach flow (run_id={record.id})"
+    files = []
+    for rel in sorted(manifest):
+        name = rel.split("/", 1)[1]
+        if any(fnmatchcase(name, pattern) for pattern in NOT_DELIVERED):
+            continue
+        entry = manifest[rel]
+        files.append(
+            verified(local / rel, f"runs/{record.id}/{rel}", entry.size, entry.sha256, again)
+        )
+    if not files:
+        raise SourceError(
+            f"run {record.id} has no verified files in {OUTPUT_DIR}/ to deliver: {again}"
+        )
+    return files
+
+
+def verified(path: Path, shown: str, size: int, sha256: str, again: str) -> LocalFile:
+    """The file `path` once hashed again and found to have `size` and `sha256`.
+
+    Raises SourceError naming it as `shown`, with `again` as the next step, when it
+    is missing, unreadable or different.
+    """
+    try:
+        actual_size, actual = sha256_file(path)
+    except FileNotFoundError:
+        raise SourceError(f"{shown} is missing: {again}") from None
+    except OSError as error:
+        raise SourceError(f"cannot read {shown} ({error.strerror or error}): {again}") from None
+    if actual != sha256 or actual_size != size:
+        raise SourceError(
+            f"{shown} does not match its verified manifest (SHA-256 mismatch): {again}"
+        )
+    return LocalFile(path=path, shown=shown, size=size, sha256=sha256)

@@ -1,0 +1,102 @@
+"""What happens to a run when its flow run is cancelled or crashes.
+
+Prefect runs these hooks after it stopped the flow's process, often in another
+process (the worker's or the runner's): nothing of the flow's memory is there.
+So they find the run from `run.json` alone: the record of every run holds the
+flow run that created it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from prefect.client.schemas.objects import FlowRun, State
+from prefect.flows import Flow
+from prefect.logging.loggers import flow_run_logger
+
+from overbrainer_prefect.executors.base import ExecError
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.runs.lifecycle import RunContext
+from overbrainer_prefect.runs.lock import RunBusy, follow_lock
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+
+HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends retrieving what a job left
+
+
+def runs_of(flow_run: FlowRun) -> tuple[Runs, list[RunRecord]]:
+    """The runs store the flow run used, and the runs it created that have not ended."""
+    runs_dir = (flow_run.parameters or {}).get("runs_dir")
+    runs = Runs(runs_dir)
+    mine = [
+        record
+        for record in runs.list(skipped=lambda run_id, error: None)
+        if record.flow_run_id == str(flow_run.id) and not record.state.ended
+    ]
+    return runs, mine
+
+
+async def cancel_runs_of(flow_run: FlowRun, logger: logging.Logger | Any) -> None:
+    """Ends the unfinished runs of a cancelled flow run: a run whose job had not
+    started is failed `interrupted before the job started`; a started job is
+    cancelled, what it left retrieved (bounded in time) and the run recorded."""
+    from overbrainer_prefect.flows.targets import load_target
+    from overbrainer_prefect.flows.train import trainer_of
+
+    runs, records = runs_of(flow_run)
+    for record in records:
+        if record.job is None:
+            record.state = RunState.FAILED
+            record.message = "interrupted before the job started"
+            record.ended = rfc3339()
+            runs.save(record)
+            logger.info("run %s: interrupted before its job started; nothing runs", record.id)
+            continue
+        _, block = await load_target(record.target)
+        executor = block.executor(record.target)
+        ctx = RunContext(runs=runs, executor=executor, python=block.python)
+        try:
+            with follow_lock(runs.run_dir(record.id), str(flow_run.id)):
+                _, status, retrieved = await asyncio.wait_for(
+                    lifecycle.cancel(ctx, trainer_of(record, block), record), HOOK_RETRIEVE_S
+                )
+            logger.info(
+                "run %s: job %s on %s; its files were %sretrieved",
+                record.id,
+                status,
+                executor.description,
+                "" if retrieved else "not ",
+            )
+        except (ExecError, TimeoutError, RunBusy) as error:
+            logger.warning(
+                "run %s: cannot cancel its job on %s (%s); cancel it with the cancel flow "
+                "(run_id=%s)",
+                record.id,
+                executor.description,
+                error,
+                record.id,
+            )
+        finally:
+            await executor.close()
+
+
+async def on_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """`on_cancellation` hook of the run flows: cancels the jobs they started."""
+    await cancel_runs_of(flow_run, flow_run_logger(flow_run, flow))
+
+
+def on_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """`on_crashed` hook of the run flows: a started job keeps running (bounded by
+    its max_hours); says how to follow it again."""
+    logger = flow_run_logger(flow_run, flow)
+    _, records = runs_of(flow_run)
+    for record in records:
+        if record.job is not None:
+            logger.warning(
+                "run %s keeps running on its target (bounded by max_hours); follow it again "
+                "with the attach flow (run_id=%s), or cancel it with the cancel flow",
+                record.id,
+                record.id,
+            )

@@ -1,0 +1,564 @@
+"""The Runpod API client: pods, the GPU catalog, data centers and account
+secrets, over REST v2 (`https://api.runpod.io/v2`), with GraphQL's `gpuTypes`
+as the catalog of last resort.
+
+It never imports Prefect. Every request carries an explicit User-Agent and
+the key only in its `Authorization` header; no error or log line ever holds
+the key, a secret's value or an answer's body (see `errors`).
+
+What it does for the caller:
+
+- 429 is waited out as `Retry-After` says, within a bounded total wait;
+- a 5xx or a lost answer is retried a bounded number of times, except on a
+  create: there the pod is first looked up by its unique name, since Runpod
+  has created billing pods while answering 500; exactly one pod of that name
+  is left;
+- Runpod's capacity refusal raises `NoCapacity`, so the caller moves to its
+  next GPU type;
+- a 404 on a look is `None`, and on a delete "already gone" (`False`).
+
+    async with RunpodClient(api_key) as client:
+        pod = await client.create_pod(PodRequest(name="ob-r1-a1", image=..., gpu_type_id=...))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from pydantic import SecretStr
+
+from overbrainer_prefect import __version__
+from overbrainer_prefect.runpod.errors import (
+    NoCapacity,
+    RunpodError,
+    is_capacity_text,
+    short_detail,
+)
+from overbrainer_prefect.runpod.models import (
+    Cloud,
+    DataCenter,
+    GpuType,
+    Pod,
+    PodRequest,
+    Secret,
+    secret_name_problem,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REST_URL = "https://api.runpod.io/v2"
+"""REST v2: pods, secrets, catalog. (REST v1 answers 410 since 2026-11-15.)"""
+
+DEFAULT_GRAPHQL_URL = "https://api.runpod.io/graphql"
+"""GraphQL: only its `gpuTypes` and `dataCenters`, when the v2 catalog is missing."""
+
+USER_AGENT = f"overbrainer-prefect/{__version__}"
+"""Sent on every request: Cloudflare refuses some default client agents (403, 1010)."""
+
+MAX_PAGES = 100  # pages of a pod list followed at most: a cursor that never ends is a bug
+GPU_TYPES_QUERY = (
+    "query GpuTypes { gpuTypes { id displayName memoryInGb secureCloud communityCloud "
+    "securePrice communityPrice maxGpuCount } }"
+)
+DATA_CENTERS_QUERY = "query DataCenters { dataCenters { id name } }"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long the client keeps trying before it gives up.
+
+    `attempts` tries of a call that may be repeated (a look, a list, a delete),
+    `backoff_s` before the second (doubled each time, at most `max_backoff_s`);
+    429s are waited out for `rate_limit_budget_s` in all, one `Retry-After`
+    above `max_retry_after_s` is not waited; a create is sent at most
+    `create_attempts` times, each ambiguous answer followed by
+    `reconcile_looks` looks for the pod by name, `reconcile_interval_s` apart.
+    """
+
+    attempts: int = 4
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    rate_limit_budget_s: float = 120.0
+    max_retry_after_s: float = 60.0
+    create_attempts: int = 3
+    reconcile_looks: int = 3
+    reconcile_interval_s: float = 2.0
+
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait after the `failures`-th failure in a row."""
+        return float(min(self.max_backoff_s, self.backoff_s * (2 ** max(0, failures - 1))))
+
+
+class RunpodClient:
+    """An async client of the Runpod API for one account key.
+
+    `rest_url` and `graphql_url` default to Runpod's; tests and private
+    gateways point them elsewhere. `transport` replaces httpx's network
+    transport (tests only). Close it with `aclose()`, or use it as an async
+    context manager.
+    """
+
+    def __init__(
+        self,
+        api_key: SecretStr,
+        rest_url: str = DEFAULT_REST_URL,
+        graphql_url: str = DEFAULT_GRAPHQL_URL,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        key = api_key.get_secret_value().strip()
+        if not key:
+            raise RunpodError(None, "no API key", "set the API key of the RunpodCredentials block")
+        self.rest_url = rest_url.rstrip("/")
+        self.graphql_url = graphql_url
+        self.retry = retry or RetryPolicy()
+        self._secrets: set[str] = {key, api_key.get_secret_value()}
+        self._http = httpx.AsyncClient(
+            headers={
+                "Authorization": f"Bearer {key}",
+                "User-Agent": USER_AGENT,
+                "Accept": "application/json",
+            },
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            transport=transport,
+            follow_redirects=False,
+        )
+
+    async def __aenter__(self) -> RunpodClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Closes the connections."""
+        await self._http.aclose()
+
+    # Pods
+
+    async def create_pod(self, request: PodRequest) -> Pod:
+        """Creates the pod `request` describes, and returns it as Runpod shows it.
+
+        After a 5xx or a lost answer, the pod is looked up by its name before
+        the create is sent again; when a retry succeeds, any other pod of the
+        same name is deleted, so exactly one pod of that name is left.
+
+        Raises NoCapacity when Runpod has no machine for the GPU type, and
+        RunpodError for any other refusal, or when Runpod stays unreachable
+        (its hint then says a pod of that name may exist).
+        """
+        body = request.to_api()
+        ambiguous = 0
+        while True:
+            capacity_detail = ""
+            try:
+                response = await self._request("POST", self._url("/pods"), json=body, retry=False)
+            except RunpodError as error:
+                if error.status is not None:
+                    raise
+                last: RunpodError = error
+            else:
+                if response.status_code in (200, 201):
+                    pod = Pod.model_validate(self._json(response))
+                    if ambiguous:
+                        await self._delete_twins(request.name, keep=pod.id)
+                    log.info("created pod %s (%s) on %s", pod.id, pod.name, request.gpu_type_id)
+                    return pod
+                last = self._error(response, gpu_type=request.gpu_type_id)
+                if response.status_code < 500:
+                    raise last
+                if isinstance(last, NoCapacity):
+                    capacity_detail = last.detail
+            ambiguous += 1
+            found = await self._reconcile(request.name, last)
+            if found is not None:
+                log.warning(
+                    "%s to the create of pod %s, but the pod exists: %s",
+                    last.run_message,
+                    request.name,
+                    found.id,
+                )
+                return found
+            if capacity_detail:
+                raise NoCapacity(request.gpu_type_id, 500, detail=capacity_detail)
+            if ambiguous >= self.retry.create_attempts:
+                raise RunpodError(
+                    last.status,
+                    last.reason,
+                    f"no pod named {request.name} shows after {ambiguous} tries: try again "
+                    "later, and check with the pods flow that no pod of the run is left",
+                    detail=last.detail,
+                )
+            wait = self.retry.backoff(ambiguous)
+            log.warning(
+                "%s to the create of pod %s, which does not show; sending it again in %.1f s",
+                last.run_message,
+                request.name,
+                wait,
+            )
+            await asyncio.sleep(wait)
+
+    async def get_pod(self, pod_id: str) -> Pod | None:
+        """The pod `pod_id`, or None when Runpod answers 404 (it may still exist:
+        a pod just created or deleted can answer 404 for a while; see
+        `deletion.look_up`). Raises RunpodError on any other failure."""
+        response = await self._request("GET", self._url(f"/pods/{_segment(pod_id)}"))
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise self._error(response)
+        return Pod.model_validate(self._json(response))
+
+    async def list_pods(self) -> list[Pod]:
+        """Every pod of the account (all pages). Raises RunpodError on failure."""
+        pods: list[Pod] = []
+        params: dict[str, str] = {}
+        for _ in range(MAX_PAGES):
+            response = await self._request("GET", self._url("/pods"), params=params or None)
+            if response.status_code != 200:
+                raise self._error(response)
+            data = self._json(response)
+            rows = data if isinstance(data, list) else data.get("pods", [])
+            pods.extend(Pod.model_validate(row) for row in rows if isinstance(row, Mapping))
+            page = data.get("pagination") if isinstance(data, Mapping) else None
+            cursor = page.get("nextCursor") if isinstance(page, Mapping) else None
+            if not cursor or not page.get("hasNextPage", True):
+                return pods
+            params = {"cursor": str(cursor)}
+        raise RunpodError(None, "pod list never ends", f"stopped after {MAX_PAGES} pages")
+
+    async def pods_named(self, name: str) -> list[Pod]:
+        """The pods of the account named exactly `name`."""
+        return [pod for pod in await self.list_pods() if pod.name == name]
+
+    async def delete_pod(self, pod_id: str) -> bool:
+        """Deletes the pod `pod_id`: True when this call deleted it, False when it
+        was already gone (Runpod's 404), which is success too. The deletion is
+        not confirmed here: see `deletion.confirm_deleted`. Raises RunpodError
+        when Runpod refuses or stays unreachable."""
+        response = await self._request("DELETE", self._url(f"/pods/{_segment(pod_id)}"))
+        if response.status_code in (200, 202, 204):
+            log.info("deleted pod %s", pod_id)
+            return True
+        if response.status_code == 404 or "not found to terminate" in response.text.lower():
+            log.info("pod %s was already gone", pod_id)
+            return False
+        raise self._error(response)
+
+    # Catalog
+
+    async def gpu_types(self, cloud: Cloud = "SECURE", gpu_count: int = 1) -> list[GpuType]:
+        """The GPU types of Runpod's catalog with their VRAM, prices and stock on
+        `cloud` for pods of `gpu_count` GPUs: REST v2's `/catalog/gpus`, or
+        GraphQL's `gpuTypes` when that answers 404, 405 or 410. Raises
+        RunpodError on failure."""
+        params = {"include": "AVAILABILITY", "product": "POD", "cloud": cloud}
+        params["count"] = str(gpu_count)
+        response = await self._request("GET", self._url("/catalog/gpus"), params=params)
+        if response.status_code == 400:  # availability filters refused: the plain list
+            response = await self._request("GET", self._url("/catalog/gpus"))
+        if response.status_code in (404, 405, 410):
+            rows = await self._graphql(GPU_TYPES_QUERY, "gpuTypes")
+            return [GpuType.from_graphql(row) for row in rows if row.get("id")]
+        if response.status_code != 200:
+            raise self._error(response)
+        data = self._json(response)
+        rows = data.get("gpus", []) if isinstance(data, Mapping) else data
+        return [GpuType.from_catalog(row) for row in rows if isinstance(row, Mapping)]
+
+    async def data_centers(self) -> list[DataCenter]:
+        """Runpod's data centers (REST v2's `/catalog/datacenters`, or GraphQL's
+        `dataCenters`). Raises RunpodError on failure."""
+        response = await self._request("GET", self._url("/catalog/datacenters"))
+        if response.status_code in (404, 405, 410):
+            rows = await self._graphql(DATA_CENTERS_QUERY, "dataCenters")
+            return [DataCenter.model_validate(row) for row in rows if row.get("id")]
+        if response.status_code != 200:
+            raise self._error(response)
+        data = self._json(response)
+        rows = data.get("dataCenters", []) if isinstance(data, Mapping) else data
+        return [DataCenter.model_validate(row) for row in rows if isinstance(row, Mapping)]
+
+    # Secrets
+
+    async def create_secret(
+        self, name: str, value: SecretStr, description: str | None = None
+    ) -> Secret:
+        """Creates the account secret `name` holding `value`, for pods to read
+        through `models.secret_ref(name)`. Raises ValueError for a name Runpod
+        refuses, RunpodError when Runpod refuses (409: the name is taken) or
+        stays unreachable; after an ambiguous answer, a 409 means this
+        client's own earlier try created it."""
+        problem = secret_name_problem(name)
+        if problem:
+            raise ValueError(problem)
+        raw = value.get_secret_value()
+        self._secrets.add(raw)
+        body: dict[str, Any] = {"name": name, "value": raw}
+        if description:
+            body["description"] = description
+        url = self._url("/account/secrets")
+        ambiguous = False
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                response = await self._request("POST", url, json=body, retry=False)
+            except RunpodError as error:
+                if error.status is not None or attempt == self.retry.attempts:
+                    raise
+                ambiguous = True
+                await asyncio.sleep(self.retry.backoff(attempt))
+                continue
+            if response.status_code in (200, 201):
+                return Secret.model_validate(self._json(response))
+            if response.status_code == 409 and ambiguous:
+                for secret in await self.list_secrets(name):
+                    if secret.name == name:
+                        return secret
+            if response.status_code < 500 or attempt == self.retry.attempts:
+                hint = f"a secret named {name} exists: delete it first, or use another name"
+                raise self._error(response, hint=hint if response.status_code == 409 else None)
+            ambiguous = True
+            await asyncio.sleep(self.retry.backoff(attempt))
+        raise RunpodError(None, "no answer", "cannot create the secret")  # not reached
+
+    async def list_secrets(self, name: str | None = None) -> list[Secret]:
+        """The account's secrets (their names, never their values); only the one
+        named `name` when given. Raises RunpodError on failure."""
+        params = {"name": name} if name else None
+        response = await self._request("GET", self._url("/account/secrets"), params=params)
+        if response.status_code != 200:
+            raise self._error(response)
+        data = self._json(response)
+        rows = data.get("secrets", []) if isinstance(data, Mapping) else data
+        return [Secret.model_validate(row) for row in rows if isinstance(row, Mapping)]
+
+    async def delete_secret(self, name: str) -> bool:
+        """Deletes the account secret `name`: True when this call deleted it,
+        False when there was none. Raises RunpodError on failure."""
+        deleted = False
+        for secret in await self.list_secrets(name):
+            if secret.name != name:
+                continue
+            url = self._url(f"/account/secrets/{_segment(secret.id)}")
+            response = await self._request("DELETE", url)
+            if response.status_code in (200, 202, 204):
+                deleted = True
+            elif response.status_code != 404:
+                raise self._error(response)
+        return deleted
+
+    # Plumbing
+
+    def _url(self, path: str) -> str:
+        return f"{self.rest_url}{path}"
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str] | None = None,
+        retry: bool = True,
+    ) -> httpx.Response:
+        """Sends one request. 429 is waited out (`Retry-After`, within the
+        budget) even when `retry` is off: Runpod answers it before doing
+        anything. With `retry`, a 5xx or a lost answer is tried again.
+
+        Raises RunpodError (status None) when no answer came and no retry is
+        left, and RunpodError 429 when the rate-limit budget is spent."""
+        policy = self.retry
+        rate_waited = 0.0
+        failures = 0
+        what = f"{method} {_path(url)}"
+        while True:
+            try:
+                response = await self._http.request(method, url, json=json, params=params)
+            except httpx.TransportError as exc:
+                failures += 1
+                error = _transport_error(exc)
+                if not retry or failures >= policy.attempts:
+                    raise error from None
+                wait = policy.backoff(failures)
+                log.warning("%s: %s; trying again in %.1f s", what, error, wait)
+                await asyncio.sleep(wait)
+                continue
+            status = response.status_code
+            log.debug("%s -> %d", what, status)
+            if status == 429:
+                wait = _retry_after(response)
+                if wait is None:
+                    wait = policy.backoff(failures + 1)
+                if (
+                    wait > policy.max_retry_after_s
+                    or rate_waited + wait > policy.rate_limit_budget_s
+                ):
+                    raise self._error(
+                        response,
+                        hint=f"rate limited for {rate_waited + wait:.0f} s: try again later",
+                    )
+                rate_waited += wait
+                log.warning("%s: rate limited; waiting %.1f s as Runpod asks", what, wait)
+                await asyncio.sleep(wait)
+                continue
+            if status >= 500 and retry and failures + 1 < policy.attempts:
+                failures += 1
+                wait = policy.backoff(failures)
+                log.warning("%s: Runpod answered %d; trying again in %.1f s", what, status, wait)
+                await asyncio.sleep(wait)
+                continue
+            return response
+
+    async def _graphql(self, query: str, field: str) -> list[Mapping[str, Any]]:
+        """The list `data.<field>` of a GraphQL `query`; GraphQL's errors come
+        with status 200 and raise RunpodError."""
+        response = await self._request("POST", self.graphql_url, json={"query": query})
+        if response.status_code != 200:
+            raise self._error(response)
+        data = self._json(response)
+        errors = data.get("errors") if isinstance(data, Mapping) else None
+        if errors:
+            message = str(errors[0].get("message", "")) if isinstance(errors[0], Mapping) else ""
+            raise RunpodError(
+                200,
+                "GraphQL error",
+                "check the API key and the graphql_url of the RunpodCredentials block",
+                detail=short_detail(message, self._secrets),
+            )
+        rows = (data.get("data") or {}).get(field) if isinstance(data, Mapping) else None
+        return [row for row in rows or [] if isinstance(row, Mapping)]
+
+    def _json(self, response: httpx.Response) -> Any:
+        """The JSON of a 2xx answer; RunpodError when it is not JSON."""
+        try:
+            return response.json()
+        except ValueError:
+            raise RunpodError(
+                response.status_code,
+                "unreadable answer",
+                "Runpod's answer is not JSON: check the RunpodCredentials URLs",
+            ) from None
+
+    def _error(
+        self,
+        response: httpx.Response,
+        *,
+        gpu_type: str | None = None,
+        hint: str | None = None,
+    ) -> RunpodError:
+        """The error of a failed answer: NoCapacity for Runpod's capacity text
+        on a create (`gpu_type` given), else RunpodError with the status."""
+        detail = short_detail(_problem_text(response), self._secrets)
+        if gpu_type is not None and response.status_code in (400, 500) and is_capacity_text(detail):
+            return NoCapacity(gpu_type, response.status_code, detail=detail)
+        retry_after = _retry_after(response) if response.status_code == 429 else None
+        return RunpodError.for_status(
+            response.status_code, detail=detail, retry_after=retry_after, hint=hint
+        )
+
+    async def _reconcile(self, name: str, cause: RunpodError) -> Pod | None:
+        """The pod named `name` after an ambiguous create, looked for
+        `reconcile_looks` times (lists can lag); the others of that name are
+        deleted. Raises RunpodError when the pods cannot be listed: sending the
+        create again could then leave two pods."""
+        policy = self.retry
+        for look in range(policy.reconcile_looks):
+            if look:
+                await asyncio.sleep(policy.reconcile_interval_s)
+            try:
+                named = [p for p in await self.pods_named(name) if p.status != "TERMINATED"]
+            except RunpodError as error:
+                raise RunpodError(
+                    cause.status,
+                    cause.reason,
+                    f"the create of pod {name} got no clear answer and the pods cannot be "
+                    f"listed ({error.run_message}): a pod of that name may exist; check with "
+                    "the pods flow",
+                    detail=cause.detail,
+                ) from None
+            if named:
+                keep = named[0]
+                await self._delete_twins(name, keep=keep.id, listed=named)
+                return keep
+        return None
+
+    async def _delete_twins(self, name: str, keep: str, listed: list[Pod] | None = None) -> None:
+        """Deletes every pod named `name` but `keep`: earlier tries of one create."""
+        pods = listed if listed is not None else await self.pods_named(name)
+        for twin in pods:
+            if twin.id != keep and twin.status != "TERMINATED":
+                log.warning("deleting pod %s, a second pod named %s", twin.id, name)
+                await self.delete_pod(twin.id)
+
+
+def _segment(value: str) -> str:
+    """`value` as one URL path segment."""
+    return quote(value, safe="")
+
+
+def _path(url: str) -> str:
+    """The path of `url`, for log lines (never its query: it may hold a name)."""
+    return httpx.URL(url).path
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """Seconds `Retry-After` asks to wait (its seconds form), or None."""
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _problem_text(response: httpx.Response) -> str:
+    """Runpod's explanation in an error answer: v2's `detail` and `errors`,
+    v1's `error` or `message`, GraphQL's `errors[0].message`, or the text."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:500]
+    if not isinstance(data, Mapping):
+        return ""
+    parts: list[str] = []
+    for key in ("detail", "error", "message", "title"):
+        value = data.get(key)
+        if isinstance(value, str) and value:
+            parts.append(value)
+            break
+    errors = data.get("errors")
+    if isinstance(errors, list):
+        for item in errors[:3]:
+            if isinstance(item, str):
+                parts.append(item)
+            elif isinstance(item, Mapping) and isinstance(item.get("message"), str):
+                parts.append(item["message"])
+    return "; ".join(parts)
+
+
+def _transport_error(exc: httpx.TransportError) -> RunpodError:
+    """The error of a request that got no answer; never quotes the request."""
+    if isinstance(exc, httpx.TimeoutException):
+        reason = "timed out"
+    elif isinstance(exc, httpx.ConnectError):
+        reason = "connection failed"
+    else:
+        reason = "connection lost"
+    return RunpodError(
+        None, reason, "check the network and the URLs of the RunpodCredentials block"
+    )

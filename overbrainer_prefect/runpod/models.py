@@ -1,0 +1,319 @@
+"""What the Runpod API sends and answers: a pod request, a pod, a GPU type, a
+data center, a secret.
+
+The answers are read leniently (unknown fields are ignored, the v1 spellings
+`costPerHr`, `desiredStatus`, `imageName` and `portMappings` are accepted
+beside v2's `cost`, `status`, `image` and `ssh`), since Runpod's live answers
+differ from its specification (research/runpod.md §2.3).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Cloud = Literal["SECURE", "COMMUNITY"]
+"""Runpod's cloud tiers, as the API spells them."""
+
+SECRET_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_.\-/]{0,190}$")
+"""A Runpod secret name: letters, digits and `_.-/`, starting with a letter or
+`_`, at most 191 characters; names starting with `runpod` are refused."""
+
+ACTIVE_STATUSES = frozenset({"PROVISIONING", "STARTING", "RUNNING", "CREATED", "RESTARTING"})
+"""Statuses of a pod that runs, or is about to: it bills compute."""
+
+
+def secret_ref(name: str) -> str:
+    """The pod environment value Runpod replaces with the account secret
+    `name` when the pod boots: `{{ RUNPOD_SECRET_name }}`."""
+    return f"{{{{ RUNPOD_SECRET_{name} }}}}"
+
+
+def secret_name_problem(name: str) -> str | None:
+    """One line saying why `name` cannot name a Runpod secret, or None."""
+    if not SECRET_NAME.match(name):
+        return (
+            f"secret name {name!r} is not valid: use letters, digits and _.-/ (at most 191), "
+            "starting with a letter or _"
+        )
+    if name.lower().startswith("runpod"):
+        return f"secret name {name!r} starts with `runpod`, which Runpod reserves"
+    return None
+
+
+class SshEndpoint(BaseModel):
+    """Where a pod's sshd answers: its public address and port."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    host: str
+    port: int
+    username: str = "root"
+
+
+class Pod(BaseModel):
+    """A pod as Runpod shows it.
+
+    `status` is v2's (`PROVISIONING`, `STARTING`, `RUNNING`, `EXITED`, `ERROR`,
+    `TERMINATED`; v1's `desiredStatus` otherwise); `cost_per_hr` is what the
+    pod bills per hour, all GPUs together (0 once stopped); `ssh` is set once
+    its `22/tcp` port is published (None while it starts).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    id: str
+    name: str = ""
+    status: str = "UNKNOWN"
+    cost_per_hr: float | None = Field(default=None, alias="cost")
+    gpu_type_id: str | None = None
+    gpu_count: int = 0
+    image: str = ""
+    env: dict[str, str] = Field(default_factory=dict)
+    ports: list[str] = Field(default_factory=list)
+    data_center_id: str | None = Field(default=None, alias="dataCenterId")
+    created_at: str | None = Field(default=None, alias="createdAt")
+    ssh: SshEndpoint | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_api(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        return normalize_pod(data)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, env: Any) -> Any:
+        if isinstance(env, Mapping):
+            return {str(k): "" if v is None else str(v) for k, v in env.items()}
+        if isinstance(env, list):  # GraphQL: [{key, value}]
+            return {
+                str(item.get("key")): str(item.get("value", ""))
+                for item in env
+                if isinstance(item, Mapping)
+            }
+        return {}
+
+    @property
+    def active(self) -> bool:
+        """Whether the pod runs or is about to: it bills compute."""
+        return self.status in ACTIVE_STATUSES
+
+
+def normalize_pod(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A v1, v2 or GraphQL pod answer as the field names `Pod` reads."""
+    out: dict[str, Any] = dict(data)
+    if "status" not in out and "desiredStatus" in out:
+        out["status"] = out["desiredStatus"]
+    if "cost" not in out:
+        cost = out.get("costPerHr", out.get("adjustedCostPerHr"))
+        if cost is not None:
+            out["cost"] = cost
+    if "image" not in out and "imageName" in out:
+        out["image"] = out["imageName"]
+    gpu = out.get("gpu")
+    if isinstance(gpu, Mapping):
+        out.setdefault("gpu_type_id", gpu.get("id"))
+        out.setdefault("gpu_count", gpu.get("count", 1))
+    else:
+        if "gpuCount" in out:
+            out.setdefault("gpu_count", out["gpuCount"])
+        machine = out.get("machine")
+        if isinstance(machine, Mapping) and machine.get("gpuTypeId"):
+            out.setdefault("gpu_type_id", machine["gpuTypeId"])
+    if out.get("ports") is None:
+        out["ports"] = []
+    elif isinstance(out["ports"], str):  # GraphQL: "22/tcp,8888/http"
+        out["ports"] = [p.strip() for p in out["ports"].split(",") if p.strip()]
+    ssh = out.get("ssh")
+    if not (isinstance(ssh, SshEndpoint) or (isinstance(ssh, Mapping) and "host" in ssh)):
+        out["ssh"] = _ssh_endpoint(data)
+    return out
+
+
+def _ssh_endpoint(data: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The direct SSH endpoint of a v2 pod (`ssh.direct`), else of a v1 pod
+    (`publicIp` and `portMappings["22"]`), else from `runtime.ports`."""
+    ssh = data.get("ssh")
+    if isinstance(ssh, Mapping):
+        direct = ssh.get("direct")
+        if isinstance(direct, Mapping) and direct.get("host") and direct.get("port"):
+            return {
+                "host": direct["host"],
+                "port": int(direct["port"]),
+                "username": direct.get("username") or "root",
+            }
+    public_ip = data.get("publicIp")
+    mappings = data.get("portMappings")
+    if public_ip and isinstance(mappings, Mapping) and mappings.get("22"):
+        return {"host": public_ip, "port": int(mappings["22"])}
+    runtime = data.get("runtime")
+    if isinstance(runtime, Mapping):
+        for port in runtime.get("ports") or []:
+            if not isinstance(port, Mapping):
+                continue
+            private = port.get("private", port.get("privatePort"))
+            public = port.get("public", port.get("publicPort"))
+            address = port.get("ip")
+            if private == 22 and public and address and port.get("isIpPublic", True):
+                return {"host": address, "port": int(public)}
+    return None
+
+
+class GpuType(BaseModel):
+    """A GPU type of Runpod's catalog: its id (the one pods are created with),
+    its VRAM and its list price per GPU and hour on each cloud."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str
+    display_name: str
+    memory_gb: float
+    secure: bool = True
+    community: bool = True
+    secure_price: float | None = None
+    community_price: float | None = None
+    max_count_secure: int | None = None
+    max_count_community: int | None = None
+    availability: str | None = None
+    """`NONE`, `LOW`, `MEDIUM` or `HIGH` when the catalog said; stock is a hint,
+    never a reservation."""
+
+    def price(self, cloud: Cloud) -> float | None:
+        """The list price of one GPU per hour on `cloud`; None when the type is
+        not offered there or has no price."""
+        if cloud == "SECURE":
+            offered, price = self.secure, self.secure_price
+        else:
+            offered, price = self.community, self.community_price
+        if not offered or price is None or price <= 0:
+            return None
+        return price
+
+    def max_count(self, cloud: Cloud) -> int | None:
+        """The most GPUs of this type one pod may have on `cloud`, when known."""
+        return self.max_count_secure if cloud == "SECURE" else self.max_count_community
+
+    @classmethod
+    def from_catalog(cls, row: Mapping[str, Any]) -> GpuType:
+        """A row of REST v2's `GET /catalog/gpus`."""
+        price = row.get("price") or {}
+        max_count = row.get("maxCount") or {}
+        return cls(
+            id=str(row["id"]),
+            display_name=str(row.get("name") or row["id"]),
+            memory_gb=float(row.get("memory") or 0),
+            secure=bool(row.get("secure", True)),
+            community=bool(row.get("community", True)),
+            secure_price=_number(price.get("secure")),
+            community_price=_number(price.get("community")),
+            max_count_secure=_integer(max_count.get("secure")),
+            max_count_community=_integer(max_count.get("community")),
+            availability=row.get("availability"),
+        )
+
+    @classmethod
+    def from_graphql(cls, row: Mapping[str, Any]) -> GpuType:
+        """A row of GraphQL's `gpuTypes`."""
+        lowest = row.get("lowestPrice") or {}
+        stock = lowest.get("stockStatus") if isinstance(lowest, Mapping) else None
+        return cls(
+            id=str(row["id"]),
+            display_name=str(row.get("displayName") or row["id"]),
+            memory_gb=float(row.get("memoryInGb") or 0),
+            secure=bool(row.get("secureCloud", True)),
+            community=bool(row.get("communityCloud", True)),
+            secure_price=_number(row.get("securePrice")),
+            community_price=_number(row.get("communityPrice")),
+            max_count_secure=_integer(row.get("maxGpuCount")),
+            max_count_community=_integer(row.get("maxGpuCount")),
+            availability=str(stock).upper() if stock else None,
+        )
+
+
+class DataCenter(BaseModel):
+    """A Runpod data center (`EU-RO-1`)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str
+    name: str = ""
+
+
+class Secret(BaseModel):
+    """An account secret as Runpod shows it: never its value."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str
+    name: str
+
+
+class PodRequest(BaseModel):
+    """A pod to create, as REST v2's `POST /pods` takes it.
+
+    `name` must be unique to this attempt: after an ambiguous answer (a 5xx or
+    a timeout) the client looks the pod up by it before it tries again. `env`
+    values may reference account secrets with `secret_ref(name)`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=191)
+    image: str = Field(min_length=1)
+    gpu_type_id: str = Field(min_length=1)
+    gpu_count: int = Field(default=1, ge=1)
+    cloud: Cloud = "SECURE"
+    container_disk_gb: int = Field(default=50, ge=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    ports: list[str] = Field(default_factory=lambda: ["22/tcp"])
+    data_center_ids: list[str] = Field(default_factory=list)
+    network_volume_id: str | None = None
+    network_volume_path: str = "/workspace"
+    volume_gb: int | None = Field(default=None, ge=10)
+    volume_path: str = "/workspace"
+    entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+
+    def to_api(self) -> dict[str, Any]:
+        """The JSON body of REST v2's `POST /pods`."""
+        body: dict[str, Any] = {
+            "name": self.name,
+            "image": self.image,
+            "gpu": {"id": self.gpu_type_id, "count": self.gpu_count},
+            "cloud": self.cloud,
+            "disk": self.container_disk_gb,
+            "env": dict(self.env),
+            "ports": list(self.ports),
+        }
+        if self.data_center_ids:
+            body["dataCenterIds"] = list(self.data_center_ids)
+        if self.network_volume_id:
+            body["mounts"] = {
+                "network": [{"volumeId": self.network_volume_id, "path": self.network_volume_path}]
+            }
+        elif self.volume_gb:
+            body["mounts"] = {"persistent": {"size": self.volume_gb, "path": self.volume_path}}
+        if self.entrypoint is not None:
+            body["entrypoint"] = list(self.entrypoint)
+        if self.cmd is not None:
+            body["cmd"] = list(self.cmd)
+        return body
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _integer(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None

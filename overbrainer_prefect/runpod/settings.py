@@ -1,0 +1,217 @@
+"""What a Runpod target sets: the GPU it asks for, the pod it creates and the
+bounds that end the pod. A plain pydantic model, so the core reads it without
+Prefect; the `RunpodTarget` block carries the same fields.
+
+Every field is checked when the model is built; `settings_from` turns the
+first problem into one line saying what to fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from overbrainer_prefect.runpod.models import Cloud
+
+DEFAULT_RUNPOD_IMAGE = (
+    "axolotlai/axolotl-cloud-term:0.19.0-py3.12-cu130-2.12.1"
+    "@sha256:f7b94da82913920a003e28e091d8528f57f76da7360fca87e95faf62fa32a680"
+)
+"""axolotl 0.19.0's cloud image for CUDA 13 (NVIDIA driver 580 or newer),
+pinned by its index digest."""
+
+DEFAULT_RUNPOD_VENV = "/workspace/axolotl-venv"
+"""The virtual environment holding axolotl in `DEFAULT_RUNPOD_IMAGE`."""
+
+AUTO = "auto"
+
+
+class RunpodTargetSettings(BaseModel):
+    """The settings of a Runpod target.
+
+    `gpu_types` is a list of Runpod GPU type ids tried in its order, or
+    `"auto"`: every type that has the VRAM (`min_vram_gb`, or the estimate of
+    the run's needs) and costs at most `max_price_per_hour`, cheapest first.
+    The pod is deleted once its run's files are retrieved and verified, and
+    its watchdog deletes it at `max_hours` (unless a following client renews
+    its lease), at `max_cost_usd`, `retrieve_grace_s` after its job ended
+    unretrieved, and `boot_grace_s` after it started without a job;
+    `keep_pod` turns all of that off.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_types: list[str] | Literal["auto"] = Field(
+        default=AUTO,
+        description='Runpod GPU type ids tried in order (like "NVIDIA GeForce RTX 4090"), or '
+        '"auto": the cheapest types with enough VRAM.',
+    )
+    min_vram_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="Least VRAM per GPU in GB; unset: estimated from the base model for auto.",
+    )
+    max_price_per_hour: float | None = Field(
+        default=None,
+        gt=0,
+        description="Most the pod may cost per hour in USD, all its GPUs together; unset: "
+        "no limit.",
+    )
+    gpu_count: int = Field(default=1, ge=1, le=16, description="GPUs of the pod.")
+    cloud: Literal["secure", "community"] = Field(
+        default="secure",
+        description="secure: Runpod's data centers; community: hosts of the community "
+        "(cheaper, slower to start).",
+    )
+    image: str = Field(
+        default=DEFAULT_RUNPOD_IMAGE,
+        description="The pod's Docker image: Python, sshd and the job venv.",
+    )
+    job_venv: str = Field(
+        default=DEFAULT_RUNPOD_VENV,
+        description="The virtual environment on the pod that runs jobs (torch, axolotl).",
+    )
+    container_disk_gb: int = Field(
+        default=50, ge=20, description="The pod's container disk in GB (wiped with the pod)."
+    )
+    max_hours: float = Field(
+        default=6.0,
+        gt=0,
+        le=720,
+        description="Hours after which the pod's watchdog deletes the pod, unless a client "
+        "following a progressing job renews its lease.",
+    )
+    max_cost_usd: float | None = Field(
+        default=None,
+        gt=0,
+        description="Most the pod may cost in USD (hours × its rate): the watchdog deletes it "
+        "there. Unset: only max_hours bounds it.",
+    )
+    boot_grace_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="Seconds the watchdog waits for a job to start before deleting the pod.",
+    )
+    retrieve_grace_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Seconds the watchdog keeps a pod whose ended job was not retrieved.",
+    )
+    data_center_ids: list[str] = Field(
+        default_factory=list,
+        description="Runpod data centers the pod may be placed in, like EU-RO-1; empty: any.",
+    )
+    network_volume_id: str | None = Field(
+        default=None,
+        description="A network volume to mount at /workspace; needs exactly one data center, "
+        "the volume's.",
+    )
+    max_volume_gb: int | None = Field(
+        default=None,
+        ge=1,
+        description="Largest size in GB the network volume may be grown to when the run fills "
+        "it (a grow is permanent); unset: never grown.",
+    )
+    keep_pod: bool = Field(
+        default=False,
+        description="Keep the pod once the run ends, with no time or cost limit: only the pods "
+        "flow deletes it.",
+    )
+
+    @field_validator("gpu_types", mode="before")
+    @classmethod
+    def _gpu_types(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text == AUTO:
+                return AUTO
+            return [item.strip() for item in text.split(",") if item.strip()]
+        if isinstance(value, list | tuple):
+            items = [str(item).strip() for item in value]
+            if AUTO in items:
+                raise ValueError('"auto" is not a GPU type: set gpu_types to "auto" alone')
+            if any(not item for item in items):
+                raise ValueError("gpu_types holds an empty name: remove it")
+            return items
+        return value
+
+    @field_validator("gpu_types")
+    @classmethod
+    def _some_gpu_types(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError('gpu_types is empty: list GPU type ids, or set it to "auto"')
+        return value
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError(
+                f"the image is missing: set image to a Docker image with Python and sshd, "
+                f"like {DEFAULT_RUNPOD_IMAGE.split('@')[0]}"
+            )
+        return value
+
+    @field_validator("job_venv")
+    @classmethod
+    def _job_venv(cls, value: str) -> str:
+        value = value.strip()
+        if not value.startswith("/"):
+            raise ValueError(f"job_venv {value!r} is not an absolute path on the pod")
+        return value
+
+    @field_validator("data_center_ids", mode="before")
+    @classmethod
+    def _data_centers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list | tuple):
+            return [str(item).strip() for item in value if str(item).strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _volume(self) -> RunpodTargetSettings:
+        if self.network_volume_id is not None and len(self.data_center_ids) != 1:
+            raise ValueError(
+                "a network volume needs exactly one data center: set data_center_ids to the "
+                "volume's data center"
+            )
+        if self.max_volume_gb is not None and self.network_volume_id is None:
+            raise ValueError("max_volume_gb needs a network_volume_id: set one, or unset it")
+        return self
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the GPU types are chosen from the catalog when the run starts."""
+        return self.gpu_types == AUTO
+
+    @property
+    def api_cloud(self) -> Cloud:
+        """The cloud as the Runpod API spells it."""
+        return "SECURE" if self.cloud == "secure" else "COMMUNITY"
+
+
+class SettingsError(ValueError):
+    """Runpod target settings that cannot be used; the message is one line."""
+
+
+def settings_from(data: Mapping[str, Any] | RunpodTargetSettings) -> RunpodTargetSettings:
+    """`data` as checked settings. Raises SettingsError with one line naming
+    the first field in error and what to do."""
+    if isinstance(data, RunpodTargetSettings):
+        return data
+    try:
+        return RunpodTargetSettings.model_validate(dict(data))
+    except ValidationError as exc:
+        raise SettingsError(one_line(exc)) from None
+
+
+def one_line(exc: ValidationError) -> str:
+    """The first problem of a validation error as one line: `field: message`."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if not isinstance(part, int))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
