@@ -189,3 +189,33 @@ class SshTarget(TargetBlock):
             name=name,
             connect_timeout=self.connect_timeout,
         )
+
+
+class OllamaServer(Block):
+    """An Ollama server that delivered models are created on: the `deliver`
+    flow pushes a run's verified GGUF to it as a blob named by its SHA-256
+    and creates the model with its chat template through the REST API.
+
+    Example:
+        Load a saved Ollama server:
+        ```python
+        from overbrainer_prefect.blocks import OllamaServer
+
+        ollama_server_block = OllamaServer.load("BLOCK_NAME")
+        ```
+    """
+
+    _block_type_name = "Overbrainer Ollama Server"
+    _block_type_slug = "overbrainer-ollama-server"
+    _logo_url = HttpUrl(LOGO_URL)
+    _documentation_url = HttpUrl(DOCS_URL)
+
+    url: str = Field(
+        default="http://127.0.0.1:11434",
+        description="The server's base URL (`OLLAMA_HOST`), e.g. http://gpu-box:11434.",
+    )
+    model_prefix: str | None = Field(
+        default=None,
+        description="Put before the name of every model created here (a namespace like "
+        "`team/`, or `ft-`).",
+    )

@@ -16,7 +16,20 @@ artifacts.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 
 class DeliveryError(Exception):
     """Something could not be delivered. The message is one line saying what
     happened and what to do; it never quotes a secret."""
+
+
+def public_url(url: str) -> str:
+    """`url` without a user name or password, as messages and records show it."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url.rstrip("/")
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment)).rstrip("/")

@@ -17,11 +17,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from overbrainer_prefect.delivery import DeliveryError
+from overbrainer_prefect.delivery import DeliveryError, public_url
 
 DEFAULT_URL = "http://127.0.0.1:11434"
 """Where `ollama serve` listens by default."""
@@ -123,17 +122,6 @@ class Pushed:
     uploaded: bool
     """Whether the blob was sent (False: the server already had it)."""
     statuses: list[str]
-
-
-def public_url(url: str) -> str:
-    """`url` without a user name or password, as messages and records show it."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url.rstrip("/")
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment)).rstrip("/")
 
 
 class OllamaClient:

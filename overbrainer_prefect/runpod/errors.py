@@ -106,12 +106,19 @@ class NoCapacity(RunpodError):
     """Runpod has no machine for this GPU type (in the requested cloud and data
     centers) right now: the caller moves on to its next GPU type."""
 
-    def __init__(self, gpu_type: str, status: int | None = 400, *, detail: str = "") -> None:
+    def __init__(
+        self,
+        gpu_type: str,
+        status: int | None = 400,
+        *,
+        detail: str = "",
+        hint: str | None = None,
+    ) -> None:
         self.gpu_type = gpu_type
         super().__init__(
             status,
             "no capacity",
-            f"no {gpu_type} is available right now: try another GPU type or later",
+            hint or f"no {gpu_type} is available right now: try another GPU type, or later",
             detail=detail,
         )
 

@@ -182,9 +182,11 @@ def create(
     trainer: str = "training",
     spec: Mapping[str, Any] | None = None,
     flow_run_id: str | None = None,
+    parent: str | None = None,
 ) -> RunRecord:
     """Creates a run: a new ID and its record saved as `preparing`, with the run
-    directory it will have on the target (`workdir/<id>`).
+    directory it will have on the target (`workdir/<id>`). For an export or a
+    compare, `parent` is the run it belongs to (and `runs` that run's children).
 
     Raises RecordIoError when the record cannot be saved.
     """
@@ -198,6 +200,7 @@ def create(
         remote_dir=f"{workdir.rstrip('/')}/{run_id}",
         spec=dict(spec) if spec is not None else None,
         flow_run_id=flow_run_id,
+        parent=parent,
     )
     runs.save(record)
     return record
@@ -269,7 +272,7 @@ async def _launch(
         facts=facts,
     )
     trainer.prepare(local, job_ctx)
-    await ctx.executor.upload(local, record.remote_dir, LOCAL_ONLY)
+    await ctx.executor.upload(local, record.remote_dir, (*LOCAL_ONLY, ctx.runs.record_file))
     spec = JobSpec(
         run_id=record.id,
         run_dir=record.remote_dir,

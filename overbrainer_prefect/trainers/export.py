@@ -1,0 +1,279 @@
+"""The export trainer: a succeeded run's model turned into one GGUF file on a target.
+
+The export's directory (`runs/<run-id>/exports/<export-id>/`, and its copy on the
+target) holds what the job reads, with paths relative to it:
+
+    model/          the top-level files of the run's `output/` (adapter or full
+                    weights, never a checkpoint)
+    axolotl.yaml    the run's config, which names the base model a LoRA is merged into
+    scripts/        the job script, `overbrainer_export.py`
+
+The job (see `overbrainer_prefect/jobs/overbrainer_export.py`) merges, converts
+with llama.cpp's converter and quantizes; it writes `gguf/<name>-<quant>.gguf` and
+`metrics.jsonl` (begin, one `phase` event per step, end), which are what an
+export brings back and verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import shutil
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.trainers.base import (
+    METRICS_FILE,
+    Artifacts,
+    JobContext,
+    TargetFacts,
+    TrainError,
+)
+
+QUANTS: dict[str, float] = {"q4_k_m": 4.89, "q5_k_m": 5.70, "q8_0": 8.50, "f16": 16.0}
+"""The quant types an export makes, with their bits per weight (llama.cpp's
+quantize README, Llama-3.1-8B): what a GGUF's size is estimated from."""
+
+DEFAULT_QUANT = "q4_k_m"
+
+MODEL_DIR = "model"
+SCRIPTS_DIR = "scripts"
+GGUF_DIR = "gguf"
+CONFIG_FILE = "axolotl.yaml"
+OUTPUT_DIR = "output"  # where a training run leaves its model
+JOB_MODULE = "overbrainer_export"
+
+CONVERTER = "share/llama.cpp/convert_hf_to_gguf.py"
+"""llama.cpp's HF->GGUF converter, relative to the job venv (scripts/job-env.sh puts it
+there, from the llama-cpp-python sdist the venv's llama.cpp was built from)."""
+
+MODULES = ("torch", "transformers", "peft", "llama_cpp")
+"""What the job imports: the merge (torch, transformers, peft) and the quantizer."""
+
+NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class UnknownQuant(ValueError):
+    """A quant type an export does not make. The message lists the known ones."""
+
+    def __init__(self, quant: str) -> None:
+        super().__init__(f"unknown quant type {quant!r}: use one of {', '.join(QUANTS)}")
+
+
+def check_quant(quant: str) -> str:
+    """`quant` in its canonical spelling (lowercase). Raises UnknownQuant for a
+    type an export does not make."""
+    canonical = quant.strip().lower()
+    if canonical not in QUANTS:
+        raise UnknownQuant(quant)
+    return canonical
+
+
+class ExportSpec(BaseModel):
+    """What an export makes of a run's model (a flow parameter)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    quant: str = Field(
+        default=DEFAULT_QUANT,
+        description=f"The GGUF's quant type: one of {', '.join(QUANTS)}.",
+    )
+    keep_intermediate: bool = Field(
+        default=False,
+        description="Keep the merged model and the f16 GGUF on the target (under work/).",
+    )
+
+    @field_validator("quant")
+    @classmethod
+    def _known_quant(cls, quant: str) -> str:
+        return check_quant(quant)
+
+
+def model_files(run_dir: Path) -> list[Path]:
+    """The files of a run's model: the top-level files of its `output/` (an adapter,
+    or full weights), never its checkpoints.
+
+    Raises TrainError when `output/` holds neither an adapter (adapter_config.json)
+    nor a model (config.json).
+    """
+    output = run_dir / OUTPUT_DIR
+    files = sorted(p for p in output.iterdir() if p.is_file()) if output.is_dir() else []
+    names = {p.name for p in files}
+    if "adapter_config.json" not in names and "config.json" not in names:
+        raise TrainError(
+            f"{output} holds no model (no adapter_config.json, no config.json): "
+            "only a run that saved its model can be exported"
+        )
+    return files
+
+
+def base_model(run_dir: Path) -> str | None:
+    """The base model the run's `axolotl.yaml` names (a directory on its target or
+    a Hugging Face id), or None when it names none or cannot be read."""
+    try:
+        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    base = config.get("base_model") if isinstance(config, dict) else None
+    return base if isinstance(base, str) and base else None
+
+
+def is_lora(run_dir: Path) -> bool:
+    """Whether the run's model is an adapter (merged into its base by an export)."""
+    return (run_dir / OUTPUT_DIR / "adapter_config.json").is_file()
+
+
+def gguf_name(run_id: str, base: str | None) -> str:
+    """The GGUF's file name without its quant: the base model's last path part and
+    the run ID (`smollm2-base-20261130-184143-h2vk`), in file-name-safe characters."""
+    stem = NAME_CHARS.sub("-", posixpath.basename((base or "model").rstrip("/"))).strip(".-")
+    return f"{stem or 'model'}-{run_id}"
+
+
+def converter_path(python: str) -> str:
+    """Where llama.cpp's converter is on a target whose job venv has `python`
+    (`<venv>/bin/python`)."""
+    venv = posixpath.dirname(posixpath.dirname(python))
+    return posixpath.join(venv, CONVERTER)
+
+
+class ExportTrainer:
+    """An export of the succeeded run `run`, whose local directory is `run_dir`,
+    following `spec`. `cpu_threads` sets OMP_NUM_THREADS and llama.cpp's
+    quantize threads on a target without a GPU."""
+
+    def __init__(
+        self, run: RunRecord, run_dir: Path, spec: ExportSpec, cpu_threads: int | None = None
+    ) -> None:
+        self.run = run
+        self.run_dir = run_dir
+        self.spec = spec
+        self.cpu_threads = cpu_threads
+        self.base_model = base_model(run_dir)
+        self.gguf_stem = gguf_name(run.id, self.base_model)
+
+    @property
+    def name(self) -> str:
+        """`export`."""
+        return "export"
+
+    @property
+    def metrics_file(self) -> str:
+        """`metrics.jsonl`, written by the job script."""
+        return METRICS_FILE
+
+    @property
+    def probe_modules(self) -> Sequence[str]:
+        """torch, transformers, peft and llama_cpp."""
+        return MODULES
+
+    @property
+    def gguf(self) -> str:
+        """The GGUF the export makes, relative to its directory."""
+        return f"{GGUF_DIR}/{self.gguf_stem}-{self.spec.quant}.gguf"
+
+    def check(self, facts: TargetFacts) -> None:
+        """Raises TrainError when the job venv lacks a module the export imports."""
+        for module in self.probe_modules:
+            if facts.modules.get(module) is None:
+                raise TrainError(
+                    f"{module} is not installed in the job venv {facts.python}: install the "
+                    "export tools with `scripts/job-env.sh <job venv>` there"
+                )
+
+    def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
+        """Stages the run's model under `model/`, its `axolotl.yaml`, and the job
+        script under `scripts/` in the export's local directory.
+
+        Raises TrainError when the run has no model or no config.
+        """
+        files = model_files(self.run_dir)
+        config = self.run_dir / CONFIG_FILE
+        if is_lora(self.run_dir) and not config.is_file():
+            raise TrainError(
+                f"{config} is missing: a LoRA cannot be merged without the base model it names"
+            )
+        model = local_run_dir / MODEL_DIR
+        model.mkdir(parents=True, exist_ok=True)
+        for source in files:
+            _link_or_copy(source, model / source.name)
+        if config.is_file():
+            shutil.copyfile(config, local_run_dir / CONFIG_FILE)
+        scripts = local_run_dir / SCRIPTS_DIR
+        scripts.mkdir(parents=True, exist_ok=True)
+        source = resources.files("overbrainer_prefect.jobs").joinpath(f"{JOB_MODULE}.py")
+        (scripts / f"{JOB_MODULE}.py").write_bytes(source.read_bytes())
+
+    def commands(self, ctx: JobContext) -> list[list[str]]:
+        """The job script, with the job venv's Python and the converter next to it."""
+        python = ctx.facts.python
+        command = [
+            python,
+            f"{SCRIPTS_DIR}/{JOB_MODULE}.py",
+            "--converter",
+            converter_path(python),
+            "--quant",
+            self.spec.quant,
+            "--name",
+            self.gguf_stem,
+        ]
+        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
+            command += ["--threads", str(self.cpu_threads)]
+        if self.spec.keep_intermediate:
+            command.append("--keep-intermediate")
+        return [command]
+
+    def env(self, ctx: JobContext) -> dict[str, str]:
+        """No telemetry, the target's Hugging Face cache, unbuffered output; offline
+        when the base model is a directory (or there is none to fetch)."""
+        env = {
+            "DO_NOT_TRACK": "1",
+            "HF_HOME": ctx.cache_dir,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_VERBOSITY": "error",
+        }
+        base = self.base_model
+        if not is_lora(self.run_dir) or base is None or base.startswith(("/", ".", "~")):
+            env["HF_HUB_OFFLINE"] = "1"
+        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
+        return env
+
+    def artifacts(self) -> Artifacts:
+        """`gguf/` and the metrics; a succeeded export must have its GGUF."""
+        return Artifacts(entries=(GGUF_DIR, METRICS_FILE), required=GGUF_DIR)
+
+
+def phases(metrics_text: str) -> dict[str, float]:
+    """The seconds each step of an export took (`merge`, `convert`, `quantize`), from
+    its metrics file's text; a skipped step counts 0. Lines that are not events are
+    ignored."""
+    found: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(event, dict) or event.get("event") != "phase":
+            continue
+        name, seconds = event.get("name"), event.get("seconds")
+        if isinstance(name, str) and isinstance(seconds, int | float):
+            found[name] = float(seconds)
+    return found
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link to `source` at `target` (free for full weights), else a copy."""
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
