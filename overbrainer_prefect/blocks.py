@@ -17,6 +17,7 @@ from overbrainer_prefect.envfile import read_env_file
 from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.ssh import SshExecutor
+from overbrainer_prefect.runpod.client import RunpodClient
 
 DOCS_URL = "https://github.com/overbrainer/overbrainer-prefect#readme"
 LOGO_URL = "https://raw.githubusercontent.com/overbrainer/overbrainer-prefect/main/logo.png"
@@ -219,3 +220,43 @@ class OllamaServer(Block):
         description="Put before the name of every model created here (a namespace like "
         "`team/`, or `ft-`).",
     )
+
+
+class RunpodCredentials(Block):
+    """A Runpod API key, and the URLs of the API it is sent to.
+
+    The key goes only in the `Authorization` header of requests to `rest_url`
+    and `graphql_url`; it never appears in a log, an error, a file or a pod's
+    environment. The URLs are Runpod's by default; point them at a gateway,
+    or at the simulator in tests.
+
+    Example:
+        Load saved Runpod credentials:
+        ```python
+        from overbrainer_prefect.blocks import RunpodCredentials
+
+        runpod_credentials_block = RunpodCredentials.load("BLOCK_NAME")
+        ```
+    """
+
+    _block_type_name = "Overbrainer Runpod Credentials"
+    _block_type_slug = "overbrainer-runpod-credentials"
+    _logo_url = HttpUrl(LOGO_URL)
+    _documentation_url = HttpUrl(DOCS_URL)
+
+    api_key: SecretStr = Field(
+        description="A Runpod API key that may manage pods and secrets (Settings > API Keys)."
+    )
+    rest_url: str = Field(
+        default="https://api.runpod.io/v2",
+        description="The Runpod REST API (v2): pods, secrets and the GPU catalog.",
+    )
+    graphql_url: str = Field(
+        default="https://api.runpod.io/graphql",
+        description="Runpod's GraphQL API: its GPU catalog, used when REST has none.",
+    )
+
+    def client(self) -> RunpodClient:
+        """A new API client with this key; close it with `aclose()` or use it
+        with `async with`. Raises RunpodError when the key is empty."""
+        return RunpodClient(self.api_key, rest_url=self.rest_url, graphql_url=self.graphql_url)

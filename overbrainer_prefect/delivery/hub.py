@@ -121,9 +121,7 @@ def commit_to_hub(
         private_now = api.model_info(repo).private
     except Exception:  # only informative: the commit is made
         private_now = None
-    return Committed(
-        repo_id=repo, url=url, commit=info.oid, private=private_now, files=list(files)
-    )
+    return Committed(repo_id=repo, url=url, commit=info.oid, private=private_now, files=list(files))
 
 
 def _refused(step: str, status: int | None, repo: str) -> str:

@@ -33,8 +33,9 @@ from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import Outcome, RunContext, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
 from overbrainer_prefect.runs.resume import resume_path, resume_point, stage_checkpoint
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
+from overbrainer_prefect.trainers.base import Trainer
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 
@@ -76,7 +77,9 @@ def trainer_of(record: RunRecord, block: TargetBlock) -> AxolotlTrainer:
     return AxolotlTrainer(spec, resume_from=resume, cpu_threads=block.cpu_threads)
 
 
-def _context(runs: Runs, block: TargetBlock, executor: Executor, reporter: Any) -> RunContext:
+def run_context(runs: Runs, block: TargetBlock, executor: Executor, reporter: Any) -> RunContext:
+    """The context of the steps of a run (or of an export, with `runs` its run's
+    exports) on the target `block`: its executor, where progress goes, its bounds."""
     return RunContext(
         runs=runs,
         executor=executor,
@@ -113,13 +116,13 @@ async def create_run(
 
 @task(name="start-job", cache_policy=NO_CACHE, persist_result=False)
 async def start_job(
-    ctx: RunContext, trainer: AxolotlTrainer, record: RunRecord, block: TargetBlock
+    ctx: RunContext, trainer: Trainer, record: RunRecord, block: TargetBlock
 ) -> RunRecord:
-    """Checks the target, uploads the run and starts its job."""
+    """Checks the target, uploads the run (or export) and starts its job."""
     record = await lifecycle.start(ctx, trainer, record, block.secrets())
     get_run_logger().info(
-        "run %s: job started on %s (pid %s), deadline %s",
-        record.id,
+        "%s: job started on %s (pid %s), deadline %s",
+        subject(record),
         ctx.executor.description,
         record.job.pid if record.job else "?",
         record.deadline,
@@ -226,7 +229,7 @@ async def train(
     executor = block.executor(target_ref)
     try:
         with follow_lock(runs.run_dir(record.id), flow_run.id):
-            ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+            ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
             record = await start_job(ctx, trainer, record, block)
             outcome = await follow_job(ctx, trainer, record)
             return await _finish(runs, outcome, executor)
@@ -251,7 +254,7 @@ async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     executor = block.executor(record.target)
     try:
         trainer = trainer_of(record, block)
-        ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+        ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         try:
             with follow_lock(runs.run_dir(record.id), flow_run.id):
                 record = runs.load(run_id)  # as the last follower left it
@@ -277,7 +280,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
     executor = block.executor(record.target)
     try:
         trainer = trainer_of(record, block)
-        ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+        ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         await lifecycle.request_stop(ctx, record)
         logger = get_run_logger()
         logger.info("run %s: asked its job for a checkpoint and a stop", run_id)
@@ -306,7 +309,7 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     executor = block.executor(record.target)
     try:
         trainer = trainer_of(record, block)
-        ctx = _context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
+        ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
         if is_followed(runs.run_dir(run_id)) and record.job is not None:
             # its follower sees the cancel, records it and retrieves what the job left
             await executor.cancel(record.job)

@@ -235,7 +235,9 @@ class RunpodClient:
             rows = data if isinstance(data, list) else data.get("pods", [])
             pods.extend(Pod.model_validate(row) for row in rows if isinstance(row, Mapping))
             page = data.get("pagination") if isinstance(data, Mapping) else None
-            cursor = page.get("nextCursor") if isinstance(page, Mapping) else None
+            if not isinstance(page, Mapping):
+                return pods
+            cursor = page.get("nextCursor")
             if not cursor or not page.get("hasNextPage", True):
                 return pods
             params = {"cursor": str(cursor)}
@@ -400,9 +402,8 @@ class RunpodClient:
             status = response.status_code
             log.debug("%s -> %d", what, status)
             if status == 429:
-                wait = _retry_after(response)
-                if wait is None:
-                    wait = policy.backoff(failures + 1)
+                asked = _retry_after(response)
+                wait = policy.backoff(failures + 1) if asked is None else asked
                 if (
                     wait > policy.max_retry_after_s
                     or rate_waited + wait > policy.rate_limit_budget_s

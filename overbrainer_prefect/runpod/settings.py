@@ -25,7 +25,7 @@ pinned by its index digest."""
 DEFAULT_RUNPOD_VENV = "/workspace/axolotl-venv"
 """The virtual environment holding axolotl in `DEFAULT_RUNPOD_IMAGE`."""
 
-AUTO = "auto"
+AUTO: Literal["auto"] = "auto"
 
 
 class RunpodTargetSettings(BaseModel):
