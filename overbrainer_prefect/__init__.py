@@ -17,6 +17,7 @@ _LAZY = {
     "LocalTarget": "overbrainer_prefect.blocks",
     "SshTarget": "overbrainer_prefect.blocks",
     "HuggingFaceCredentials": "overbrainer_prefect.blocks",
+    "RunpodCredentials": "overbrainer_prefect.blocks",
     "OllamaServer": "overbrainer_prefect.blocks",
     "train": "overbrainer_prefect.flows",
     "attach": "overbrainer_prefect.flows",

@@ -258,5 +258,5 @@ class RunpodCredentials(Block):
 
     def client(self) -> RunpodClient:
         """A new API client with this key; close it with `aclose()` or use it
-        with `async with`. Raises RunpodError when the key is empty."""
+        with `async with`. Raises ValueError when the key is empty."""
         return RunpodClient(self.api_key, rest_url=self.rest_url, graphql_url=self.graphql_url)

@@ -11,6 +11,11 @@ CORE = [
     "overbrainer_prefect.executors.local",
     "overbrainer_prefect.executors.jobscript",
     "overbrainer_prefect.trainers.axolotl",
+    "overbrainer_prefect.executors.ssh",
+    "overbrainer_prefect.runpod.client",
+    "overbrainer_prefect.runpod.gpus",
+    "overbrainer_prefect.runpod.deletion",
+    "overbrainer_prefect.runpod.vram",
 ]
 
 

@@ -117,11 +117,13 @@ def check_exportable(runs: Runs, run: RunRecord) -> list[Path]:
     Raises NotExportable with one line saying what is wrong and what to do.
     """
     where = f"runs/{run.id}"
-    if run.state != RunState.SUCCEEDED:
+    if run.state == RunState.STOPPED:
         raise NotExportable(
-            f"run {run.id} is {run.state}: only a succeeded run can be exported"
-            + (f" (resume it with the train flow, resume_from={run.id})" if run.state == "stopped" else "")
+            f"run {run.id} is stopped: only a succeeded run can be exported (resume it with "
+            f"the train flow, resume_from={run.id})"
         )
+    if run.state != RunState.SUCCEEDED:
+        raise NotExportable(f"run {run.id} is {run.state}: only a succeeded run can be exported")
     if lifecycle.artifacts_missing(run):
         raise NotExportable(
             f"the files of run {run.id} were not retrieved: retrieve them with the attach flow "
@@ -183,10 +185,16 @@ def reusable(exports: Runs, quant: str) -> RunRecord | None:
             continue
         entry = gguf_entry(lifecycle.load_manifest(exports.run_dir(record.id)))
         path = exports.run_dir(record.id) / entry.path if entry else None
-        if entry is not None and path is not None and path.is_file():
-            if path.stat().st_size == entry.size:
-                found.append(record)
+        if entry is not None and path is not None and _has_size(path, entry.size):
+            found.append(record)
     return max(found, key=lambda r: (r.ended or r.created, r.id)) if found else None
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def running(exports: Runs, quant: str) -> RunRecord | None:
@@ -234,7 +242,7 @@ def _next_step(record: RunRecord) -> str:
             "Hugging Face Hub with the delivery flows."
         )
     if not record.state.ended:
-        return f"Follow it again: run the `export` flow with `run_id={run_id}, export_id={record.id}`."
+        return f"Follow it again: run the `export` flow (run_id={run_id}, export_id={record.id})."
     return (
         f"See `{local_path(record)}/job.log`, fix the cause, and export again with the `export` "
         f"flow (`run_id={run_id}`)."
@@ -381,9 +389,7 @@ async def _finish(
     a failed export fails the flow, a cancelled one cancels it."""
     record = outcome.record
     result = result_of(exports, record, outcome.files)
-    await publish_export_summary(
-        record.id, summary_markdown(result, executor.description, record)
-    )
+    await publish_export_summary(record.id, summary_markdown(result, executor.description, record))
     if record.state == RunState.FAILED:
         raise RunFailed(f"{subject(record)} failed: {record.message}")
     if record.state == RunState.CANCELLED and not cancelling:
@@ -510,15 +516,15 @@ def on_export_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]
     except Exception:
         return
     for record in records:
-        if record.flow_run_id == str(flow_run.id) and record.job is not None:
-            if not record.state.ended:
-                logger.warning(
-                    "%s keeps running on its target; follow it again with the export flow "
-                    "(run_id=%s, export_id=%s)",
-                    subject(record),
-                    record.parent,
-                    record.id,
-                )
+        mine = record.flow_run_id == str(flow_run.id)
+        if mine and record.job is not None and not record.state.ended:
+            logger.warning(
+                "%s keeps running on its target; follow it again with the export flow "
+                "(run_id=%s, export_id=%s)",
+                subject(record),
+                record.parent,
+                record.id,
+            )
 
 
 @flow(
@@ -579,9 +585,7 @@ async def export(
     target_ref, block = await load_target(target or run.target)
     executor = block.executor(target_ref)
     try:
-        trainer = ExportTrainer(
-            run, runs.run_dir(run_id), spec, cpu_threads=block.cpu_threads
-        )
+        trainer = ExportTrainer(run, runs.run_dir(run_id), spec, cpu_threads=block.cpu_threads)
         need = export_disk(files[0].parent, trainer.base_model, spec.quant)
         if need is None:
             logger.info(

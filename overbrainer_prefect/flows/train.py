@@ -9,7 +9,7 @@ shows: logs, progress, a metrics table and a run summary.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -36,7 +36,11 @@ from overbrainer_prefect.runs.resume import resume_path, resume_point, stage_che
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
+
+if TYPE_CHECKING:
+    from overbrainer_prefect.flows.export import ExportResult
 
 
 class RunFailed(Exception):
@@ -65,6 +69,10 @@ class RunResult(BaseModel):
     files: list[FileEntry] = Field(default_factory=list)
     run_dir: str
     next: str
+    export_id: str | None = Field(default=None, description="The export made after training.")
+    gguf: FileEntry | None = Field(
+        default=None, description="Its GGUF, the path relative to the run directory."
+    )
 
 
 def trainer_of(record: RunRecord, block: TargetBlock) -> AxolotlTrainer:
@@ -151,19 +159,30 @@ async def follow_job(ctx: RunContext, trainer: AxolotlTrainer, record: RunRecord
 
 
 async def _finish(
-    runs: Runs, outcome: Outcome, executor: Executor, *, cancelling: bool = False
+    runs: Runs,
+    outcome: Outcome,
+    executor: Executor,
+    *,
+    cancelling: bool = False,
+    exported: ExportResult | str | None = None,
 ) -> RunResult | State[Any]:
     """Publishes the metrics table and the run summary, and turns the outcome into
     the flow's result: failed runs fail the flow, cancelled ones cancel it (unless
-    this flow is the one that cancelled them)."""
+    this flow is the one that cancelled them). `exported` is the export made after
+    training (its GGUF joins the summary and the result), or why it failed (the
+    flow then fails, the run staying succeeded)."""
+    from overbrainer_prefect.flows.export import gguf_markdown
+
     record = outcome.record
     logger = get_run_logger()
     await publish_metrics_table(record.id, outcome.summary)
     step = next_step(record)
-    await publish_summary(
-        record.id,
-        summary_markdown(record, executor.description, outcome.summary, outcome.files, step),
-    )
+    markdown = summary_markdown(record, executor.description, outcome.summary, outcome.files, step)
+    if isinstance(exported, str):
+        markdown += f"\n## GGUF\n\nThe export failed: {exported}\n"
+    elif exported is not None:
+        markdown += gguf_markdown(record.id, exported)
+    await publish_summary(record.id, markdown)
     result = RunResult(
         run_id=record.id,
         state=record.state,
@@ -177,6 +196,13 @@ async def _finish(
         run_dir=str(runs.run_dir(record.id)),
         next=step,
     )
+    if isinstance(exported, str):
+        raise RunFailed(exported)
+    if exported is not None and exported.gguf is not None:
+        result.export_id = exported.export_id
+        result.gguf = exported.gguf.model_copy(
+            update={"path": f"exports/{exported.export_id}/{exported.gguf.path}"}
+        )
     if record.state == RunState.FAILED:
         raise RunFailed(f"run {record.id} failed: {record.message}")
     if record.state == RunState.CANCELLED and not cancelling:
@@ -199,14 +225,17 @@ async def train(
     training: TrainingSpec | None = None,
     resume_from: str | None = None,
     runs_dir: str | None = None,
+    export: ExportSpec | None = None,
 ) -> RunResult | State[Any]:
     """Fine-tunes a model with axolotl on `target` (a target block's name): creates
     a run, starts its job, follows it live, then retrieves and verifies its files.
 
     `resume_from` names a stopped run whose checkpoint the new run starts from
-    (its training spec is reused when `training` is not given). Fails before any
-    run exists when the target block or a dataset file is missing; fails with the
-    run's message when its job fails.
+    (its training spec is reused when `training` is not given). With `export`, a
+    succeeded run is then exported to a GGUF on the same target (the `export`
+    flow, as a subflow), which joins the run's summary and result. Fails before
+    any run exists when the target block or a dataset file is missing; fails with
+    the run's message when its job fails, or the export's when it fails.
     """
     runs = Runs(runs_dir)
     target_ref, block = await load_target(target)
@@ -232,9 +261,33 @@ async def train(
             ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
             record = await start_job(ctx, trainer, record, block)
             outcome = await follow_job(ctx, trainer, record)
-            return await _finish(runs, outcome, executor)
+            if export is None or outcome.record.state != RunState.SUCCEEDED:
+                return await _finish(runs, outcome, executor)
+        exported = await _export_after(outcome.record.id, export, runs_dir)
+        return await _finish(runs, outcome, executor, exported=exported)
     finally:
         await executor.close()
+
+
+async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> ExportResult | str:
+    """Exports a run that just succeeded (the `export` flow, as a subflow); returns
+    its result, or one line saying why it failed and how to export again."""
+    from overbrainer_prefect.flows.export import ExportResult
+    from overbrainer_prefect.flows.export import export as export_flow
+
+    again = f"export it again with the export flow (run_id={run_id}, quant={spec.quant})"
+    try:
+        exported = await export_flow(
+            run_id=run_id,
+            quant=spec.quant,
+            runs_dir=runs_dir,
+            keep_intermediate=spec.keep_intermediate,
+        )
+    except Exception as error:
+        return f"run {run_id} succeeded, but its export failed: {error}; {again}"
+    if not isinstance(exported, ExportResult) or exported.gguf is None:
+        return f"run {run_id} succeeded, but its export brought back no GGUF; {again}"
+    return exported
 
 
 async def _load(run_id: str, runs_dir: str | None) -> tuple[Runs, RunRecord, TargetBlock]:

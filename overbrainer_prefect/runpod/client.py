@@ -102,7 +102,7 @@ class RunpodClient:
     `rest_url` and `graphql_url` default to Runpod's; tests and private
     gateways point them elsewhere. `transport` replaces httpx's network
     transport (tests only). Close it with `aclose()`, or use it as an async
-    context manager.
+    context manager. Raises ValueError when the key is empty.
     """
 
     def __init__(
@@ -117,7 +117,9 @@ class RunpodClient:
     ) -> None:
         key = api_key.get_secret_value().strip()
         if not key:
-            raise RunpodError(None, "no API key", "set the API key of the RunpodCredentials block")
+            raise ValueError(
+                "the Runpod API key is empty: set api_key in the RunpodCredentials block"
+            )
         self.rest_url = rest_url.rstrip("/")
         self.graphql_url = graphql_url
         self.retry = retry or RetryPolicy()
@@ -241,7 +243,7 @@ class RunpodClient:
             if not cursor or not page.get("hasNextPage", True):
                 return pods
             params = {"cursor": str(cursor)}
-        raise RunpodError(None, "pod list never ends", f"stopped after {MAX_PAGES} pages")
+        raise RunpodError(200, "endless pod list", f"stopped after {MAX_PAGES} pages")
 
     async def pods_named(self, name: str) -> list[Pod]:
         """The pods of the account named exactly `name`."""

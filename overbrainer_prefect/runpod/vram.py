@@ -190,8 +190,8 @@ def read_local_shape(model_dir: Path) -> ModelShape:
     if not isinstance(config, Mapping):
         raise VramEstimateError(f"{config_path} is not a JSON object")
     files = _safetensors_files(model_dir)
-    params = sum(_count_params(path) for path in files) if files else None
-    return ModelShape.from_config(config, params)
+    counted = sum(_count_params(path) for path in files)
+    return ModelShape.from_config(config, counted or None)
 
 
 def fetch_hub_shape(

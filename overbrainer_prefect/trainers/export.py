@@ -208,8 +208,8 @@ class ExportTrainer:
             shutil.copyfile(config, local_run_dir / CONFIG_FILE)
         scripts = local_run_dir / SCRIPTS_DIR
         scripts.mkdir(parents=True, exist_ok=True)
-        source = resources.files("overbrainer_prefect.jobs").joinpath(f"{JOB_MODULE}.py")
-        (scripts / f"{JOB_MODULE}.py").write_bytes(source.read_bytes())
+        script = resources.files("overbrainer_prefect.jobs").joinpath(f"{JOB_MODULE}.py")
+        (scripts / f"{JOB_MODULE}.py").write_bytes(script.read_bytes())
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
         """The job script, with the job venv's Python and the converter next to it."""

@@ -145,7 +145,9 @@ class SimPod:
                 "username": "root",
                 "command": f"ssh root@{self.public_ip} -p {self.ssh_port}",
             }
-            ports.append({"private": 22, "public": self.ssh_port, "type": "tcp", "ip": self.public_ip})
+            ports.append(
+                {"private": 22, "public": self.ssh_port, "type": "tcp", "ip": self.public_ip}
+            )
         return {
             "id": self.id,
             "name": self.name,
@@ -203,6 +205,7 @@ class _Fault:
     method: str | None
     path: str | None
     retry_after: float | None = None
+    detail: str = "upstream failure"
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method is None or self.method == method) and (
@@ -330,12 +333,18 @@ class RunpodSim:
             self._faults.append(_Fault(429, times, method, path, retry_after))
 
     def fail(
-        self, status: int = 503, times: int = 1, *, method: str | None = None, path: str | None = None
+        self,
+        status: int = 503,
+        times: int = 1,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        detail: str = "upstream failure",
     ) -> None:
         """The next `times` requests (of `method`, on a path starting with
-        `path`) answer `status` without doing anything."""
+        `path`) answer `status` with `detail` without doing anything."""
         with self._lock:
-            self._faults.append(_Fault(status, times, method, path))
+            self._faults.append(_Fault(status, times, method, path, detail=detail))
 
     def fail_after_create(self, times: int = 1) -> None:
         """The next `times` creates create their pod (it bills), then answer 500."""
@@ -457,7 +466,7 @@ class RunpodSim:
                         "rate limit exceeded for the minute window",
                         headers={"Retry-After": f"{fault.retry_after:g}"},
                     )
-                return _problem(fault.status, "upstream failure")
+                return _problem(fault.status, fault.detail)
         self._faults = [f for f in self._faults if f.remaining > 0]
         return None
 
@@ -715,7 +724,9 @@ class RunpodSim:
         if not isinstance(name, str) or not SECRET_NAME.match(name):
             return self._done(request, _problem(422, "$.name: does not match the pattern"), scope)
         if name.lower().startswith("runpod"):
-            return self._done(request, _problem(400, "names starting with RUNPOD are reserved"), scope)
+            return self._done(
+                request, _problem(400, "names starting with RUNPOD are reserved"), scope
+            )
         with self._lock:
             if any(s.name.lower() == name.lower() for s in self._secrets.values()):
                 return self._done(request, _problem(409, "a secret with this name exists"), scope)

@@ -116,8 +116,11 @@ class OllamaStandIn(StandIn):
         if not isinstance(files, dict):
             return json_reply(400, {"error": "json: cannot unmarshal files"})
         for path, digest in files.items():
-            if path in (".", "") or path.startswith("/") or ".." in path.split("/") or (
-                ":" in path or "\\" in path
+            if (
+                path in (".", "")
+                or path.startswith("/")
+                or ".." in path.split("/")
+                or (":" in path or "\\" in path)
             ):
                 return json_reply(400, {"error": f"file path must be relative: {path}"})
             if not isinstance(digest, str) or not DIGEST.match(digest):

@@ -39,7 +39,9 @@ class Reply:
 
 def json_reply(status: int, value: Any, **headers: str) -> Reply:
     """A JSON answer."""
-    return Reply(status, json.dumps(value).encode(), {"Content-Type": "application/json", **headers})
+    return Reply(
+        status, json.dumps(value).encode(), {"Content-Type": "application/json", **headers}
+    )
 
 
 class StandIn:

@@ -1,0 +1,270 @@
+"""The collector: finishes the runs whose follower is gone.
+
+While a run trains, its follower (the `train` flow run that started it, or an
+`attach`) holds the run's follow lock. When the follower dies without a trace
+(its worker was killed, the machine rebooted), no hook runs: the job keeps
+running on its target, bounded by its max_hours, and its record says
+`running` with nobody following it. The `collect` flow, scheduled every few
+minutes, finds those runs and finishes them: it follows each job to its end
+(at once when it has already ended), retrieves and verifies its files, and
+records the outcome. A run whose flow run was cancelled while nothing could
+run its cancellation hook has its job cancelled instead.
+
+A run is never followed by two processes: the collector takes the run's lock
+before it touches the run and leaves alone any run another live process holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import acreate_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import ObjectNotFound
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from overbrainer_prefect.artifacts import (
+    PrefectReporter,
+    next_step,
+    publish_metrics_table,
+    publish_summary,
+    summary_markdown,
+)
+from overbrainer_prefect.executors.base import ExecError
+from overbrainer_prefect.flows.targets import UnknownTarget, load_target
+from overbrainer_prefect.flows.train import follow_job, run_context, trainer_of
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.runs.lifecycle import Outcome, RunError
+from overbrainer_prefect.runs.lock import RunBusy, follow_lock, is_followed
+from overbrainer_prefect.runs.records import RecordError
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState
+
+COLLECT_ARTIFACT = "collected-runs"
+"""Key of the markdown artifact in which each collect says what it did."""
+
+CANCELLED_FLOW_RUN = frozenset({StateType.CANCELLING, StateType.CANCELLED})
+"""States of a run's flow run that mean someone asked for the run to be cancelled."""
+
+FINAL_FLOW_RUN = frozenset(
+    {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
+)
+"""States of a flow run that will never touch its run again."""
+
+
+class Collected(BaseModel):
+    """What the collector did with one run."""
+
+    run_id: str
+    target: str
+    was: RunState
+    action: str
+    state: RunState
+    retrieved: bool = False
+    files: int = 0
+    message: str | None = None
+
+
+@dataclass
+class Finished:
+    """A run the collector finished: its outcome, where it ran, and whether the
+    collector cancelled its job (because its flow run had been cancelled)."""
+
+    outcome: Outcome
+    target: str
+    cancelled: bool
+
+
+async def finish_run(
+    runs: Runs, record: RunRecord, *, cancel: bool = False, reporter: Any = None
+) -> Finished:
+    """Finishes a started run whose follower is gone. The caller holds the run's
+    follow lock.
+
+    With `cancel` (its flow run was cancelled and no hook finished it), the job
+    is cancelled and what it left retrieved, best effort; a job that had already
+    ended is followed instead, so its real outcome is recorded. Otherwise the job
+    is followed to its end (at once when it has already ended), its files
+    retrieved and verified, and the outcome recorded. The outcome's `retrieved`
+    says whether everything the target held is here: only then may the target's
+    copy go (a pod be deleted).
+
+    Raises UnknownTarget when the run's target block no longer exists, RunError
+    (Unreachable, NotRetrieved, ...) when the job cannot be followed to its end,
+    ExecError when the target cannot be reached to cancel the job.
+    """
+    target_ref, block = await load_target(record.target)
+    executor = block.executor(target_ref)
+    try:
+        trainer = trainer_of(record, block)
+        ctx = run_context(runs, block, executor, reporter or lifecycle.LogReporter())
+        if cancel:
+            record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
+            if status.kind == "cancelled":
+                outcome = await lifecycle.watch(ctx, trainer, record)
+                outcome.retrieved = retrieved
+                return Finished(outcome, executor.description, cancelled=True)
+        if isinstance(ctx.reporter, PrefectReporter):
+            outcome = await follow_job(ctx, trainer, record)
+        else:
+            outcome = await lifecycle.watch(ctx, trainer, record)
+        return Finished(outcome, executor.description, cancelled=False)
+    finally:
+        await executor.close()
+
+
+async def flow_run_state(flow_run_id: str | None) -> StateType | None:
+    """The state of the flow run that created a run, None when the record names
+    none or this Prefect server does not know it."""
+    if flow_run_id is None:
+        return None
+    try:
+        async with get_client() as client:
+            found = await client.read_flow_run(UUID(flow_run_id))
+    except (ObjectNotFound, ValueError):
+        return None
+    return found.state.type if found.state is not None else None
+
+
+def orphans(runs: Runs) -> list[RunRecord]:
+    """The runs not ended that no live process follows, oldest first."""
+    return [
+        record
+        for record in runs.list(skipped=lambda _name, _error: None)
+        if not record.state.ended and not is_followed(runs.run_dir(record.id))
+    ]
+
+
+async def collect_run(runs: Runs, record: RunRecord) -> Collected | None:
+    """Takes the follow lock of a run nobody follows and finishes it; returns
+    what was done, or None when there was nothing to do (another process took
+    the run, it ended meanwhile, or it is still being prepared)."""
+    logger = get_run_logger()
+    state = await flow_run_state(record.flow_run_id)
+    was = record.state
+    row = Collected(run_id=record.id, target=record.target, was=was, action="", state=was)
+    try:
+        with follow_lock(runs.run_dir(record.id), flow_run.id):
+            record = runs.load(record.id)  # as its last follower left it
+            if record.state.ended:
+                return None
+            if record.job is None:
+                if state is None or state not in FINAL_FLOW_RUN:
+                    return None  # its flow run may still be preparing it
+                record.state = RunState.FAILED
+                record.message = "interrupted before the job started"
+                record.ended = rfc3339()
+                runs.save(record)
+                logger.info(
+                    "run %s: its flow run is %s and its job never started: recorded failed",
+                    record.id,
+                    state.value.lower(),
+                )
+                return row.model_copy(
+                    update={
+                        "action": "failed: interrupted before the job started",
+                        "state": record.state,
+                        "message": record.message,
+                    }
+                )
+            cancel = state in CANCELLED_FLOW_RUN
+            logger.info(
+                "run %s is %s and nobody follows it: %s",
+                record.id,
+                record.state,
+                "its flow run was cancelled, so its job is cancelled"
+                if cancel
+                else "following its job to its end",
+            )
+            reporter = PrefectReporter(logger, record.id)
+            finished = await finish_run(runs, record, cancel=cancel, reporter=reporter)
+    except RunBusy:
+        return None
+    except (UnknownTarget, RunError, ExecError, RecordError, RunsError) as error:
+        logger.warning("run %s: cannot finish it: %s", record.id, error)
+        current = _state_of(runs, record)
+        return row.model_copy(update={"action": "left as it was", "state": current, "message": str(error)})
+    outcome = finished.outcome
+    ended = outcome.record
+    await publish_metrics_table(ended.id, outcome.summary)
+    await publish_summary(
+        ended.id,
+        summary_markdown(ended, finished.target, outcome.summary, outcome.files, next_step(ended)),
+    )
+    logger.info(
+        "run %s %s: %d files %s",
+        ended.id,
+        ended.state,
+        len(outcome.files),
+        "verified" if outcome.retrieved else "not retrieved",
+    )
+    return row.model_copy(
+        update={
+            "action": "job cancelled" if finished.cancelled else "followed to its end",
+            "state": ended.state,
+            "retrieved": outcome.retrieved,
+            "files": len(outcome.files),
+            "message": ended.message,
+        }
+    )
+
+
+def _state_of(runs: Runs, record: RunRecord) -> RunState:
+    try:
+        return runs.load(record.id).state
+    except (RecordError, RunsError):
+        return record.state
+
+
+def collected_markdown(rows: list[Collected], root: str) -> str:
+    """The collect's report: one row a run it finished."""
+    lines = [f"# Collected runs in `{root}`", ""]
+    if not rows:
+        lines.append("Nothing to collect: every run has ended or is followed.")
+        return "\n".join(lines) + "\n"
+    lines += [
+        "| run | target | was | action | now | files | message |",
+        "|---|---|---|---|---|---:|---|",
+    ]
+    for row in rows:
+        files = f"{row.files} verified" if row.retrieved else "not retrieved"
+        message = (row.message or "").replace("|", "\\|").replace("\n", " ")
+        lines.append(
+            f"| {row.run_id} | {row.target} | {row.was} | {row.action} | **{row.state}** "
+            f"| {files} | {message} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@flow(name="collect", persist_result=True)
+async def collect(runs_dir: str | None = None) -> list[Collected]:
+    """Finishes every run whose follower is gone: a run still `running` that no
+    live process follows is followed to its end and its files retrieved and
+    verified (its job cancelled instead when its flow run was cancelled); a run
+    whose flow run ended before its job started is recorded failed. Runs another
+    process follows are left alone. Publishes what it did as the
+    `collected-runs` artifact and returns it.
+
+    Raises RecordIoError when the runs directory cannot be read.
+    """
+    runs = Runs(runs_dir)
+    found = orphans(runs)
+    rows = [row for row in await asyncio.gather(*(collect_run(runs, r) for r in found)) if row]
+    await acreate_markdown_artifact(
+        markdown=collected_markdown(rows, str(runs.root)),
+        key=COLLECT_ARTIFACT,
+        description="What the last collect did",
+    )
+    get_run_logger().info(
+        "collected %d run(s) in %s%s",
+        len(rows),
+        runs.root,
+        "".join(f"; {r.run_id}: {r.action}, {r.state}" for r in rows),
+    )
+    return rows

@@ -1,0 +1,395 @@
+"""The Runpod client against the simulator over real HTTP on 127.0.0.1:
+pods, secrets, the catalog, retries, reconciliation after an ambiguous
+create, deletion confirmation, and keys that never leak."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from overbrainer_prefect import __version__
+from overbrainer_prefect.runpod import (
+    GONE_LOOKS,
+    GpuType,
+    NoCapacity,
+    PodNotGone,
+    PodRequest,
+    RetryPolicy,
+    RunpodClient,
+    RunpodError,
+    confirm_deleted,
+    delete_and_confirm,
+    look_up,
+    secret_ref,
+)
+from tests.runpod_sim import RunpodSim, SimPod, running_sim
+
+T = TypeVar("T")
+
+FAST = RetryPolicy(
+    attempts=4,
+    backoff_s=0.02,
+    max_backoff_s=0.1,
+    rate_limit_budget_s=10.0,
+    max_retry_after_s=5.0,
+    create_attempts=3,
+    reconcile_looks=3,
+    reconcile_interval_s=0.05,
+)
+"""The default policy's shape with waits short enough for tests."""
+
+
+@pytest.fixture
+def sim() -> Iterator[RunpodSim]:
+    with running_sim() as simulator:
+        yield simulator
+
+
+def client_of(sim: RunpodSim, key: str | None = None) -> RunpodClient:
+    return RunpodClient(
+        SecretStr(sim.api_key if key is None else key), sim.rest_url, sim.graphql_url, retry=FAST
+    )
+
+
+def run(sim: RunpodSim, body: Callable[[RunpodClient], Awaitable[T]], key: str | None = None) -> T:
+    """Runs `body` with a client of `sim` (with `key`), closed at the end."""
+
+    async def main() -> T:
+        async with client_of(sim, key) as client:
+            return await body(client)
+
+    return asyncio.run(main())
+
+
+def request(name: str = "ob-r1-a1", gpu: str = "NVIDIA A40", **env: str) -> PodRequest:
+    return PodRequest(name=name, image="img:1", gpu_type_id=gpu, env=dict(env))
+
+
+def test_a_pod_is_created_looked_up_listed_and_deleted(sim: RunpodSim) -> None:
+    async def body(client: RunpodClient) -> None:
+        pod = await client.create_pod(request())
+        assert pod.name == "ob-r1-a1"
+        assert pod.status == "RUNNING"
+        assert pod.cost_per_hr == pytest.approx(0.44)
+        assert pod.gpu_type_id == "NVIDIA A40"
+        seen = await client.get_pod(pod.id)
+        assert seen is not None and seen.id == pod.id
+        assert [p.id for p in await client.list_pods()] == [pod.id]
+        assert await client.delete_pod(pod.id) is True
+        assert await client.delete_pod(pod.id) is False  # already gone: success
+        assert await client.get_pod(pod.id) is None
+
+    run(sim, body)
+    assert sim.pods() == []
+    assert {r.user_agent for r in sim.requests} == {f"overbrainer-prefect/{__version__}"}
+    assert sim.spend() > 0  # billed from create to delete
+
+
+def test_a_500_after_the_pod_was_created_leaves_exactly_one_pod(sim: RunpodSim) -> None:
+    sim.fail_after_create(1)
+    sim.lag_after_create(lists=2)  # the list shows it only on the third look
+    pod = run(sim, lambda client: client.create_pod(request("ob-r1-a1")))
+    assert [p.id for p in sim.pods_named("ob-r1-a1")] == [pod.id]
+    assert len(sim.requests_to("POST", "/v2/pods")) == 1  # never sent again
+    assert len(sim.pods()) == 1
+
+
+def test_a_5xx_on_a_create_that_created_nothing_is_sent_again_once(sim: RunpodSim) -> None:
+    sim.fail(503, times=1, method="POST", path="/v2/pods")
+    pod = run(sim, lambda client: client.create_pod(request("ob-r1-a1")))
+    assert [p.id for p in sim.pods()] == [pod.id]
+    assert [r.status for r in sim.requests_to("POST", "/v2/pods")] == [503, 201]
+
+
+def test_a_create_that_keeps_failing_says_a_pod_may_exist(sim: RunpodSim) -> None:
+    sim.fail(502, times=10, method="POST", path="/v2/pods")
+    with pytest.raises(RunpodError) as caught:
+        run(sim, lambda client: client.create_pod(request("ob-r1-a1")))
+    assert caught.value.status == 502
+    assert "no pod named ob-r1-a1 shows after 3 tries" in str(caught.value)
+    assert len(sim.requests_to("POST", "/v2/pods")) == FAST.create_attempts
+    assert sim.pods() == []
+
+
+def test_no_capacity_raises_its_own_error_and_creates_nothing(sim: RunpodSim) -> None:
+    sim.set_capacity("NVIDIA A40", 0)
+    with pytest.raises(NoCapacity) as caught:
+        run(sim, lambda client: client.create_pod(request()))
+    assert caught.value.gpu_type == "NVIDIA A40"
+    assert str(caught.value) == (
+        "Runpod answered 400 (no capacity): no NVIDIA A40 is available right now: try another "
+        "GPU type, or later"
+    )
+    assert sim.pods() == []
+
+
+def test_429s_are_waited_out_as_retry_after_says(sim: RunpodSim) -> None:
+    sim.rate_limit(times=1, retry_after=1.0, method="POST", path="/v2/pods")
+    started = time.monotonic()
+    run(sim, lambda client: client.create_pod(request()))
+    assert time.monotonic() - started >= 1.0
+    assert [r.status for r in sim.requests_to("POST", "/v2/pods")] == [429, 201]
+    assert len(sim.pods()) == 1
+
+
+def test_a_retry_after_beyond_the_budget_is_not_waited(sim: RunpodSim) -> None:
+    sim.rate_limit(times=1, retry_after=600.0)
+    started = time.monotonic()
+    with pytest.raises(RunpodError) as caught:
+        run(sim, lambda client: client.list_pods())
+    assert time.monotonic() - started < 5.0
+    assert caught.value.status == 429
+    assert str(caught.value).startswith("Runpod answered 429 (rate limited): ")
+
+
+def test_5xx_on_a_look_is_retried_a_bounded_number_of_times(sim: RunpodSim) -> None:
+    pod = run(sim, lambda client: client.create_pod(request()))
+    sim.fail(503, times=2, method="GET")
+    assert run(sim, lambda client: client.get_pod(pod.id)) is not None
+    sim.fail(500, times=100, method="GET")
+    with pytest.raises(RunpodError) as caught:
+        run(sim, lambda client: client.get_pod(pod.id))
+    assert caught.value.status == 500
+    assert str(caught.value) == (
+        "Runpod answered 500 (server error): Runpod is having trouble: try again later"
+    )
+    answered = [r.status for r in sim.requests_to("GET", f"/v2/pods/{pod.id}")]
+    assert answered[-FAST.attempts :] == [500] * FAST.attempts
+
+
+def test_an_invalid_api_key_fails_with_one_line(sim: RunpodSim) -> None:
+    with pytest.raises(RunpodError) as caught:
+        run(sim, lambda client: client.list_pods(), key="rpa_wrongwrongwrongwrong")
+    assert caught.value.status == 401
+    assert str(caught.value) == (
+        "Runpod answered 401 (unauthorized): check the API key of the RunpodCredentials block"
+    )
+    assert caught.value.run_message == "Runpod answered 401"
+
+
+def test_runpod_unreachable_fails_with_one_line() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed once the block ends: nothing listens
+
+    async def main() -> None:
+        async with RunpodClient(
+            SecretStr("rpa_k"), f"http://127.0.0.1:{port}/v2", retry=FAST
+        ) as client:
+            await client.list_pods()
+
+    with pytest.raises(RunpodError) as caught:
+        asyncio.run(main())
+    assert caught.value.status is None
+    assert str(caught.value) == (
+        "cannot reach Runpod (connection failed): check the network and the URLs of the "
+        "RunpodCredentials block"
+    )
+
+
+def test_the_retired_v1_api_says_to_use_v2(sim: RunpodSim) -> None:
+    async def main() -> None:
+        async with RunpodClient(SecretStr(sim.api_key), f"{sim.base_url}/v1", retry=FAST) as client:
+            await client.list_pods()
+
+    with pytest.raises(RunpodError) as caught:
+        asyncio.run(main())
+    assert caught.value.status == 410
+    assert "REST v2" in str(caught.value)
+
+
+def test_the_key_and_secret_values_never_appear_in_errors_or_logs(
+    sim: RunpodSim, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    value = "hf_supersecretvalue_0123456789"
+    errors: list[BaseException] = []
+
+    async def body(client: RunpodClient) -> None:
+        await client.create_secret("ob_hf_token", SecretStr(value))
+        try:
+            await client.create_secret("ob_hf_token", SecretStr(value))  # 409: taken
+        except RunpodError as error:
+            errors.append(error)
+        sim.fail(400, method="POST", path="/v2/pods", detail=f"bad {sim.api_key} and {value}")
+        try:
+            await client.create_pod(request(HF=secret_ref("ob_hf_token")))
+        except RunpodError as error:
+            errors.append(error)
+        sim.fail(503, times=2)
+        sim.rate_limit(times=1, retry_after=0.1)
+        assert await client.get_pod("nope") is None
+
+    run(sim, body)
+    async_errors: list[BaseException] = []
+    try:
+        run(sim, lambda client: client.list_pods(), key=sim.api_key + "x")
+    except RunpodError as error:
+        async_errors.append(error)
+    assert len(errors) == 2 and len(async_errors) == 1
+    scrubbed = errors[1]
+    assert isinstance(scrubbed, RunpodError) and scrubbed.status == 400
+    assert "[redacted]" in scrubbed.detail
+    texts = [caplog.text] + [f"{e} {e!r} {getattr(e, 'detail', '')}" for e in errors + async_errors]
+    for text in texts:
+        assert sim.api_key not in text
+        assert value not in text
+    assert "Runpod answered 409 (conflict): a secret named ob_hf_token exists" in str(errors[0])
+
+
+def test_a_deleted_pod_that_still_shows_is_confirmed_gone_only_once_it_is(sim: RunpodSim) -> None:
+    sim.lag_after_delete(gets=2, lists=2)
+
+    async def body(client: RunpodClient) -> tuple[str, bool]:
+        pod = await client.create_pod(request())
+        deleted = await delete_and_confirm(client, pod.id, interval_s=0.02, timeout_s=10)
+        return pod.id, deleted
+
+    pod_id, deleted = run(sim, body)
+    assert deleted is True
+    looks = [r.status for r in sim.requests_to("GET", f"/v2/pods/{pod_id}")]
+    # Shown twice, then 404s; each time the list still showed it, the count began again.
+    assert looks[:2] == [200, 200]
+    assert looks[-GONE_LOOKS:] == [404] * GONE_LOOKS
+    assert len(looks) >= 2 + 3 * GONE_LOOKS
+    assert [r.status for r in sim.requests_to("GET", "/v2/pods")][-1] == 200
+
+
+def test_a_pod_that_does_not_go_is_reported_not_gone(sim: RunpodSim) -> None:
+    async def body(client: RunpodClient) -> None:
+        pod = await client.create_pod(request())
+        await confirm_deleted(client, pod.id, interval_s=0.02, timeout_s=0.3)
+
+    with pytest.raises(PodNotGone) as caught:
+        run(sim, body)
+    assert str(caught.value).startswith("cannot confirm that pod ")
+    assert "it may still bill" in str(caught.value)
+    assert len(sim.pods()) == 1
+
+
+def test_a_pod_just_created_that_answers_404_is_not_taken_for_gone(sim: RunpodSim) -> None:
+    sim.lag_after_create(gets=2)
+
+    async def body(client: RunpodClient) -> None:
+        pod = await client.create_pod(request())
+        assert await client.get_pod(pod.id) is None  # 404 for a while
+        found = await look_up(client, pod.id, interval_s=0.02)
+        assert found is not None and found.id == pod.id
+        assert await delete_and_confirm(client, pod.id, interval_s=0.02) is True
+        assert await look_up(client, pod.id, interval_s=0.02) is None
+
+    run(sim, body)
+
+
+def test_a_pod_key_reaches_only_its_own_pod(sim: RunpodSim) -> None:
+    mine, other = run(
+        sim,
+        lambda client: asyncio.gather(
+            client.create_pod(request("ob-a")), client.create_pod(request("ob-b"))
+        ),
+    )
+    key = sim.pod(mine.id).env["RUNPOD_API_KEY"]
+    assert sim.pod(mine.id).env["RUNPOD_POD_ID"] == mine.id
+
+    async def body(client: RunpodClient) -> None:
+        assert (await client.get_pod(mine.id)) is not None
+        for denied in (client.list_pods(), client.delete_pod(other.id)):
+            with pytest.raises(RunpodError) as caught:
+                await denied
+            assert caught.value.status == 403
+        assert await client.delete_pod(mine.id) is True
+
+    run(sim, body, key=key)
+    assert [p.id for p in sim.pods()] == [other.id]
+
+
+def test_secrets_reach_the_pod_env_and_never_the_api(sim: RunpodSim) -> None:
+    value = "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n-----END OPENSSH PRIVATE KEY-----"
+
+    async def body(client: RunpodClient) -> tuple[str, dict[str, str]]:
+        secret = await client.create_secret("ob_r1_host_key", SecretStr(value))
+        assert secret.name == "ob_r1_host_key"
+        pod = await client.create_pod(request(HOST_KEY=secret_ref("ob_r1_host_key")))
+        assert await client.delete_secret("ob_r1_host_key") is True
+        assert await client.delete_secret("ob_r1_host_key") is False
+        return pod.id, pod.env
+
+    pod_id, shown_env = run(sim, body)
+    assert sim.pod(pod_id).env["HOST_KEY"] == value  # substituted when the pod boots
+    assert shown_env["HOST_KEY"] == "{{ RUNPOD_SECRET_ob_r1_host_key }}"
+    assert sim.secret_names() == []
+
+
+def test_a_secret_name_runpod_refuses_is_one_line(sim: RunpodSim) -> None:
+    with pytest.raises(ValueError, match="starts with `runpod`, which Runpod reserves"):
+        run(sim, lambda client: client.create_secret("RUNPOD_X", SecretStr("v")))
+    assert sim.requests == []
+
+
+def test_the_gpu_catalog_reads_the_same_over_rest_and_graphql(sim: RunpodSim) -> None:
+    rest = run(sim, lambda client: client.gpu_types("SECURE"))
+    sim.set_catalog(False)
+    graphql = run(sim, lambda client: client.gpu_types("SECURE"))
+    assert len(sim.requests_to("POST", "/graphql")) == 1
+
+    def key(gpus: list[GpuType]) -> list[tuple[str, float, float | None]]:
+        return [(g.id, g.memory_gb, g.price("SECURE")) for g in gpus]
+
+    assert key(rest) == key(graphql)
+    h200 = next(g for g in rest if g.id == "NVIDIA H200")
+    assert (h200.memory_gb, h200.price("SECURE"), h200.price("COMMUNITY")) == (141, 3.99, None)
+    centers = run(sim, lambda client: client.data_centers())
+    assert "EU-RO-1" in [dc.id for dc in centers]
+
+
+def test_credentials_build_a_client_and_never_show_the_key(sim: RunpodSim) -> None:
+    from overbrainer_prefect.blocks import RunpodCredentials
+
+    credentials = RunpodCredentials(
+        api_key=SecretStr(sim.api_key), rest_url=sim.rest_url, graphql_url=sim.graphql_url
+    )
+    assert sim.api_key not in repr(credentials) + str(credentials.model_dump())
+
+    async def main() -> list[str]:
+        async with credentials.client() as client:
+            return [pod.id for pod in await client.list_pods()]
+
+    assert asyncio.run(main()) == []
+    with pytest.raises(ValueError, match="the Runpod API key is empty"):
+        RunpodCredentials(api_key=SecretStr(" ")).client()
+
+
+def test_the_simulator_calls_its_hooks_and_takes_knobs_over_http(sim: RunpodSim) -> None:
+    created: list[str] = []
+    deleted: list[str] = []
+
+    def on_create(pod: SimPod) -> None:
+        created.append(pod.id)
+        pod.public_ip, pod.ssh_port = "127.0.0.1", 2222
+        pod.env["RUNPOD_TCP_PORT_22"] = "2222"
+
+    sim.on_pod_create = on_create
+    sim.on_pod_delete = lambda pod: deleted.append(pod.id)
+    knobs = httpx.post(f"{sim.base_url}/_sim/knobs", json={"capacity": {"NVIDIA L40S": 0}})
+    assert knobs.status_code == 200
+
+    async def body(client: RunpodClient) -> str:
+        with pytest.raises(NoCapacity):
+            await client.create_pod(request(gpu="NVIDIA L40S"))
+        pod = await client.create_pod(request())
+        assert pod.ssh is not None and (pod.ssh.host, pod.ssh.port) == ("127.0.0.1", 2222)
+        await client.delete_pod(pod.id)
+        return pod.id
+
+    pod_id = run(sim, body)
+    assert created == deleted == [pod_id]
+    state = httpx.get(f"{sim.base_url}/_sim/state").json()
+    assert [(p["id"], p["deleted"]) for p in state["pods"]] == [(pod_id, True)]
