@@ -175,14 +175,16 @@ def make_run(tmp_path: Path, gguf_file: Path, *, export: bool = True) -> FakeRun
     work = tmp_path / "work"
     dataset = tmp_path / "chat.jsonl"
     dataset.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    spec = TrainingSpec(
-        base_model=BASE,
-        datasets=[str(dataset)],
-        max_steps=6,
-        lora_r=8,
-        lora_alpha=16,
-        learning_rate=5e-3,
-        extra={"gradient_checkpointing": True, "wandb_api_key": "not-for-the-card"},
+    spec = TrainingSpec.model_validate(
+        {
+            "base_model": BASE,
+            "datasets": [str(dataset)],
+            "max_steps": 6,
+            "lora_r": 8,
+            "lora_alpha": 16,
+            "learning_rate": 5e-3,
+            "extra": {"gradient_checkpointing": True, "wandb_api_key": "not-for-the-card"},
+        }
     )
     record = lifecycle.create(
         runs,
@@ -399,7 +401,7 @@ def read_artifacts(run_id: str) -> dict[str, Any]:
             found = await client.read_artifacts(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_=f"run-{run_id}"))
             )
-            return {a.key: a for a in found}
+            return {a.key: a for a in found if a.key is not None}
 
     return dict(run(go()))
 
@@ -567,6 +569,8 @@ def test_the_deliver_flow_commits_adapter_gguf_and_card_to_a_private_repo_in_one
             fake.gguf.name,
         ]
     )
+    assert (fake.run_dir / "output" / "checkpoint-6" / "adapter_model.safetensors").is_file()
+    assert not any("checkpoint" in path for commit in repo.commits for path in commit.added)
     local = fake.run_dir / "output"
     assert (
         repo.files["adapter_model.safetensors"].content
@@ -575,7 +579,6 @@ def test_the_deliver_flow_commits_adapter_gguf_and_card_to_a_private_repo_in_one
     assert repo.files["adapter_model.safetensors"].lfs_sha256 is not None
     assert repo.files[fake.gguf.name].content == fake.gguf.read_bytes()
     card = repo.files["README.md"].content.decode()
-    print(card)
     meta = yaml.safe_load(card.split("---\n")[1])
     assert meta["base_model"] == BASE and meta["library_name"] == "peft"
     assert meta["tags"] == ["overbrainer", "axolotl", "gguf", "lora"]

@@ -96,10 +96,13 @@ def facts_of_run(
     spec = TrainingSpec.model_validate(record.spec)
     values = spec.model_dump(mode="json")
     lora = spec.adapter in ("lora", "qlora")
+    skipped = {"num_epochs"} if spec.max_steps is not None else set()  # max_steps wins
     settings = {
         key: values[key]
         for key in SETTINGS
-        if values.get(key) is not None and (lora or not key.startswith("lora_"))
+        if values.get(key) is not None
+        and key not in skipped
+        and (lora or not key.startswith("lora_"))
     }
     settings.update({k: v for k, v in sorted(spec.extra.items()) if not SECRET_LOOKING.search(k)})
     try:

@@ -137,27 +137,35 @@ async def deliver(
                 f"with {again}"
             )
         else:
-            deliveries.append(_ollama_delivery(server, pushed, gguf))
+            deliveries.append(await _recorded(runs, run_id, _ollama_delivery(server, pushed, gguf)))
     if credentials is not None and hub_repo is not None:
-        again = _again(run_id, quant, hub_repo=hub_repo, what=what)
+        again = _again(
+            run_id,
+            quant,
+            hub_repo=hub_repo,
+            huggingface=huggingface if huggingface != DEFAULT_HF_BLOCK else None,
+            private=None if private else "false",
+            what=what,
+        )
         try:
             committed = await deliver_to_hub(
                 runs, record, hub_repo, credentials, private, adapter, gguf
             )
         except DeliveryError as error:
-            kept = f"the GGUF stays verified at {gguf.file.shown}" if gguf else "nothing was lost"
+            kept = (
+                f"the GGUF stays verified at {gguf.file.shown}"
+                if gguf
+                else f"the adapter stays verified in runs/{run_id}/output/"
+            )
             failures.append(f"{error}; no commit was made and {kept}: deliver again with {again}")
         else:
-            deliveries.append(_hub_delivery(committed, gguf))
+            deliveries.append(await _recorded(runs, run_id, _hub_delivery(committed, gguf)))
             if private and committed.private is False:
                 logger.warning(
                     "%s already existed and is public: the Hub keeps an existing repository's "
                     "visibility",
                     committed.repo_id,
                 )
-    for delivery in deliveries:
-        await asyncio.to_thread(add_delivery, runs.run_dir(run_id), delivery)
-        await _link(run_id, delivery)
     if failures:
         raise DeliveryFailed(" | ".join(failures))
     return DeliveryResult(run_id=run_id, deliveries=deliveries)
@@ -171,11 +179,14 @@ async def deliver_to_ollama(
     not have it) and creates `model` with the chat template of the GGUF.
     Raises DeliveryError with one line."""
     logger = get_run_logger()
-    header = await asyncio.to_thread(read_header, gguf.file.path)
-    training_template = (record.spec or {}).get("chat_template")
-    settings = chat_settings(header.chat_template, training_template)
-    async with OllamaClient(server.url) as client:
-        pushed = await client.push_gguf(gguf.file.path, gguf.file.sha256, model, settings)
+    try:
+        header = await asyncio.to_thread(read_header, gguf.file.path)
+        training_template = (record.spec or {}).get("chat_template")
+        settings = chat_settings(header.chat_template, training_template)
+        async with OllamaClient(server.url) as client:
+            pushed = await client.push_gguf(gguf.file.path, gguf.file.sha256, model, settings)
+    except OSError as error:
+        raise DeliveryError(f"cannot read {gguf.file.shown} ({error.strerror or error})") from None
     logger.info(
         "run %s: model %s created on %s from %s (%s; blob %s)",
         record.id,
@@ -297,6 +308,13 @@ def _hub_delivery(committed: Committed, gguf: ExportedGguf | None) -> Delivery:
         delivered=rfc3339(),
         flow_run_id=flow_run.id,
     )
+
+
+async def _recorded(runs: Runs, run_id: str, delivery: Delivery) -> Delivery:
+    """Records `delivery` in the run's `deliveries.json` and links it, as soon as it is made."""
+    await asyncio.to_thread(add_delivery, runs.run_dir(run_id), delivery)
+    await _link(run_id, delivery)
+    return delivery
 
 
 async def _link(run_id: str, delivery: Delivery) -> None:

@@ -7,6 +7,10 @@ and llama.cpp's HF->GGUF converter), in the export's directory, which holds:
     axolotl.yaml    the run's config, whose `base_model` a LoRA is merged into
     scripts/        this script
 
+With `--base MODEL` it exports a plain base model instead (a directory on the
+target or a Hugging Face id, no LoRA, nothing staged but this script): what a
+compare sets a fine-tune's GGUF against.
+
 Three steps, each timed:
 
 1. merge: a LoRA is loaded onto its base (a directory on the target or a Hugging
@@ -30,7 +34,7 @@ appended to `metrics.jsonl`, each with `time`:
     {"event": "end", "gguf": "gguf/x-q4_k_m.gguf", "size": 105454304, "seconds": 13.0, ...}
 
 usage: python scripts/overbrainer_export.py --converter PATH --quant QUANT --name NAME
-           [--threads N] [--keep-intermediate]
+           [--threads N] [--keep-intermediate] [--base MODEL]
 
 Exits 2 with one line on stderr when an input is missing (no model, no base
 model, no converter, an unknown quant type), 3 when llama.cpp fails to quantize;
@@ -108,6 +112,23 @@ def base_model() -> str:
             "target it trained on, or copy its base model there"
         )
     return str(Path(base).expanduser()) if base.startswith("~") else str(base)
+
+
+def base_dir(base: str) -> Path:
+    """The directory of the plain base model `base` to export: a directory on this
+    target, or a Hugging Face id fetched into the cache (`HF_HOME`)."""
+    if base.startswith(("/", ".", "~")):
+        path = Path(base).expanduser()
+        if not path.is_dir():
+            raise ExportFailed(
+                f"the base model {base} is not a directory on this target: compare on the "
+                "target the run trained on, or copy its base model there"
+            )
+        return path
+    from huggingface_hub import snapshot_download
+
+    print(f"export: fetching the base model {base}", flush=True)
+    return Path(snapshot_download(base))
 
 
 def merge(base: str, out: Path) -> None:
@@ -229,13 +250,19 @@ def export(args: argparse.Namespace, metrics: Metrics) -> None:
             f"llama.cpp's converter is not at {converter}: install it with "
             "scripts/job-env.sh in the job venv"
         )
-    if not MODEL_DIR.is_dir():
-        raise ExportFailed(f"no {MODEL_DIR}/ in {Path.cwd()}: the run's model was not staged")
-    lora = (MODEL_DIR / "adapter_config.json").is_file()
-    if not lora and not (MODEL_DIR / "config.json").is_file():
-        raise ExportFailed(f"{MODEL_DIR}/ holds neither a LoRA adapter nor a model config")
-    base = base_model() if lora else None
-    metrics.write("begin", quant=args.quant, kind="lora" if lora else "full", base_model=base)
+    source = MODEL_DIR
+    if args.base is not None:  # a plain base model: nothing to merge
+        source, base = base_dir(args.base), None
+        metrics.write("begin", quant=args.quant, kind="base", base_model=args.base)
+    else:
+        if not MODEL_DIR.is_dir():
+            raise ExportFailed(f"no {MODEL_DIR}/ in {Path.cwd()}: the run's model was not staged")
+        lora = (MODEL_DIR / "adapter_config.json").is_file()
+        if not lora and not (MODEL_DIR / "config.json").is_file():
+            raise ExportFailed(f"{MODEL_DIR}/ holds neither a LoRA adapter nor a model config")
+        base = base_model() if lora else None
+        kind = "lora" if lora else "full"
+        metrics.write("begin", quant=args.quant, kind=kind, base_model=base)
     WORK_DIR.mkdir(exist_ok=True)
     GGUF_DIR.mkdir(exist_ok=True)
 
@@ -245,7 +272,7 @@ def export(args: argparse.Namespace, metrics: Metrics) -> None:
         merge(base, merged)
         metrics.write("phase", name="merge", seconds=round(time.monotonic() - mark, 3))
     else:
-        merged = working_copy(MODEL_DIR, WORK_DIR / "model")
+        merged = working_copy(source, WORK_DIR / "model")
         metrics.write("phase", name="merge", seconds=0.0, skipped=True)
     repair_tokenizer(merged)
 
@@ -287,6 +314,7 @@ def main() -> int:
     parser.add_argument("--name", required=True, help="the GGUF's name, without the quant")
     parser.add_argument("--threads", type=int, default=0, help="0: as many as the cores")
     parser.add_argument("--keep-intermediate", action="store_true")
+    parser.add_argument("--base", help="export this plain base model (a directory or a Hub id)")
     args = parser.parse_args()
     if args.quant not in FTYPES:
         print(

@@ -9,7 +9,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 STOP_TIMEOUT_S = 10.0  # seconds a stop waits for the serving thread to end
@@ -61,7 +61,7 @@ class StandIn:
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def start(self) -> StandIn:
+    def start(self) -> Self:
         """Starts serving in a thread of its own."""
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
@@ -78,7 +78,7 @@ class StandIn:
             self._thread = None
         self._server.server_close()
 
-    def __enter__(self) -> StandIn:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *_: object) -> None:
@@ -125,7 +125,7 @@ def _handler_for(owner: StandIn) -> type[BaseHTTPRequestHandler]:
 
         def _body(self, headers: dict[str, str]) -> bytes:
             if headers.get("transfer-encoding", "").lower() == "chunked":
-                parts = []
+                parts: list[bytes] = []
                 total = 0
                 while True:
                     size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)

@@ -1,0 +1,1 @@
+"""Deployment steps for `prefect.yaml` (deployments/prefect.yaml)."""
