@@ -69,11 +69,17 @@ def demo_run() -> str | None:
     return max(found, key=lambda r: r.id).id if found else None
 
 
-def train_demo() -> str:
-    """Runs the demo's base build and fine-tune (the train flow); returns the run ID."""
+def demo_module() -> Any:
+    """demo/run_demo.py, imported."""
     sys.path.insert(0, str(REPO / "demo"))
     import run_demo  # type: ignore[import-not-found]
 
+    return run_demo
+
+
+def train_demo() -> str:
+    """Runs the demo's base build and fine-tune (the train flow); returns the run ID."""
+    run_demo = demo_module()
     run_demo.build_base()
     result, _ = run_demo.fine_tune()
     return str(result.run_id)
@@ -160,6 +166,9 @@ def main() -> None:
             if run_id is None:
                 print("# no succeeded demo run in runs/: running the demo's fine-tune first")
                 run_id = train_demo()
+            elif not (BASE_DIR / ".complete").is_file():  # the base the LoRA is merged into
+                print("# the demo's base model is not built: building it first")
+                demo_module().build_base()
             runs_dir = scratch / "runs"
             scratch_copy(run_id, runs_dir)
             name = f"bench-export-{uuid.uuid4().hex[:8]}"

@@ -18,6 +18,8 @@ _LAZY = {
     "SshTarget": "overbrainer_prefect.blocks",
     "HuggingFaceCredentials": "overbrainer_prefect.blocks",
     "RunpodCredentials": "overbrainer_prefect.blocks",
+    "RunpodTarget": "overbrainer_prefect.blocks",
+    "pods": "overbrainer_prefect.flows",
     "OllamaServer": "overbrainer_prefect.blocks",
     "train": "overbrainer_prefect.flows",
     "attach": "overbrainer_prefect.flows",

@@ -8,16 +8,22 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 from prefect.blocks.core import Block
 from pydantic import Field, HttpUrl, SecretStr
 
 from overbrainer_prefect.envfile import read_env_file
-from overbrainer_prefect.executors.base import Executor
+from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.client import RunpodClient
+from overbrainer_prefect.runpod.settings import (
+    DEFAULT_RUNPOD_IMAGE,
+    DEFAULT_RUNPOD_VENV,
+    RunpodTargetSettings,
+    settings_from,
+)
 
 DOCS_URL = "https://github.com/overbrainer/overbrainer-prefect#readme"
 LOGO_URL = "https://raw.githubusercontent.com/overbrainer/overbrainer-prefect/main/logo.png"
@@ -260,3 +266,115 @@ class RunpodCredentials(Block):
         """A new API client with this key; close it with `aclose()` or use it
         with `async with`. Raises ValueError when the key is empty."""
         return RunpodClient(self.api_key, rest_url=self.rest_url, graphql_url=self.graphql_url)
+
+
+class RunpodTarget(TargetBlock):
+    """A Runpod pod created for each run and deleted once the run's files are
+    retrieved and verified. A watchdog on the pod deletes it by itself at
+    `max_hours` (unless the flow following a progressing job renews its
+    lease), at `max_cost_usd`, `retrieve_grace_s` after its job ended
+    unretrieved, and `boot_grace_s` after it started without a job: nothing
+    bills past its bound, whatever dies on this side. `keep_pod` turns all of
+    that off.
+
+    The settings are checked when a run starts: each problem (an unknown GPU
+    type or data center, a price limit nothing meets, a missing image) is one
+    line, before any pod is created.
+
+    Example:
+        Load a saved Runpod target:
+        ```python
+        from overbrainer_prefect.blocks import RunpodTarget
+
+        runpod_target_block = RunpodTarget.load("BLOCK_NAME")
+        ```
+    """
+
+    _block_type_name = "Overbrainer Runpod Target"
+    _block_type_slug = "overbrainer-runpod-target"
+    kind: ClassVar[str] = "runpod"
+
+    credentials: RunpodCredentials = Field(description="The Runpod account pods are created in.")
+    job_venv: str = Field(
+        default=DEFAULT_RUNPOD_VENV,
+        description="The virtual environment on the pod that runs jobs (torch, axolotl).",
+    )
+    max_hours: float = Field(
+        default=6.0,
+        description="Hours after which the pod's watchdog deletes the pod, unless the flow "
+        "following a progressing job renews its lease.",
+    )
+    gpu_types: list[str] | Literal["auto"] = Field(
+        default="auto",
+        description='Runpod GPU type ids tried in order (like "NVIDIA GeForce RTX 4090"), or '
+        '"auto": the cheapest types with enough VRAM.',
+    )
+    min_vram_gb: float | None = Field(
+        default=None,
+        description="Least VRAM per GPU in GB; unset: estimated from the base model for auto.",
+    )
+    max_price_per_hour: float | None = Field(
+        default=None,
+        description="Most the pod may cost per hour in USD, all its GPUs together; unset: "
+        "no limit.",
+    )
+    gpu_count: int = Field(default=1, description="GPUs of the pod.")
+    cloud: Literal["secure", "community"] = Field(
+        default="secure",
+        description="secure: Runpod's data centers; community: hosts of the community.",
+    )
+    image: str = Field(
+        default=DEFAULT_RUNPOD_IMAGE,
+        description="The pod's Docker image: Python, sshd and the job venv.",
+    )
+    container_disk_gb: int = Field(
+        default=50, description="The pod's container disk in GB (wiped with the pod)."
+    )
+    max_cost_usd: float | None = Field(
+        default=None,
+        description="Most the pod may cost in USD (hours × its rate): its watchdog deletes it "
+        "there. Unset: only max_hours bounds it.",
+    )
+    boot_grace_s: float = Field(
+        default=1800.0,
+        description="Seconds a pod may take to answer SSH, and its watchdog waits for a job "
+        "to start, before the pod is deleted.",
+    )
+    retrieve_grace_s: float = Field(
+        default=3600.0,
+        description="Seconds the watchdog keeps a pod whose ended job was not retrieved.",
+    )
+    data_center_ids: list[str] = Field(
+        default_factory=list,
+        description="Runpod data centers the pod may be placed in, like EU-RO-1; empty: any.",
+    )
+    network_volume_id: str | None = Field(
+        default=None,
+        description="A network volume to mount at /workspace; needs exactly one data center.",
+    )
+    max_volume_gb: int | None = Field(
+        default=None,
+        description="Largest size in GB the network volume may be grown to; unset: never grown.",
+    )
+    keep_pod: bool = Field(
+        default=False,
+        description="Keep the pod once the run ends, with no time or cost limit: only the pods "
+        "flow deletes it.",
+    )
+
+    def settings(self) -> RunpodTargetSettings:
+        """The checked settings of this target. Raises SettingsError with one
+        line naming the first field in error and what to do."""
+        values: dict[str, Any] = {
+            name: getattr(self, name) for name in RunpodTargetSettings.model_fields
+        }
+        return settings_from(values)
+
+    def executor(self, name: str) -> Executor:
+        """A Runpod target has no executor of its own: each run's pod is
+        reached over SSH once it exists. Raises ExecError saying so."""
+        raise ExecError(
+            "connect",
+            f"Runpod target {name!r} has no machine until a run creates its pod: train on it "
+            "with the train flow, or follow a run with the attach flow",
+        )

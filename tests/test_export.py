@@ -259,7 +259,7 @@ def test_an_export_on_an_ssh_target_is_retrieved_and_verified(
     assert sha256(there) == result.gguf.sha256
     record = Runs(trained.runs_dir).children(trained.run_id, "export").load(result.export_id)
     assert record.target_kind == "ssh" and record.parent == trained.run_id
-    assert 1 <= len(ask(Path(result.gguf_path), "What colour is the sun?")["tokens"])
+    assert len(ask(Path(result.gguf_path), "What colour is the sun?")["tokens"]) >= 1
 
 
 def copy_run(trained: Trained, **changes: Any) -> str:
@@ -352,10 +352,10 @@ def test_a_run_that_cannot_be_exported_is_refused_in_one_line_and_nothing_is_cre
 def test_an_unknown_quant_is_refused_with_the_known_ones_before_anything(
     trained: Trained,
 ) -> None:
+    before = [r.id for r in trained.exports()]
     with pytest.raises(UnknownQuant, match="'q3_k': use one of q4_k_m, q5_k_m, q8_0, f16"):
         run(export(run_id=trained.run_id, quant="q3_k", runs_dir=str(trained.runs_dir)))
-    assert len(trained.exports()) == len({r.id for r in trained.exports()})
-    assert all(str((r.spec or {}).get("quant")) != "q3_k" for r in trained.exports())
+    assert [r.id for r in trained.exports()] == before
 
 
 def test_an_invalid_run_id_touches_nothing(prefect_server: None, tmp_path: Path) -> None:

@@ -1,6 +1,25 @@
 """The Prefect flows of overbrainer-prefect."""
 
+from overbrainer_prefect.flows.compare import CompareResult, compare
 from overbrainer_prefect.flows.export import ExportResult, export
+from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
+from overbrainer_prefect.flows.pods import PodsResult, pods
 from overbrainer_prefect.flows.train import RunFailed, RunResult, attach, cancel, stop, train
 
-__all__ = ["ExportResult", "RunFailed", "RunResult", "attach", "cancel", "export", "stop", "train"]
+__all__ = [
+    "CompareResult",
+    "ExportResult",
+    "FineTuneResult",
+    "FineTuneSpec",
+    "PodsResult",
+    "RunFailed",
+    "RunResult",
+    "attach",
+    "cancel",
+    "compare",
+    "export",
+    "fine_tune",
+    "pods",
+    "stop",
+    "train",
+]

@@ -189,7 +189,9 @@ async def collect_run(runs: Runs, record: RunRecord) -> Collected | None:
     except (UnknownTarget, RunError, ExecError, RecordError, RunsError) as error:
         logger.warning("run %s: cannot finish it: %s", record.id, error)
         current = _state_of(runs, record)
-        return row.model_copy(update={"action": "left as it was", "state": current, "message": str(error)})
+        return row.model_copy(
+            update={"action": "left as it was", "state": current, "message": str(error)}
+        )
     outcome = finished.outcome
     ended = outcome.record
     await publish_metrics_table(ended.id, outcome.summary)

@@ -47,6 +47,9 @@ async def cancel_runs_of(flow_run: FlowRun, logger: logging.Logger | Any) -> Non
 
     runs, records = runs_of(flow_run)
     for record in records:
+        if record.target_kind == "runpod":
+            await _cancel_pod_run(runs, record, str(flow_run.id), logger)
+            continue
         if record.job is None:
             record.state = RunState.FAILED
             record.message = "interrupted before the job started"
@@ -87,12 +90,16 @@ async def on_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any
     await cancel_runs_of(flow_run, flow_run_logger(flow_run, flow))
 
 
-def on_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+async def on_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
     """`on_crashed` hook of the run flows: a started job keeps running (bounded by
-    its max_hours); says how to follow it again."""
+    its max_hours, on a pod by its watchdog); says how to follow it again. On
+    Runpod, the pods of a run whose job never started are deleted."""
     logger = flow_run_logger(flow_run, flow)
-    _, records = runs_of(flow_run)
+    runs, records = runs_of(flow_run)
     for record in records:
+        if record.target_kind == "runpod":
+            await _crashed_pod_run(runs, record, logger)
+            continue
         if record.job is not None:
             logger.warning(
                 "run %s keeps running on its target (bounded by max_hours); follow it again "
@@ -100,3 +107,49 @@ def on_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> No
                 record.id,
                 record.id,
             )
+
+
+async def _cancel_pod_run(
+    runs: Runs, record: RunRecord, flow_run_id: str, logger: logging.Logger | Any
+) -> None:
+    """`cancel_runs_of` for a Runpod run (see `flows.runpod.cancel_pod_run`);
+    a failure is logged with how to remove what may be left."""
+    from overbrainer_prefect.blocks import RunpodTarget
+    from overbrainer_prefect.flows.runpod import cancel_pod_run
+    from overbrainer_prefect.flows.targets import load_target
+
+    try:
+        _, block = await load_target(record.target)
+        if not isinstance(block, RunpodTarget):
+            raise ValueError(f"the target {record.target} of run {record.id} is no Runpod target")
+        await cancel_pod_run(runs, record, block, flow_run_id, logger)
+    except Exception as error:
+        logger.warning(
+            "run %s: cannot end its pod (%s); remove it with the pods flow (action=remove, "
+            "run_id=%s)",
+            record.id,
+            error,
+            record.id,
+        )
+
+
+async def _crashed_pod_run(runs: Runs, record: RunRecord, logger: logging.Logger | Any) -> None:
+    """`on_crashed` for a Runpod run (see `flows.runpod.crashed_pod_run`)."""
+    from overbrainer_prefect.blocks import RunpodTarget
+    from overbrainer_prefect.flows.runpod import crashed_pod_run
+    from overbrainer_prefect.flows.targets import load_target
+
+    try:
+        _, block = await load_target(record.target)
+        if not isinstance(block, RunpodTarget):
+            raise ValueError(f"the target {record.target} of run {record.id} is no Runpod target")
+        await crashed_pod_run(runs, record, block, logger)
+    except Exception as error:
+        logger.warning(
+            "run %s: its pod may keep running (%s); follow it again with the attach flow "
+            "(run_id=%s), or remove the pod with the pods flow (action=remove, run_id=%s)",
+            record.id,
+            error,
+            record.id,
+            record.id,
+        )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from overbrainer_prefect.blocks import LocalTarget, SshTarget, TargetBlock
+from overbrainer_prefect.blocks import LocalTarget, RunpodTarget, SshTarget, TargetBlock
 
-TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget, SshTarget)
+TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget, SshTarget, RunpodTarget)
 """The target block types, in the order a bare name is looked up."""
 
 

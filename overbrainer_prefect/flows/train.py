@@ -25,7 +25,7 @@ from overbrainer_prefect.artifacts import (
     publish_summary,
     summary_markdown,
 )
-from overbrainer_prefect.blocks import TargetBlock
+from overbrainer_prefect.blocks import RunpodTarget, TargetBlock
 from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.flows.hooks import on_cancelled, on_crashed
 from overbrainer_prefect.flows.targets import load_target
@@ -248,6 +248,10 @@ async def train(
     if training is None:
         raise ValueError("give the training spec (training=...), or a stopped run to resume_from")
     training.check_local_files()
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.runpod import train_on_pod
+
+        return await train_on_pod(runs, target_ref, block, training, point, export, runs_dir)
     record = await create_run(runs, target_ref, block, training)
     resume = None
     if point is not None:
@@ -304,6 +308,10 @@ async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     files. For a run already ended whose files were not retrieved, retrieves
     them again. Touches nothing for an unknown or invalid run ID."""
     runs, record, block = await _load(run_id, runs_dir)
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.runpod import attach_on_pod
+
+        return await attach_on_pod(runs, record, block)
     executor = block.executor(record.target)
     try:
         trainer = trainer_of(record, block)
@@ -330,6 +338,10 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
     to its end and retrieves its files (checkpoint included). Resume it with the
     `train` flow and `resume_from=<run_id>`."""
     runs, record, block = await _load(run_id, runs_dir)
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.runpod import stop_on_pod
+
+        return await stop_on_pod(runs, record, block)
     executor = block.executor(record.target)
     try:
         trainer = trainer_of(record, block)
@@ -359,6 +371,10 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     """Cancels the job of a run (its whole process group), records it
     `cancelled`, and retrieves what it left, best effort."""
     runs, record, block = await _load(run_id, runs_dir)
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.runpod import cancel_on_pod
+
+        return await cancel_on_pod(runs, record, block)
     executor = block.executor(record.target)
     try:
         trainer = trainer_of(record, block)

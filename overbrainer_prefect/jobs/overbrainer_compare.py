@@ -81,9 +81,11 @@ def read_questions() -> list[str]:
     try:
         questions = json.loads(QUESTIONS_FILE.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CompareFailed(f"no {QUESTIONS_FILE} in {Path.cwd()}: the questions were not staged")
+        raise CompareFailed(
+            f"no {QUESTIONS_FILE} in {Path.cwd()}: the questions were not staged"
+        ) from None
     except ValueError:
-        raise CompareFailed(f"{QUESTIONS_FILE} is not valid JSON")
+        raise CompareFailed(f"{QUESTIONS_FILE} is not valid JSON") from None
     if (
         not isinstance(questions, list)
         or not questions
@@ -107,7 +109,9 @@ class Model:
         try:
             vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
         except (ValueError, RuntimeError) as error:
-            raise CompareFailed(f"llama.cpp cannot load the {name} model {path}: {error}", 3)
+            raise CompareFailed(
+                f"llama.cpp cannot load the {name} model {path}: {error}", 3
+            ) from None
         metadata = vocab.metadata
         arch = metadata.get("general.architecture", "")
         self.ctx_train = int(metadata.get(f"{arch}.context_length", 0) or 0)
@@ -207,7 +211,9 @@ def compare(args: argparse.Namespace, answers: Lines, metrics: Lines) -> None:
                 verbose=False,
             )
         except (ValueError, RuntimeError) as error:
-            raise CompareFailed(f"llama.cpp cannot load the {model.name} model: {error}", 3)
+            raise CompareFailed(
+                f"llama.cpp cannot load the {model.name} model: {error}", 3
+            ) from None
         metrics.write(
             event="model",
             model=model.name,

@@ -140,7 +140,7 @@ def merge(base: str, out: Path) -> None:
 
     has_tokenizer = (MODEL_DIR / "tokenizer_config.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR) if has_tokenizer else base)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "auto" if torch.cuda.is_available() else "cpu"  # "auto": across the GPUs
     print(f"export: loading the base model {base} on {device}", flush=True)
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto", device_map=device)
     rows = model.get_input_embeddings().weight.shape[0]
@@ -150,11 +150,11 @@ def merge(base: str, out: Path) -> None:
     merged = PeftModel.from_pretrained(model, str(MODEL_DIR)).merge_and_unload()
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    base_dir = Path(base) if Path(base).is_dir() else None
+    base_path = Path(base) if Path(base).is_dir() else None
     for name in TOKENIZER_FILES:
         if (out / name).exists():
             continue
-        for source in (MODEL_DIR, base_dir):
+        for source in (MODEL_DIR, base_path):
             if source is not None and (source / name).is_file():
                 shutil.copyfile(source / name, out / name)
                 break

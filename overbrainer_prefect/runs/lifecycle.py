@@ -70,6 +70,7 @@ LOCAL_ONLY = (
     MANIFEST_FILE,
     LOCK_FILE,
     "pod.json",
+    ".pod",
     ".ssh",
     "exports",
     "compares",

@@ -114,6 +114,7 @@ class SimPod:
     deleted_at: float | None = None
     public_ip: str | None = None
     ssh_port: int | None = None
+    ssh_user: str = "root"
     missing_secrets: list[str] = field(default_factory=list)
     hidden_gets: int = 0
     hidden_lists: int = 0
@@ -142,8 +143,8 @@ class SimPod:
             direct = {
                 "host": self.public_ip,
                 "port": self.ssh_port,
-                "username": "root",
-                "command": f"ssh root@{self.public_ip} -p {self.ssh_port}",
+                "username": self.ssh_user,
+                "command": f"ssh {self.ssh_user}@{self.public_ip} -p {self.ssh_port}",
             }
             ports.append(
                 {"private": 22, "public": self.ssh_port, "type": "tcp", "ip": self.public_ip}

@@ -1,0 +1,229 @@
+"""The `fine_tune` pipeline: train, then export, then compare, as one flow.
+
+Each step is its own flow (`train`, `export`, `compare`), run as a subflow, so
+each shows in the Prefect UI as a flow run of its own, linked to the pipeline's.
+Every step is recorded by its own flow (`run.json`, `export.json`,
+`compare.json`), so a pipeline that stopped at a step is continued by another
+`fine_tune` of the same run (`run_id`): what finished is reused from its records,
+not done again, and the step that failed is taken up where it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.client.schemas.objects import State
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from overbrainer_prefect.flows.compare import COMPARE, CompareResult, compare, running_compare
+from overbrainer_prefect.flows.export import ExportResult, export, running
+from overbrainer_prefect.flows.train import RunResult, attach, train
+from overbrainer_prefect.runs.lifecycle import RunError
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.trainers.compare import (
+    MAX_TOKENS_LIMIT,
+    check_max_tokens,
+    load_questions,
+)
+from overbrainer_prefect.trainers.export import ExportSpec
+from overbrainer_prefect.trainers.spec import TrainingSpec
+
+TRAIN, EXPORT = "training", "export"
+
+
+class CompareSettings(BaseModel):
+    """What the compare step asks: the questions (a list, or a file holding a JSON or
+    YAML list of strings), how long an answer may be, and the seed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    questions: list[str] = Field(default_factory=list, description="The questions to ask.")
+    questions_file: str | None = Field(
+        default=None, description="A file holding a JSON or YAML list of questions."
+    )
+    max_tokens: int = Field(
+        default=128, ge=1, le=MAX_TOKENS_LIMIT, description="The most tokens of an answer."
+    )
+    seed: int = Field(default=0, description="The seed (answers are greedy, temperature 0).")
+
+
+class FineTuneSpec(BaseModel):
+    """The whole fine-tune: where it runs, what it trains, what it exports and what
+    it asks the base and tuned models (the `fine_tune` flow's one parameter)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(description="The target block every step runs on.")
+    training: TrainingSpec
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    compare: CompareSettings = Field(default_factory=CompareSettings)
+    runs_dir: str | None = Field(
+        default=None, description="The runs directory ($OVERBRAINER_RUNS_DIR, else ./runs)."
+    )
+
+    @field_validator("target")
+    @classmethod
+    def _target_named(cls, target: str) -> str:
+        if not target.strip():
+            raise ValueError("name the target block the fine-tune runs on")
+        return target
+
+
+class FineTuneResult(BaseModel):
+    """What the `fine_tune` flow returns (and Prefect persists): the run, its export
+    and its compare, and which steps were reused from an earlier pipeline."""
+
+    run_id: str
+    run: RunResult | None = Field(
+        default=None, description="The training step's result (None when the run was reused)."
+    )
+    export: ExportResult
+    compare: CompareResult
+    reused: list[str] = Field(
+        default_factory=list, description="The steps taken from their records, not done again."
+    )
+    next: str
+
+
+class PipelineFailed(RunError):
+    """A step of the pipeline failed; the message names the step, what was kept
+    and how to continue."""
+
+
+def _kept(runs: Runs, run_id: str | None, export_id: str | None) -> str:
+    if run_id is None:
+        return "nothing was kept: start a new fine_tune"
+    kept = f"run {run_id} (succeeded, in {runs.run_dir(run_id)})"
+    if export_id is not None:
+        kept += f" and its export {export_id}"
+    return f"kept {kept}; continue with the fine_tune flow (run_id={run_id})"
+
+
+async def _train_step(
+    spec: FineTuneSpec, runs: Runs, run: RunRecord | None
+) -> tuple[str | None, RunResult | State[Any] | None]:
+    """The training step: a succeeded run is reused (returns its ID and None), a
+    running one followed again (attach), a stopped one resumed (a new run), a
+    failed one trained again (a new run); without a run, a new one is trained."""
+    logger = get_run_logger()
+    if run is not None and run.state == RunState.SUCCEEDED:
+        logger.info("run %s succeeded on %s: reused, not trained again", run.id, run.ended)
+        return run.id, None
+    if run is not None and run.state == RunState.RUNNING and run.job is not None:
+        logger.info("run %s was left running: following it again", run.id)
+        return run.id, await attach(run_id=run.id, runs_dir=spec.runs_dir)
+    if run is not None and run.state == RunState.STOPPED:
+        logger.info("run %s stopped: resuming it from its checkpoint in a new run", run.id)
+        result = await train(target=spec.target, resume_from=run.id, runs_dir=spec.runs_dir)
+        return None, result
+    if run is not None:
+        logger.info("run %s is %s: training again, in a new run", run.id, run.state)
+    result = await train(target=spec.target, training=spec.training, runs_dir=spec.runs_dir)
+    return None, result
+
+
+@flow(name="fine-tune", persist_result=True)
+async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneResult | State[Any]:
+    """Fine-tunes a model, exports it to a GGUF and compares its answers with its base
+    model's: the `train`, `export` and `compare` flows run in turn as subflows on
+    `spec.target`, each its own flow run linked to this one.
+
+    With `run_id`, continues the pipeline of that run: a succeeded run is not
+    trained again, a succeeded export of the same quant is reused, a succeeded
+    compare of the same questions and settings is reused, and a step left running
+    is followed again.
+
+    Fails with one line, before anything starts, for bad questions (none, not a
+    list of strings, both a list and a file) or an unknown run; fails with the
+    message of the step that failed, what was kept, and how to continue.
+    """
+    runs = Runs(spec.runs_dir)
+    questions = load_questions(spec.compare.questions, spec.compare.questions_file)
+    check_max_tokens(spec.compare.max_tokens)
+    run = runs.load(run_id) if run_id is not None else None
+    logger = get_run_logger()
+    reused: list[str] = []
+
+    try:
+        trained_id, trained = await _train_step(spec, runs, run)
+    except Exception as error:
+        raise PipelineFailed(f"the fine-tune stopped at training: {error}") from None
+    if isinstance(trained, State):
+        return trained  # the training was cancelled: so is the pipeline
+    if trained is None:
+        reused.append(TRAIN)
+    run_result = trained if isinstance(trained, RunResult) else None
+    run_id = trained_id or (run_result.run_id if run_result else None)
+    if run_id is None or (run_result is not None and run_result.state != RunState.SUCCEEDED):
+        state = run_result.state if run_result else "unknown"
+        raise PipelineFailed(
+            f"the fine-tune stopped at training: run {run_id} is {state}; {_kept(runs, None, None)}"
+        )
+
+    quant = spec.export.quant
+    exports = runs.children(run_id, EXPORT)
+    left = running(exports, quant)
+    try:
+        exported = await export(
+            run_id=run_id,
+            quant=quant,
+            target=spec.target,
+            runs_dir=spec.runs_dir,
+            export_id=left.id if left is not None else None,
+            keep_intermediate=spec.export.keep_intermediate,
+        )
+    except Exception as error:
+        raise PipelineFailed(
+            f"the fine-tune stopped at the export: {error}; {_kept(runs, run_id, None)}"
+        ) from None
+    if isinstance(exported, State):
+        return exported
+    if exported.reused:
+        reused.append(EXPORT)
+
+    settings = spec.compare
+    try:
+        left_compare = running_compare(
+            runs.children(run_id, COMPARE),
+            questions,
+            settings.max_tokens,
+            settings.seed,
+            quant,
+            exported.gguf.sha256 if exported.gguf is not None else "",
+        )
+        compared = await compare(
+            run_id=run_id,
+            questions=questions,
+            quant=quant,
+            max_tokens=settings.max_tokens,
+            seed=settings.seed,
+            target=spec.target,
+            runs_dir=spec.runs_dir,
+            compare_id=left_compare.id if left_compare is not None else None,
+        )
+    except Exception as error:
+        raise PipelineFailed(
+            f"the fine-tune stopped at the compare: {error}; "
+            f"{_kept(runs, run_id, exported.export_id)}"
+        ) from None
+    if isinstance(compared, State):
+        return compared
+    if compared.reused:
+        reused.append(COMPARE)
+
+    logger.info(
+        "fine-tune of run %s done%s: GGUF %s, answers in %s",
+        run_id,
+        f" (reused: {', '.join(reused)})" if reused else "",
+        exported.gguf_path,
+        compared.answers_path,
+    )
+    return FineTuneResult(
+        run_id=run_id,
+        run=run_result,
+        export=exported,
+        compare=compared,
+        reused=reused,
+        next=compared.next,
+    )

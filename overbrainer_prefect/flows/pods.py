@@ -1,0 +1,195 @@
+"""The `pods` flow: what the Runpod account runs for us, and what it costs.
+
+- `list`: every pod named like ours (`ob-<run id>-a<n>`), with its run, state,
+  GPU, rate, uptime, estimated spend, and whether it is an orphan (its run is
+  not in this runs directory, or has ended);
+- `remove`: deletes the pods of one run (confirmed), sweeps its strays,
+  forgets its keys; a run that is not a Runpod run deletes nothing;
+- `sweep`: warns of the orphans and deletes the host key secrets no pod needs
+  any more; it deletes no pod.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import acreate_table_artifact
+from pydantic import BaseModel, Field
+
+from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.flows.targets import load_target
+from overbrainer_prefect.runpod.context import PodContext
+from overbrainer_prefect.runpod.deletion import delete_and_confirm
+from overbrainer_prefect.runpod.ending import fail_run, forget_if_gone, remove, sweep_others
+from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows, sweep_host_keys
+from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
+from overbrainer_prefect.runs.store import RunNotFound, Runs
+
+
+class PodsError(ValueError):
+    """The pods flow cannot do what it was asked; the message is one line."""
+
+
+class PodListing(BaseModel):
+    """One pod of ours, as the pods flow lists it."""
+
+    pod_id: str
+    run_id: str
+    status: str
+    run_state: str
+    gpu: str
+    rate_per_hour: float | None
+    uptime_hours: float
+    estimated_spend: float | None
+    orphan: bool
+    why: str
+
+
+class PodsResult(BaseModel):
+    """What the pods flow found or did."""
+
+    action: str
+    pods: list[PodListing] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list, description="Pods deleted, confirmed.")
+    warnings: list[str] = Field(default_factory=list)
+
+
+@flow(name="pods", persist_result=True)
+async def pods(
+    action: Literal["list", "remove", "sweep"] = "list",
+    run_id: str | None = None,
+    runs_dir: str | None = None,
+    credentials: str | None = None,
+) -> PodsResult:
+    """Lists the pods of the Runpod account named like ours (`list`), removes
+    the pods of the run `run_id` (`remove`), or warns of orphans and sweeps
+    the host key secrets no pod needs (`sweep`). `credentials` names a Runpod
+    credentials block; by default, that of the run's target, or of the Runpod
+    targets of the runs here.
+
+    Fails with one line when `run_id` is missing or is not a Runpod run (then
+    nothing is deleted), or when no credentials can be found.
+    """
+    runs = Runs(runs_dir)
+    logger = get_run_logger()
+    if action == "remove":
+        if run_id is None:
+            raise PodsError("give the run whose pods to remove: pods(action='remove', run_id=...)")
+        return await _remove(runs, run_id, credentials)
+    account = await _credentials(runs, credentials, None)
+    async with account.client() as client:
+        rows = await pod_rows(client, runs)
+        result = PodsResult(action=action, pods=[_listing(row) for row in rows])
+        for row in rows:
+            logger.info("%s", row.line())
+        if not rows:
+            logger.info("no pod of ours in the Runpod account")
+        result.warnings = orphan_warnings(rows)
+        if action == "sweep":
+            result.warnings += await sweep_host_keys(client, runs, rows)
+        for warning in result.warnings:
+            logger.warning("%s", warning)
+    await acreate_table_artifact(
+        table=[listing.model_dump() for listing in result.pods],
+        key="runpod-pods",
+        description="The pods of the Runpod account named like overbrainer's",
+    )
+    return result
+
+
+async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResult:
+    """Deletes every pod of the run `run_id` (its `pod.json`, or the account's
+    pods named after it when the run is not here)."""
+    logger = get_run_logger()
+    runs.run_dir(run_id)  # validates the ID: nothing outside runs/ is touched
+    try:
+        record = runs.load(run_id)
+    except RunNotFound:
+        record = None
+    if record is not None and record.target_kind != "runpod":
+        raise PodsError(
+            f"run {run_id} is not a Runpod run (it ran on {record.target_kind} target "
+            f"{record.target}): it has no pod, and nothing was deleted"
+        )
+    pod = PodRecord.load(runs, run_id) if record is not None else None
+    if record is not None and pod is None:
+        raise PodsError(f"run {run_id} never asked for a pod (no pod.json): nothing was deleted")
+    account = await _credentials(runs, credentials, record.target if record else None)
+    result = PodsResult(action="remove")
+    async with account.client() as client:
+        ctx = PodContext(client=client, runs=runs, log=logger)
+        if pod is not None:
+            had = pod.pod_id if pod.state != "deleted" else None
+            await remove(ctx, pod, "removed with the pods flow")
+            await sweep_others(ctx, pod)
+            await forget_if_gone(ctx, pod)
+            if had is not None:
+                result.removed.append(had)
+            if pod.strays:
+                result.warnings.append(
+                    f"pods {', '.join(pod.strays)} of run {run_id} may still exist: remove them "
+                    "in the Runpod console"
+                )
+            assert record is not None
+            if not record.state.ended:
+                fail_run(runs, run_id, "its pod was removed with the pods flow")
+        else:
+            for found in await client.list_pods():
+                if run_of_pod_name(found.name) != run_id or found.status == "TERMINATED":
+                    continue
+                try:
+                    await delete_and_confirm(client, found.id)
+                    result.removed.append(found.id)
+                except RunpodError as error:
+                    result.warnings.append(f"pod {found.id} of run {run_id} may remain: {error}")
+            if not result.removed and not result.warnings:
+                raise PodsError(
+                    f"no pod of run {run_id} here or in the Runpod account: nothing to remove"
+                )
+    for pod_id in result.removed:
+        logger.info("pod %s of run %s deleted, its deletion confirmed", pod_id, run_id)
+    if not result.removed:
+        logger.info("run %s has no pod left", run_id)
+    for warning in result.warnings:
+        logger.warning("%s", warning)
+    return result
+
+
+async def _credentials(runs: Runs, name: str | None, target: str | None) -> RunpodCredentials:
+    """The Runpod credentials block `name`; else that of the Runpod target
+    `target`; else that of the first Runpod target of the runs here. Raises
+    PodsError with one line when there is none."""
+    if name is not None:
+        try:
+            return await RunpodCredentials.aload(name)
+        except ValueError:
+            raise PodsError(
+                f"no Runpod credentials block named {name!r}: create it in the Prefect UI"
+            ) from None
+    targets = [target] if target else []
+    targets += [r.target for r in runs.list(skipped=lambda *_: None) if r.target_kind == "runpod"]
+    for ref in dict.fromkeys(targets):
+        try:
+            _, block = await load_target(ref)
+        except ValueError:
+            continue
+        if isinstance(block, RunpodTarget):
+            return block.credentials
+    raise PodsError("no Runpod credentials: name a Runpod credentials block with credentials=...")
+
+
+def _listing(row: PodRow) -> PodListing:
+    return PodListing(
+        pod_id=row.pod_id,
+        run_id=row.run_id,
+        status=row.status,
+        run_state=row.run_state,
+        gpu=row.gpu,
+        rate_per_hour=row.rate,
+        uptime_hours=round(row.uptime_s / 3600, 3),
+        estimated_spend=None if row.estimated_spend is None else round(row.estimated_spend, 4),
+        orphan=row.orphan,
+        why=row.why,
+    )

@@ -1,0 +1,290 @@
+"""The end of a run's pod: deleting it and confirming it is gone, sweeping the
+other pods of the run, forgetting its keys and its host key secret, and the
+messages that say what still bills.
+
+A pod is declared gone only once its deletion is confirmed (404s in a row,
+then absent from the pod list); "already gone" is success, never an error.
+A pod that only looks gone is never deleted on a guess: it may be kept, or
+hold files not retrieved yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from enum import StrEnum
+
+from overbrainer_prefect.executors.base import ExecError, Executor
+from overbrainer_prefect.runpod.bootstrap import RETRIEVED_MARKER, WATCHDOG_LOG
+from overbrainer_prefect.runpod.context import PodContext, PodError
+from overbrainer_prefect.runpod.deletion import delete_and_confirm, look_up
+from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
+from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name
+from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+
+
+class Ending(StrEnum):
+    """What became of a pod once its job ended."""
+
+    DELETED = "deleted"
+    """Deleted after its files were retrieved and verified, deletion confirmed."""
+    KEPT = "kept"
+    """keep_pod: only the pods flow deletes it."""
+    AWAITING_RETRIEVAL = "awaiting_retrieval"
+    """Its files were not retrieved: it stays for its watchdog's retrieve grace."""
+
+
+def remove_hint(run_id: str) -> str:
+    """How to remove a run's pod by hand."""
+    return f"remove the pod with the pods flow (action=remove, run_id={run_id})"
+
+
+def attach_hint(run_id: str) -> str:
+    """How to follow a run again."""
+    return f"follow it again with the attach flow (run_id={run_id})"
+
+
+async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client") -> None:
+    """Deletes the run's pod and confirms it is gone (an "already gone" is
+    success), recording each step in `pod.json`: `deleting` before the
+    delete, `deleted` once confirmed. Does nothing when there is no pod or it
+    is already recorded deleted.
+
+    Raises PodError when the delete is refused or cannot be confirmed: the pod
+    then stays `deleting` in `pod.json`, and may still bill.
+    """
+    if pod.pod_id is None or pod.state == PodState.DELETED:
+        return
+    pod.state = PodState.DELETING
+    pod.save(ctx.runs)
+    try:
+        deleted = await delete_and_confirm(
+            ctx.client,
+            pod.pod_id,
+            interval_s=ctx.timing.gone_interval_s,
+            timeout_s=ctx.timing.confirm_timeout_s,
+        )
+    except RunpodError as error:
+        raise PodError(
+            f"pod {pod.pod_id} of run {pod.run_id}{pod.rate_text()} may still exist ({error}); "
+            f"{remove_hint(pod.run_id)}"
+        ) from None
+    pod.mark_deleted(by if deleted else _gone_by(pod), reason)
+    pod.save(ctx.runs)
+    ctx.log.info(
+        "pod %s of run %s deleted and its deletion confirmed (%s); up %s, about $%.2f spent",
+        pod.pod_id,
+        pod.run_id,
+        reason,
+        _duration(pod.uptime_s()),
+        pod.estimated_spend() or 0.0,
+    )
+
+
+async def sweep_others(ctx: PodContext, pod: PodRecord) -> None:
+    """Deletes every other pod of the run the account shows (named
+    `ob-<run id>-a<n>`: an earlier attempt Runpod created while answering an
+    error), confirming each; the strays of `pod.json` are replaced by those
+    whose deletion could not be confirmed. A pod list that fails keeps the
+    strays as they are (logged)."""
+    try:
+        listed = await ctx.client.list_pods()
+    except RunpodError as error:
+        ctx.log.warning("cannot list the pods to sweep those of run %s: %s", pod.run_id, error)
+        return
+    left: list[str] = []
+    for other in listed:
+        if run_of_pod_name(other.name) != pod.run_id or other.id == pod.pod_id:
+            continue
+        if other.status == "TERMINATED":
+            continue
+        try:
+            await delete_and_confirm(
+                ctx.client,
+                other.id,
+                interval_s=ctx.timing.gone_interval_s,
+                timeout_s=ctx.timing.confirm_timeout_s,
+            )
+            ctx.log.warning(
+                "deleted pod %s, another pod of run %s (%s)", other.id, pod.run_id, other.name
+            )
+        except RunpodError as error:
+            ctx.log.warning("cannot delete pod %s of run %s: %s", other.id, pod.run_id, error)
+            left.append(other.id)
+    pod.strays = left
+    pod.save(ctx.runs)
+
+
+async def forget_if_gone(ctx: PodContext, pod: PodRecord) -> None:
+    """Once no pod of the run may be left: deletes its host key secret and
+    removes its private client key, best effort (failures are logged)."""
+    if not pod.gone:
+        return
+    if pod.host_key_secret and not pod.secret_deleted:
+        try:
+            await ctx.client.delete_secret(pod.host_key_secret)
+            pod.secret_deleted = True
+            pod.save(ctx.runs)
+        except RunpodError as error:
+            ctx.log.warning(
+                "cannot delete the secret %s of run %s: %s", pod.host_key_secret, pod.run_id, error
+            )
+    forget_client_key(ctx.runs, pod.run_id)
+
+
+async def release(ctx: PodContext, pod: PodRecord, reason: str) -> None:
+    """Ends every pod of a run that will not run a job (or no longer needs its
+    pod): deletes its pod (confirmed), sweeps the others, then forgets its
+    keys. A failure is logged with how to remove what may be left; never raised."""
+    try:
+        await remove(ctx, pod, reason)
+    except PodError as error:
+        ctx.log.warning("%s", error)
+    await sweep_others(ctx, pod)
+    await forget_if_gone(ctx, pod)
+
+
+async def is_gone(ctx: PodContext, pod: PodRecord) -> bool:
+    """Whether the run's pod no longer exists (404s in a row and absent from
+    the list); if so `pod.json` records it deleted, by its watchdog when one of
+    its bounds passed. Never deletes anything.
+
+    Raises PodError when Runpod cannot be asked: the pod is undetermined.
+    """
+    if pod.pod_id is None or pod.state == PodState.DELETED:
+        return True
+    try:
+        found = await look_up(ctx.client, pod.pod_id, interval_s=ctx.timing.gone_interval_s)
+    except RunpodError as error:
+        raise PodError(f"cannot look pod {pod.pod_id} up: {error}") from None
+    if found is not None and found.status != "TERMINATED":
+        return False
+    by = _gone_by(pod)
+    pod.mark_deleted(by, pod.limit_reached() or "found gone")
+    pod.save(ctx.runs)
+    await forget_if_gone(ctx, pod)
+    return True
+
+
+def _gone_by(pod: PodRecord) -> str:
+    """Who deleted a pod found gone without this client deleting it: its
+    watchdog once one of its bounds passed, else nobody known."""
+    return "watchdog" if pod.limit_reached() is not None else "unknown"
+
+
+async def end_pod(
+    ctx: PodContext, pod: PodRecord, executor: Executor, record: RunRecord, retrieved: bool
+) -> Ending:
+    """Ends the pod of a run whose job ended, after copying the watchdog's log
+    into `runs/<id>/.pod/`.
+
+    Only when every file was retrieved and verified is the `retrieved` marker
+    written on the pod (first, so that its watchdog deletes it even if this
+    delete fails), then the pod deleted unless kept and its deletion confirmed,
+    the other pods of the run swept, its keys and host key secret forgotten.
+    Otherwise the pod stays for its watchdog's retrieve grace (a kept pod stays
+    kept), and a warning says what bills and how to retrieve or remove it.
+
+    Raises PodError when the delete fails or cannot be confirmed; the pod then
+    stays `deleting` in `pod.json`.
+    """
+    await fetch_watchdog_log(ctx.runs, executor, record)
+    if not retrieved:
+        pod.state = PodState.KEPT if pod.keep else PodState.AWAITING_RETRIEVAL
+        pod.save(ctx.runs)
+        ctx.log.warning("%s", unretrieved_message(pod, record.id))
+        return Ending.KEPT if pod.keep else Ending.AWAITING_RETRIEVAL
+    try:
+        await executor.touch(f"{record.remote_dir}/{RETRIEVED_MARKER}")
+    except ExecError as error:
+        ctx.log.warning(
+            "cannot mark the files of run %s retrieved on its pod: %s", record.id, error
+        )
+    if pod.keep:
+        pod.state = PodState.KEPT
+        pod.save(ctx.runs)
+        ctx.log.warning("%s", kept_message(pod, record.id))
+        return Ending.KEPT
+    await remove(ctx, pod, "its run's files were retrieved and verified")
+    await sweep_others(ctx, pod)
+    await forget_if_gone(ctx, pod)
+    return Ending.DELETED
+
+
+async def fetch_watchdog_log(runs: Runs, executor: Executor, record: RunRecord) -> None:
+    """Copies the watchdog's log of the run into `runs/<id>/.pod/`, best effort."""
+    with contextlib.suppress(ExecError):
+        await executor.download(record.remote_dir, runs.run_dir(record.id), [WATCHDOG_LOG])
+
+
+def fail_run(runs: Runs, run_id: str, message: str) -> RunRecord | None:
+    """Saves the run `run_id` failed with `message` (unless it already ended);
+    returns its record, or None when it cannot be read or saved."""
+    try:
+        record = runs.load(run_id)
+        if not record.state.ended:
+            record.state = RunState.FAILED
+            record.message = message
+            record.ended = rfc3339()
+            runs.save(record)
+        return record
+    except Exception:
+        return None
+
+
+def unretrieved_message(pod: PodRecord, run_id: str) -> str:
+    """The warning when a run's files were not retrieved and its pod stays."""
+    stays = (
+        "stays (keep_pod): nothing deletes it automatically"
+        if pod.keep
+        else "stays until its watchdog's retrieve grace ends"
+    )
+    return (
+        f"the files of run {run_id} were not retrieved: pod {pod.name}{pod.rate_text()} {stays}; "
+        f"retrieve them with the attach flow (run_id={run_id}), or {remove_hint(run_id)}"
+    )
+
+
+def kept_message(pod: PodRecord, run_id: str) -> str:
+    """The warning of keep_pod, once the job started or ended: the rate and the ssh command."""
+    rate = (
+        f"at ${pod.cost_per_hour:.2f}/h"
+        if pod.cost_per_hour is not None
+        else "at an hourly rate Runpod did not give"
+    )
+    return (
+        f"keep_pod: pod {pod.name} is kept with no time limit, {rate}, even once the run ends; "
+        f"reach it with `{ssh_command(run_id)}`; nothing deletes it but the pods flow "
+        f"(action=remove, run_id={run_id})"
+    )
+
+
+def detached_message(
+    pod: PodRecord, run_id: str, retrieve_grace_s: float, lease_ttl_s: float
+) -> str:
+    """The message of a run left running on its pod, its follower gone: how to
+    follow it again or remove the pod, and what bounds the pod meanwhile."""
+    if pod.keep:
+        guard = f"The pod is kept with no time limit (keep_pod): `{ssh_command(run_id)}`."
+    else:
+        guard = (
+            f"The watchdog deletes the pod {retrieve_grace_s / 60:g} min after the job ends if "
+            f"its files are not retrieved, and at {pod.deadline or 'its deadline'} or "
+            f"{lease_ttl_s / 60:g} min after the lease was last renewed, whichever is later"
+        )
+        if pod.cost_deadline_unix is not None and pod.max_cost_usd is not None:
+            guard += f", or once it cost ${pod.max_cost_usd:.2f} (max_cost_usd)"
+        guard += "."
+    return (
+        f"run {run_id} keeps running on pod {pod.name}{pod.rate_text()}; {attach_hint(run_id)}, "
+        f"or {remove_hint(run_id)}. {guard}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

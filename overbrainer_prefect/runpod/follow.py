@@ -1,0 +1,211 @@
+"""Following a job on its pod: the lease that holds max_hours off while the
+job makes progress, the client's own guard at the watchdog's deadline plus a
+margin, the warning when the job's pace cannot end it in time, and what a
+watch that ended badly means for the run when its pod is gone.
+
+The lease is a file on the pod (`.pod/lease`) that this client touches every
+few minutes while the job makes progress (a new metric, or its end being
+retrieved, within the target's stall time). The watchdog skips its max_hours
+deadline while the lease is fresh, and so does the client's guard. Once the
+job stalls, or this client dies, the lease runs out and the deadline applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
+from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, PodTiming
+from overbrainer_prefect.runpod.context import PodContext, PodError, PodGone
+from overbrainer_prefect.runpod.ending import fail_run, is_gone, remove
+from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext, Unreachable
+from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
+from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.trainers.base import Trainer
+
+
+class LeaseReporter:
+    """A `Reporter` that passes everything on to `inner` and notes when the
+    job last made progress (a metric, or a change of status); it warns once
+    when the job's pace would end it after the pod's deadline."""
+
+    def __init__(self, inner: Reporter, pod: PodRecord) -> None:
+        self.inner = inner
+        self.pod = pod
+        self.last_progress = time.monotonic()
+        self.warned = False
+
+    def metric(self, metric: Metric, summary: MetricsSummary) -> None:
+        """Passes the metric on; notes the progress; warns once of an overrun."""
+        self.inner.metric(metric, summary)
+        self.last_progress = time.monotonic()
+        if not self.warned:
+            note = overrun(summary.eta_seconds(), self.pod, time.time())
+            if note is not None:
+                self.warned = True
+                self.inner.warning(note)
+
+    def status(self, status: JobStatus) -> None:
+        """Passes the status on; a change is progress (an ended job is retrieved next)."""
+        self.inner.status(status)
+        self.last_progress = time.monotonic()
+
+    def warning(self, message: str) -> None:
+        """Passes the warning on."""
+        self.inner.warning(message)
+
+
+def overrun(eta_s: float | None, pod: PodRecord, now: float) -> str | None:
+    """The note when, `eta_s` seconds from `now`, the job would end after the
+    watchdog's deadline; None when it ends in time, for a kept pod, or while
+    the pace is unknown. Followed, the pod stays: it is only a note."""
+    if pod.keep or pod.deadline_unix is None or eta_s is None:
+        return None
+    if now + eta_s <= pod.deadline_unix:
+        return None
+    return (
+        f"at this pace the job needs about {eta_s / 3600:.1f} h more, past max_hours "
+        f"({pod.deadline}): the pod stays while this flow follows the job and renews its lease; "
+        "if it stops following, the pod's watchdog deletes the pod (raise max_hours, or set "
+        "keep_pod, to let the job finish unfollowed)"
+    )
+
+
+def renewal_due(
+    renewed_at: float | None, idle_s: float, now: float, timing: PodTiming, stall_s: float
+) -> bool:
+    """Whether the lease (last renewed at `renewed_at`, wall clock) is renewed
+    at `now`: once `timing.renew_every_s` passed, and only while the job made
+    progress in the last `stall_s` seconds (`idle_s` since its last progress)."""
+    if idle_s >= stall_s:
+        return False
+    return renewed_at is None or now - renewed_at >= timing.renew_every_s
+
+
+def guard_fires(pod: PodRecord, renewed_at: float | None, now: float, timing: PodTiming) -> bool:
+    """Whether the client's own guard deletes `pod` at `now`: the watchdog's
+    deadline plus the margin passed, and no lease renewed within its TTL. Never
+    for a kept pod, or one without a deadline."""
+    if pod.keep or pod.deadline_unix is None:
+        return False
+    held = renewed_at is not None and now - renewed_at < timing.lease_ttl_s
+    return not held and now >= pod.deadline_unix + timing.deadline_margin_s
+
+
+@dataclass
+class Watched:
+    """How a watch on a pod ended: with the watch's outcome or error, or with
+    the client's deadline passing first (nothing deleted yet)."""
+
+    outcome: Outcome | None = None
+    error: Exception | None = None
+    deadline_passed: bool = False
+
+
+async def renew_lease(executor: Executor, path: str) -> None:
+    """Touches the lease file `path` on the pod (its time is the pod's clock).
+    Raises ExecError when the pod cannot be reached."""
+    script = 'mkdir -p "$(dirname "$1")" && touch "$1"'
+    result = await executor.run(["sh", "-c", script, "lease", path], timeout=30)
+    if result.code != 0:
+        raise ExecError("renew the lease", result.stderr.strip()[:200] or f"exit {result.code}")
+
+
+async def hold_lease(
+    ctx: RunContext,
+    path: str,
+    progress: LeaseReporter,
+    pod: PodRecord,
+    timing: PodTiming,
+    stall_s: float,
+) -> None:
+    """Renews the lease at `path` while the job progresses; returns once the
+    client's guard fires (its deadline passed with no lease held)."""
+    renewed: float | None = None
+    while True:
+        now = time.time()
+        idle = time.monotonic() - progress.last_progress
+        if renewal_due(renewed, idle, now, timing, stall_s):
+            try:
+                await renew_lease(ctx.executor, path)
+                renewed = now
+            except ExecError as error:
+                ctx.reporter.warning(f"cannot renew the lease of pod {pod.name}: {error}")
+        if guard_fires(pod, renewed, now, timing):
+            return
+        await asyncio.sleep(timing.tick_s)
+
+
+async def watch_leased(
+    ctx: RunContext,
+    trainer: Trainer,
+    record: RunRecord,
+    pod: PodRecord,
+    timing: PodTiming,
+    stall_s: float,
+) -> Watched:
+    """Follows the started run `record` with `lifecycle.watch` until its job
+    ends, renewing the pod's lease while the job progresses, until the client's
+    own guard fires. Never calls the Runpod API: what it found is acted on by
+    `settle`. A kept pod, or one without a deadline, needs no lease."""
+    progress = LeaseReporter(ctx.reporter, pod)
+    leased = dataclasses.replace(ctx, reporter=progress)
+    watching = asyncio.create_task(lifecycle.watch(leased, trainer, record))
+    tasks: set[asyncio.Task[Any]] = {watching}
+    if not pod.keep and pod.deadline_unix is not None:
+        path = f"{record.remote_dir}/{LEASE_FILE}"
+        tasks.add(asyncio.create_task(hold_lease(leased, path, progress, pod, timing, stall_s)))
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if not watching.done() or watching.cancelled():
+        return Watched(deadline_passed=True)
+    error = watching.exception()
+    if error is None:
+        return Watched(outcome=watching.result())
+    if not isinstance(error, Exception):
+        raise error
+    return Watched(error=error)
+
+
+async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched) -> Outcome:
+    """Acts on what `watch_leased` found for the run `run_id`: past the client's
+    deadline, deletes the pod (confirmed) and fails the run on max_hours; after
+    a watch that lost the pod, fails the run with the reason its pod is gone
+    (max_hours or max_cost_usd when one passed: its watchdog deleted it).
+
+    Raises PodGone in both cases; the watch's own error otherwise (the job may
+    keep running: attach again); PodError when the pod cannot be deleted.
+    """
+    if watched.deadline_passed:
+        await remove(ctx, pod, "max_hours reached: the client's guard")
+        fail_run(ctx.runs, run_id, MAX_HOURS_REACHED)
+        raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}")
+    if watched.error is not None:
+        error = watched.error
+        if isinstance(error, Unreachable):
+            try:
+                gone = await is_gone(ctx, pod)
+            except PodError as look_error:
+                ctx.log.warning("%s", look_error)
+                gone = False
+            if gone:
+                reason = pod.limit_reached() or f"pod {pod.name} no longer exists"
+                fail_run(ctx.runs, run_id, reason)
+                raise PodGone(f"run {run_id} failed: {reason}") from None
+        raise error
+    assert watched.outcome is not None
+    return watched.outcome

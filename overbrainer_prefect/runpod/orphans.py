@@ -1,0 +1,174 @@
+"""The pods of the account that are ours (named `ob-<run id>-a<n>`), what
+each costs, and which of them are orphans: pods whose run is not in this runs
+directory, or has ended. Nothing here deletes a pod; the host key secrets of
+runs whose pods are all gone are swept.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from overbrainer_prefect.runpod.client import RunpodClient
+from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.keys import HOST_KEY_SECRET_PREFIX
+from overbrainer_prefect.runpod.models import Pod
+from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
+from overbrainer_prefect.runs.records import RecordError
+from overbrainer_prefect.runs.store import Runs, RunsError
+
+
+@dataclass(frozen=True)
+class PodRow:
+    """One pod of ours as the pods flow lists it."""
+
+    pod_id: str
+    name: str
+    run_id: str
+    status: str
+    run_state: str
+    """The run's state here, or `not here`."""
+    gpu: str
+    rate: float | None
+    uptime_s: float
+    estimated_spend: float | None
+    orphan: bool
+    why: str
+    """Why it is an orphan, or what bounds it."""
+
+    def line(self) -> str:
+        """The row as one line of text."""
+        rate = f"${self.rate:.2f}/h" if self.rate is not None else "$?/h"
+        spend = f"~${self.estimated_spend:.2f}" if self.estimated_spend is not None else "~$?"
+        flag = "ORPHAN" if self.orphan else "ok"
+        return (
+            f"{self.pod_id}  run {self.run_id}  {self.status}/{self.run_state}  {self.gpu}  "
+            f"{rate}  up {self.uptime_s / 3600:.2f} h  {spend}  {flag}: {self.why}"
+        )
+
+
+async def pod_rows(client: RunpodClient, runs: Runs) -> list[PodRow]:
+    """Every pod of the account named like ours, with its run's state here and
+    whether it is an orphan. Raises RunpodError when the pods cannot be listed."""
+    rows = []
+    now = time.time()
+    for pod in await client.list_pods():
+        run_id = run_of_pod_name(pod.name)
+        if run_id is None or pod.status == "TERMINATED":
+            continue
+        rows.append(_row(pod, run_id, runs, now))
+    return rows
+
+
+def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
+    record = None
+    local: PodRecord | None = None
+    try:
+        record = runs.load(run_id)
+        local = PodRecord.load(runs, run_id)
+    except (RunsError, RecordError):
+        pass
+    started = _unix(pod.created_at) or (local.created_unix if local else None)
+    uptime = max(0.0, now - started) if started else 0.0
+    rate = pod.cost_per_hr if pod.cost_per_hr else (local.cost_per_hour if local else None)
+    spend = rate * uptime / 3600 if rate is not None else None
+    if record is None:
+        orphan, why, state = True, "its run is not in this runs directory", "not here"
+    else:
+        state = str(record.state)
+        kept = local is not None and local.keep
+        if record.state.ended:
+            orphan = True
+            why = f"its run has ended ({record.state})" + (
+                "; kept (keep_pod)"
+                if kept
+                else "; its watchdog deletes it after the retrieve grace"
+            )
+        else:
+            orphan = False
+            why = "kept (keep_pod)" if kept else "bounded by its watchdog"
+    return PodRow(
+        pod_id=pod.id,
+        name=pod.name,
+        run_id=run_id,
+        status=pod.status,
+        run_state=state,
+        gpu=pod.gpu_type_id or (local.gpu_type_id if local and local.gpu_type_id else "?"),
+        rate=rate,
+        uptime_s=uptime,
+        estimated_spend=spend,
+        orphan=orphan,
+        why=why,
+    )
+
+
+def orphan_warnings(rows: list[PodRow]) -> list[str]:
+    """One warning per orphan: what it costs, why it is one, how to remove it."""
+    warnings = []
+    for row in rows:
+        if not row.orphan:
+            continue
+        rate = f" (${row.rate:.2f}/h" if row.rate is not None else " ($?/h"
+        spend = (
+            f", up {row.uptime_s / 3600:.1f} h, about ${row.estimated_spend:.2f} spent)"
+            if (row.estimated_spend is not None)
+            else ")"
+        )
+        warnings.append(
+            f"pod {row.pod_id} of run {row.run_id}{rate}{spend} is an orphan: {row.why}; remove "
+            f"it with the pods flow (action=remove, run_id={row.run_id})"
+        )
+    return warnings
+
+
+async def sweep_host_keys(client: RunpodClient, runs: Runs, rows: list[PodRow]) -> list[str]:
+    """Deletes the host key secrets of runs here whose pods are all gone
+    (`pod.json` says so and the account shows none); a secret of a run not
+    here is only warned about (its pod may be booting for another machine).
+    Returns the warnings. Raises RunpodError when the secrets cannot be listed."""
+    alive = {row.run_id for row in rows}
+    warnings = []
+    for secret in await client.list_secrets():
+        if not secret.name.startswith(HOST_KEY_SECRET_PREFIX):
+            continue
+        run_id = secret.name[len(HOST_KEY_SECRET_PREFIX) :]
+        if run_id in alive:
+            continue
+        try:
+            local = PodRecord.load(runs, run_id)
+        except (RunsError, RecordError):
+            local = None
+        if local is None:
+            warnings.append(
+                f"the Runpod secret {secret.name} belongs to run {run_id}, which is not here: "
+                "delete it in the Runpod console once that run has no pod"
+            )
+            continue
+        if not local.gone:
+            continue
+        try:
+            await client.delete_secret(secret.name)
+            local.secret_deleted = True
+            local.save(runs)
+        except RunpodError as error:
+            warnings.append(f"cannot delete the Runpod secret {secret.name}: {error}")
+    return warnings
+
+
+def _unix(text: str | None) -> float | None:
+    """Unix seconds of a Runpod time (`2026-08-20T06:16:19Z`, or v1's
+    `2026-08-20 06:16:19.436 +0000 UTC`); None when it cannot be read."""
+    if not text:
+        return None
+    value = text.strip().replace(" UTC", "")
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        pass
+    for form in ("%Y-%m-%d %H:%M:%S.%f %z", "%Y-%m-%d %H:%M:%S %z"):
+        try:
+            return datetime.strptime(value, form).timestamp()
+        except ValueError:
+            continue
+    return None

@@ -1,0 +1,227 @@
+"""`runs/<id>/pod.json`: what is known of a run's pod, saved before each step
+it describes (before the first create request, at every attempt, before a
+delete), so that any process (a hook, `attach` on another day, the pods flow)
+finds every pod of the run that may exist, and what it costs.
+
+It never holds a secret: the pod's host key is only its public half, the
+host key secret only its name.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from overbrainer_prefect.runs.ids import is_valid_run_id, rfc3339
+from overbrainer_prefect.runs.records import load_record, save_record
+from overbrainer_prefect.runs.store import Runs
+
+POD_RECORD = "pod.json"
+"""The pod record of a run, in its local run directory (never uploaded)."""
+
+POD_NAME_PREFIX = "ob-"
+"""Every pod of a run is named `ob-<run id>-a<attempt>`."""
+
+
+class PodState(StrEnum):
+    """Where a run's pod stands, as last seen."""
+
+    CREATING = "creating"
+    """Create requests are being sent; a pod may exist (see `attempts`)."""
+    BOOTING = "booting"
+    """Created; waiting for its sshd."""
+    READY = "ready"
+    """Reachable with the pinned host key; its cost cap armed."""
+    RUNNING = "running"
+    """Its job started."""
+    AWAITING_RETRIEVAL = "awaiting_retrieval"
+    """Its job ended, its files not retrieved: its watchdog deletes it after the retrieve grace."""
+    KEPT = "kept"
+    """keep_pod: nothing deletes it but the pods flow."""
+    DELETING = "deleting"
+    """A delete was asked; not confirmed yet."""
+    DELETED = "deleted"
+    """Confirmed gone: 404s in a row, and absent from the pod list."""
+
+
+class Attempt(BaseModel):
+    """One create request: the unique name the pod was asked for (what it is
+    looked up by after an ambiguous answer), its GPU type and what came of it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    gpu_type_id: str
+    at: str
+    result: str = "sent"
+    """`sent` (no answer yet), `created`, `no capacity`, `no access`, or why it failed."""
+    pod_id: str | None = None
+
+
+class SshAddress(BaseModel):
+    """Where the pod's sshd answers."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    host: str
+    port: int
+    user: str = "root"
+
+
+class PodRecord(BaseModel):
+    """The record of a run's pod (`pod.json`)."""
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
+
+    run_id: str
+    state: PodState = PodState.CREATING
+    keep: bool = False
+    gpu_count: int = 1
+    attempts: list[Attempt] = Field(default_factory=list)
+    strays: list[str] = Field(
+        default_factory=list,
+        description="Other pods of the run that may exist (names or ids): swept at its end.",
+    )
+    pod_id: str | None = None
+    pod_name: str | None = None
+    gpu_type_id: str | None = None
+    cost_per_hour: float | None = None
+    created: str | None = Field(default=None, description="When the pod was asked for, RFC 3339.")
+    created_unix: int | None = None
+    deadline: str | None = Field(default=None, description="The watchdog's max_hours deadline.")
+    deadline_unix: int | None = None
+    cost_deadline_unix: int | None = Field(
+        default=None, description="When the watchdog's max_cost_usd is reached."
+    )
+    max_cost_usd: float | None = None
+    host_key: str = Field(description="The pod's public host key, pinned.")
+    host_key_secret: str | None = Field(
+        default=None, description="The Runpod secret holding the host key (its name)."
+    )
+    secret_deleted: bool = False
+    ssh: SshAddress | None = None
+    workdir: str | None = Field(
+        default=None, description="The run directories' directory on the pod."
+    )
+    deleted: str | None = None
+    deleted_unix: int | None = None
+    deleted_by: str | None = Field(default=None, description="client, watchdog, or unknown.")
+    delete_reason: str | None = None
+
+    @classmethod
+    def load(cls, runs: Runs, run_id: str) -> PodRecord | None:
+        """The pod record of the run `run_id`, or None when it has none.
+
+        Raises InvalidRunId, RecordIoError or InvalidRecord (with a line and
+        column, never the content) when it cannot be read."""
+        path = runs.run_dir(run_id) / POD_RECORD
+        try:
+            return load_record(path, cls, "pod")
+        except FileNotFoundError:
+            return None
+
+    def save(self, runs: Runs) -> None:
+        """Writes `pod.json` atomically. Raises RecordIoError when it cannot."""
+        save_record(runs.run_dir(self.run_id), POD_RECORD, self)
+
+    @property
+    def name(self) -> str:
+        """The pod's id, or `(none)` before it exists."""
+        return self.pod_id or "(none)"
+
+    @property
+    def gone(self) -> bool:
+        """Whether no pod of the run may be left: none was ever created (no
+        attempt) or it is confirmed deleted, and no stray remains."""
+        if self.strays:
+            return False
+        if self.pod_id is None:
+            return not any(a.result in ("sent", "created") for a in self.attempts)
+        return self.state == PodState.DELETED
+
+    def begin_attempt(self, name: str, gpu_type_id: str) -> None:
+        """Records a create request about to be sent."""
+        now = int(time.time())
+        self.attempts.append(Attempt(name=name, gpu_type_id=gpu_type_id, at=rfc3339()))
+        if self.created_unix is None:
+            self.created_unix = now
+            self.created = rfc3339()
+
+    def end_attempt(self, result: str, pod_id: str | None = None) -> None:
+        """Records what came of the last create request."""
+        if self.attempts:
+            last = self.attempts[-1]
+            self.attempts[-1] = last.model_copy(update={"result": result, "pod_id": pod_id})
+
+    def uptime_s(self, now: float | None = None) -> float:
+        """Seconds the pod has billed: from its create until its deletion (or now)."""
+        if self.created_unix is None:
+            return 0.0
+        end = self.deleted_unix if self.deleted_unix is not None else (now or time.time())
+        return max(0.0, end - self.created_unix)
+
+    def estimated_spend(self, now: float | None = None) -> float | None:
+        """What the pod cost so far (its rate × its uptime), when its rate is known."""
+        if self.cost_per_hour is None:
+            return None
+        return self.cost_per_hour * self.uptime_s(now) / 3600
+
+    def rate_text(self) -> str:
+        """` ($0.44/h)`, or nothing when the rate is unknown."""
+        return "" if self.cost_per_hour is None else f" (${self.cost_per_hour:.2f}/h)"
+
+    def mark_deleted(self, by: str, reason: str) -> None:
+        """Records the pod confirmed gone, deleted by `by` for `reason`."""
+        self.state = PodState.DELETED
+        if self.deleted_unix is None:
+            self.deleted_unix = int(time.time())
+            self.deleted = rfc3339()
+        self.deleted_by = by
+        self.delete_reason = reason
+        if self.pod_id is not None:
+            self.strays = [s for s in self.strays if s != self.pod_id]
+
+    def limit_reached(self, now: float | None = None) -> str | None:
+        """Why the watchdog deleted this pod when it is found gone at `now`:
+        max_cost_usd or max_hours once one passed (the earlier), else None."""
+        at = now or time.time()
+        if self.keep:
+            return None
+        cost = self.cost_deadline_unix
+        hours = self.deadline_unix
+        if cost is not None and at >= cost and (hours is None or cost <= hours):
+            return max_cost_reached(self.max_cost_usd, self.cost_per_hour)
+        if hours is not None and at >= hours:
+            return MAX_HOURS_REACHED
+        if cost is not None and at >= cost:
+            return max_cost_reached(self.max_cost_usd, self.cost_per_hour)
+        return None
+
+
+MAX_HOURS_REACHED = "max_hours reached: the pod was deleted before the job ended"
+"""Why a run fails when its pod was deleted on max_hours, by the client's own
+guard or by the pod's watchdog."""
+
+
+def max_cost_reached(max_cost_usd: float | None, rate: float | None) -> str:
+    """Why a run fails when its pod's watchdog deleted it on max_cost_usd."""
+    cap = f"${max_cost_usd:.2f}" if max_cost_usd is not None else "its cap"
+    at = f" at ${rate:.2f}/h" if rate is not None else ""
+    return f"max_cost_usd reached ({cap}{at}): the pod was deleted before the job ended"
+
+
+def pod_name(run_id: str, attempt: int) -> str:
+    """The unique name of the `attempt`-th pod asked for the run `run_id`."""
+    return f"{POD_NAME_PREFIX}{run_id}-a{attempt}"
+
+
+def run_of_pod_name(name: str) -> str | None:
+    """The run ID a pod named `ob-<run id>-a<n>` belongs to, or None."""
+    if not name.startswith(POD_NAME_PREFIX):
+        return None
+    body, sep, attempt = name[len(POD_NAME_PREFIX) :].rpartition("-a")
+    if not sep or not attempt.isdigit():
+        return None
+    return body if is_valid_run_id(body) else None

@@ -1,0 +1,417 @@
+"""The compare trainer: a fine-tune's GGUF and its base model's, asked the same questions.
+
+A compare's directory (`runs/<run-id>/compares/<compare-id>/`, and its copy on
+the target) holds what the job reads, with paths relative to it:
+
+    models/base.gguf    the base model's GGUF, of the same quant type as the tuned one
+    models/tuned.gguf   the run's GGUF, from its export
+    questions.json      the questions
+    scripts/            the job script, `overbrainer_compare.py`
+
+The job (see `overbrainer_prefect/jobs/overbrainer_compare.py`) answers every
+question with each model through its own chat template, greedily, with a fixed
+seed and a token limit; it writes `answers.jsonl` and `metrics.jsonl`, which are
+what a compare brings back and verifies.
+
+The base model's GGUF is made once per base model, target and quant type by an
+export of the plain base (`BaseExportTrainer`, the export job with `--base`),
+kept under `<runs dir>/.bases/<key>/exports/<export-id>/` with the same record
+and manifest as any export, and reused by every compare of every run of that
+base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import shutil
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.trainers.base import (
+    METRICS_FILE,
+    Artifacts,
+    JobContext,
+    TargetFacts,
+    TrainError,
+)
+from overbrainer_prefect.trainers.export import (
+    GGUF_DIR,
+    JOB_MODULE,
+    MODULES,
+    NAME_CHARS,
+    SCRIPTS_DIR,
+    converter_path,
+    gguf_name,
+)
+
+ANSWERS_FILE = "answers.jsonl"
+QUESTIONS_FILE = "questions.json"
+MODELS_DIR = "models"
+COMPARE_MODULE = "overbrainer_compare"
+COMPARE_MODULES = ("llama_cpp",)
+"""What the compare job imports."""
+
+BASES_DIR = ".bases"
+"""Under the runs directory: the GGUFs of base models, one directory per base
+model and target (a dot directory, so `Runs.list` never takes it for a run)."""
+
+MAX_TOKENS_LIMIT = 8192  # the most tokens an answer may be given: more is a typo, not a compare
+
+VRAM_OVERHEAD_BYTES = 2 * 10**9  # the CUDA context, the KV cache and llama.cpp's buffers
+
+
+class BadCompareInput(ValueError):
+    """A compare's settings cannot be used. The message is one line."""
+
+
+class BadQuestions(BadCompareInput):
+    """The questions of a compare cannot be used. The message is one line."""
+
+
+def load_questions(questions: Sequence[str] | None, questions_file: str | None) -> list[str]:
+    """The questions of a compare: given as a list, or read from a file holding a
+    JSON or YAML list of strings.
+
+    Raises BadQuestions with one line when there are none, when both or neither
+    are given, when the file cannot be read or is not a list of strings, or when
+    a question is empty. The file's content is never quoted.
+    """
+    if questions and questions_file:
+        raise BadQuestions(
+            "give the questions either as a list (questions=[...]) or in a file "
+            "(questions_file=...), not both"
+        )
+    if questions_file:
+        found = _read_questions_file(Path(questions_file).expanduser())
+    elif questions:
+        found = list(questions)
+        for index, question in enumerate(found, start=1):
+            if not isinstance(question, str):
+                raise BadQuestions(f"question {index} is not a string: give a list of strings")
+    else:
+        raise BadQuestions(
+            "no questions: give questions=[...] or questions_file=<a JSON or YAML list of strings>"
+        )
+    for index, question in enumerate(found, start=1):
+        if not question.strip():
+            raise BadQuestions(f"question {index} is empty: remove it or write it out")
+    return found
+
+
+def _read_questions_file(path: Path) -> list[str]:
+    shape = 'a JSON or YAML list of strings, like ["What is X?", "Who is Y?"]'
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadQuestions(f"the questions file {path} does not exist: give {shape}") from None
+    except UnicodeDecodeError:
+        raise BadQuestions(f"the questions file {path} is not UTF-8 text: give {shape}") from None
+    except OSError as error:
+        raise BadQuestions(f"cannot read the questions file {path}: {error.strerror}") from None
+    line: int | None = None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+    if line is not None:  # raised here, so the parser's message (which quotes the file) is dropped
+        raise BadQuestions(f"the questions file {path} is not valid JSON or YAML (line {line})")
+    if not isinstance(data, list) or not data:
+        what = "empty" if not data else f"a {type(data).__name__}, not a list"
+        raise BadQuestions(f"the questions file {path} is {what}: give {shape}")
+    for index, question in enumerate(data, start=1):
+        if not isinstance(question, str):
+            raise BadQuestions(
+                f"the questions file {path}: item {index} is not a string: give {shape}"
+            )
+    return list(data)
+
+
+def check_max_tokens(max_tokens: int) -> int:
+    """`max_tokens`, checked. Raises BadCompareInput with one line when it is out of range."""
+    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise BadCompareInput(
+            f"max_tokens is {max_tokens}: give a number of tokens from 1 to {MAX_TOKENS_LIMIT}"
+        )
+    return max_tokens
+
+
+def vram_floor(gguf_size: int) -> int:
+    """The GPU memory a compare needs for a GGUF of `gguf_size` bytes (the models are
+    loaded one at a time): the file, a fifth more for the KV cache and activations,
+    and 2 GB for the CUDA context and llama.cpp's buffers."""
+    return gguf_size + gguf_size // 5 + VRAM_OVERHEAD_BYTES
+
+
+class GgufRef(BaseModel):
+    """A GGUF a compare uses: where it is under the runs directory, its size and
+    SHA-256, and the export that made it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Relative to the runs directory.")
+    size: int = Field(ge=0)
+    sha256: str
+    export_id: str
+
+
+class CompareSpec(BaseModel):
+    """What a compare asks and of which models: enough to repeat it exactly. It is
+    the `spec` of a compare's record."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    questions: list[str] = Field(min_length=1)
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
+    seed: int
+    quant: str
+    base_model: str = Field(description="The base model the run fine-tuned.")
+    tuned: GgufRef
+    base: GgufRef
+
+    def asks(
+        self, questions: Sequence[str], max_tokens: int, seed: int, quant: str, tuned_sha256: str
+    ) -> bool:
+        """Whether this compare asks `questions` of the tuned GGUF `tuned_sha256` the
+        same way (its base GGUF follows from the tuned one's base model and quant)."""
+        return (
+            self.questions == list(questions)
+            and self.max_tokens == max_tokens
+            and self.seed == seed
+            and self.quant == quant
+            and self.tuned.sha256 == tuned_sha256
+        )
+
+
+def spec_of(record_spec: dict[str, object] | None) -> CompareSpec | None:
+    """The compare spec in a record, or None when it holds none or another shape."""
+    if record_spec is None:
+        return None
+    try:
+        return CompareSpec.model_validate(record_spec)
+    except ValidationError:
+        return None
+
+
+class ModelAnswer(BaseModel):
+    """One answer of one model, as the compare job wrote it in `answers.jsonl`."""
+
+    index: int = Field(ge=0, description="The question's position, from 0.")
+    question: str
+    model: str = Field(description="`base` or `tuned`.")
+    answer: str
+    tokens: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    seconds: float
+    prompt_seconds: float
+    tokens_per_s: float | None = None
+    cut: bool = Field(description="Cut at the token limit: the model never ended its answer.")
+    template: bool = Field(default=True, description="Asked through the GGUF's chat template.")
+
+
+def read_answers(text: str) -> list[ModelAnswer]:
+    """The answers of an `answers.jsonl`'s text, in order. Lines that are not
+    answers (a line cut by a crash) are skipped."""
+    answers = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            answers.append(ModelAnswer.model_validate(json.loads(line)))
+        except (ValueError, ValidationError):
+            continue
+    return answers
+
+
+def base_key(base_model: str, target: str) -> str:
+    """The directory, under `.bases/`, of the GGUFs of `base_model`: its last path
+    part and a hash of what names it (a Hub id; a directory, with the target it is
+    on, since two targets may hold different models at the same path)."""
+    is_path = base_model.startswith(("/", ".", "~"))
+    identity = f"{target}\n{base_model}" if is_path else base_model
+    stem = NAME_CHARS.sub("-", posixpath.basename(base_model.rstrip("/"))).strip(".-") or "model"
+    return f"{stem}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+
+
+def base_exports(runs: Runs, key: str) -> Runs:
+    """The store of the exports of the base model `key`: `<runs dir>/.bases/<key>/exports/`."""
+    return Runs(runs.root / BASES_DIR / key / "exports", record_file="export.json", kind="export")
+
+
+def _check_modules(facts: TargetFacts, modules: Sequence[str], what: str) -> None:
+    for module in modules:
+        if facts.modules.get(module) is None:
+            raise TrainError(
+                f"{module} is not installed in the job venv {facts.python}: install the "
+                f"{what} tools with `scripts/job-env.sh <job venv>` there"
+            )
+
+
+def _copy_script(local_run_dir: Path, module: str) -> None:
+    scripts = local_run_dir / SCRIPTS_DIR
+    scripts.mkdir(parents=True, exist_ok=True)
+    script = resources.files("overbrainer_prefect.jobs").joinpath(f"{module}.py")
+    (scripts / f"{module}.py").write_bytes(script.read_bytes())
+
+
+class BaseExportTrainer:
+    """An export of the plain base model `base_model` (a directory on the target or
+    a Hugging Face id) to a GGUF of type `quant`: the export job with `--base`,
+    converted and quantized like a run's model, nothing merged."""
+
+    def __init__(self, base_model: str, quant: str, cpu_threads: int | None = None) -> None:
+        self.base_model = base_model
+        self.quant = quant
+        self.cpu_threads = cpu_threads
+        self.gguf_stem = gguf_name("base", base_model)
+
+    @property
+    def name(self) -> str:
+        """`export`."""
+        return "export"
+
+    @property
+    def metrics_file(self) -> str:
+        """`metrics.jsonl`, written by the job script."""
+        return METRICS_FILE
+
+    @property
+    def probe_modules(self) -> Sequence[str]:
+        """What the export job imports."""
+        return MODULES
+
+    def check(self, facts: TargetFacts) -> None:
+        """Raises TrainError when the job venv lacks a module the export imports."""
+        _check_modules(facts, self.probe_modules, "export")
+
+    def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
+        """Puts the export job script under `scripts/`: the base is on the target."""
+        _copy_script(local_run_dir, JOB_MODULE)
+
+    def commands(self, ctx: JobContext) -> list[list[str]]:
+        """The export job, told to export the base model."""
+        python = ctx.facts.python
+        command = [
+            python,
+            f"{SCRIPTS_DIR}/{JOB_MODULE}.py",
+            "--converter",
+            converter_path(python),
+            "--quant",
+            self.quant,
+            "--name",
+            self.gguf_stem,
+            "--base",
+            self.base_model,
+        ]
+        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
+            command += ["--threads", str(self.cpu_threads)]
+        return [command]
+
+    def env(self, ctx: JobContext) -> dict[str, str]:
+        """No telemetry, the target's Hugging Face cache, unbuffered output; offline
+        when the base model is a directory."""
+        env = {
+            "DO_NOT_TRACK": "1",
+            "HF_HOME": ctx.cache_dir,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        if self.base_model.startswith(("/", ".", "~")):
+            env["HF_HUB_OFFLINE"] = "1"
+        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
+        return env
+
+    def artifacts(self) -> Artifacts:
+        """`gguf/` and the metrics; a succeeded export must have its GGUF."""
+        return Artifacts(entries=(GGUF_DIR, METRICS_FILE), required=GGUF_DIR)
+
+
+class CompareTrainer:
+    """A compare following `spec`, whose GGUFs are under the runs directory
+    `runs_root`. `cpu_threads` sets llama.cpp's threads on a target without a GPU;
+    on one with a GPU every layer is offloaded to it."""
+
+    def __init__(self, spec: CompareSpec, runs_root: Path, cpu_threads: int | None = None) -> None:
+        self.spec = spec
+        self.runs_root = runs_root
+        self.cpu_threads = cpu_threads
+
+    @property
+    def name(self) -> str:
+        """`compare`."""
+        return "compare"
+
+    @property
+    def metrics_file(self) -> str:
+        """`metrics.jsonl`, written by the job script: one `log` event per answer."""
+        return METRICS_FILE
+
+    @property
+    def probe_modules(self) -> Sequence[str]:
+        """llama_cpp."""
+        return COMPARE_MODULES
+
+    def check(self, facts: TargetFacts) -> None:
+        """Raises TrainError when the job venv lacks llama-cpp-python."""
+        _check_modules(facts, self.probe_modules, "compare")
+
+    def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
+        """Stages both GGUFs under `models/` (hard links when they can be), the
+        questions in `questions.json` and the job script under `scripts/`.
+
+        Raises TrainError when a GGUF is missing.
+        """
+        models = local_run_dir / MODELS_DIR
+        models.mkdir(parents=True, exist_ok=True)
+        for name, ref in (("base", self.spec.base), ("tuned", self.spec.tuned)):
+            source = self.runs_root / ref.path
+            if not source.is_file():
+                raise TrainError(
+                    f"the {name} GGUF {source} is missing: export it again (export {ref.export_id})"
+                )
+            target = models / f"{name}.gguf"
+            target.unlink(missing_ok=True)
+            try:
+                target.hardlink_to(source)
+            except OSError:
+                shutil.copyfile(source, target)
+        (local_run_dir / QUESTIONS_FILE).write_text(
+            json.dumps(self.spec.questions, ensure_ascii=False, indent=1) + "\n", encoding="utf-8"
+        )
+        _copy_script(local_run_dir, COMPARE_MODULE)
+
+    def commands(self, ctx: JobContext) -> list[list[str]]:
+        """The job script with the token limit, the seed and where it runs."""
+        command = [
+            ctx.facts.python,
+            f"{SCRIPTS_DIR}/{COMPARE_MODULE}.py",
+            "--max-tokens",
+            str(self.spec.max_tokens),
+            "--seed",
+            str(self.spec.seed),
+        ]
+        if ctx.facts.gpus > 0:
+            command += ["--gpu-layers", "-1"]
+        elif self.cpu_threads is not None:
+            command += ["--threads", str(self.cpu_threads)]
+        return [command]
+
+    def env(self, ctx: JobContext) -> dict[str, str]:
+        """No telemetry, unbuffered output, and the threads of a CPU target."""
+        env = {"DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
+        return env
+
+    def artifacts(self) -> Artifacts:
+        """The answers and the metrics (never the GGUFs it was given); a succeeded
+        compare must have its answers."""
+        return Artifacts(entries=(ANSWERS_FILE, METRICS_FILE), required=ANSWERS_FILE)

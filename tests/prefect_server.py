@@ -1,0 +1,507 @@
+"""A real Prefect server and real process workers, for the tests of the
+deployments: `prefect server start` on 127.0.0.1 (SQLite, or PostgreSQL), the
+deployments of `deployments/prefect.yaml` deployed with the CLI, and `prefect
+worker start --type process` processes that run them. Every process is started
+in its own session and stopped by PID, flow-run processes included.
+
+The session fixture `deployed` is one such stack, shared by the deployment and
+UI tests; `trained` is a fine-tune of the tiny model run through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+POOL = "overbrainer"
+START_TIMEOUT_S = 120.0  # a server's first start migrates its database
+STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+RUN_TIMEOUT_S = 300.0  # a deployment run of the tiny model takes about 30 s alone
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any Prefect setting, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    env.update(extra)
+    return env
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """Every process: pid -> (parent pid, session id), from /proc."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        table[int(entry.name)] = (int(fields[1]), int(fields[3]))
+    return table
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, their children...), now."""
+    table = process_table()
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, (ppid, _) in table.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    """Sends `sig` to each of `pids` that still exists."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def stop(process: subprocess.Popen[bytes], grace: float = STOP_GRACE_S) -> None:
+    """Stops a process started in its own session and everything below it:
+    SIGTERM to its group and its descendants, SIGKILL to what is left after
+    `grace` seconds."""
+    below = descendants(process.pid)
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    kill_pids(below, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    kill_pids([p for p in below if alive(p)])
+
+
+def wait_until(check: Any, timeout: float, what: str, every: float = 0.5) -> Any:
+    """Calls `check` until it returns something true (returned), failing after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+class PrefectServer:
+    """`prefect server start` on 127.0.0.1, on SQLite in `home` or on the database
+    `database_url`."""
+
+    def __init__(self, home: Path, database_url: str | None = None) -> None:
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_url = f"{self.url}/api"
+        self.database_url = database_url or f"sqlite+aiosqlite:///{home / 'prefect.db'}"
+        self.log = home / "server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Starts the server and waits until its API answers. Fails with the end
+        of its log when it does not."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = clean_env(
+            PREFECT_HOME=str(self.home / "server-home"),
+            PREFECT_SERVER_DATABASE_CONNECTION_URL=self.database_url,
+            PREFECT_SERVER_LOGGING_LEVEL="WARNING",
+            PREFECT_UI_ENABLED="true",
+            PREFECT_UI_API_URL=self.api_url,
+            # the scheduler makes the runs of schedules: look often, so a test sees them
+            PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
+        )
+        self.process = subprocess.Popen(
+            [
+                str(BIN / "prefect"),
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            cwd=self.home,
+            env=env,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        def healthy() -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"prefect server exited: {self.log_tail()}")
+            try:
+                return httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, START_TIMEOUT_S, f"the Prefect server on {self.url}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of the server's log."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Stops the server by PID."""
+        if self.process is not None:
+            stop(self.process)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a client of this server (the CLI, a worker)."""
+        return clean_env(
+            PREFECT_API_URL=self.api_url,
+            PREFECT_HOME=str(self.home / "client-home"),
+            PREFECT_CLI_PROMPT="false",
+            **extra,
+        )
+
+    def cli(
+        self, *args: str, cwd: Path = REPO, check: bool = True, timeout: float = 180, **env: str
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs `prefect <args>` against this server; fails with its output when
+        it fails and `check`."""
+        result = subprocess.run(
+            [str(BIN / "prefect"), *args],
+            cwd=cwd,
+            env=self.env(PWD=str(cwd), **env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"prefect {' '.join(args)} failed ({result.returncode}):\n"
+                f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            )
+        return result
+
+    def call(self, coroutine_fn: Any, *args: Any) -> Any:
+        """Runs `coroutine_fn(client, *args)` with a Prefect client of this server."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        async def go() -> Any:
+            async with get_client() as client:
+                return await coroutine_fn(client, *args)
+
+        with temporary_settings(updates={PREFECT_API_URL: self.api_url}):
+            return asyncio.run(go())
+
+
+class Worker:
+    """`prefect worker start --pool <pool> --type process`, started in `directory`
+    (the root of a clone of this repository) with `env` added."""
+
+    def __init__(self, server: PrefectServer, name: str, directory: Path, **env: str) -> None:
+        self.server = server
+        self.name = name
+        self.directory = directory
+        self.extra = env
+        self.log = server.home / f"worker-{name}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Starts the worker and waits until the server has seen it poll."""
+        env = self.server.env(
+            PWD=str(self.directory),
+            PREFECT_HOME=str(self.server.home / f"worker-home-{self.name}"),
+            PREFECT_WORKER_QUERY_SECONDS="2",
+            PREFECT_WORKER_PREFETCH_SECONDS="2",
+            PREFECT_LOGGING_LEVEL="INFO",
+            **self.extra,
+        )
+        self.process = subprocess.Popen(
+            [
+                str(BIN / "prefect"),
+                "worker",
+                "start",
+                "--pool",
+                POOL,
+                "--type",
+                "process",
+                "--name",
+                self.name,
+            ],
+            cwd=self.directory,
+            env=env,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        async def polled(client: Any) -> bool:
+            workers = await client.read_workers_for_work_pool(POOL)
+            return any(w.name == self.name for w in workers)
+
+        def seen() -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited: {self.log_tail()}")
+            return bool(self.server.call(polled))
+
+        wait_until(seen, START_TIMEOUT_S, f"worker {self.name} to poll", every=1.0)
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker process runs."""
+        return self.process is not None and self.process.poll() is None
+
+    def flow_processes(self, spare_sessions: set[int]) -> list[int]:
+        """The worker's descendants (its flow-run processes and theirs), except
+        those in `spare_sessions` (detached jobs, which must outlive it)."""
+        if self.process is None:
+            return []
+        table = process_table()
+        return [
+            pid
+            for pid in descendants(self.process.pid)
+            if table.get(pid, (0, 0))[1] not in spare_sessions
+        ]
+
+    def kill(self, spare_sessions: set[int]) -> list[int]:
+        """SIGKILLs the worker and its flow-run processes at once (no hook runs),
+        sparing the jobs of `spare_sessions`; returns the PIDs killed."""
+        assert self.process is not None
+        victims = [self.process.pid, *self.flow_processes(spare_sessions)]
+        kill_pids(victims)
+        self.process.wait(timeout=30)
+        wait_until(lambda: not any(alive(p) for p in victims), 30, "the killed processes to go")
+        return victims
+
+    def stop(self) -> None:
+        """Stops the worker and its flow-run processes by PID."""
+        if self.process is not None:
+            stop(self.process)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the worker's log."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def clone(into: Path) -> Path:
+    """Another clone of this repository for a second worker: its flow entry
+    points (the package itself is installed in the venv)."""
+    into.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(REPO / "flows", into / "flows")
+    return into
+
+
+@dataclass
+class Stack:
+    """A server with the deployments of `deployments/prefect.yaml`, workers, the
+    shared runs root they record runs in, and a saved local target block."""
+
+    server: PrefectServer
+    root: Path
+    runs: Path
+    target: str
+    work_dir: Path
+    workers: list[Worker] = field(default_factory=list)
+    deploy_output: str = ""
+
+    def worker(self) -> Worker:
+        """A running worker of the pool, the first one started again if none runs."""
+        for worker in self.workers:
+            if worker.running:
+                return worker
+        # started in the clone deployed from: its flow runs go there by default
+        worker = Worker(self.server, f"w{len(self.workers) + 1}", REPO)
+        worker.start()
+        self.workers.append(worker)
+        return worker
+
+    def stop(self) -> None:
+        """Stops every worker, then the server."""
+        for worker in self.workers:
+            worker.stop()
+        self.server.stop()
+
+    def run_deployment(self, name: str, **parameters: Any) -> uuid.UUID:
+        """`prefect deployment run <name> --param k=v ...`; returns the flow run's ID."""
+        args = ["deployment", "run", name]
+        for key, value in parameters.items():
+            shown = value if isinstance(value, str) else json.dumps(value)
+            args += ["--param", f"{key}={shown}"]
+        result = self.server.cli(*args)
+        found = re.search(r"UUID: ([0-9a-f-]{36})", result.stdout)
+        assert found, result.stdout
+        return uuid.UUID(found.group(1))
+
+    def flow_run(self, flow_run_id: uuid.UUID) -> Any:
+        """The flow run as the server has it now."""
+
+        async def read(client: Any) -> Any:
+            return await client.read_flow_run(flow_run_id)
+
+        return self.server.call(read)
+
+    def wait_final(self, flow_run_id: uuid.UUID, timeout: float = RUN_TIMEOUT_S) -> Any:
+        """Waits until the flow run is in a final state; returns it."""
+
+        def final() -> Any:
+            run = self.flow_run(flow_run_id)
+            return run if run.state is not None and run.state.is_final() else None
+
+        try:
+            return wait_until(final, timeout, f"flow run {flow_run_id} to end", every=1.0)
+        except AssertionError:
+            logs = "\n".join(w.log_tail() for w in self.workers)
+            raise AssertionError(f"flow run {flow_run_id} did not end; workers:\n{logs}") from None
+
+
+def start_stack(
+    root: Path, database_url: str | None = None, names: list[str] | None = None
+) -> Stack:
+    """A server on `database_url` (SQLite by default), the deployments deployed
+    from the repository root with the shared runs root `root/runs` (all of them,
+    or those `names` selects), a local target block and one worker."""
+    from tests.conftest import job_venv
+
+    server = PrefectServer(root / "server", database_url)
+    stack = Stack(
+        server=server,
+        root=root,
+        runs=root / "runs",
+        target=f"local-{uuid.uuid4().hex[:6]}",
+        work_dir=root / "work",
+    )
+    try:
+        server.start()
+        server.cli("work-pool", "create", POOL, "--type", "process")
+        selection = ["--all"] if names is None else [a for n in names for a in ("-n", n)]
+        deployed = server.cli(
+            "--no-prompt",
+            "deploy",
+            *selection,
+            "--prefect-file",
+            "deployments/prefect.yaml",
+            OVERBRAINER_RUNS_DIR=str(stack.runs),
+            timeout=300,
+        )
+        stack.deploy_output = deployed.stdout + deployed.stderr
+        save = (
+            "import sys\n"
+            "from overbrainer_prefect.blocks import LocalTarget\n"
+            "LocalTarget(job_venv=sys.argv[2], work_dir=sys.argv[3], poll_seconds=0.5,\n"
+            "            cpu_threads=1).save(sys.argv[1])\n"
+        )
+        subprocess.run(
+            [sys.executable, "-c", save, stack.target, str(job_venv()), str(stack.work_dir)],
+            env=server.env(),
+            check=True,
+            timeout=120,
+            capture_output=True,
+        )
+        stack.worker()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+@pytest.fixture(scope="session")
+def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A real Prefect server (SQLite) with every deployment of
+    `deployments/prefect.yaml` and a process worker, for the session."""
+    stack = start_stack(tmp_path_factory.mktemp("deployed"))
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def tiny_training(model: Path, dataset: Path, **changes: Any) -> dict[str, Any]:
+    """The training spec of a fine-tune of the tiny model, as deployment parameters."""
+    values: dict[str, Any] = {
+        "base_model": str(model),
+        "datasets": [{"path": str(dataset)}],
+        "sequence_len": 64,
+        "micro_batch_size": 4,
+        "max_steps": 6,
+        "learning_rate": 5e-3,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "warmup_steps": 0,
+        "seed": 0,
+    }
+    values.update(changes)
+    return values
+
+
+@dataclass
+class Trained:
+    """A fine-tune run through the local train deployment."""
+
+    flow_run: Any
+    run_id: str
+
+
+@pytest.fixture(scope="session")
+def trained(deployed: Stack, tiny: tuple[Path, Path]) -> Trained:
+    """The local train deployment run once to its end (by `prefect deployment run`)."""
+    before = set(p.name for p in deployed.runs.glob("*"))
+    flow_run_id = deployed.run_deployment(
+        "train/local", target=deployed.target, training=tiny_training(*tiny)
+    )
+    flow_run = deployed.wait_final(flow_run_id)
+    made = [p.name for p in deployed.runs.glob("*") if p.name not in before]
+    assert len(made) == 1, (made, flow_run.state)
+    return Trained(flow_run=flow_run, run_id=made[0])

@@ -1,0 +1,394 @@
+"""The deployments of `deployments/prefect.yaml` on a real Prefect server with
+real process workers: `prefect deploy`, `prefect deployment run` of the local
+train deployment to completion, `prefect flow-run cancel` through the
+cancellation hook, a worker and its flow process SIGKILLed and the run
+finished by the collector on a second worker (another clone, the same runs
+root), the nightly schedule, bad parameters and blocks; once on PostgreSQL."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+import yaml
+
+from overbrainer_prefect.runs import Runs, RunState
+from tests.conftest import REPO
+from tests.prefect_server import (
+    Stack,
+    Trained,
+    Worker,
+    alive,
+    clone,
+    process_table,
+    start_stack,
+    tiny_training,
+    wait_until,
+)
+
+pytest_plugins = ["tests.prefect_server", "tests.postgres"]
+pytestmark = pytest.mark.slow
+
+SECRET = "hf_DEPLOYSECRETDEPLOYSECRET0123456789"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def assert_verified(runs: Path, run_id: str) -> None:
+    """The run's files are here, exactly as its manifest says."""
+    local = Runs(runs).run_dir(run_id)
+    manifest = json.loads((local / "manifest.json").read_text())
+    paths = {entry["path"] for entry in manifest}
+    assert {"job.log", "metrics.jsonl", "output/adapter_model.safetensors"} <= paths
+    for entry in manifest:
+        assert sha256(local / entry["path"]) == entry["sha256"], entry["path"]
+
+
+def training_now(stack: Stack, known: set[str]) -> Any:
+    """A run not in `known` whose job has logged a training step, if any."""
+    for record in Runs(stack.runs).list():
+        if record.id in known or record.state != RunState.RUNNING or record.job is None:
+            continue
+        metrics = Path(record.remote_dir) / "metrics.jsonl"
+        if metrics.exists() and '"log"' in metrics.read_text():
+            return record
+    return None
+
+
+def run_ids(stack: Stack) -> set[str]:
+    return {p.name for p in stack.runs.glob("*")}
+
+
+def job_group_alive(pgid: int) -> bool:
+    """Whether any live process is in the process group `pgid`."""
+    for pid in process_table():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(stat[2]) == pgid and stat[0] != "Z":
+            return True
+    return False
+
+
+def test_prefect_deploy_creates_every_deployment_of_the_yaml(deployed: Stack) -> None:
+    config = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    expected = {d["name"] for d in config["deployments"]}
+
+    async def read(client: Any) -> list[Any]:
+        return list(await client.read_deployments())
+
+    found = deployed.server.call(read)
+    assert expected <= {d.name for d in found}
+    train = next(d for d in found if d.name == "local")
+    assert train.concurrency_limit == 1 or (
+        train.global_concurrency_limit is not None and train.global_concurrency_limit.limit == 1
+    )
+    assert train.work_pool_name == "overbrainer"
+    assert train.job_variables["env"]["OVERBRAINER_RUNS_DIR"] == str(deployed.runs)
+    step = train.pull_steps[0]["overbrainer_prefect.deployments.steps.set_project_directory"]
+    assert step["default"] == str(REPO)
+
+
+def test_the_local_train_deployment_runs_a_fine_tune_to_completion(
+    deployed: Stack, trained: Trained
+) -> None:
+    assert trained.flow_run.state.is_completed(), trained.flow_run.state
+    record = Runs(deployed.runs).load(trained.run_id)
+    assert record.state == RunState.SUCCEEDED and record.message is None
+    assert record.flow_run_id == str(trained.flow_run.id)
+    assert_verified(deployed.runs, trained.run_id)
+
+
+def test_cancelling_a_deployment_run_cancels_its_job_through_the_hook(
+    deployed: Stack, tiny: tuple[Path, Path]
+) -> None:
+    deployed.worker()
+    known = run_ids(deployed)
+    flow_run_id = deployed.run_deployment(
+        "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=100000)
+    )
+    record = wait_until(lambda: training_now(deployed, known), 240, "the job to train")
+    assert record.job is not None and job_group_alive(record.job.pid)
+    deployed.server.cli("flow-run", "cancel", str(flow_run_id))
+    flow_run = deployed.wait_final(flow_run_id, timeout=180)
+    assert flow_run.state.is_cancelled(), flow_run.state
+    saved = Runs(deployed.runs).load(record.id)
+    assert saved.state == RunState.CANCELLED, saved
+    local = Runs(deployed.runs).run_dir(record.id)
+    assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
+    wait_until(lambda: not job_group_alive(record.job.pid), 30, "the job's process group to go")
+
+
+def test_a_run_whose_worker_was_killed_is_finished_by_the_collector_on_a_second_worker(
+    deployed: Stack, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    first = deployed.worker()
+    known = run_ids(deployed)
+    flow_run_id = deployed.run_deployment(
+        "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=300)
+    )
+    record = wait_until(lambda: training_now(deployed, known), 240, "the job to train")
+    assert record.job is not None
+    # the job runs in its own session, which must outlive its follower
+    killed = first.kill(spare_sessions={record.job.pid})
+    assert len(killed) >= 2, "the worker and its flow-run process"
+    assert job_group_alive(record.job.pid)
+    assert Runs(deployed.runs).load(record.id).state == RunState.RUNNING
+    assert not deployed.flow_run(flow_run_id).state.is_final()  # nobody is left to say
+
+    # a second worker, on another clone, sharing the runs root through the deployment
+    other = Worker(
+        deployed.server,
+        "collector",
+        clone(tmp_path / "clone"),
+        OVERBRAINER_PROJECT_DIR=str(tmp_path / "clone"),
+    )
+    deployed.workers.append(other)
+    other.start()
+    collect_id = deployed.run_deployment("collect/every-5-minutes")
+    collected = deployed.wait_final(collect_id)
+    assert collected.state.is_completed(), collected.state
+    saved = Runs(deployed.runs).load(record.id)
+    assert saved.state == RunState.SUCCEEDED, saved
+    assert_verified(deployed.runs, record.id)
+    assert not (tmp_path / "clone" / "runs").exists(), "runs go to the shared root"
+
+    async def report(client: Any) -> str:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        found = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["collected-runs"]))
+        )
+        return "\n".join(str(a.data) for a in found)
+
+    collected_by_a_collect = deployed.server.call(report)
+    assert record.id in collected_by_a_collect and "followed to its end" in collected_by_a_collect
+
+
+def test_the_nightly_schedule_creates_the_next_run_at_its_time_in_its_timezone(
+    deployed: Stack,
+) -> None:
+    config = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    nightly = next(
+        d for d in config["deployments"] if any("cron" in s for s in d.get("schedules", []))
+    )
+    schedule = nightly["schedules"][0]
+    hour = int(schedule["cron"].split()[1])
+    minute = int(schedule["cron"].split()[0])
+    zone = ZoneInfo(schedule["timezone"])
+
+    async def scheduled(client: Any) -> list[Any]:
+        from prefect.client.schemas.filters import (
+            DeploymentFilter,
+            DeploymentFilterName,
+            FlowRunFilter,
+            FlowRunFilterStateName,
+        )
+
+        return list(
+            await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(
+                    name=DeploymentFilterName(any_=[nightly["name"]])
+                ),
+                flow_run_filter=FlowRunFilter(
+                    state=dict(name=FlowRunFilterStateName(any_=["Scheduled"]))
+                ),
+            )
+        )
+
+    runs = wait_until(lambda: deployed.server.call(scheduled), 90, "the scheduler's runs")
+    first = min(run.next_scheduled_start_time or run.expected_start_time for run in runs)
+    local = first.astimezone(zone)
+    assert (local.hour, local.minute) == (hour, minute), local
+    now = datetime.now(zone)
+    assert now < local <= now + timedelta(days=1, minutes=1)
+    assert all(run.parameters == nightly["parameters"] for run in runs)
+
+
+def test_parameters_that_fail_validation_fail_the_flow_run_with_the_pydantic_message(
+    deployed: Stack, tiny: tuple[Path, Path]
+) -> None:
+    deployed.worker()
+    before = run_ids(deployed)
+    # the schema lets it through; the training spec's own validator does not
+    training = tiny_training(*tiny, extra={"output_dir": "/elsewhere"})
+    flow_run_id = deployed.run_deployment("train/local", target=deployed.target, training=training)
+    flow_run = deployed.wait_final(flow_run_id, timeout=180)
+    assert flow_run.state.is_failed(), flow_run.state
+    assert "extra sets output_dir, which the trainer sets itself" in flow_run.state.message
+    assert run_ids(deployed) == before
+
+    # what the parameter schema already refuses never becomes a flow run
+    refused = deployed.server.cli(
+        "deployment",
+        "run",
+        "train/local",
+        "--param",
+        "training=" + json.dumps(tiny_training(*tiny, max_steps=-1)),
+        check=False,
+    )
+    assert refused.returncode != 0
+    assert "training.max_steps" in refused.stdout + refused.stderr
+
+
+def test_an_unknown_target_block_fails_the_run_with_one_line_saying_how_to_create_it(
+    deployed: Stack, tiny: tuple[Path, Path]
+) -> None:
+    deployed.worker()
+    before = run_ids(deployed)
+    flow_run_id = deployed.run_deployment(
+        "train/local", target="no-such-box", training=tiny_training(*tiny)
+    )
+    flow_run = deployed.wait_final(flow_run_id, timeout=180)
+    assert flow_run.state.is_failed()
+    message = flow_run.state.message
+    assert "no target block named 'no-such-box'" in message
+    assert "python blocks/create_blocks.py" in message
+    assert run_ids(deployed) == before
+
+
+def test_create_blocks_saves_the_blocks_from_the_environment_and_prints_no_secret(
+    deployed: Stack, tmp_path: Path
+) -> None:
+    key = tmp_path / "id_ed25519"
+    key.write_text("not a real key\n")
+    env = deployed.server.env(HF_TOKEN=SECRET, RUNPOD_API_KEY=SECRET + "rp")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "blocks/create_blocks.py",
+            "--local-job-venv",
+            "/opt/venv-job",
+            "--local-name",
+            "box-local",
+            "--ssh-host",
+            "gpu.example.com",
+            "--ssh-port",
+            "2222",
+            "--ssh-user",
+            "ubuntu",
+            "--ssh-key-file",
+            str(key),
+            "--ssh-host-key",
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAA",
+            "--ssh-work-dir",
+            "/home/ubuntu/ob",
+            "--job-venv",
+            "/home/ubuntu/venv",
+            "--ssh-name",
+            "box-ssh",
+            "--budget-pods",
+            "2",
+            "--budget-dollars-per-hour",
+            "3.5",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert SECRET not in output
+    assert "box-ssh" in output and "box-local" in output and "overbrainer-gpu-pods" in output
+
+    code = (
+        "from overbrainer_prefect.blocks import SshTarget, LocalTarget, HuggingFaceCredentials\n"
+        "s = SshTarget.load('box-ssh'); l = LocalTarget.load('box-local')\n"
+        "print(s.host, s.port, s.user, s.key_file, s.work_dir, s.job_venv, l.job_venv)\n"
+        "print(s.huggingface.token.get_secret_value() == __import__('os').environ['HF_TOKEN'])\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == [
+        "gpu.example.com",
+        "2222",
+        "ubuntu",
+        str(key),
+        "/home/ubuntu/ob",
+        "/home/ubuntu/venv",
+        "/opt/venv-job",
+        "True",
+    ]
+
+    async def limits(client: Any) -> dict[str, int]:
+        return {
+            name: (await client.read_global_concurrency_limit_by_name(name)).limit
+            for name in ("overbrainer-gpu-pods", "overbrainer-gpu-cents-per-hour")
+        }
+
+    assert deployed.server.call(limits) == {
+        "overbrainer-gpu-pods": 2,
+        "overbrainer-gpu-cents-per-hour": 350,
+    }
+
+
+def test_register_sh_registers_the_block_types(deployed: Stack) -> None:
+    result = subprocess.run(
+        ["sh", "blocks/register.sh"],
+        cwd=REPO,
+        env=deployed.server.env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    async def slugs(client: Any) -> set[str]:
+        return {block_type.slug for block_type in await client.read_block_types()}
+
+    assert {
+        "overbrainer-local-target",
+        "overbrainer-ssh-target",
+        "overbrainer-hugging-face-credentials",
+    } <= deployed.server.call(slugs)
+
+
+def test_create_blocks_refuses_an_ssh_target_without_a_pinned_host_key(deployed: Stack) -> None:
+    result = subprocess.run(
+        [sys.executable, "blocks/create_blocks.py", "--ssh-host", "gpu.example.com"],
+        cwd=REPO,
+        env=deployed.server.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "--ssh-host-key" in lines[-1] and "ssh-keyscan" in lines[-1]
+
+
+def test_the_train_deployment_runs_to_completion_on_postgresql(
+    postgres: Any, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    stack = start_stack(tmp_path / "pg", postgres.url, names=["train/local"])
+    try:
+        flow_run_id = stack.run_deployment(
+            "train/local", target=stack.target, training=tiny_training(*tiny, max_steps=2)
+        )
+        flow_run = stack.wait_final(flow_run_id)
+        assert flow_run.state.is_completed(), flow_run.state
+        (run_id,) = [p.name for p in stack.runs.glob("*")]
+        assert Runs(stack.runs).load(run_id).state == RunState.SUCCEEDED
+        assert_verified(stack.runs, run_id)
+        # the server kept it in PostgreSQL
+        assert postgres.query(f"select state_type from flow_run where id = '{flow_run_id}'") == [
+            "COMPLETED"
+        ]
+    finally:
+        stack.stop()
+    assert not any(alive(w.process.pid) for w in stack.workers if w.process is not None)
