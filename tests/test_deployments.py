@@ -174,6 +174,9 @@ def test_a_run_whose_worker_was_killed_is_finished_by_the_collector_on_a_second_
 
     collected_by_a_collect = deployed.server.call(report)
     assert record.id in collected_by_a_collect and "followed to its end" in collected_by_a_collect
+    # the flow run its dead process left running is ended, which frees the deployment's slot
+    left = deployed.flow_run(flow_run_id).state
+    assert left.is_crashed() and record.id in left.message and "succeeded" in left.message
 
 
 def test_the_nightly_schedule_creates_the_next_run_at_its_time_in_its_timezone(

@@ -16,6 +16,12 @@ CORE = [
     "overbrainer_prefect.runpod.gpus",
     "overbrainer_prefect.runpod.deletion",
     "overbrainer_prefect.runpod.vram",
+    "overbrainer_prefect.runpod.bootstrap",
+    "overbrainer_prefect.runpod.provision",
+    "overbrainer_prefect.runpod.follow",
+    "overbrainer_prefect.runpod.ending",
+    "overbrainer_prefect.runpod.reconnect",
+    "overbrainer_prefect.runpod.orphans",
 ]
 
 

@@ -17,9 +17,7 @@ import asyncio
 import base64
 import json
 import logging
-import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,16 +35,17 @@ from prefect.client.schemas.filters import (
 from prefect.states import Cancelling
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
-from overbrainer_prefect.flows import RunResult, attach, pods, train
+from overbrainer_prefect.flows import RunResult, attach, cancel, pods, stop, train
 from overbrainer_prefect.flows.hooks import cancel_runs_of
 from overbrainer_prefect.flows.pods import PodsError
+from overbrainer_prefect.runpod import PodRequest
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord, PodState
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.trainers.spec import TrainingSpec
-from tests.conftest import REPO, job_venv
+from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.test_train_flow import kill, spec, wait_until
@@ -138,6 +137,10 @@ def assert_no_secret_in_files(root: Path, secrets: list[bytes]) -> None:
 
 
 def flow_logs(flow_run_id: str) -> list[str]:
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+
     async def go() -> list[str]:
         async with get_client() as client:
             logs = await client.read_logs(
@@ -158,6 +161,21 @@ def artifacts_of(run_id: str) -> list[Any]:
     return run(go())
 
 
+def leave_an_orphan(sim: RunpodSim) -> str:
+    """Creates a pod named like ours for a run that is not here; returns its id."""
+
+    async def go() -> str:
+        async with RunpodCredentials(
+            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+        ).client() as client:
+            pod = await client.create_pod(
+                PodRequest(name="ob-20250101-000000-gone-a1", image="x:1", gpu_type_id=A5000)
+            )
+            return pod.id
+
+    return run(go())
+
+
 def test_a_train_on_a_simulated_pod_deletes_the_pod_only_after_its_files_are_verified(
     prefect_server: None,
     sim: RunpodSim,
@@ -166,7 +184,8 @@ def test_a_train_on_a_simulated_pod_deletes_the_pod_only_after_its_files_are_ver
     tmp_path: Path,
 ) -> None:
     runs_dir = tmp_path / "runs"
-    name = target(sim)
+    orphan = leave_an_orphan(sim)
+    name = target(sim, gpu_types="auto")
     result = run(train(target=name, training=spec(*tiny), runs_dir=str(runs_dir)))
     assert isinstance(result, RunResult)
     assert result.state == RunState.SUCCEEDED, result.message
@@ -209,7 +228,12 @@ def test_a_train_on_a_simulated_pod_deletes_the_pod_only_after_its_files_are_ver
     record = runs.load(result.run_id)
     assert record.target_kind == "runpod" and record.flow_run_id is not None
     texts = flow_logs(record.flow_run_id)
+    # auto: the cheapest type with the VRAM the tiny model needs
     assert any("Runpod: NVIDIA RTX A4000" in text for text in texts), texts
+    assert any("the run needs about" in text for text in texts), texts
+    # the orphan of the account was warned about at the start, and left alone
+    assert any(f"pod {orphan} of run" in text and "is an orphan" in text for text in texts)
+    assert not sim.pod(orphan).deleted
     assert any("deleted and its deletion confirmed" in text for text in texts), texts
     found = artifacts_of(result.run_id)
     assert any(a.key == f"run-{result.run_id}-pod" for a in found)
@@ -218,3 +242,437 @@ def test_a_train_on_a_simulated_pod_deletes_the_pod_only_after_its_files_are_ver
         for secret in secrets:
             assert secret.decode() not in text
         assert "PRIVATE KEY" not in text
+
+
+def attempts_of(runs_dir: Path, run_id: str) -> list[tuple[str, str]]:
+    pod = PodRecord.load(Runs(runs_dir), run_id)
+    assert pod is not None
+    return [(a.gpu_type_id, a.result) for a in pod.attempts]
+
+
+def test_no_capacity_429s_and_a_500_after_the_create_still_leave_exactly_one_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    sim.set_capacity(A4000, 0)  # the first type has no machine
+    sim.rate_limit(times=2, retry_after=1.0, method="POST", path="/v2/pods")
+    sim.fail_after_create(1)  # Runpod creates the pod, then answers 500
+    name = target(sim, gpu_types=[A4000, A5000])
+    result = run(train(target=name, training=spec(*tiny, max_steps=3), runs_dir=str(runs_dir)))
+    assert result.state == RunState.SUCCEEDED, result.message
+    creates = [r.status for r in sim.requests if r.method == "POST" and r.path == "/v2/pods"]
+    assert creates == [429, 429, 400, 500]
+    mine = [p for p in sim.pods(include_deleted=True) if result.run_id in p.name]
+    assert len(mine) == 1 and mine[0].gpu_type_id == A5000 and mine[0].deleted
+    assert attempts_of(runs_dir, result.run_id) == [
+        (A4000, "refused (no capacity or no access)"),
+        (A5000, "created"),
+    ]
+    pod = PodRecord.load(Runs(runs_dir), result.run_id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.strays == []
+
+
+def start_in_child(name: str, training: Any, runs_dir: Path, log: Path) -> Any:
+    from tests.test_train_flow import start_in_child as start
+
+    return start(name, training, runs_dir, log)
+
+
+def running_on_pod(runs_dir: Path) -> Any:
+    for record in Runs(runs_dir).list():
+        if record.state == RunState.RUNNING and record.job is not None:
+            metrics = Path(record.remote_dir) / "metrics.jsonl"
+            if metrics.exists() and '"log"' in metrics.read_text():
+                return record
+    return None
+
+
+def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    name = target(sim, max_hours=0.01)  # 36 s after the create
+    child = start_in_child(name, spec(*tiny, max_steps=2000), runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
+    finally:
+        kill(child)  # SIGKILL: no hook runs, the job and its pod keep going
+    record = running_on_pod(runs_dir)
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
+    wait_until(lambda: sim.pod(pod.pod_id).deleted, 120, "the watchdog to delete the pod")
+    assert pod.deadline_unix is not None and time.time() >= pod.deadline_unix
+    log = pods_of.watchdog_log(pod.pod_id, record.id)
+    assert "max_hours reached" in log, log
+    assert (record.job is not None and not Path(f"/proc/{record.job.pid}/cmdline").exists()) or (
+        "Z" in Path(f"/proc/{record.job.pid}/stat").read_text().rpartition(")")[2][:3]
+    )
+    with pytest.raises(Exception, match=MAX_HOURS_REACHED):
+        run(attach(run_id=record.id, runs_dir=str(runs_dir)))
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.FAILED and saved.message == MAX_HOURS_REACHED
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "watchdog"
+    assert not (Runs(runs_dir).run_dir(record.id) / SSH_DIR / CLIENT_KEY).exists()
+
+
+def test_a_flow_killed_before_the_job_leaves_nothing_billing_past_boot_grace(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    pods_of.boot_delay_s = 4.0  # the image takes a while: the flow waits for sshd
+    name = target(sim, boot_grace_s=8.0)
+    child = start_in_child(name, spec(*tiny), runs_dir, tmp_path / "child.log")
+
+    def booting() -> PodRecord | None:
+        for record in Runs(runs_dir).list():
+            pod = PodRecord.load(Runs(runs_dir), record.id)
+            if pod is not None and pod.pod_id is not None:
+                return pod
+        return None
+
+    try:
+        wait_until(lambda: booting() is not None, 120, "the pod to be created")
+    finally:
+        kill(child)
+    pod = booting()
+    assert pod is not None and pod.pod_id is not None
+    wait_until(lambda: sim.pod(pod.pod_id).deleted, 60, "the boot grace")
+    simulated = sim.pod(pod.pod_id)
+    assert simulated.deleted_at is not None
+    assert simulated.deleted_at - simulated.created_at <= 8.0 + 3.0
+    assert "no job started within boot_grace" in pods_of.watchdog_log(pod.pod_id, pod.run_id)
+
+
+def test_max_cost_usd_reached_deletes_the_pod_and_fails_the_run_with_that_reason(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    name = target(sim, max_cost_usd=0.0025)  # 36 s at $0.25/h
+    with pytest.raises(Exception, match=r"max_cost_usd reached \(\$0\.0025 at \$0\.25/h\)"):
+        run(train(target=name, training=spec(*tiny, max_steps=2000), runs_dir=str(runs_dir)))
+    record = only_run(runs_dir)
+    assert record.state == RunState.FAILED
+    assert record.message.startswith("max_cost_usd reached ($0.0025 at $0.25/h)")
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "watchdog"
+    assert pod.pod_id is not None
+    log = pods_of.watchdog_log(pod.pod_id, record.id)
+    assert "max_cost_usd reached: $0.0025 at $0.25/h" in log, log
+    assert sim.spend(pod.pod_id) <= 0.0025 + 0.25 * 3 / 3600
+
+
+def cancel_through_prefect(flow_run_id: str, child: Any) -> None:
+    """Sets the flow run Cancelling through the API, kills its process as a
+    runner does, then runs the cancellation hook's work from the records."""
+
+    async def cancelling() -> None:
+        async with get_client() as client:
+            await client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
+
+    run(cancelling())
+    kill(child)
+
+    async def hook() -> None:
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(uuid.UUID(flow_run_id))
+        assert flow_run.state is not None and flow_run.state.name == "Cancelling"
+        await cancel_runs_of(flow_run, logging.getLogger("hook"))
+
+    run(hook())
+
+
+def test_a_flow_run_cancelled_while_provisioning_deletes_its_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    pods_of.boot_delay_s = 3.0
+    name = target(sim)
+    child = start_in_child(name, spec(*tiny), runs_dir, tmp_path / "child.log")
+
+    def created() -> Any:
+        for record in Runs(runs_dir).list():
+            pod = PodRecord.load(Runs(runs_dir), record.id)
+            if pod is not None and pod.pod_id is not None:
+                return record
+        return None
+
+    try:
+        wait_until(lambda: created() is not None, 120, "the pod to be created")
+        record = created()
+        cancel_through_prefect(record.flow_run_id, child)
+    finally:
+        kill(child)
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.FAILED and saved.message == "interrupted before the job started"
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted
+    assert [p.id for p in sim.pods() if record.id in p.name] == []
+    assert sim.secret_names() == []
+    assert not (Runs(runs_dir).run_dir(record.id) / SSH_DIR / CLIENT_KEY).exists()
+
+
+def test_a_flow_run_cancelled_while_training_cancels_the_job_and_deletes_its_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    name = target(sim)
+    child = start_in_child(name, spec(*tiny, max_steps=2000), runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
+        record = running_on_pod(runs_dir)
+        cancel_through_prefect(record.flow_run_id, child)
+    finally:
+        kill(child)
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.CANCELLED, saved.message
+    local = Runs(runs_dir).run_dir(record.id)
+    assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted and not pods_of.running(pod.pod_id)
+    assert sim.secret_names() == []
+
+
+def test_auto_picks_the_cheapest_gpu_type_that_fits_the_estimated_vram(
+    sim: RunpodSim, tmp_path: Path
+) -> None:
+    from overbrainer_prefect.flows.runpod import plan_for
+    from overbrainer_prefect.runpod.context import PodContext
+    from overbrainer_prefect.runpod.vram import estimate_vram, read_local_shape
+
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {  # a 7B Llama's shape; no weights: the count comes from the shape
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    training = TrainingSpec.model_validate(
+        {"base_model": str(model), "datasets": ["org/data"], "adapter": "lora"}
+    )
+    need = estimate_vram(
+        read_local_shape(model),
+        "lora",
+        sequence_len=training.sequence_len,
+        micro_batch_size=training.micro_batch_size,
+        lora_r=training.lora_r,
+    ).floor_gb
+    block = RunpodTarget(
+        credentials=RunpodCredentials(
+            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+        ),
+        gpu_types="auto",
+    )
+
+    async def go() -> Any:
+        async with block.credentials.client() as client:
+            ctx = PodContext(client=client, runs=Runs(tmp_path / "runs"))
+            return await plan_for(ctx, block.settings(), training, block)
+
+    plan = run(go())
+    fitting = sorted((gpu.secure_price, gpu.id) for gpu in sim.gpus.values() if gpu.memory >= need)
+    assert plan.first.id == fitting[0][1]
+    assert plan.vram_floor_gb == need and need > 16  # the cheapest type of all is too small
+    assert plan.first.id != min(sim.gpus.values(), key=lambda g: g.secure_price).id
+    assert [c.price_per_hour for c in plan.choices] == sorted(
+        c.price_per_hour for c in plan.choices
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"credentials": "bad key"}, "Runpod answered 401 (unauthorized): check the API key"),
+        ({"gpu_types": ["NVIDIA RTX 9999"]}, 'unknown GPU type "NVIDIA RTX 9999" in gpu_types'),
+        ({"data_center_ids": ["EU-XX-9"]}, "unknown data center EU-XX-9 in data_center_ids"),
+        ({"max_price_per_hour": 0.1}, "costs at most $0.10/h: the cheapest is NVIDIA RTX A4000"),
+        ({"min_vram_gb": 500, "gpu_types": "auto"}, "has 500 GB of VRAM (min_vram_gb)"),
+        ({"image": " "}, "image: the image is missing"),
+    ],
+)
+def test_bad_input_fails_in_one_line_before_any_pod_is_created(
+    prefect_server: None,
+    sim: RunpodSim,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+    changes: dict[str, Any],
+    said: str,
+) -> None:
+    if changes.get("credentials") == "bad key":
+        changes = {
+            "credentials": RunpodCredentials(
+                api_key="rpa_NOTAKEY", rest_url=sim.rest_url, graphql_url=sim.graphql_url
+            )
+        }
+    name = target(sim, **changes)
+    runs_dir = tmp_path / "runs"
+    with pytest.raises(Exception) as raised:
+        run(train(target=name, training=spec(*tiny), runs_dir=str(runs_dir)))
+    message = str(raised.value)
+    assert said in message and "\n" not in message, message
+    assert sim.pods(include_deleted=True) == []
+    assert not [r for r in sim.requests if r.method == "POST"]
+    assert not runs_dir.exists()
+
+
+def test_pods_remove_of_a_run_that_is_not_a_runpod_run_deletes_nothing(
+    prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+) -> None:
+    runs_dir = tmp_path / "runs"
+    local = lifecycle.create(Runs(runs_dir), target="laptop", target_kind="local", workdir="/w")
+    leave_an_orphan(sim)
+    credentials = f"creds-{uuid.uuid4().hex[:8]}"
+    RunpodCredentials(api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url).save(
+        credentials
+    )
+    with pytest.raises(PodsError, match=f"run {local.id} is not a Runpod run") as raised:
+        run(pods(action="remove", run_id=local.id, runs_dir=str(runs_dir), credentials=credentials))
+    assert "nothing was deleted" in str(raised.value) and "\n" not in str(raised.value)
+    assert not [r for r in sim.requests if r.method == "DELETE"]
+
+
+def test_pods_lists_and_sweeps_orphans_and_removes_them_by_run_id(
+    prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+) -> None:
+    runs_dir = tmp_path / "runs"
+    orphan = leave_an_orphan(sim)
+    credentials = f"creds-{uuid.uuid4().hex[:8]}"
+    RunpodCredentials(api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url).save(
+        credentials
+    )
+    listed = run(pods(action="list", runs_dir=str(runs_dir), credentials=credentials))
+    (row,) = listed.pods
+    assert row.pod_id == orphan and row.run_id == "20250101-000000-gone" and row.orphan
+    assert row.gpu == A5000 and row.rate_per_hour == pytest.approx(0.27)
+    assert row.run_state == "not here" and row.estimated_spend is not None
+    swept = run(pods(action="sweep", runs_dir=str(runs_dir), credentials=credentials))
+    assert any(orphan in warning and "action=remove" in warning for warning in swept.warnings)
+    assert not sim.pod(orphan).deleted  # a sweep warns; it deletes no pod
+    removed = run(
+        pods(
+            action="remove",
+            run_id="20250101-000000-gone",
+            runs_dir=str(runs_dir),
+            credentials=credentials,
+        )
+    )
+    assert removed.removed == [orphan] and sim.pod(orphan).deleted
+
+
+def test_stop_from_another_process_checkpoints_a_run_whose_follower_died_and_ends_its_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    name = target(sim)
+    child = start_in_child(name, spec(*tiny, max_steps=2000), runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
+    finally:
+        kill(child)  # the follower dies; the job and its pod go on
+    record = running_on_pod(runs_dir)
+    stopped = run(stop(run_id=record.id, runs_dir=str(runs_dir)))
+    assert stopped.state == RunState.STOPPED, stopped.message
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.checkpoint is not None and saved.checkpoint.startswith("output/checkpoint-")
+    assert (Runs(runs_dir).run_dir(record.id) / saved.checkpoint / "trainer_state.json").is_file()
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
+    assert pod.pod_id is not None and sim.pod(pod.pod_id).deleted
+
+
+def test_keep_pod_keeps_the_pod_reachable_with_its_ssh_command_until_pods_remove(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    name = target(sim, keep_pod=True, boot_grace_s=60.0)
+    result = run(train(target=name, training=spec(*tiny, max_steps=3), runs_dir=str(runs_dir)))
+    assert result.state == RunState.SUCCEEDED, result.message
+    pod = PodRecord.load(Runs(runs_dir), result.run_id)
+    assert pod is not None and pod.state == PodState.KEPT and pod.pod_id is not None
+    assert not sim.pod(pod.pod_id).deleted
+    record = Runs(runs_dir).load(result.run_id)
+    assert record.flow_run_id is not None
+    warned = [text for text in flow_logs(record.flow_run_id) if text.startswith("keep_pod:")]
+    assert warned and "$0.25/h" in warned[-1], warned
+    command = warned[-1].split("`")[1]
+    assert command.startswith("ssh -F ") and command.endswith(f"overbrainer-{result.run_id}")
+    reached = subprocess.run(
+        [*command.split(), "-o", "BatchMode=yes", "cat", f"{record.remote_dir}/.pod/owner"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert reached.returncode == 0, reached.stderr
+    assert reached.stdout.strip() == f"run={result.run_id} pod={pod.pod_id}"
+    # the watchdog of a kept pod deletes nothing, even with its files retrieved
+    time.sleep(3)
+    assert not sim.pod(pod.pod_id).deleted
+    removed = run(pods(action="remove", run_id=result.run_id, runs_dir=str(runs_dir)))
+    assert removed.removed == [pod.pod_id] and sim.pod(pod.pod_id).deleted
+    after = PodRecord.load(Runs(runs_dir), result.run_id)
+    assert after is not None and after.state == PodState.DELETED
+    assert not (Runs(runs_dir).run_dir(result.run_id) / SSH_DIR / CLIENT_KEY).exists()
+    assert sim.secret_names() == []
+
+
+def test_the_cancel_flow_cancels_a_job_on_its_pod_retrieves_what_it_left_and_ends_the_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    name = target(sim)
+    child = start_in_child(name, spec(*tiny, max_steps=2000), runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
+    finally:
+        kill(child)
+    record = running_on_pod(runs_dir)
+    result = run(cancel(run_id=record.id, runs_dir=str(runs_dir)))
+    assert result.state == RunState.CANCELLED and result.retrieved
+    local = Runs(runs_dir).run_dir(record.id)
+    assert (local / "job.log").is_file() and (local / ".pod" / "watchdog.log").is_file()
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted
+    assert record.job is not None and not pods_of.running(pod.pod_id)

@@ -17,9 +17,11 @@ them dies, Prefect frees them once the lease runs out.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from prefect.client.orchestration import get_client
 from prefect.concurrency.asyncio import concurrency
@@ -170,7 +172,7 @@ async def gpu_budget(
         yield
 
 
-def _logger() -> object:
+def _logger() -> logging.Logger | logging.LoggerAdapter[Any]:
     try:
         return get_run_logger()
     except Exception:  # outside a flow run: the library's logger

@@ -24,9 +24,10 @@ from uuid import UUID
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import State, StateType
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
+from prefect.states import Cancelled, Crashed
 from pydantic import BaseModel
 
 from overbrainer_prefect.artifacts import (
@@ -51,6 +52,11 @@ COLLECT_ARTIFACT = "collected-runs"
 
 CANCELLED_FLOW_RUN = frozenset({StateType.CANCELLING, StateType.CANCELLED})
 """States of a run's flow run that mean someone asked for the run to be cancelled."""
+
+LEFT_BEHIND = frozenset({StateType.RUNNING, StateType.CANCELLING})
+"""States of a run's flow run that its dead process left behind, which the
+collector settles once it finished the run (releasing its deployment's
+concurrency slot)."""
 
 FINAL_FLOW_RUN = frozenset(
     {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
@@ -132,6 +138,44 @@ async def flow_run_state(flow_run_id: str | None) -> StateType | None:
     return found.state.type if found.state is not None else None
 
 
+async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
+    """Ends the flow run that created `record` when its dead process left it
+    `Running` (now `Crashed`) or `Cancelling` (now `Cancelled`), saying what
+    became of its run (`ended`); this also frees its deployment's concurrency
+    slot. Returns the state set, None when the flow run had moved on. A server
+    that refuses is logged, not raised: the run itself is already recorded."""
+    if record.flow_run_id is None:
+        return None
+    try:
+        async with get_client() as client:
+            found = await client.read_flow_run(UUID(record.flow_run_id))
+            if found.state is None or found.state.type not in LEFT_BEHIND:
+                return None
+            message = (
+                f"its process is gone; the collect flow run {flow_run.id} finished run "
+                f"{record.id}: {ended}"
+            )
+            state: State[Any] = (
+                Cancelled(message=message)
+                if found.state.type == StateType.CANCELLING
+                else Crashed(message=message)
+            )
+            result = await client.set_flow_run_state(found.id, state)
+    except (ObjectNotFound, ValueError):
+        return None
+    except Exception as error:  # the run is recorded; this is only the flow run's label
+        get_run_logger().warning(
+            "cannot end flow run %s of run %s: %s", record.flow_run_id, record.id, error
+        )
+        return None
+    if result.state is None or result.state.type != state.type:
+        return None
+    get_run_logger().info(
+        "flow run %s of run %s: %s (%s)", record.flow_run_id, record.id, state.name, message
+    )
+    return state.type
+
+
 def orphans(runs: Runs) -> list[RunRecord]:
     """The runs not ended that no live process follows, oldest first."""
     return [
@@ -199,13 +243,9 @@ async def collect_run(runs: Runs, record: RunRecord) -> Collected | None:
         ended.id,
         summary_markdown(ended, finished.target, outcome.summary, outcome.files, next_step(ended)),
     )
-    logger.info(
-        "run %s %s: %d files %s",
-        ended.id,
-        ended.state,
-        len(outcome.files),
-        "verified" if outcome.retrieved else "not retrieved",
-    )
+    files = f"{len(outcome.files)} files " + ("verified" if outcome.retrieved else "not retrieved")
+    logger.info("run %s %s: %s", ended.id, ended.state, files)
+    await settle_flow_run(ended, f"{ended.state}, {files}")
     return row.model_copy(
         update={
             "action": "job cancelled" if finished.cancelled else "followed to its end",

@@ -401,6 +401,23 @@ def _base_ref(store: Runs, record: RunRecord, runs: Runs) -> GgufRef | None:
     )
 
 
+FAILURE_TAIL = 64 << 10  # bytes at the end of a job log searched for the job's own failure line
+
+
+def job_failure(local: Path, prefix: str) -> str | None:
+    """The one line a failed job script wrote to say why (`compare failed: ...`),
+    from the end of its retrieved `job.log` in `local`, without `prefix`; None when
+    there is none."""
+    try:
+        with (local / "job.log").open("rb") as log:
+            log.seek(max(0, log.seek(0, 2) - FAILURE_TAIL))
+            tail = log.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    lines = [line[len(prefix) :].strip() for line in tail.splitlines() if line.startswith(prefix)]
+    return lines[-1] if lines else None
+
+
 def _base_name(record: RunRecord, base: str) -> str:
     return f"base export {record.id} ({base})"
 
@@ -482,8 +499,10 @@ async def export_base(
     local = store.run_dir(record.id)
     if outcome.record.state != RunState.SUCCEEDED:
         reason = lifecycle.without_note(outcome.record.message) or str(outcome.record.state)
+        why = job_failure(local, "export failed: ")
         raise CompareFailed(
             f"{name} {outcome.record.state}: {reason.split(' (see ')[0]} (see {local}/job.log)"
+            + (f": {why}" if why else "")
         )
     entry = gguf_entry(outcome.files)
     if entry is None:
@@ -541,7 +560,10 @@ async def _finish(
     result = result_of(compares, record, outcome.files)
     await publish_answers(record.id, answers_markdown(result, executor.description))
     if record.state == RunState.FAILED:
-        raise RunFailed(f"{subject(record)} failed: {record.message}")
+        reason = job_failure(compares.run_dir(record.id), "compare failed: ")
+        raise RunFailed(
+            f"{subject(record)} failed: {record.message}" + (f": {reason}" if reason else "")
+        )
     if record.state == RunState.CANCELLED and not cancelling:
         return Cancelled(message=f"{subject(record)} was cancelled", data=result)
     _log_result(result, record)

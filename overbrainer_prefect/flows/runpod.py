@@ -163,23 +163,20 @@ async def follow_pod_job(
     progresses, the client's guard at the deadline), then retrieves and
     verifies its files."""
     reporter = run_ctx.reporter
-    opened = isinstance(reporter, PrefectReporter)
-    if isinstance(reporter, PrefectReporter):
-        await reporter.open()
+    assert isinstance(reporter, PrefectReporter)
+    await reporter.open()
 
     async def pump() -> None:
-        while isinstance(reporter, PrefectReporter):
+        while True:
             await asyncio.sleep(1.0)
             await reporter.flush()
 
-    pumping = asyncio.create_task(pump()) if opened else None
+    pumping = asyncio.create_task(pump())
     try:
         watched = await watch_leased(run_ctx, trainer, record, pod, ctx.timing, run_ctx.stall_s)
     finally:
-        if pumping is not None:
-            pumping.cancel()
-        if isinstance(reporter, PrefectReporter):
-            await reporter.flush(force=True)
+        pumping.cancel()
+        await reporter.flush(force=True)
     return await settle(ctx, pod, record.id, watched)
 
 
@@ -255,14 +252,9 @@ async def train_on_pod(
                 ctx, record, settings, plan, block.credentials.rest_url, target_ref
             )
             outcome = await _run_on_pod(ctx, block, trainer, ready)
-        if (
-            export is not None
-            and outcome is not None
-            and outcome.record.state == RunState.SUCCEEDED
-        ):
+        if export is not None and outcome.record.state == RunState.SUCCEEDED:
             exported = await _export_after(outcome.record.id, export, runs_dir)
             return await _finish(runs, outcome, ready.executor, exported=exported)
-        assert outcome is not None
         return await _finish(runs, outcome, ready.executor)
 
 
@@ -290,7 +282,16 @@ async def _run_on_pod(
                 f"pod.json cannot be saved ({error}); {remove_hint(record.id)}"
             ) from None
         if pod.keep:
-            ctx.log.warning("%s", kept_message(pod, record.id))
+            ctx.log.warning("%s", kept_message(runs, pod, record.id))
+        else:
+            ctx.log.info(
+                "run %s: its job runs on pod %s%s; the pod's watchdog deletes it at max_hours "
+                "(%s) unless this flow renews its lease while the job progresses",
+                record.id,
+                pod.name,
+                pod.rate_text(),
+                pod.deadline,
+            )
         return await _follow_and_end(ctx, block, trainer, run_ctx, record, pod)
     finally:
         await executor.close()
@@ -322,7 +323,9 @@ async def _follow_and_end(
             f"grace ends, or {remove_hint(record.id)}"
         ) from None
     except (RunError, ExecError) as error:
-        detached = detached_message(pod, record.id, block.retrieve_grace_s, ctx.timing.lease_ttl_s)
+        detached = detached_message(
+            ctx.runs, pod, record.id, block.retrieve_grace_s, ctx.timing.lease_ttl_s
+        )
         raise RunError(f"{error}. {detached}") from None
     await end_pod(ctx, pod, run_ctx.executor, outcome.record, outcome.retrieved)
     await publish_pod_summary(pod)
@@ -604,7 +607,7 @@ async def crashed_pod_run(
             logger.warning(
                 "%s",
                 detached_message(
-                    pod, record.id, block.retrieve_grace_s, PodTiming.from_env().lease_ttl_s
+                    runs, pod, record.id, block.retrieve_grace_s, PodTiming.from_env().lease_ttl_s
                 ),
             )
         return

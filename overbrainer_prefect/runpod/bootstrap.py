@@ -11,6 +11,7 @@ it does.
 from __future__ import annotations
 
 import base64
+import gzip
 import math
 import os
 from dataclasses import dataclass, fields, replace
@@ -22,7 +23,8 @@ SCRIPT = "bootstrap.sh"
 """The bootstrap + watchdog script, next to this module."""
 
 BOOTSTRAP_ENV = "OVERBRAINER_BOOTSTRAP"
-"""The pod's environment variable holding the script (base64), which the start command runs."""
+"""The pod's environment variable holding the script (gzip, then base64: about
+7 kB), which the start command runs."""
 
 POD_DIR = ".pod"
 """The watchdog's directory in a run directory on the pod."""
@@ -57,9 +59,10 @@ WORKDIR_NAME = "overbrainer"
 START_COMMAND = [
     "sh",
     "-c",
-    f'exec sh -c "$(printf %s "${BOOTSTRAP_ENV}" | base64 -d)" overbrainer-bootstrap',
+    f'exec sh -c "$(printf %s "${BOOTSTRAP_ENV}" | base64 -d | gzip -dc)" overbrainer-bootstrap',
 ]
-"""The pod's start command: decodes the script from its environment and runs it."""
+"""The pod's start command: unpacks the script from its environment and runs it
+(needs base64 and gzip, in every common image)."""
 
 TIMING_ENV = "OVERBRAINER_POD_TIMING"
 """Overrides `PodTiming` fields, `name=seconds` separated by commas (tests)."""
@@ -153,7 +156,8 @@ def pod_env(
     holding the pod's host key (Runpod substitutes it when the pod boots), so
     no secret is ever in the request; `created_at` is when the pod was asked
     for (Unix seconds): its bounds count from there."""
-    script = base64.b64encode(bootstrap_script().encode()).decode()
+    packed = gzip.compress(bootstrap_script().encode(), compresslevel=9, mtime=0)
+    script = base64.b64encode(packed).decode()
     return {
         BOOTSTRAP_ENV: script,
         "OVERBRAINER_RUN_ID": run_id,
@@ -173,8 +177,8 @@ def pod_env(
 
 def cap_text(rate: float, max_cost_usd: float | None) -> str:
     """The content of the cost cap file the watchdog arms itself with."""
-    cost = "none" if max_cost_usd is None else f"{max_cost_usd:.6f}"
-    return f"rate={rate:.6f} max_cost_usd={cost}\n"
+    cost = "none" if max_cost_usd is None else f"{max_cost_usd:g}"
+    return f"rate={rate:g} max_cost_usd={cost}\n"
 
 
 @dataclass(frozen=True)

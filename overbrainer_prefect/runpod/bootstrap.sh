@@ -124,6 +124,10 @@ check_api() {
         log "api: no RUNPOD_POD_ID or RUNPOD_API_KEY in the pod's environment: this pod cannot delete itself"
         return 1
     fi
+    if ! command -v curl >/dev/null 2>&1 && ! command -v python3 >/dev/null 2>&1; then
+        log "api: neither curl nor python3 in the image: this pod cannot delete itself"
+        return 1
+    fi
     code=$(api GET "/pods/$POD_ID")
     if [ "$code" = 200 ]; then
         API_OK=1

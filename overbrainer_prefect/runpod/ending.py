@@ -86,14 +86,21 @@ async def sweep_others(ctx: PodContext, pod: PodRecord) -> None:
     """Deletes every other pod of the run the account shows (named
     `ob-<run id>-a<n>`: an earlier attempt Runpod created while answering an
     error), confirming each; the strays of `pod.json` are replaced by those
-    whose deletion could not be confirmed. A pod list that fails keeps the
-    strays as they are (logged)."""
+    whose deletion could not be confirmed, and the create requests that got no
+    answer are settled by what the list shows. A pod list that fails keeps the
+    strays as they are (logged). A pod created after the list (its create was
+    in flight) is bounded by its watchdog's boot grace: no job will start on it."""
     try:
         listed = await ctx.client.list_pods()
     except RunpodError as error:
         ctx.log.warning("cannot list the pods to sweep those of run %s: %s", pod.run_id, error)
         return
     left: list[str] = []
+    names = {other.name for other in listed}
+    for index, attempt in enumerate(pod.attempts):
+        if attempt.result == "sent" and attempt.pod_id is None:
+            seen = "swept" if attempt.name in names else "no pod shown (swept)"
+            pod.attempts[index] = attempt.model_copy(update={"result": seen})
     for other in listed:
         if run_of_pod_name(other.name) != pod.run_id or other.id == pod.pod_id:
             continue
@@ -204,7 +211,7 @@ async def end_pod(
     if pod.keep:
         pod.state = PodState.KEPT
         pod.save(ctx.runs)
-        ctx.log.warning("%s", kept_message(pod, record.id))
+        ctx.log.warning("%s", kept_message(ctx.runs, pod, record.id))
         return Ending.KEPT
     await remove(ctx, pod, "its run's files were retrieved and verified")
     await sweep_others(ctx, pod)
@@ -246,7 +253,7 @@ def unretrieved_message(pod: PodRecord, run_id: str) -> str:
     )
 
 
-def kept_message(pod: PodRecord, run_id: str) -> str:
+def kept_message(runs: Runs, pod: PodRecord, run_id: str) -> str:
     """The warning of keep_pod, once the job started or ended: the rate and the ssh command."""
     rate = (
         f"at ${pod.cost_per_hour:.2f}/h"
@@ -255,18 +262,18 @@ def kept_message(pod: PodRecord, run_id: str) -> str:
     )
     return (
         f"keep_pod: pod {pod.name} is kept with no time limit, {rate}, even once the run ends; "
-        f"reach it with `{ssh_command(run_id)}`; nothing deletes it but the pods flow "
+        f"reach it with `{ssh_command(runs, run_id)}`; nothing deletes it but the pods flow "
         f"(action=remove, run_id={run_id})"
     )
 
 
 def detached_message(
-    pod: PodRecord, run_id: str, retrieve_grace_s: float, lease_ttl_s: float
+    runs: Runs, pod: PodRecord, run_id: str, retrieve_grace_s: float, lease_ttl_s: float
 ) -> str:
     """The message of a run left running on its pod, its follower gone: how to
     follow it again or remove the pod, and what bounds the pod meanwhile."""
     if pod.keep:
-        guard = f"The pod is kept with no time limit (keep_pod): `{ssh_command(run_id)}`."
+        guard = f"The pod is kept with no time limit (keep_pod): `{ssh_command(runs, run_id)}`."
     else:
         guard = (
             f"The watchdog deletes the pod {retrieve_grace_s / 60:g} min after the job ends if "

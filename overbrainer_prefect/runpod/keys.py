@@ -130,9 +130,10 @@ def write_ssh_config(
     return config
 
 
-def ssh_command(run_id: str) -> str:
-    """The command that reaches the run's pod: `ssh -F runs/<id>/.ssh/config overbrainer-<id>`."""
-    return f"ssh -F runs/{run_id}/{SSH_DIR}/{SSH_CONFIG} {alias(run_id)}"
+def ssh_command(runs: Runs, run_id: str) -> str:
+    """The command that reaches the run's pod:
+    `ssh -F <runs>/<id>/.ssh/config overbrainer-<id>`."""
+    return f"ssh -F {runs.run_dir(run_id) / SSH_DIR / SSH_CONFIG} {alias(run_id)}"
 
 
 def _write_private(path: Path, content: bytes) -> None:

@@ -143,11 +143,9 @@ class PodRecord(BaseModel):
 
     def begin_attempt(self, name: str, gpu_type_id: str) -> None:
         """Records a create request about to be sent."""
-        now = int(time.time())
         self.attempts.append(Attempt(name=name, gpu_type_id=gpu_type_id, at=rfc3339()))
-        if self.created_unix is None:
-            self.created_unix = now
-            self.created = rfc3339()
+        self.created_unix = int(time.time())  # a pod bills from the request that created it
+        self.created = rfc3339()
 
     def end_attempt(self, result: str, pod_id: str | None = None) -> None:
         """Records what came of the last create request."""
@@ -207,9 +205,14 @@ guard or by the pod's watchdog."""
 
 def max_cost_reached(max_cost_usd: float | None, rate: float | None) -> str:
     """Why a run fails when its pod's watchdog deleted it on max_cost_usd."""
-    cap = f"${max_cost_usd:.2f}" if max_cost_usd is not None else "its cap"
-    at = f" at ${rate:.2f}/h" if rate is not None else ""
+    cap = usd(max_cost_usd) if max_cost_usd is not None else "its cap"
+    at = f" at {usd(rate)}/h" if rate is not None else ""
     return f"max_cost_usd reached ({cap}{at}): the pod was deleted before the job ended"
+
+
+def usd(amount: float) -> str:
+    """`$0.44`, or `$0.0025` below a cent."""
+    return f"${amount:.2f}" if amount >= 0.01 or amount == 0 else f"${amount:.2g}"
 
 
 def pod_name(run_id: str, attempt: int) -> str:

@@ -96,16 +96,23 @@ async def provision(
     the run failed "interrupted before the job started", and the
     cancellation goes on.
     """
-    keys = generate(ctx.runs, run.id)
-    pod = PodRecord(
-        run_id=run.id,
-        keep=settings.keep_pod,
-        gpu_count=settings.gpu_count,
-        host_key=keys.host_public,
-        host_key_secret=host_key_secret(run.id),
-        max_cost_usd=settings.max_cost_usd,
-    )
-    pod.save(ctx.runs)
+    try:
+        keys = generate(ctx.runs, run.id)
+        pod = PodRecord(
+            run_id=run.id,
+            keep=settings.keep_pod,
+            gpu_count=settings.gpu_count,
+            host_key=keys.host_public,
+            host_key_secret=host_key_secret(run.id),
+            max_cost_usd=settings.max_cost_usd,
+        )
+        pod.save(ctx.runs)
+    except Exception as error:  # nothing was asked of Runpod yet
+        run.state = RunState.FAILED
+        run.message = f"cannot prepare the keys and pod record of the run: {error}"
+        run.ended = rfc3339()
+        ctx.runs.save(run)
+        raise PodError(f"run {run.id} failed before its job started: {run.message}") from None
     try:
         return await _provision(ctx, run, pod, keys, settings, plan, api_url=api_url, name=name)
     except asyncio.CancelledError:
@@ -114,7 +121,7 @@ async def provision(
     except KeyboardInterrupt:
         await asyncio.shield(_abandon(ctx, run, pod, INTERRUPTED))
         raise
-    except (PodError, RunpodError, ExecError, OSError) as error:
+    except Exception as error:
         message = run_message(error)
         await asyncio.shield(_abandon(ctx, run, pod, message))
         raise PodError(f"run {run.id} failed before its job started: {message}") from None
@@ -151,24 +158,25 @@ async def _provision(
     api_url: str,
     name: str,
 ) -> Provisioned:
-    assert pod.host_key_secret is not None
+    host_secret = pod.host_key_secret
+    assert host_secret is not None
     await ctx.client.create_secret(
-        pod.host_key_secret,
+        host_secret,
         keys.host_private_b64,
         description=f"SSH host key of the pod of overbrainer run {run.id}",
     )
-    created_at = int(time.time())
-    env = pod_env(
-        run_id=run.id,
-        api_url=api_url,
-        authorized_key=keys.client_public,
-        host_key_ref=secret_ref(pod.host_key_secret),
-        created_at=created_at,
-        settings=settings,
-        timing=ctx.timing,
-    )
+    sent_at = [time.monotonic()]  # when the last create request was sent: boot_grace counts from it
 
     def request(choice: GpuChoice) -> PodRequest:
+        env = pod_env(
+            run_id=run.id,
+            api_url=api_url,
+            authorized_key=keys.client_public,
+            host_key_ref=secret_ref(host_secret),
+            created_at=int(time.time()),
+            settings=settings,
+            timing=ctx.timing,
+        )
         return PodRequest(
             name=pod_name(run.id, len(pod.attempts) + 1),
             image=settings.image,
@@ -188,8 +196,8 @@ async def _provision(
             pod.end_attempt("refused (no capacity or no access)")
         pod.begin_attempt(sent.name, choice.id)
         pod.save(ctx.runs)
+        sent_at[0] = time.monotonic()
 
-    started = time.monotonic()
     try:
         placed = await create_with_fallback(
             ctx.client, plan, request, before_attempt=before_attempt
@@ -226,7 +234,7 @@ async def _provision(
         raise PodError(problem)
 
     executor = await wait_ready(
-        ctx, pod, settings.boot_grace_s - (time.monotonic() - started), name
+        ctx, pod, settings.boot_grace_s - (time.monotonic() - sent_at[0]), name
     )
     workdir = await _workdir(executor)
     if workdir != executor.workdir:

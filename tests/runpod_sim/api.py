@@ -16,8 +16,9 @@ and a pod still shown after its delete (look-ups and list apart).
 
 `on_pod_create(pod)` and `on_pod_delete(pod)` are called (in a worker thread,
 before the API answers) when a pod is created or deleted: the place to make
-each pod a real process. A create hook may set `pod.public_ip` and
-`pod.ssh_port` (the pod then shows `ssh.direct`), add to `pod.env`, or set
+each pod a real process (see `pods.SimPods`). A create hook may set
+`pod.public_ip`, `pod.ssh_port` and `pod.ssh_user` (the pod then shows
+`ssh.direct`), add to `pod.env`, or set
 `pod.status`. Hooks may call the simulator's HTTP API.
 """
 
@@ -249,6 +250,7 @@ class RunpodSim:
         self._create_lag = (0, 0)
         self._delete_lag = (0, 0)
         self._catalog_enabled = True
+        self._pod_keys_revoked = False
         self.requests: list[SimRequest] = []
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -364,6 +366,12 @@ class RunpodSim:
         with self._lock:
             self._delete_lag = (gets, lists)
 
+    def revoke_pod_keys(self, revoked: bool = True) -> None:
+        """With True, every pod-scoped key answers 401, as a revoked key does:
+        pods can no longer delete themselves."""
+        with self._lock:
+            self._pod_keys_revoked = revoked
+
     def set_catalog(self, enabled: bool) -> None:
         """With False, REST's catalog answers 404 (GraphQL still serves it)."""
         with self._lock:
@@ -449,7 +457,7 @@ class RunpodSim:
                         (p for p in self._pods.values() if not p.deleted and p.api_key == key),
                         None,
                     )
-                    if owner is None:
+                    if owner is None or self._pod_keys_revoked:
                         answer = _problem(401, "invalid api key")
                     else:
                         scope = f"pod:{owner.id}"
