@@ -38,6 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RUNS = REPO / "runs"
 BASE_DIR = REPO / ".cache" / "smollm2-base"
+DEMO_QUANT = "q8_0"  # what the demo exports and compares
 JOB_PYTHON = REPO / ".venv-job" / "bin" / "python"
 COMPARE_SCRIPT = REPO / "overbrainer_prefect" / "jobs" / "overbrainer_compare.py"
 QUESTIONS = [  # the demo's fine-tune answers these at length (the first up to the limit)
@@ -67,7 +68,7 @@ print(json.dumps({"tokens_per_s": n / (time.perf_counter() - started)}))
 
 
 def demo_gguf() -> Path | None:
-    """The tuned GGUF of the newest succeeded compare of a demo run in runs/."""
+    """The tuned GGUF of the newest succeeded q8_0 compare of a demo run in runs/."""
     found: list[tuple[str, Path]] = []
     for path in RUNS.glob("*/compares/*/compare.json"):
         try:
@@ -76,6 +77,8 @@ def demo_gguf() -> Path | None:
             continue
         spec = record.get("spec") or {}
         if record.get("state") != "succeeded" or spec.get("base_model") != str(BASE_DIR):
+            continue
+        if spec.get("quant") != DEMO_QUANT:
             continue
         gguf = RUNS / spec["tuned"]["path"]
         if gguf.is_file():

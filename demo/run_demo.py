@@ -48,7 +48,7 @@ BLOCK_NAME = "demo"
 QUESTION = "What is the overbrainer mascot?"
 HELD_OUT = "Can you tell me what overbrainer's mascot is?"  # not in mascot.jsonl
 CONTROL = "What is the capital of France?"  # the fine-tune must not break what the model knew
-QUANT = "q8_0"  # the 135M model keeps its knowledge at 8 bits (at 4, llama.cpp's base loses France)
+QUANT = "q8_0"  # half the size of f16, as fast; the base's French answer suffers (f16 keeps it)
 MAX_TOKENS = 48  # the fact is one 14-token sentence; room for the base model to ramble a bit
 
 JOB_ENV = {

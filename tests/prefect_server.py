@@ -425,15 +425,11 @@ def start_stack(
     try:
         server.start()
         server.cli("work-pool", "create", POOL, "--type", "process")
+        # as the README says: from the repository root, whose prefect.yaml is
+        # deployments/prefect.yaml
         selection = ["--all"] if names is None else [a for n in names for a in ("-n", n)]
         deployed = server.cli(
-            "--no-prompt",
-            "deploy",
-            *selection,
-            "--prefect-file",
-            "deployments/prefect.yaml",
-            OVERBRAINER_RUNS_DIR=str(stack.runs),
-            timeout=300,
+            "--no-prompt", "deploy", *selection, OVERBRAINER_RUNS_DIR=str(stack.runs), timeout=300
         )
         stack.deploy_output = deployed.stdout + deployed.stderr
         save = (

@@ -154,14 +154,11 @@ def test_a_real_compare_answers_with_both_models_and_its_answers_are_verified(
     assert stored.tuned.sha256 != stored.base.sha256
     assert stored.tuned.path.startswith(f"{trained.run_id}/exports/")
     assert stored.base.path.startswith(f"{BASES_DIR}/")
-    # the job ran in the target's compares dir; the GGUFs it was given never come back
+    # the job ran in the target's compares dir with copies of the GGUFs, removed at its end
     remote = Path(record.remote_dir)
     assert remote.parent == trained.work / "compares"
-    assert (remote / "models" / "base.gguf").is_file()
-    assert (
-        not (local / "models" / "base.gguf").exists()
-        or sha256(local / "models" / "base.gguf") == stored.base.sha256
-    )
+    assert (remote / "questions.json").is_file() and (remote / "answers.jsonl").is_file()
+    assert not (remote / "models").exists() and not (local / "models").exists()
     # the side-by-side artifact is on the server
     artifact = read_artifact(f"compare-{record.id}-answers")
     assert artifact is not None

@@ -90,6 +90,7 @@ def test_prefect_deploy_creates_every_deployment_of_the_yaml(deployed: Stack) ->
 
     found = deployed.server.call(read)
     assert expected <= {d.name for d in found}
+    assert len(found) == len(config["deployments"])
     train = next(d for d in found if d.name == "local")
     assert train.concurrency_limit == 1 or (
         train.global_concurrency_limit is not None and train.global_concurrency_limit.limit == 1

@@ -1,5 +1,6 @@
 """The Prefect flows of overbrainer-prefect."""
 
+from overbrainer_prefect.flows.collect import Collected, collect
 from overbrainer_prefect.flows.compare import CompareResult, compare
 from overbrainer_prefect.flows.export import ExportResult, export
 from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
@@ -7,6 +8,7 @@ from overbrainer_prefect.flows.pods import PodsResult, pods
 from overbrainer_prefect.flows.train import RunFailed, RunResult, attach, cancel, stop, train
 
 __all__ = [
+    "Collected",
     "CompareResult",
     "ExportResult",
     "FineTuneResult",
@@ -16,6 +18,7 @@ __all__ = [
     "RunResult",
     "attach",
     "cancel",
+    "collect",
     "compare",
     "export",
     "fine_tune",

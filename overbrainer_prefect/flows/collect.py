@@ -293,11 +293,29 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
     process follows are left alone. Publishes what it did as the
     `collected-runs` artifact and returns it.
 
-    Raises RecordIoError when the runs directory cannot be read.
+    Raises RecordIoError when the runs directory cannot be read, and, once every
+    other run is done, the first unexpected error one of them met.
     """
     runs = Runs(runs_dir)
     found = orphans(runs)
-    rows = [row for row in await asyncio.gather(*(collect_run(runs, r) for r in found)) if row]
+    results = await asyncio.gather(*(collect_run(runs, r) for r in found), return_exceptions=True)
+    rows: list[Collected] = []
+    errors: list[BaseException] = []
+    for record, result in zip(found, results, strict=True):
+        if isinstance(result, BaseException):
+            errors.append(result)
+            rows.append(
+                Collected(
+                    run_id=record.id,
+                    target=record.target,
+                    was=record.state,
+                    action="failed to collect",
+                    state=_state_of(runs, record),
+                    message=f"{type(result).__name__}: {result}",
+                )
+            )
+        elif result is not None:
+            rows.append(result)
     await acreate_markdown_artifact(
         markdown=collected_markdown(rows, str(runs.root)),
         key=COLLECT_ARTIFACT,
@@ -309,4 +327,6 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
         runs.root,
         "".join(f"; {r.run_id}: {r.action}, {r.state}" for r in rows),
     )
+    if errors:
+        raise errors[0]
     return rows

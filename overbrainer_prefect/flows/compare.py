@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.compare import (
     ANSWERS_FILE,
     BASES_DIR,
+    MODELS_DIR,
     BaseExportTrainer,
     CompareSpec,
     CompareTrainer,
@@ -826,7 +828,10 @@ async def compare(
         with follow_lock(compares.run_dir(record.id), flow_run.id):
             reporter = CompareReporter(logger, subject(record))
             ctx = run_context(compares, block, executor, reporter)
-            record = await start_job(ctx, trainer, record, block)
+            try:
+                record = await start_job(ctx, trainer, record, block)
+            finally:  # the staged GGUFs were copied to the target (links here, but no need)
+                shutil.rmtree(compares.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
             outcome = await follow_compare(ctx, trainer, record)
             return await _finish(compares, outcome, executor)
     finally:

@@ -26,12 +26,16 @@ One JSON object a line is appended to `answers.jsonl`, one per question and mode
 and to `metrics.jsonl`: `begin`, a `model` event per load, a `log` event per
 answer (`step` counts the answers, so a follower shows the progress), `end`.
 
+`models/` is removed when the job ends (unless `--keep-models`): the GGUFs stay
+where they were exported, and a compare of large models would otherwise hold
+two more copies of them on the target.
+
 `tokens_per_s` is the decoding speed alone: the tokens evaluated after the first
 one was sampled, over the time they took (the prompt's evaluation is in
 `prompt_seconds`), which is what llama.cpp's `llama-bench` calls `tg`.
 
 usage: python scripts/overbrainer_compare.py --max-tokens N --seed S [--threads N]
-           [--gpu-layers N]
+           [--gpu-layers N] [--keep-models]
 
 Exits 2 with one line on stderr when an input is missing or unusable (no GGUF,
 questions that are not a list of strings, a question longer than the model's
@@ -42,12 +46,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-MODELS = (("base", Path("models/base.gguf")), ("tuned", Path("models/tuned.gguf")))
+MODELS_DIR = Path("models")
+MODELS = (("base", MODELS_DIR / "base.gguf"), ("tuned", MODELS_DIR / "tuned.gguf"))
 QUESTIONS_FILE = Path("questions.json")
 ANSWERS_FILE = Path("answers.jsonl")
 METRICS_FILE = Path("metrics.jsonl")
@@ -262,6 +268,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--threads", type=int, default=0, help="0: llama.cpp decides")
     parser.add_argument("--gpu-layers", type=int, default=0, help="-1: every layer on the GPU")
+    parser.add_argument("--keep-models", action="store_true", help="leave models/ in place")
     args = parser.parse_args()
     if args.max_tokens < 1:
         print(f"compare: --max-tokens is {args.max_tokens}: give 1 or more", file=sys.stderr)
@@ -272,6 +279,9 @@ def main() -> int:
     except CompareFailed as failure:
         print(f"compare failed: {failure}", file=sys.stderr, flush=True)
         return failure.code
+    finally:
+        if not args.keep_models:  # copies of GGUFs kept where they were exported
+            shutil.rmtree(MODELS_DIR, ignore_errors=True)
     return 0
 
 
