@@ -25,6 +25,11 @@ _LAZY = {
     "attach": "overbrainer_prefect.flows",
     "stop": "overbrainer_prefect.flows",
     "cancel": "overbrainer_prefect.flows",
+    "export": "overbrainer_prefect.flows",
+    "compare": "overbrainer_prefect.flows",
+    "fine_tune": "overbrainer_prefect.flows",
+    "deliver": "overbrainer_prefect.flows",
+    "collect": "overbrainer_prefect.flows",
     "TrainingSpec": "overbrainer_prefect.trainers.spec",
 }
 

@@ -2,6 +2,7 @@
 
 from overbrainer_prefect.flows.collect import Collected, collect
 from overbrainer_prefect.flows.compare import CompareResult, compare
+from overbrainer_prefect.flows.deliver import deliver
 from overbrainer_prefect.flows.export import ExportResult, export
 from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
 from overbrainer_prefect.flows.pods import PodsResult, pods
@@ -20,6 +21,7 @@ __all__ = [
     "cancel",
     "collect",
     "compare",
+    "deliver",
     "export",
     "fine_tune",
     "pods",
