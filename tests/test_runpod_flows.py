@@ -59,6 +59,7 @@ FAST = (
 """Timings short enough for tests: the watchdog looks every second, a lease
 holds 6 s."""
 
+LONG = 100_000  # steps of a job that runs until something ends it (the tiny model is quick)
 A4000 = "NVIDIA RTX A4000"
 A5000 = "NVIDIA RTX A5000"
 
@@ -300,7 +301,7 @@ def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth
 ) -> None:
     runs_dir = tmp_path / "runs"
     name = target(sim, max_hours=0.01)  # 36 s after the create
-    child = start_in_child(name, spec(*tiny, max_steps=2000), runs_dir, tmp_path / "child.log")
+    child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
     try:
         wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
     finally:
@@ -366,7 +367,7 @@ def test_max_cost_usd_reached_deletes_the_pod_and_fails_the_run_with_that_reason
     runs_dir = tmp_path / "runs"
     name = target(sim, max_cost_usd=0.0025)  # 36 s at $0.25/h
     with pytest.raises(Exception, match=r"max_cost_usd reached \(\$0\.0025 at \$0\.25/h\)"):
-        run(train(target=name, training=spec(*tiny, max_steps=2000), runs_dir=str(runs_dir)))
+        run(train(target=name, training=spec(*tiny, max_steps=LONG), runs_dir=str(runs_dir)))
     record = only_run(runs_dir)
     assert record.state == RunState.FAILED
     assert record.message.startswith("max_cost_usd reached ($0.0025 at $0.25/h)")
@@ -442,7 +443,7 @@ def test_a_flow_run_cancelled_while_training_cancels_the_job_and_deletes_its_pod
 ) -> None:
     runs_dir = tmp_path / "runs"
     name = target(sim)
-    child = start_in_child(name, spec(*tiny, max_steps=2000), runs_dir, tmp_path / "child.log")
+    child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
     try:
         wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
         record = running_on_pod(runs_dir)
@@ -598,7 +599,7 @@ def test_stop_from_another_process_checkpoints_a_run_whose_follower_died_and_end
 ) -> None:
     runs_dir = tmp_path / "runs"
     name = target(sim)
-    child = start_in_child(name, spec(*tiny, max_steps=2000), runs_dir, tmp_path / "child.log")
+    child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
     try:
         wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
     finally:
@@ -662,7 +663,7 @@ def test_the_cancel_flow_cancels_a_job_on_its_pod_retrieves_what_it_left_and_end
 ) -> None:
     runs_dir = tmp_path / "runs"
     name = target(sim)
-    child = start_in_child(name, spec(*tiny, max_steps=2000), runs_dir, tmp_path / "child.log")
+    child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
     try:
         wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
     finally:

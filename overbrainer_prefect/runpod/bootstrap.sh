@@ -15,7 +15,8 @@
 #     OVERBRAINER_LEASE_TTL seconds; the job is asked for a checkpoint
 #     (stop.request) OVERBRAINER_CHECKPOINT_LEAD seconds before;
 #   - at max_cost_usd, once the client armed the cost cap (.pod/cap holds the
-#     pod's rate and the cap): the time since the pod was created times its rate.
+#     pod's rate and the cap): the time since the pod was created times its
+#     rate; a hard cap, which no lease holds off.
 # With OVERBRAINER_KEEP_POD=1 only the boot grace applies.
 #
 # Every decision is logged with its reason to <run dir>/.pod/watchdog.log,
@@ -307,7 +308,6 @@ ask_checkpoint() {
 JOB_SEEN=0
 ENDED_AT=
 ASKED_HOURS=0
-ASKED_COST=0
 LEASE_NOTED=
 
 while :; do
@@ -383,14 +383,9 @@ while :; do
             fi
         fi
 
-        if [ "$COST_DEADLINE" != none ] && [ "$t" -ge $((COST_DEADLINE - LEAD)) ]; then
-            if [ "$running" = 1 ] && [ "$ASKED_COST" != 1 ]; then
-                ASKED_COST=1
-                ask_checkpoint "max_cost_usd (\$$MAX_COST) is reached at $(iso "$COST_DEADLINE")"
-            fi
-            if [ "$t" -ge "$COST_DEADLINE" ]; then
-                delete_pod "max_cost_usd reached: \$$MAX_COST at \$$RATE/h since $(iso "$START")"
-            fi
+        # A hard cap: no lease holds it off, and no checkpoint is asked (max_hours asks for one).
+        if [ "$COST_DEADLINE" != none ] && [ "$t" -ge "$COST_DEADLINE" ]; then
+            delete_pod "max_cost_usd reached: \$$MAX_COST at \$$RATE/h since $(iso "$START")"
         fi
     fi
     sleep "$INTERVAL"

@@ -12,7 +12,9 @@ included (a deleted pod's job dies with it).
 The pod's root process is made a child subreaper, as a container's PID 1 is
 for the processes of the container: a job started detached over SSH (its own
 session) is reparented to it, so the pod's processes are exactly the root
-process and its descendants.
+process and its descendants. They get SIGTERM, then SIGKILL: unlike a
+container's, the login shells of its SSH sessions share this machine's home
+directory, whose locks (`pyenv rehash`) must not be left behind.
 
 Knobs: `boot_delay_s` (the image takes that long to start), `never_ssh`
 (the pod's sshd never starts: the watchdog still runs, and its boot grace
@@ -38,6 +40,7 @@ from tests.runpod_sim.api import RunpodSim, SimPod
 from tests.sshd import SSHD, free_port
 
 KILL_ROUNDS = 20  # passes over the pod's process tree, until nothing of it is left
+TERM_GRACE_S = 3.0  # how long the pod's processes get to end on SIGTERM before SIGKILL
 WAIT_S = 10.0  # how long the root process may take to be reaped once killed
 
 _WRAPPER = (
@@ -170,20 +173,36 @@ class SimPods:
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """Kills `proc` and every process below it (SIGKILL, by PID), until none is
-    left, then reaps `proc`."""
-    for _ in range(KILL_ROUNDS):
-        pids = descendants(proc.pid)
-        if proc.poll() is None:
-            pids.insert(0, proc.pid)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+    """Stops `proc` and every process below it, by PID. `proc` (the pod's
+    root, its child subreaper) is frozen first, so that it starts nothing
+    more and what it holds stays below it; the others get SIGTERM, so that a
+    process of this machine's own (a login shell's `pyenv rehash`, holding a
+    lock in root's home) can release what it holds; after `TERM_GRACE_S`,
+    what is left gets SIGKILL, `proc` last; then `proc` is reaped."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGSTOP)
+    _signal_all(descendants(proc.pid), signal.SIGTERM)
+    deadline = time.monotonic() + TERM_GRACE_S
+    while time.monotonic() < deadline and descendants(proc.pid):
         time.sleep(0.05)
+    for _ in range(KILL_ROUNDS):
+        left = descendants(proc.pid)
+        if not left:
+            break
+        _signal_all(left, signal.SIGKILL)
+        time.sleep(0.05)
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=WAIT_S)
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
 
 
 def descendants(root: int) -> list[int]:
