@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import secrets
 import shutil
 import socket
 import struct
@@ -56,7 +57,7 @@ from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.standins.hub_server import HubStandIn
 from tests.standins.ollama_server import OllamaStandIn
 
-TOKEN = "hf_DELIVERYSECRET0123456789abcdefXYZ"
+TOKEN = "hf_" + secrets.token_hex(16)  # made at test time, never committed
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QUANT = "q4_k_m"
 SMOLLM2_TEMPLATE = (
@@ -615,7 +616,7 @@ def test_a_wrong_hub_token_fails_in_one_line_that_never_holds_it(
     from overbrainer_prefect.flows.deliver import DeliveryFailed, deliver
 
     caplog.set_level(logging.DEBUG)
-    wrong = "hf_WRONGWRONGWRONG0123456789abcdef"
+    wrong = "hf_" + secrets.token_hex(16)
     fake = make_run(tmp_path, gguf_file)
     block = save_hf_block(wrong, hub.url)
     with pytest.raises(DeliveryFailed) as failed:

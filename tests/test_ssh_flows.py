@@ -6,6 +6,7 @@ host key does not match, or a file changes after its manifest."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 import time
 import uuid
@@ -28,7 +29,7 @@ from tests.shelljobs import WRITE_METRICS, ShellTrainer
 from tests.sshd import Sshd
 from tests.test_train_flow import spec
 
-SECRET = "hf_SSHSECRETSSHSECRET0123456789abcdef"
+SECRET = "hf_" + secrets.token_hex(16)  # made at test time, never committed
 
 
 @pytest.fixture
