@@ -27,7 +27,6 @@ import json
 import posixpath
 import shutil
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -42,12 +41,15 @@ from overbrainer_prefect.trainers.base import (
     TrainError,
 )
 from overbrainer_prefect.trainers.export import (
-    GGUF_DIR,
+    EXPORT_ARTIFACTS,
     JOB_MODULE,
     MODULES,
     NAME_CHARS,
     SCRIPTS_DIR,
-    converter_path,
+    check_modules,
+    copy_job_script,
+    export_command,
+    export_env,
     gguf_name,
 )
 
@@ -245,22 +247,6 @@ def base_exports(runs: Runs, key: str) -> Runs:
     return Runs(runs.root / BASES_DIR / key / "exports", record_file="export.json", kind="export")
 
 
-def _check_modules(facts: TargetFacts, modules: Sequence[str], what: str) -> None:
-    for module in modules:
-        if facts.modules.get(module) is None:
-            raise TrainError(
-                f"{module} is not installed in the job venv {facts.python}: install the "
-                f"{what} tools with `scripts/job-env.sh <job venv>` there"
-            )
-
-
-def _copy_script(local_run_dir: Path, module: str) -> None:
-    scripts = local_run_dir / SCRIPTS_DIR
-    scripts.mkdir(parents=True, exist_ok=True)
-    script = resources.files("overbrainer_prefect.jobs").joinpath(f"{module}.py")
-    (scripts / f"{module}.py").write_bytes(script.read_bytes())
-
-
 class BaseExportTrainer:
     """An export of the plain base model `base_model` (a directory on the target or
     a Hugging Face id) to a GGUF of type `quant`: the export job with `--base`,
@@ -289,49 +275,27 @@ class BaseExportTrainer:
 
     def check(self, facts: TargetFacts) -> None:
         """Raises TrainError when the job venv lacks a module the export imports."""
-        _check_modules(facts, self.probe_modules, "export")
+        check_modules(facts, self.probe_modules, "export")
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
         """Puts the export job script under `scripts/`: the base is on the target."""
-        _copy_script(local_run_dir, JOB_MODULE)
+        copy_job_script(local_run_dir, JOB_MODULE)
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
         """The export job, told to export the base model."""
-        python = ctx.facts.python
-        command = [
-            python,
-            f"{SCRIPTS_DIR}/{JOB_MODULE}.py",
-            "--converter",
-            converter_path(python),
-            "--quant",
-            self.quant,
-            "--name",
-            self.gguf_stem,
-            "--base",
-            self.base_model,
+        return [
+            export_command(
+                ctx, self.quant, self.gguf_stem, self.cpu_threads, "--base", self.base_model
+            )
         ]
-        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
-            command += ["--threads", str(self.cpu_threads)]
-        return [command]
 
     def env(self, ctx: JobContext) -> dict[str, str]:
-        """No telemetry, the target's Hugging Face cache, unbuffered output; offline
-        when the base model is a directory."""
-        env = {
-            "DO_NOT_TRACK": "1",
-            "HF_HOME": ctx.cache_dir,
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        if self.base_model.startswith(("/", ".", "~")):
-            env["HF_HUB_OFFLINE"] = "1"
-        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
-        return env
+        """The export job's environment; offline when the base model is a directory."""
+        return export_env(ctx, self.base_model.startswith(("/", ".", "~")), self.cpu_threads)
 
     def artifacts(self) -> Artifacts:
         """`gguf/` and the metrics; a succeeded export must have its GGUF."""
-        return Artifacts(entries=(GGUF_DIR, METRICS_FILE), required=GGUF_DIR)
+        return EXPORT_ARTIFACTS
 
 
 class CompareTrainer:
@@ -361,7 +325,7 @@ class CompareTrainer:
 
     def check(self, facts: TargetFacts) -> None:
         """Raises TrainError when the job venv lacks llama-cpp-python."""
-        _check_modules(facts, self.probe_modules, "compare")
+        check_modules(facts, self.probe_modules, "compare")
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
         """Stages both GGUFs under `models/` (hard links when they can be), the
@@ -386,7 +350,7 @@ class CompareTrainer:
         (local_run_dir / QUESTIONS_FILE).write_text(
             json.dumps(self.spec.questions, ensure_ascii=False, indent=1) + "\n", encoding="utf-8"
         )
-        _copy_script(local_run_dir, COMPARE_MODULE)
+        copy_job_script(local_run_dir, COMPARE_MODULE)
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
         """The job script with the token limit, the seed and where it runs."""

@@ -144,6 +144,67 @@ def converter_path(python: str) -> str:
     return posixpath.join(venv, CONVERTER)
 
 
+EXPORT_ARTIFACTS = Artifacts(entries=(GGUF_DIR, METRICS_FILE), required=GGUF_DIR)
+"""What an export brings back: `gguf/` and the metrics; a succeeded one must have its GGUF."""
+
+
+def check_modules(facts: TargetFacts, modules: Sequence[str], what: str) -> None:
+    """Raises TrainError naming the first of `modules` the job venv lacks, and the
+    script that installs the `what` tools."""
+    for module in modules:
+        if facts.modules.get(module) is None:
+            raise TrainError(
+                f"{module} is not installed in the job venv {facts.python}: install the "
+                f"{what} tools with `scripts/job-env.sh <job venv>` there"
+            )
+
+
+def copy_job_script(local_run_dir: Path, module: str) -> None:
+    """Copies the job script `overbrainer_prefect/jobs/<module>.py` under `scripts/`."""
+    scripts = local_run_dir / SCRIPTS_DIR
+    scripts.mkdir(parents=True, exist_ok=True)
+    script = resources.files("overbrainer_prefect.jobs").joinpath(f"{module}.py")
+    (scripts / f"{module}.py").write_bytes(script.read_bytes())
+
+
+def export_command(
+    ctx: JobContext, quant: str, stem: str, cpu_threads: int | None, *extra: str
+) -> list[str]:
+    """The export job's command: its script with the job venv's Python and the
+    converter next to it, then `extra` options."""
+    python = ctx.facts.python
+    command = [
+        python,
+        f"{SCRIPTS_DIR}/{JOB_MODULE}.py",
+        "--converter",
+        converter_path(python),
+        "--quant",
+        quant,
+        "--name",
+        stem,
+    ]
+    if ctx.facts.gpus == 0 and cpu_threads is not None:
+        command += ["--threads", str(cpu_threads)]
+    return command + list(extra)
+
+
+def export_env(ctx: JobContext, offline: bool, cpu_threads: int | None) -> dict[str, str]:
+    """The export job's environment: no telemetry, the target's Hugging Face
+    cache, unbuffered output; offline when nothing is to be fetched."""
+    env = {
+        "DO_NOT_TRACK": "1",
+        "HF_HOME": ctx.cache_dir,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    if ctx.facts.gpus == 0 and cpu_threads is not None:
+        env["OMP_NUM_THREADS"] = str(cpu_threads)
+    return env
+
+
 class ExportTrainer:
     """An export of the succeeded run `run`, whose local directory is `run_dir`,
     following `spec`. `cpu_threads` sets OMP_NUM_THREADS and llama.cpp's
@@ -181,12 +242,7 @@ class ExportTrainer:
 
     def check(self, facts: TargetFacts) -> None:
         """Raises TrainError when the job venv lacks a module the export imports."""
-        for module in self.probe_modules:
-            if facts.modules.get(module) is None:
-                raise TrainError(
-                    f"{module} is not installed in the job venv {facts.python}: install the "
-                    "export tools with `scripts/job-env.sh <job venv>` there"
-                )
+        check_modules(facts, self.probe_modules, "export")
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
         """Stages the run's model under `model/`, its `axolotl.yaml`, and the job
@@ -206,50 +262,23 @@ class ExportTrainer:
             _link_or_copy(source, model / source.name)
         if config.is_file():
             shutil.copyfile(config, local_run_dir / CONFIG_FILE)
-        scripts = local_run_dir / SCRIPTS_DIR
-        scripts.mkdir(parents=True, exist_ok=True)
-        script = resources.files("overbrainer_prefect.jobs").joinpath(f"{JOB_MODULE}.py")
-        (scripts / f"{JOB_MODULE}.py").write_bytes(script.read_bytes())
+        copy_job_script(local_run_dir, JOB_MODULE)
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
         """The job script, with the job venv's Python and the converter next to it."""
-        python = ctx.facts.python
-        command = [
-            python,
-            f"{SCRIPTS_DIR}/{JOB_MODULE}.py",
-            "--converter",
-            converter_path(python),
-            "--quant",
-            self.spec.quant,
-            "--name",
-            self.gguf_stem,
-        ]
-        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
-            command += ["--threads", str(self.cpu_threads)]
-        if self.spec.keep_intermediate:
-            command.append("--keep-intermediate")
-        return [command]
+        extra = ["--keep-intermediate"] if self.spec.keep_intermediate else []
+        return [export_command(ctx, self.spec.quant, self.gguf_stem, self.cpu_threads, *extra)]
 
     def env(self, ctx: JobContext) -> dict[str, str]:
         """No telemetry, the target's Hugging Face cache, unbuffered output; offline
         when the base model is a directory (or there is none to fetch)."""
-        env = {
-            "DO_NOT_TRACK": "1",
-            "HF_HOME": ctx.cache_dir,
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "TRANSFORMERS_VERBOSITY": "error",
-        }
         base = self.base_model
-        if not is_lora(self.run_dir) or base is None or base.startswith(("/", ".", "~")):
-            env["HF_HUB_OFFLINE"] = "1"
-        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
-        return env
+        offline = not is_lora(self.run_dir) or base is None or base.startswith(("/", ".", "~"))
+        return export_env(ctx, offline, self.cpu_threads)
 
     def artifacts(self) -> Artifacts:
         """`gguf/` and the metrics; a succeeded export must have its GGUF."""
-        return Artifacts(entries=(GGUF_DIR, METRICS_FILE), required=GGUF_DIR)
+        return EXPORT_ARTIFACTS
 
 
 def phases(metrics_text: str) -> dict[str, float]:
