@@ -562,6 +562,44 @@ def test_pods_remove_of_a_run_that_is_not_a_runpod_run_deletes_nothing(
     assert not [r for r in sim.requests if r.method == "DELETE"]
 
 
+def ended_run_with_pod(sim: RunpodSim, runs_dir: Path, retrieved: bool) -> str:
+    """A failed run here whose job ran and whose pod is still up: its files
+    retrieved and verified (a manifest), or not (the note); returns the pod's id."""
+    from overbrainer_prefect.executors.base import JobId
+    from overbrainer_prefect.runs.ids import new_run_id, rfc3339
+    from overbrainer_prefect.runs.lifecycle import NOT_RETRIEVED
+    from overbrainer_prefect.runs.store import RunRecord
+
+    run_id = new_run_id()
+    runs = Runs(runs_dir)
+    runs.save(
+        RunRecord(
+            id=run_id,
+            target="gone",
+            target_kind="runpod",
+            created=rfc3339(),
+            remote_dir=f"/workspace/overbrainer/{run_id}",
+            job=JobId(dir=f"/workspace/overbrainer/{run_id}", pid=1234),
+            state=RunState.FAILED,
+            message="the job failed" if retrieved else f"{NOT_RETRIEVED}the pod did not answer",
+            ended=rfc3339(),
+        )
+    )
+    if retrieved:
+        (runs.run_dir(run_id) / "manifest.json").write_text("[]\n")
+
+    async def go() -> str:
+        async with RunpodCredentials(
+            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+        ).client() as client:
+            pod = await client.create_pod(
+                PodRequest(name=f"ob-{run_id}-a1", image="x:1", gpu_type_id=A5000)
+            )
+            return pod.id
+
+    return str(run(go()))
+
+
 def test_pods_lists_and_sweeps_orphans_and_removes_them_by_run_id(
     prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
 ) -> None:
@@ -576,9 +614,13 @@ def test_pods_lists_and_sweeps_orphans_and_removes_them_by_run_id(
     assert row.pod_id == orphan and row.run_id == "20250101-000000-gone" and row.orphan
     assert row.gpu == A5000 and row.rate_per_hour == pytest.approx(0.27)
     assert row.run_state == "not here" and row.estimated_spend is not None
+    # two ended runs here, each with a pod left: one retrieved and verified, one not
+    done, lost = ended_run_with_pod(sim, runs_dir, True), ended_run_with_pod(sim, runs_dir, False)
     swept = run(pods(action="sweep", runs_dir=str(runs_dir), credentials=credentials))
+    assert swept.removed == [done] and sim.pod(done).deleted  # nothing is lost by deleting it
     assert any(orphan in warning and "action=remove" in warning for warning in swept.warnings)
-    assert not sim.pod(orphan).deleted  # a sweep warns; it deletes no pod
+    assert any(lost in warning and "not retrieved" in warning for warning in swept.warnings)
+    assert not sim.pod(orphan).deleted and not sim.pod(lost).deleted  # they may hold results
     removed = run(
         pods(
             action="remove",

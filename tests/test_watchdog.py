@@ -579,10 +579,14 @@ def test_a_detached_run_names_attach_the_pods_flow_and_what_bounds_its_pod(
         kept_message,
         unretrieved_message,
     )
+    from overbrainer_prefect.runs.store import RunRecord
 
     runs = Runs(tmp_path / "runs")
     run_id = "20260101-000000-r1r1"
-    assert detached_message(runs, a_pod(), run_id, 3600, 900) == (
+    record = RunRecord(
+        id=run_id, target="t", created="2026-01-01T00:00:00Z", remote_dir=f"/w/{run_id}"
+    )
+    assert detached_message(runs, a_pod(), record, 3600, 900) == (
         f"run {run_id} keeps running on pod k3x9abc ($0.53/h); follow it again with the attach "
         f"flow (run_id={run_id}), or remove the pod with the pods flow (action=remove, "
         f"run_id={run_id}). The watchdog deletes the pod 60 min after the job ends if its files "
@@ -590,7 +594,7 @@ def test_a_detached_run_names_attach_the_pods_flow_and_what_bounds_its_pod(
         "renewed, whichever is later."
     )
     ssh = f"ssh -F {runs.run_dir(run_id)}/.ssh/config overbrainer-{run_id}"
-    assert detached_message(runs, a_pod(keep=True), run_id, 3600, 900).endswith(
+    assert detached_message(runs, a_pod(keep=True), record, 3600, 900).endswith(
         f"The pod is kept with no time limit (keep_pod): `{ssh}`."
     )
     assert kept_message(runs, a_pod(keep=True), run_id) == (
@@ -598,10 +602,17 @@ def test_a_detached_run_names_attach_the_pods_flow_and_what_bounds_its_pod(
         f"reach it with `{ssh}`; nothing deletes it but the pods flow (action=remove, "
         f"run_id={run_id})"
     )
-    assert unretrieved_message(a_pod(), run_id) == (
+    assert unretrieved_message(a_pod(), record) == (
         f"the files of run {run_id} were not retrieved: pod k3x9abc ($0.53/h) stays until its "
         f"watchdog's retrieve grace ends; retrieve them with the attach flow (run_id={run_id}), "
         f"or remove the pod with the pods flow (action=remove, run_id={run_id})"
+    )
+    export_id = "20260101-000100-e1e1"
+    export = record.model_copy(update={"id": export_id, "parent": run_id, "trainer": "export"})
+    assert detached_message(runs, a_pod(), export, 3600, 900).startswith(
+        f"export {export_id} of run {run_id} keeps running on pod k3x9abc ($0.53/h); follow it "
+        f"again with the export flow (run_id={run_id}, export_id={export_id}), or remove the pod "
+        f"with the pods flow (action=remove, run_id={export_id})."
     )
 
 

@@ -37,9 +37,13 @@ from overbrainer_prefect.artifacts import (
     publish_summary,
     summary_markdown,
 )
+from overbrainer_prefect.blocks import RunpodTarget
 from overbrainer_prefect.executors.base import ExecError
+from overbrainer_prefect.flows.hooks import crashed_pod_job_hook
 from overbrainer_prefect.flows.targets import UnknownTarget, load_target
 from overbrainer_prefect.flows.train import follow_job, run_context, trainer_of
+from overbrainer_prefect.runpod.context import PodError
+from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.lifecycle import Outcome, RunError
@@ -106,6 +110,8 @@ async def finish_run(
     ExecError when the target cannot be reached to cancel the job.
     """
     target_ref, block = await load_target(record.target)
+    if isinstance(block, RunpodTarget):
+        return await _finish_on_pod(runs, record, block, cancel=cancel, reporter=reporter)
     executor = block.executor(target_ref)
     try:
         trainer = trainer_of(record, block)
@@ -123,6 +129,24 @@ async def finish_run(
         return Finished(outcome, executor.description, cancelled=False)
     finally:
         await executor.close()
+
+
+async def _finish_on_pod(
+    runs: Runs, record: RunRecord, block: RunpodTarget, *, cancel: bool, reporter: Any
+) -> Finished:
+    """`finish_run` for a run on a pod: its pod reached again from `pod.json`,
+    the job followed (the lease renewed) or cancelled, its files retrieved and
+    verified, then the pod deleted (confirmed). A run whose pod is gone is
+    recorded from its local files, failed with the reason."""
+    from overbrainer_prefect.flows.podjob import finish_on_pod, pod_account
+
+    trainer = trainer_of(record, block)
+    async with pod_account(block, runs, get_run_logger()) as ctx:
+        outcome, where = await finish_on_pod(
+            ctx, block, record, trainer, reporter or lifecycle.LogReporter(), cancel=cancel
+        )
+    cancelled = cancel and outcome.record.state == RunState.CANCELLED
+    return Finished(outcome, where, cancelled=cancelled)
 
 
 async def flow_run_state(flow_run_id: str | None) -> StateType | None:
@@ -201,10 +225,14 @@ async def collect_run(runs: Runs, record: RunRecord) -> Collected | None:
             if record.job is None:
                 if state is None or state not in FINAL_FLOW_RUN:
                     return None  # its flow run may still be preparing it
-                record.state = RunState.FAILED
-                record.message = "interrupted before the job started"
-                record.ended = rfc3339()
-                runs.save(record)
+                if record.target_kind == "runpod":
+                    await crashed_pod_job_hook(runs, record, logger)  # its pods are deleted
+                    record = runs.load(record.id)
+                if not record.state.ended:
+                    record.state = RunState.FAILED
+                    record.message = "interrupted before the job started"
+                    record.ended = rfc3339()
+                    runs.save(record)
                 logger.info(
                     "run %s: its flow run is %s and its job never started: recorded failed",
                     record.id,
@@ -230,7 +258,15 @@ async def collect_run(runs: Runs, record: RunRecord) -> Collected | None:
             finished = await finish_run(runs, record, cancel=cancel, reporter=reporter)
     except RunBusy:
         return None
-    except (UnknownTarget, RunError, ExecError, RecordError, RunsError) as error:
+    except (
+        UnknownTarget,
+        RunError,
+        ExecError,
+        RecordError,
+        RunsError,
+        PodError,
+        RunpodError,
+    ) as error:
         logger.warning("run %s: cannot finish it: %s", record.id, error)
         current = _state_of(runs, record)
         return row.model_copy(

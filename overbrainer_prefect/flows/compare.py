@@ -30,7 +30,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
-from overbrainer_prefect.blocks import TargetBlock
+from overbrainer_prefect.blocks import RunpodTarget, TargetBlock
 from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest, JobStatus
 from overbrainer_prefect.executors.manifest import sha256_file
 from overbrainer_prefect.flows.export import (
@@ -40,6 +40,7 @@ from overbrainer_prefect.flows.export import (
     reusable,
     running,
 )
+from overbrainer_prefect.flows.hooks import cancel_pod_job_hook, crashed_pod_job_hook
 from overbrainer_prefect.flows.targets import load_target
 from overbrainer_prefect.flows.train import FileEntry, RunFailed, run_context, start_job
 from overbrainer_prefect.runs import lifecycle
@@ -442,23 +443,10 @@ async def export_base(
     retrieved (compare again: a started export is followed again).
     """
     logger = get_run_logger()
-    key = base_key(base, target_ref)
-    store = base_exports(runs, key)
-    done = reusable(store, quant)
-    ref = _base_ref(store, done, runs) if done is not None else None
-    if done is not None and ref is not None:
-        logger.info(
-            "the base model's GGUF (%s) is reused from %s: %s",
-            quant,
-            _base_name(done, base),
-            ref.path,
-        )
+    store = base_exports(runs, base_key(base, target_ref))
+    ref = reused_base(runs, store, base, quant)
+    if ref is not None:
         return ref
-    if done is not None:
-        logger.warning(
-            "the GGUF of %s no longer matches its SHA-256: exporting the base again",
-            _base_name(done, base),
-        )
     trainer = BaseExportTrainer(base, quant, cpu_threads=block.cpu_threads)
     record = running(store, quant)
     if record is None:
@@ -498,6 +486,38 @@ async def export_base(
         ) from None
     except (TrainError, ExecError, RunError) as error:
         raise CompareFailed(f"{name} could not be made: {error}; {again}") from None
+    return base_gguf(runs, store, outcome, name)
+
+
+def reused_base(runs: Runs, store: Runs, base: str, quant: str) -> GgufRef | None:
+    """The GGUF of the latest succeeded export of the base model `base` to
+    `quant` in `store`, when it still matches its SHA-256 (a warning says when
+    it no longer does); None when there is none to reuse."""
+    logger = get_run_logger()
+    done = reusable(store, quant)
+    ref = _base_ref(store, done, runs) if done is not None else None
+    if done is not None and ref is not None:
+        logger.info(
+            "the base model's GGUF (%s) is reused from %s: %s",
+            quant,
+            _base_name(done, base),
+            ref.path,
+        )
+        return ref
+    if done is not None:
+        logger.warning(
+            "the GGUF of %s no longer matches its SHA-256: exporting the base again",
+            _base_name(done, base),
+        )
+    return None
+
+
+def base_gguf(runs: Runs, store: Runs, outcome: Outcome, name: str) -> GgufRef:
+    """The verified GGUF of the base export whose job ended with `outcome`.
+    Raises CompareFailed with one line (the job's own reason, where its log is)
+    when it did not succeed or brought back no GGUF."""
+    logger = get_run_logger()
+    record = outcome.record
     local = store.run_dir(record.id)
     if outcome.record.state != RunState.SUCCEEDED:
         reason = lifecycle.without_note(outcome.record.message) or str(outcome.record.state)
@@ -552,7 +572,7 @@ async def follow_compare(ctx: RunContext, trainer: CompareTrainer, record: RunRe
 async def _finish(
     compares: Runs,
     outcome: Outcome,
-    executor: Executor,
+    where: str,
     *,
     cancelling: bool = False,
 ) -> CompareResult | State[Any]:
@@ -560,7 +580,7 @@ async def _finish(
     result: a failed compare fails the flow, a cancelled one cancels it."""
     record = outcome.record
     result = result_of(compares, record, outcome.files)
-    await publish_answers(record.id, answers_markdown(result, executor.description))
+    await publish_answers(record.id, answers_markdown(result, where))
     if record.state == RunState.FAILED:
         reason = job_failure(compares.run_dir(record.id), "compare failed: ")
         raise RunFailed(
@@ -605,6 +625,19 @@ async def _follow_again(runs: Runs, run_id: str, compare_id: str) -> CompareResu
     compares = runs.children(run_id, COMPARE)
     record = compares.load(compare_id)
     target_ref, block = await load_target(record.target)
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.podjob import follow_again_on_pod
+
+        logger = get_run_logger()
+        outcome, where = await follow_again_on_pod(
+            compares,
+            record,
+            _trainer_of(runs, record, block),
+            block,
+            CompareReporter(logger, subject(record)),
+            logger,
+        )
+        return await _finish(compares, outcome, where)
     executor = block.executor(target_ref)
     try:
         trainer = _trainer_of(runs, record, block)
@@ -616,7 +649,7 @@ async def _follow_again(runs: Runs, run_id: str, compare_id: str) -> CompareResu
                 if record.state.ended and lifecycle.artifacts_missing(record):
                     record, _ = await lifecycle.collect(ctx, trainer, record)
                 outcome = await follow_compare(ctx, trainer, record)
-                return await _finish(compares, outcome, executor)
+                return await _finish(compares, outcome, executor.description)
         except RunBusy as busy:
             raise RunError(
                 f"{subject(record)} is already followed by {busy.holder}: it records the "
@@ -669,6 +702,13 @@ async def on_compare_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: S
         return
     for store, record, kind in unfinished:
         name = _name_of(record, kind)
+        if record.target_kind == "runpod":
+
+            def rebuild(job: RunRecord, block: TargetBlock, kind: str = kind) -> Trainer:
+                return _hook_trainer(runs, job, kind, block)
+
+            await cancel_pod_job_hook(store, record, str(flow_run.id), logger, trainer_of=rebuild)
+            continue
         if record.job is None:
             record.state = RunState.FAILED
             record.message = "interrupted before the job started"
@@ -701,7 +741,7 @@ async def on_compare_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: S
             await executor.close()
 
 
-def on_compare_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+async def on_compare_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
     """`on_crashed` hook of the compare flow: a started compare or base export keeps
     running (bounded by its target's max_hours); says how to follow it again."""
     logger = flow_run_logger(flow_run, flow)
@@ -709,7 +749,10 @@ def on_compare_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any
         unfinished = _unfinished_of(flow_run)
     except Exception:
         return
-    for _store, record, kind in unfinished:
+    for store, record, kind in unfinished:
+        if record.target_kind == "runpod":
+            await crashed_pod_job_hook(store, record, logger)
+            continue
         if record.job is None:
             continue
         if kind == COMPARE:
@@ -743,6 +786,7 @@ async def compare(
     target: str | None = None,
     runs_dir: str | None = None,
     compare_id: str | None = None,
+    image: str | None = None,
 ) -> CompareResult | State[Any]:
     """Asks the base model of run `run_id` and its fine-tune the same questions, side
     by side: the run's `quant` GGUF (from its export) and its base model's GGUF of
@@ -756,7 +800,10 @@ async def compare(
     `questions` is a list of strings, or `questions_file` a file holding a JSON or
     YAML list of strings. A compare of the same questions, settings, tuned GGUF and
     target that already succeeded is returned as it is (`reused`). With
-    `compare_id`, follows that compare again.
+    `compare_id`, follows that compare again. On a Runpod target, the base
+    model's export and the compare each run on a new pod of their own (with
+    `image` as the compare pod's Docker image when given), deleted once their
+    files are verified.
 
     Fails with one line, before anything is created, without questions, with
     questions that are not a list of strings, an unknown quant type, or a run
@@ -793,6 +840,28 @@ async def compare(
         raise NotComparable(
             f"{subject(busy)} of the same questions is already running: follow it with the "
             f"compare flow (run_id={run_id}, compare_id={busy.id})"
+        )
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.pod_exports import compare_on_pod, export_base_on_pod
+        from overbrainer_prefect.flows.podjob import pod_settings
+
+        pod_settings(block, image)  # a wrong image fails here, before any pod
+        base_ref = await export_base_on_pod(runs, base, quant, target_ref, block)
+        spec = CompareSpec(
+            questions=asked,
+            max_tokens=max_tokens,
+            seed=seed,
+            quant=quant,
+            base_model=base,
+            tuned=tuned,
+            base=base_ref,
+        )
+        return await compare_on_pod(runs, run_id, spec, target_ref, block, image)
+    if image is not None:
+        logger.warning(
+            "image=%s is for a Runpod target's compare pod: %s runs on its own machine",
+            image,
+            target_ref,
         )
     executor = block.executor(target_ref)
     try:
@@ -833,6 +902,6 @@ async def compare(
             finally:  # the staged GGUFs were copied to the target (links here, but no need)
                 shutil.rmtree(compares.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
             outcome = await follow_compare(ctx, trainer, record)
-            return await _finish(compares, outcome, executor)
+            return await _finish(compares, outcome, executor.description)
     finally:
         await executor.close()

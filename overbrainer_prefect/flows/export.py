@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,10 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
-from overbrainer_prefect.blocks import TargetBlock
+from overbrainer_prefect.blocks import RunpodTarget, TargetBlock
 from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest, JobStatus
 from overbrainer_prefect.executors.manifest import sha256_file
+from overbrainer_prefect.flows.hooks import cancel_pod_job_hook, crashed_pod_job_hook
 from overbrainer_prefect.flows.targets import load_target
 from overbrainer_prefect.flows.train import FileEntry, RunFailed, run_context, start_job
 from overbrainer_prefect.runs import lifecycle
@@ -350,6 +352,27 @@ async def check_converter(executor: Executor, python: str) -> None:
         )
 
 
+def log_disk(
+    run: RunRecord, files: list[Path], trainer: ExportTrainer, block: TargetBlock, where: str
+) -> None:
+    """Logs the disk the export of `run` needs (base, merged copy, GGUF), and
+    warns when the target's known disk is smaller."""
+    logger = get_run_logger()
+    need = export_disk(files[0].parent, trainer.base_model, trainer.spec.quant)
+    if need is None:
+        logger.info(
+            "run %s: cannot estimate the disk of its export (its base model %s is not a "
+            "directory here)",
+            run.id,
+            trainer.base_model,
+        )
+        return
+    logger.info("run %s: %s", run.id, need.describe())
+    warning = disk_warning(need, target_disk(block), where)
+    if warning is not None:
+        logger.warning("%s", warning)
+
+
 @task(name="create-export", cache_policy=NO_CACHE, persist_result=False)
 async def create_export(
     exports: Runs, run: RunRecord, target_ref: str, block: TargetBlock, spec: ExportSpec
@@ -383,13 +406,13 @@ async def follow_export(ctx: RunContext, trainer: ExportTrainer, record: RunReco
 
 
 async def _finish(
-    exports: Runs, outcome: Outcome, executor: Executor, *, cancelling: bool = False
+    exports: Runs, outcome: Outcome, where: str, *, cancelling: bool = False
 ) -> ExportResult | State[Any]:
     """Publishes the export summary and turns the outcome into the flow's result:
     a failed export fails the flow, a cancelled one cancels it."""
     record = outcome.record
     result = result_of(exports, record, outcome.files)
-    await publish_export_summary(record.id, summary_markdown(result, executor.description, record))
+    await publish_export_summary(record.id, summary_markdown(result, where, record))
     if record.state == RunState.FAILED:
         raise RunFailed(f"{subject(record)} failed: {record.message}")
     if record.state == RunState.CANCELLED and not cancelling:
@@ -418,11 +441,23 @@ def _log_result(result: ExportResult, record: RunRecord) -> None:
 
 async def _trainer_of(runs: Runs, record: RunRecord, block: TargetBlock) -> ExportTrainer:
     """The trainer of an export, rebuilt from its record and its run's."""
-    if record.parent is None or record.spec is None:
-        raise RunError(f"{subject(record)} has no export spec in its record: it cannot be followed")
-    run = runs.load(record.parent)
-    spec = ExportSpec.model_validate(record.spec)
-    return ExportTrainer(run, runs.run_dir(run.id), spec, cpu_threads=block.cpu_threads)
+    return export_trainer_of(runs)(record, block)
+
+
+def export_trainer_of(runs: Runs) -> Callable[[RunRecord, TargetBlock], ExportTrainer]:
+    """Rebuilds the trainer of an export of a run of `runs` from its record and
+    its run's (raises RunError when its record holds no export spec)."""
+
+    def rebuild(record: RunRecord, block: TargetBlock) -> ExportTrainer:
+        if record.parent is None or record.spec is None:
+            raise RunError(
+                f"{subject(record)} has no export spec in its record: it cannot be followed"
+            )
+        run = runs.load(record.parent)
+        spec = ExportSpec.model_validate(record.spec)
+        return ExportTrainer(run, runs.run_dir(run.id), spec, cpu_threads=block.cpu_threads)
+
+    return rebuild
 
 
 async def _follow_again(runs: Runs, run_id: str, export_id: str) -> ExportResult | State[Any]:
@@ -431,6 +466,15 @@ async def _follow_again(runs: Runs, run_id: str, export_id: str) -> ExportResult
     exports = runs.children(run_id, EXPORT)
     record = exports.load(export_id)
     target_ref, block = await load_target(record.target)
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.podjob import follow_again_on_pod
+
+        logger = get_run_logger()
+        trainer = await _trainer_of(runs, record, block)
+        outcome, where = await follow_again_on_pod(
+            exports, record, trainer, block, ExportReporter(logger, record), logger
+        )
+        return await _finish(exports, outcome, where)
     executor = block.executor(target_ref)
     try:
         trainer = await _trainer_of(runs, record, block)
@@ -441,7 +485,7 @@ async def _follow_again(runs: Runs, run_id: str, export_id: str) -> ExportResult
                 if record.state.ended and lifecycle.artifacts_missing(record):
                     record, _ = await lifecycle.collect(ctx, trainer, record)
                 outcome = await follow_export(ctx, trainer, record)
-                return await _finish(exports, outcome, executor)
+                return await _finish(exports, outcome, executor.description)
         except RunBusy as busy:
             raise RunError(
                 f"{subject(record)} is already followed by {busy.holder}: it records the "
@@ -469,6 +513,11 @@ async def on_export_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: St
         logger.warning("cannot find the exports of this flow run: %s", error)
         return
     for record in records:
+        if record.target_kind == "runpod":
+            await cancel_pod_job_hook(
+                exports, record, str(flow_run.id), logger, trainer_of=export_trainer_of(runs)
+            )
+            continue
         if record.job is None:
             record.state = RunState.FAILED
             record.message = "interrupted before the job started"
@@ -505,7 +554,7 @@ async def on_export_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: St
             await executor.close()
 
 
-def on_export_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+async def on_export_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
     """`on_crashed` hook of the export flow: a started export keeps running (bounded
     by its target's max_hours); says how to follow it again."""
     logger = flow_run_logger(flow_run, flow)
@@ -517,6 +566,9 @@ def on_export_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]
         return
     for record in records:
         mine = record.flow_run_id == str(flow_run.id)
+        if mine and record.target_kind == "runpod" and not record.state.ended:
+            await crashed_pod_job_hook(exports, record, logger)
+            continue
         if mine and record.job is not None and not record.state.ended:
             logger.warning(
                 "%s keeps running on its target; follow it again with the export flow "
@@ -583,28 +635,21 @@ async def export(
             f"(run_id={run_id}, export_id={busy.id})"
         )
     target_ref, block = await load_target(target or run.target)
+    trainer = ExportTrainer(run, runs.run_dir(run_id), spec, cpu_threads=block.cpu_threads)
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.pod_exports import export_on_pod
+
+        log_disk(run, files, trainer, block, f"Runpod target {target_ref!r}")
+        return await export_on_pod(runs, run, spec, trainer, target_ref, block)
     executor = block.executor(target_ref)
     try:
-        trainer = ExportTrainer(run, runs.run_dir(run_id), spec, cpu_threads=block.cpu_threads)
-        need = export_disk(files[0].parent, trainer.base_model, spec.quant)
-        if need is None:
-            logger.info(
-                "run %s: cannot estimate the disk of its export (its base model %s is not a "
-                "directory here)",
-                run_id,
-                trainer.base_model,
-            )
-        else:
-            logger.info("run %s: %s", run_id, need.describe())
-            warning = disk_warning(need, target_disk(block), executor.description)
-            if warning is not None:
-                logger.warning("%s", warning)
+        log_disk(run, files, trainer, block, executor.description)
         await check_converter(executor, block.python)
         record = await create_export(exports, run, target_ref, block, spec)
         with follow_lock(exports.run_dir(record.id), flow_run.id):
             ctx = run_context(exports, block, executor, ExportReporter(logger, record))
             record = await start_job(ctx, trainer, record, block)
             outcome = await follow_export(ctx, trainer, record)
-            return await _finish(exports, outcome, executor)
+            return await _finish(exports, outcome, executor.description)
     finally:
         await executor.close()

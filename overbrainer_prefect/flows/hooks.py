@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.flows import Flow
@@ -21,7 +22,10 @@ from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.lifecycle import RunContext
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, follow_again, subject
+
+if TYPE_CHECKING:
+    from overbrainer_prefect.trainers.base import Trainer
 
 HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends retrieving what a job left
 
@@ -48,7 +52,7 @@ async def cancel_runs_of(flow_run: FlowRun, logger: logging.Logger | Any) -> Non
     runs, records = runs_of(flow_run)
     for record in records:
         if record.target_kind == "runpod":
-            await _cancel_pod_run(runs, record, str(flow_run.id), logger)
+            await cancel_pod_job_hook(runs, record, str(flow_run.id), logger)
             continue
         if record.job is None:
             record.state = RunState.FAILED
@@ -98,7 +102,7 @@ async def on_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any])
     runs, records = runs_of(flow_run)
     for record in records:
         if record.target_kind == "runpod":
-            await _crashed_pod_run(runs, record, logger)
+            await crashed_pod_job_hook(runs, record, logger)
             continue
         if record.job is not None:
             logger.warning(
@@ -109,47 +113,61 @@ async def on_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any])
             )
 
 
-async def _cancel_pod_run(
-    runs: Runs, record: RunRecord, flow_run_id: str, logger: logging.Logger | Any
+TrainerOf = Callable[[RunRecord, Any], "Trainer"]
+"""Rebuilds a job's trainer from its record and its target block."""
+
+
+async def cancel_pod_job_hook(
+    runs: Runs,
+    record: RunRecord,
+    flow_run_id: str,
+    logger: logging.Logger | Any,
+    trainer_of: TrainerOf | None = None,
 ) -> None:
-    """`cancel_runs_of` for a Runpod run (see `flows.runpod.cancel_pod_run`);
-    a failure is logged with how to remove what may be left."""
+    """`on_cancellation` for a job on a pod (see `flows.podjob.cancel_pod_job`;
+    a training run's trainer by default); a failure is logged with how to
+    remove what may be left."""
     from overbrainer_prefect.blocks import RunpodTarget
-    from overbrainer_prefect.flows.runpod import cancel_pod_run
+    from overbrainer_prefect.flows.podjob import cancel_pod_job
     from overbrainer_prefect.flows.targets import load_target
+    from overbrainer_prefect.flows.train import trainer_of as training_trainer
 
     try:
         _, block = await load_target(record.target)
         if not isinstance(block, RunpodTarget):
-            raise ValueError(f"the target {record.target} of run {record.id} is no Runpod target")
-        await cancel_pod_run(runs, record, block, flow_run_id, logger)
+            raise ValueError(f"the target {record.target} of {subject(record)} is no Runpod target")
+        try:
+            trainer = (trainer_of or training_trainer)(record, block)
+        except Exception as error:
+            logger.warning("%s: its trainer cannot be rebuilt (%s)", subject(record), error)
+            trainer = None
+        await cancel_pod_job(runs, record, trainer, block, flow_run_id, logger)
     except Exception as error:
         logger.warning(
-            "run %s: cannot end its pod (%s); remove it with the pods flow (action=remove, "
-            "run_id=%s)",
-            record.id,
+            "%s: cannot end its pod (%s); remove it with the pods flow (action=remove, run_id=%s)",
+            subject(record),
             error,
             record.id,
         )
 
 
-async def _crashed_pod_run(runs: Runs, record: RunRecord, logger: logging.Logger | Any) -> None:
-    """`on_crashed` for a Runpod run (see `flows.runpod.crashed_pod_run`)."""
+async def crashed_pod_job_hook(runs: Runs, record: RunRecord, logger: logging.Logger | Any) -> None:
+    """`on_crashed` for a job on a pod (see `flows.podjob.crashed_pod_job`)."""
     from overbrainer_prefect.blocks import RunpodTarget
-    from overbrainer_prefect.flows.runpod import crashed_pod_run
+    from overbrainer_prefect.flows.podjob import crashed_pod_job
     from overbrainer_prefect.flows.targets import load_target
 
     try:
         _, block = await load_target(record.target)
         if not isinstance(block, RunpodTarget):
-            raise ValueError(f"the target {record.target} of run {record.id} is no Runpod target")
-        await crashed_pod_run(runs, record, block, logger)
+            raise ValueError(f"the target {record.target} of {subject(record)} is no Runpod target")
+        await crashed_pod_job(runs, record, block, logger)
     except Exception as error:
         logger.warning(
-            "run %s: its pod may keep running (%s); follow it again with the attach flow "
-            "(run_id=%s), or remove the pod with the pods flow (action=remove, run_id=%s)",
-            record.id,
+            "%s: its pod may keep running (%s); follow it again with %s, or remove the pod with "
+            "the pods flow (action=remove, run_id=%s)",
+            subject(record),
             error,
-            record.id,
+            follow_again(record),
             record.id,
         )

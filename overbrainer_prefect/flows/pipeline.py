@@ -46,6 +46,11 @@ class CompareSettings(BaseModel):
         default=128, ge=1, le=MAX_TOKENS_LIMIT, description="The most tokens of an answer."
     )
     seed: int = Field(default=0, description="The seed (answers are greedy, temperature 0).")
+    image: str | None = Field(
+        default=None,
+        description="On a Runpod target: the Docker image of the compare's pod (default: the "
+        "target's image).",
+    )
 
 
 class FineTuneSpec(BaseModel):
@@ -201,6 +206,7 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
             target=spec.target,
             runs_dir=spec.runs_dir,
             compare_id=left_compare.id if left_compare is not None else None,
+            image=settings.image,
         )
     except Exception as error:
         raise PipelineFailed(

@@ -5,8 +5,10 @@
   not in this runs directory, or has ended);
 - `remove`: deletes the pods of one run (confirmed), sweeps its strays,
   forgets its keys; a run that is not a Runpod run deletes nothing;
-- `sweep`: warns of the orphans and deletes the host key secrets no pod needs
-  any more; it deletes no pod.
+- `sweep`: deletes (confirmed) the pods whose run has ended with its files
+  retrieved and verified here; warns of the other orphans (a pod whose run
+  is not here, or whose files were not retrieved, may hold results: it is
+  never deleted by a sweep); deletes the host key secrets no pod needs.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from pydantic import BaseModel, Field
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.flows.targets import load_target
-from overbrainer_prefect.runpod.context import PodContext
+from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import delete_and_confirm
 from overbrainer_prefect.runpod.ending import fail_run, forget_if_gone, remove, sweep_others
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows, sweep_host_keys
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
-from overbrainer_prefect.runs.store import RunNotFound, Runs
+from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 
 
 class PodsError(ValueError):
@@ -64,8 +66,9 @@ async def pods(
     credentials: str | None = None,
 ) -> PodsResult:
     """Lists the pods of the Runpod account named like ours (`list`), removes
-    the pods of the run `run_id` (`remove`), or warns of orphans and sweeps
-    the host key secrets no pod needs (`sweep`). `credentials` names a Runpod
+    the pods of the run `run_id` (`remove`), or (`sweep`) deletes the pods
+    whose run ended with its files verified here, warns of the other orphans
+    and sweeps the host key secrets no pod needs. `credentials` names a Runpod
     credentials block; by default, that of the run's target, or of the Runpod
     targets of the runs here.
 
@@ -86,6 +89,10 @@ async def pods(
             logger.info("%s", row.line())
         if not rows:
             logger.info("no pod of ours in the Runpod account")
+        if action == "sweep":
+            ctx = PodContext(client=client, runs=runs, log=logger)
+            result.removed = await _sweep_retrieved(ctx, rows)
+            rows = [row for row in rows if row.pod_id not in result.removed]
         result.warnings = orphan_warnings(rows)
         if action == "sweep":
             result.warnings += await sweep_host_keys(client, runs, rows)
@@ -99,27 +106,58 @@ async def pods(
     return result
 
 
+async def _sweep_retrieved(ctx: PodContext, rows: list[PodRow]) -> list[str]:
+    """Deletes (confirmed) the pods whose run has ended with its files retrieved
+    and verified here, recording each in its `pod.json`; returns their ids. A
+    pod that cannot be deleted is logged and stays in the list."""
+    removed = []
+    for row in rows:
+        if not row.retrieved:
+            continue
+        found = ctx.runs.find(row.run_id)
+        store = found[0] if found is not None else ctx.runs
+        local = PodRecord.load(store, row.run_id)
+        mine = PodContext(client=ctx.client, runs=store, log=ctx.log, timing=ctx.timing)
+        try:
+            if local is not None and local.pod_id == row.pod_id:
+                await remove(mine, local, "swept: its run ended and its files were verified")
+                await forget_if_gone(mine, local)
+            else:  # an earlier attempt of the run, or a pod.json that lost track of it
+                await delete_and_confirm(ctx.client, row.pod_id)
+        except (PodError, RunpodError) as error:
+            ctx.log.warning("cannot delete pod %s of run %s: %s", row.pod_id, row.run_id, error)
+            continue
+        ctx.log.info(
+            "pod %s of run %s deleted (its run ended, its files verified here): about $%.2f spent",
+            row.pod_id,
+            row.run_id,
+            row.estimated_spend or 0.0,
+        )
+        removed.append(row.pod_id)
+    return removed
+
+
 async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResult:
     """Deletes every pod of the run `run_id` (its `pod.json`, or the account's
     pods named after it when the run is not here)."""
     logger = get_run_logger()
-    runs.run_dir(run_id)  # validates the ID: nothing outside runs/ is touched
-    try:
-        record = runs.load(run_id)
-    except RunNotFound:
-        record = None
+    located = runs.find(run_id)  # validates the ID: nothing outside runs/ is touched
+    store: Runs = located[0] if located is not None else runs
+    record: RunRecord | None = located[1] if located is not None else None
     if record is not None and record.target_kind != "runpod":
         raise PodsError(
-            f"run {run_id} is not a Runpod run (it ran on {record.target_kind} target "
+            f"{subject(record)} is not a Runpod run (it ran on {record.target_kind} target "
             f"{record.target}): it has no pod, and nothing was deleted"
         )
-    pod = PodRecord.load(runs, run_id) if record is not None else None
+    pod = PodRecord.load(store, run_id) if record is not None else None
     if record is not None and pod is None:
-        raise PodsError(f"run {run_id} never asked for a pod (no pod.json): nothing was deleted")
+        raise PodsError(
+            f"{subject(record)} never asked for a pod (no pod.json): nothing was deleted"
+        )
     account = await _credentials(runs, credentials, record.target if record else None)
     result = PodsResult(action="remove")
     async with account.client() as client:
-        ctx = PodContext(client=client, runs=runs, log=logger)
+        ctx = PodContext(client=client, runs=store, log=logger)
         if pod is not None:
             had = pod.pod_id if pod.state != "deleted" else None
             await remove(ctx, pod, "removed with the pods flow")
@@ -134,7 +172,7 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
                 )
             assert record is not None
             if not record.state.ended:
-                fail_run(runs, run_id, "its pod was removed with the pods flow")
+                fail_run(store, run_id, "its pod was removed with the pods flow")
         else:
             for found in await client.list_pods():
                 if run_of_pod_name(found.name) != run_id or found.status == "TERMINATED":

@@ -161,7 +161,7 @@ async def follow_job(ctx: RunContext, trainer: AxolotlTrainer, record: RunRecord
 async def _finish(
     runs: Runs,
     outcome: Outcome,
-    executor: Executor,
+    where: str,
     *,
     cancelling: bool = False,
     exported: ExportResult | str | None = None,
@@ -177,7 +177,7 @@ async def _finish(
     logger = get_run_logger()
     await publish_metrics_table(record.id, outcome.summary)
     step = next_step(record)
-    markdown = summary_markdown(record, executor.description, outcome.summary, outcome.files, step)
+    markdown = summary_markdown(record, where, outcome.summary, outcome.files, step)
     if isinstance(exported, str):
         markdown += f"\n## GGUF\n\nThe export failed: {exported}\n"
     elif exported is not None:
@@ -266,9 +266,9 @@ async def train(
             record = await start_job(ctx, trainer, record, block)
             outcome = await follow_job(ctx, trainer, record)
             if export is None or outcome.record.state != RunState.SUCCEEDED:
-                return await _finish(runs, outcome, executor)
+                return await _finish(runs, outcome, executor.description)
         exported = await _export_after(outcome.record.id, export, runs_dir)
-        return await _finish(runs, outcome, executor, exported=exported)
+        return await _finish(runs, outcome, executor.description, exported=exported)
     finally:
         await executor.close()
 
@@ -322,7 +322,7 @@ async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[
                 if record.state.ended and lifecycle.artifacts_missing(record):
                     record, _ = await lifecycle.collect(ctx, trainer, record)
                 outcome = await follow_job(ctx, trainer, record)
-                return await _finish(runs, outcome, executor)
+                return await _finish(runs, outcome, executor.description)
         except RunBusy as busy:
             raise RunError(
                 f"run {run_id} is already followed by {busy.holder}: it records the outcome; "
@@ -352,7 +352,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
         try:
             with follow_lock(runs.run_dir(run_id), flow_run.id):
                 outcome = await follow_job(ctx, trainer, runs.load(run_id))
-                return await _finish(runs, outcome, executor)
+                return await _finish(runs, outcome, executor.description)
         except RunBusy as busy:
             logger.info(
                 "run %s is followed by %s, which will record the stop and retrieve the "
@@ -399,7 +399,7 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[
         get_run_logger().info(
             "run %s cancelled; its files were %sretrieved", run_id, "" if retrieved else "not "
         )
-        return await _finish(runs, outcome, executor, cancelling=True)
+        return await _finish(runs, outcome, executor.description, cancelling=True)
     finally:
         await executor.close()
 
@@ -420,7 +420,7 @@ async def _wait_for_end(
             outcome = await lifecycle.watch(
                 RunContext(runs=runs, executor=executor), _record_trainer(record), record
             )
-            return await _finish(runs, outcome, executor, cancelling=cancelling)
+            return await _finish(runs, outcome, executor.description, cancelling=cancelling)
         await asyncio.sleep(1.0)
     raise RunError(
         f"run {run_id} is still followed by {holder_of(runs.run_dir(run_id))} after "

@@ -21,7 +21,7 @@ from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name
 from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, follow_again, subject
 
 
 class Ending(StrEnum):
@@ -40,9 +40,9 @@ def remove_hint(run_id: str) -> str:
     return f"remove the pod with the pods flow (action=remove, run_id={run_id})"
 
 
-def attach_hint(run_id: str) -> str:
-    """How to follow a run again."""
-    return f"follow it again with the attach flow (run_id={run_id})"
+def attach_hint(record: RunRecord) -> str:
+    """How to follow a run (or an export, a compare) again."""
+    return f"follow it again with {follow_again(record)}"
 
 
 async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client") -> None:
@@ -200,7 +200,7 @@ async def end_pod(
     if not retrieved:
         pod.state = PodState.KEPT if pod.keep else PodState.AWAITING_RETRIEVAL
         pod.save(ctx.runs)
-        ctx.log.warning("%s", unretrieved_message(pod, record.id))
+        ctx.log.warning("%s", unretrieved_message(pod, record))
         return Ending.KEPT if pod.keep else Ending.AWAITING_RETRIEVAL
     try:
         await executor.touch(f"{record.remote_dir}/{RETRIEVED_MARKER}")
@@ -240,7 +240,7 @@ def fail_run(runs: Runs, run_id: str, message: str) -> RunRecord | None:
         return None
 
 
-def unretrieved_message(pod: PodRecord, run_id: str) -> str:
+def unretrieved_message(pod: PodRecord, record: RunRecord) -> str:
     """The warning when a run's files were not retrieved and its pod stays."""
     stays = (
         "stays (keep_pod): nothing deletes it automatically"
@@ -248,8 +248,8 @@ def unretrieved_message(pod: PodRecord, run_id: str) -> str:
         else "stays until its watchdog's retrieve grace ends"
     )
     return (
-        f"the files of run {run_id} were not retrieved: pod {pod.name}{pod.rate_text()} {stays}; "
-        f"retrieve them with the attach flow (run_id={run_id}), or {remove_hint(run_id)}"
+        f"the files of {subject(record)} were not retrieved: pod {pod.name}{pod.rate_text()} "
+        f"{stays}; retrieve them with {follow_again(record)}, or {remove_hint(record.id)}"
     )
 
 
@@ -268,12 +268,12 @@ def kept_message(runs: Runs, pod: PodRecord, run_id: str) -> str:
 
 
 def detached_message(
-    runs: Runs, pod: PodRecord, run_id: str, retrieve_grace_s: float, lease_ttl_s: float
+    runs: Runs, pod: PodRecord, record: RunRecord, retrieve_grace_s: float, lease_ttl_s: float
 ) -> str:
     """The message of a run left running on its pod, its follower gone: how to
     follow it again or remove the pod, and what bounds the pod meanwhile."""
     if pod.keep:
-        guard = f"The pod is kept with no time limit (keep_pod): `{ssh_command(runs, run_id)}`."
+        guard = f"The pod is kept with no time limit (keep_pod): `{ssh_command(runs, record.id)}`."
     else:
         guard = (
             f"The watchdog deletes the pod {retrieve_grace_s / 60:g} min after the job ends if "
@@ -284,8 +284,8 @@ def detached_message(
             guard += f", or once it cost ${pod.max_cost_usd:.2f} (max_cost_usd)"
         guard += "."
     return (
-        f"run {run_id} keeps running on pod {pod.name}{pod.rate_text()}; {attach_hint(run_id)}, "
-        f"or {remove_hint(run_id)}. {guard}"
+        f"{subject(record)} keeps running on pod {pod.name}{pod.rate_text()}; "
+        f"{attach_hint(record)}, or {remove_hint(record.id)}. {guard}"
     )
 
 

@@ -15,8 +15,9 @@ from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.keys import HOST_KEY_SECRET_PREFIX
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
+from overbrainer_prefect.runs.lifecycle import MANIFEST_FILE, artifacts_missing
 from overbrainer_prefect.runs.records import RecordError
-from overbrainer_prefect.runs.store import Runs, RunsError
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class PodRow:
     orphan: bool
     why: str
     """Why it is an orphan, or what bounds it."""
+    retrieved: bool = False
+    """Its run has ended with every file retrieved and verified here, and the
+    pod is not kept: nothing is lost by deleting it (the sweep does)."""
 
     def line(self) -> str:
         """The row as one line of text."""
@@ -64,9 +68,13 @@ async def pod_rows(client: RunpodClient, runs: Runs) -> list[PodRow]:
 def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
     record = None
     local: PodRecord | None = None
+    retrieved = False
     try:
-        record = runs.load(run_id)
-        local = PodRecord.load(runs, run_id)
+        found = runs.find(run_id)
+        if found is not None:
+            store, record = found
+            local = PodRecord.load(store, run_id)
+            retrieved = _retrieved(store, record) and not (local is not None and local.keep)
     except (RunsError, RecordError):
         pass
     started = _unix(pod.created_at) or (local.created_unix if local else None)
@@ -83,7 +91,10 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
             why = f"its run has ended ({record.state})" + (
                 "; kept (keep_pod)"
                 if kept
-                else "; its watchdog deletes it after the retrieve grace"
+                else "; its files are retrieved and verified: the sweep deletes it"
+                if retrieved
+                else "; its files were not retrieved: its watchdog deletes it after the retrieve "
+                "grace"
             )
         else:
             orphan = False
@@ -100,7 +111,16 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
         estimated_spend=spend,
         orphan=orphan,
         why=why,
+        retrieved=retrieved,
     )
+
+
+def _retrieved(store: Runs, record: RunRecord) -> bool:
+    """Whether an ended run's pod holds nothing that is not here: its job never
+    started, or its files were retrieved and verified (its manifest is here)."""
+    if not record.state.ended or artifacts_missing(record):
+        return False
+    return record.job is None or (store.run_dir(record.id) / MANIFEST_FILE).is_file()
 
 
 def orphan_warnings(rows: list[PodRow]) -> list[str]:
@@ -136,9 +156,11 @@ async def sweep_host_keys(client: RunpodClient, runs: Runs, rows: list[PodRow]) 
         if run_id in alive:
             continue
         try:
-            local = PodRecord.load(runs, run_id)
+            found = runs.find(run_id)
+            store = found[0] if found is not None else runs
+            local = PodRecord.load(store, run_id) if found is not None else None
         except (RunsError, RecordError):
-            local = None
+            local, store = None, runs
         if local is None:
             warnings.append(
                 f"the Runpod secret {secret.name} belongs to run {run_id}, which is not here: "
@@ -150,7 +172,7 @@ async def sweep_host_keys(client: RunpodClient, runs: Runs, rows: list[PodRow]) 
         try:
             await client.delete_secret(secret.name)
             local.secret_deleted = True
-            local.save(runs)
+            local.save(store)
         except RunpodError as error:
             warnings.append(f"cannot delete the Runpod secret {secret.name}: {error}")
     return warnings

@@ -279,3 +279,11 @@ def _count_params(path: Path) -> int:
             continue
         total += math.prod(int(d) for d in info.get("shape", []))
     return total
+
+
+def merge_vram_bytes(shape: ModelShape) -> int:
+    """The VRAM merging a LoRA into a model of `shape` needs on one GPU, in
+    bytes: its 16-bit weights, a fifth more for the tensors the merge makes,
+    and the CUDA context."""
+    weights = 2 * shape.params
+    return weights + weights // 5 + OVERHEAD_BYTES

@@ -172,6 +172,28 @@ class Runs:
         `<run dir>/<kind>s/<id>/<kind>.json`. Raises InvalidRunId for an invalid ID."""
         return Runs(self.run_dir(run_id) / f"{kind}s", record_file=f"{kind}.json", kind=kind)
 
+    def find(self, record_id: str) -> tuple[Runs, RunRecord] | None:
+        """The store holding the record `record_id` and the record: a run of this
+        directory, an export or compare of one of its runs, or a base model's
+        export (`.bases/<key>/exports/`); None when none is here. IDs are unique
+        (time + random), so the first found is the one.
+
+        Raises InvalidRunId for an invalid ID; RecordIoError or InvalidRecord
+        when the record found cannot be read."""
+        self.run_dir(record_id)  # validates the ID before it names a path
+        if (self.root / record_id / self.record_file).is_file():
+            return self, self.load(record_id)
+        for kind in ("export", "compare"):
+            for found in sorted(self.root.glob(f"*/{kind}s/{record_id}/{kind}.json")):
+                parent = found.parent.parent.parent.name
+                if is_valid_run_id(parent):
+                    store = self.children(parent, kind)
+                    return store, store.load(record_id)
+        for found in sorted(self.root.glob(f".bases/*/exports/{record_id}/export.json")):
+            store = Runs(found.parent.parent, record_file="export.json", kind="export")
+            return store, store.load(record_id)
+        return None
+
     def run_dir(self, run_id: str) -> Path:
         """The local directory of the run `run_id`.
 

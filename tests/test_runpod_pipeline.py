@@ -1,0 +1,281 @@
+"""Export and compare on a Runpod target, against the simulator whose pods are
+real local process trees (the real bootstrap + watchdog, a real sshd on
+127.0.0.1) running the real jobs: axolotl's fine-tune, llama.cpp's merge,
+convert and quantize, and llama-cpp-python's answers.
+
+What is shown: `fine_tune` on a pod target runs each step (the training, the
+run's export, the base model's export, the compare) on a new pod of its own,
+each deleted only after its files are verified; `auto` picks each pod's GPU
+from that step's VRAM floor; a compare may name its own image; cancelling an
+export while its pod boots deletes that pod; a wrong compare image fails in
+one line before any pod exists.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.states import Cancelling
+
+from overbrainer_prefect.blocks import LocalTarget
+from overbrainer_prefect.flows import (
+    FineTuneResult,
+    FineTuneSpec,
+    compare,
+    export,
+    fine_tune,
+    train,
+)
+from overbrainer_prefect.flows.pipeline import CompareSettings
+from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
+from overbrainer_prefect.runpod.settings import SettingsError
+from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.trainers.compare import BASES_DIR
+from overbrainer_prefect.trainers.export import ExportSpec
+from tests.conftest import REPO, job_venv
+from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_sim.pods import SimPods
+from tests.test_runpod_flows import (
+    FAST,
+    assert_no_secret_in_files,
+    flow_logs,
+    run,
+    secrets_of,
+    target,
+)
+from tests.test_train_flow import kill, spec, wait_until
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What colour is the sky?", "Name a fruit."]
+COMPARE_IMAGE = "overbrainer/compare:2"
+
+
+@pytest.fixture
+def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[RunpodSim]:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    with running_sim() as simulator:
+        yield simulator
+
+
+@pytest.fixture
+def pods_of(sim: RunpodSim, tmp_path: Path) -> Iterator[SimPods]:
+    with SimPods(tmp_path / "pods").attached(sim) as simulated:
+        yield simulated
+
+
+def pods_of_store(store: Runs) -> list[PodRecord]:
+    """The pod records of every record of a store."""
+    found = []
+    for record in store.list():
+        pod = PodRecord.load(store, record.id)
+        assert pod is not None, f"{record.id} has no pod.json"
+        found.append(pod)
+    return found
+
+
+def test_fine_tune_on_a_pod_target_runs_each_step_on_its_own_pod_deleted_after_verification(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    name = target(sim, gpu_types="auto")
+    fine = FineTuneSpec(
+        target=name,
+        training=spec(*tiny),
+        export=ExportSpec(quant="q8_0"),
+        compare=CompareSettings(questions=QUESTIONS, max_tokens=4, image=COMPARE_IMAGE),
+        runs_dir=str(runs_dir),
+    )
+    state = run(fine_tune(fine, return_state=True))
+    result = state.result()
+    assert isinstance(result, FineTuneResult), result
+    runs = Runs(runs_dir)
+    run_id = result.run_id
+    assert result.export.state == RunState.SUCCEEDED and result.export.gguf is not None
+    assert result.compare.state == RunState.SUCCEEDED
+    assert [pair.question for pair in result.compare.answers] == QUESTIONS
+    assert all(pair.base and pair.tuned for pair in result.compare.answers)
+
+    # one pod per step: the run, its export, the base model's export, the compare
+    exports = runs.children(run_id, "export")
+    compares = runs.children(run_id, "compare")
+    bases = [
+        Runs(path, record_file="export.json", kind="export")
+        for path in sorted((runs_dir / BASES_DIR).glob("*/exports"))
+    ]
+    assert len(bases) == 1
+    steps = {
+        "run": [PodRecord.load(runs, run_id)],
+        "export": pods_of_store(exports),
+        "base": pods_of_store(bases[0]),
+        "compare": pods_of_store(compares),
+    }
+    assert {step: len(pods) for step, pods in steps.items()} == {
+        "run": 1,
+        "export": 1,
+        "base": 1,
+        "compare": 1,
+    }
+    ids = set()
+    for step, (pod,) in steps.items():
+        assert pod is not None and pod.pod_id is not None, step
+        assert pod.state == PodState.DELETED, (step, pod.state)
+        assert pod.deleted_by == "client" and pod.secret_deleted, step
+        assert pod.delete_reason == "its run's files were retrieved and verified", step
+        simulated = sim.pod(pod.pod_id)
+        assert simulated.deleted and not pods_of.running(pod.pod_id), step
+        ids.add(pod.pod_id)
+    assert len(ids) == 4
+    assert {p.id for p in sim.pods(include_deleted=True)} == ids
+    assert sim.pods() == [] and sim.secret_names() == []
+    assert sim.pod(steps["compare"][0].pod_id).image == COMPARE_IMAGE  # type: ignore[arg-type]
+    assert sim.pod(steps["export"][0].pod_id).image == "overbrainer/test:1"  # type: ignore[arg-type]
+
+    # each pod's files were verified before it went: the GGUFs and the answers are here
+    gguf = Path(result.export.gguf_path or "")
+    assert gguf.is_file() and gguf.stat().st_size == result.export.gguf.size
+    answers = Path(result.compare.answers_path or "")
+    assert answers.is_file() and answers.read_text().count("\n") == 2 * len(QUESTIONS)
+
+    # what each pod cost and why its GPU was chosen was logged before anything was spent
+    export_flow_run = exports.list()[0].flow_run_id
+    compare_flow_run = compares.list()[0].flow_run_id
+    assert export_flow_run is not None and compare_flow_run is not None
+    export_logs = "\n".join(flow_logs(export_flow_run))
+    assert "the merge into" in export_logs and "GB of VRAM" in export_logs
+    assert "Runpod: " in export_logs and "/h" in export_logs
+    compare_logs = "\n".join(flow_logs(compare_flow_run))
+    assert f"{len(QUESTIONS)} questions" in compare_logs and COMPARE_IMAGE in compare_logs
+    assert "plus a fifth, plus 2 GB" in compare_logs and "Runpod: " in compare_logs
+    assert_no_secret_in_files(runs_dir, secrets_of(sim))
+
+
+def trained_locally(tiny: tuple[Path, Path], tmp_path: Path, runs_dir: Path) -> str:
+    """A succeeded run of the tiny model on a local target; returns its ID."""
+    local = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(
+        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
+    ).save(local)
+    result = run(train(target=local, training=spec(*tiny), runs_dir=str(runs_dir)))
+    assert result.state == RunState.SUCCEEDED, result.message
+    return str(result.run_id)
+
+
+def export_in_child(run_id: str, target_name: str, runs_dir: Path, log: Path) -> Any:
+    """Runs the export flow in another Python process, against this session's server."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
+    code = (
+        "import asyncio, sys\n"
+        "from overbrainer_prefect.flows import export\n"
+        "asyncio.run(export(run_id=sys.argv[1], quant='q8_0', target=sys.argv[2], "
+        "runs_dir=sys.argv[3]))\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, run_id, target_name, str(runs_dir)],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def cancel_export_through_prefect(flow_run_id: str, child: Any) -> None:
+    """Sets the export's flow run Cancelling through the API, kills its process
+    as a runner does, then runs the flow's cancellation hook from the records."""
+    from overbrainer_prefect.flows.export import export as export_flow
+    from overbrainer_prefect.flows.export import on_export_cancelled
+
+    async def cancelling() -> None:
+        async with get_client() as client:
+            await client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
+
+    run(cancelling())
+    kill(child)
+
+    async def hook() -> None:
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(uuid.UUID(flow_run_id))
+        assert flow_run.state is not None and flow_run.state.name == "Cancelling"
+        await on_export_cancelled(export_flow, flow_run, flow_run.state)
+
+    run(hook())
+
+
+def test_an_export_cancelled_while_its_pod_boots_deletes_that_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    run_id = trained_locally(tiny, tmp_path, runs_dir)
+    exports = Runs(runs_dir).children(run_id, "export")
+    pods_of.boot_delay_s = 3.0
+    name = target(sim)
+    child = export_in_child(run_id, name, runs_dir, tmp_path / "child.log")
+
+    def created() -> Any:
+        for record in exports.list():
+            pod = PodRecord.load(exports, record.id)
+            if pod is not None and pod.pod_id is not None:
+                return record
+        return None
+
+    try:
+        wait_until(lambda: created() is not None, 120, "the export's pod to be created")
+        record = created()
+        cancel_export_through_prefect(record.flow_run_id, child)
+    finally:
+        kill(child)
+    saved = exports.load(record.id)
+    assert saved.state == RunState.FAILED and saved.message == "interrupted before the job started"
+    pod = PodRecord.load(exports, record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted and not pods_of.running(pod.pod_id)
+    assert sim.pods() == [] and sim.secret_names() == []
+    assert Runs(runs_dir).load(run_id).state == RunState.SUCCEEDED  # the run is untouched
+
+
+def test_a_wrong_compare_image_fails_in_one_line_before_any_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    run_id = trained_locally(tiny, tmp_path, runs_dir)
+    name = target(sim)
+    exported = run(export(run_id=run_id, quant="q8_0", runs_dir=str(runs_dir)))
+    assert exported.state == RunState.SUCCEEDED
+    with pytest.raises(SettingsError) as refused:
+        run(
+            compare(
+                run_id=run_id,
+                questions=QUESTIONS,
+                quant="q8_0",
+                target=name,
+                runs_dir=str(runs_dir),
+                image="  ",
+            )
+        )
+    assert "\n" not in str(refused.value) and "the image is missing" in str(refused.value)
+    assert sim.pods(include_deleted=True) == []
+    assert not Runs(runs_dir).children(run_id, "compare").root.exists()
