@@ -3,7 +3,8 @@ real process workers: `prefect deploy`, `prefect deployment run` of the local
 train deployment to completion, `prefect flow-run cancel` through the
 cancellation hook, a worker and its flow process SIGKILLed and the run
 finished by the collector on a second worker (another clone, the same runs
-root), the nightly schedule, bad parameters and blocks; once on PostgreSQL."""
+root), both also on a simulated Runpod pod (its pod deleted), the nightly
+schedule, bad parameters and blocks; once on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import os
 import secrets
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,8 +25,11 @@ from zoneinfo import ZoneInfo
 import pytest
 import yaml
 
+from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs import Runs, RunState
-from tests.conftest import REPO
+from tests.conftest import REPO, job_venv
 from tests.prefect_server import (
     Stack,
     Trained,
@@ -34,6 +41,9 @@ from tests.prefect_server import (
     tiny_training,
     wait_until,
 )
+from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_sim.pods import SimPods
+from tests.test_runpod_flows import A4000, FAST
 
 pytest_plugins = ["tests.prefect_server", "tests.postgres"]
 pytestmark = pytest.mark.slow
@@ -178,6 +188,162 @@ def test_a_run_whose_worker_was_killed_is_finished_by_the_collector_on_a_second_
     assert record.id in collected_by_a_collect and "followed to its end" in collected_by_a_collect
     # the flow run its dead process left running is ended, which frees the deployment's slot
     left = deployed.flow_run(flow_run_id).state
+    assert left.is_crashed() and record.id in left.message and "succeeded" in left.message
+
+
+@dataclass
+class OnSim:
+    """The Runpod simulator with real simulated pods, a Runpod target block on
+    the stack's server naming it, and the worker that runs the flow runs."""
+
+    sim: RunpodSim
+    pods: SimPods
+    target: str
+    worker: Worker
+
+
+def save_runpod_target(stack: Stack, sim: RunpodSim) -> str:
+    """Saves a Runpod target on the simulator on the stack's server (where its
+    flow runs load it); returns its name."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    name = f"pod-{uuid.uuid4().hex[:8]}"
+    block = RunpodTarget(
+        credentials=RunpodCredentials(
+            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+        ),
+        job_venv=str(job_venv()),
+        gpu_types=[A4000],
+        image="overbrainer/test:1",
+        max_hours=1.0,
+        boot_grace_s=60.0,
+        retrieve_grace_s=120.0,
+        poll_seconds=0.5,
+        stall_minutes=1.0,
+        cpu_threads=1,
+    )
+    with temporary_settings(updates={PREFECT_API_URL: stack.server.api_url}):
+        block.save(name)
+    return name
+
+
+@pytest.fixture
+def on_sim(deployed: Stack, tmp_path: Path) -> Iterator[OnSim]:
+    """The simulator and its pods (in this process: they outlive any worker),
+    a Runpod target on it, and the only running worker of the stack, with the
+    pods' short timings in its environment (its flow-run processes and their
+    hooks inherit them). Every worker started meanwhile is stopped at the end,
+    before the pods and the simulator."""
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as pods:
+        name = save_runpod_target(deployed, sim)
+        for running in deployed.workers:
+            if running.running:
+                running.stop()  # a worker without the timings would take our runs
+        first = len(deployed.workers)
+        worker = Worker(deployed.server, f"pods-{uuid.uuid4().hex[:6]}", REPO, **{TIMING_ENV: FAST})
+        deployed.workers.append(worker)
+        try:
+            worker.start()
+            yield OnSim(sim=sim, pods=pods, target=name, worker=worker)
+        finally:
+            for started in deployed.workers[first:]:
+                started.stop()
+
+
+def pod_of(stack: Stack, run_id: str) -> PodRecord:
+    pod = PodRecord.load(Runs(stack.runs), run_id)
+    assert pod is not None and pod.pod_id is not None, run_id
+    return pod
+
+
+def test_cancelling_a_deployment_run_on_a_simulated_pod_cancels_its_job_and_deletes_its_pod(
+    deployed: Stack, on_sim: OnSim, tiny: tuple[Path, Path]
+) -> None:
+    known = run_ids(deployed)
+    flow_run_id = deployed.run_deployment(
+        "train/local", target=on_sim.target, training=tiny_training(*tiny, max_steps=100000)
+    )
+    record = wait_until(lambda: training_now(deployed, known), 300, "the job to train on its pod")
+    assert record.target_kind == "runpod" and record.job is not None
+    pod_id = pod_of(deployed, record.id).pod_id
+    assert on_sim.pods.running(pod_id) and job_group_alive(record.job.pid)
+
+    deployed.server.cli("flow-run", "cancel", str(flow_run_id))
+    flow_run = deployed.wait_final(flow_run_id, timeout=240)
+    assert flow_run.state.is_cancelled(), flow_run.state
+    saved = Runs(deployed.runs).load(record.id)
+    assert saved.state == RunState.CANCELLED, saved
+    local = Runs(deployed.runs).run_dir(record.id)
+    assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
+    pod = pod_of(deployed, record.id)
+    assert pod.state == PodState.DELETED and pod.pod_id == pod_id and pod.deleted_by == "client"
+    assert on_sim.sim.pod(pod_id).deleted
+    assert on_sim.sim.pods() == [] and on_sim.sim.secret_names() == []
+    assert not on_sim.pods.running(pod_id)  # its sshd and its job went with it
+    assert not job_group_alive(record.job.pid)
+
+
+def test_a_run_on_a_simulated_pod_whose_worker_was_killed_is_finished_by_the_collector(
+    deployed: Stack, on_sim: OnSim, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    known = run_ids(deployed)
+    flow_run_id = deployed.run_deployment(
+        "train/local", target=on_sim.target, training=tiny_training(*tiny, max_steps=300)
+    )
+    record = wait_until(lambda: training_now(deployed, known), 300, "the job to train on its pod")
+    assert record.target_kind == "runpod" and record.job is not None
+    pod_id = pod_of(deployed, record.id).pod_id
+    # the pod's processes are the simulator's, in this process: they outlive the worker
+    killed = on_sim.worker.kill(spare_sessions={record.job.pid})
+    assert len(killed) >= 2, "the worker and its flow-run process"
+    assert on_sim.pods.running(pod_id) and job_group_alive(record.job.pid)
+    assert not on_sim.sim.pod(pod_id).deleted
+    assert Runs(deployed.runs).load(record.id).state == RunState.RUNNING
+    assert not deployed.flow_run(flow_run_id).state.is_final()  # nobody is left to say
+
+    # a second worker, on another clone, sharing the runs root through the deployment
+    other = Worker(
+        deployed.server,
+        f"collector-{uuid.uuid4().hex[:6]}",
+        clone(tmp_path / "clone"),
+        OVERBRAINER_PROJECT_DIR=str(tmp_path / "clone"),
+        **{TIMING_ENV: FAST},
+    )
+    deployed.workers.append(other)
+    other.start()
+    collect_id = deployed.run_deployment("collect/every-5-minutes")
+    collected = deployed.wait_final(collect_id, timeout=600)
+    assert collected.state.is_completed(), collected.state
+    # a scheduled collect may have taken the run first: it finishes it then
+    wait_until(
+        lambda: Runs(deployed.runs).load(record.id).state.ended, 300, "the run to be finished"
+    )
+    saved = Runs(deployed.runs).load(record.id)
+    assert saved.state == RunState.SUCCEEDED, saved
+    assert_verified(deployed.runs, record.id)
+    pod = pod_of(deployed, record.id)
+    assert pod.state == PodState.DELETED and pod.deleted_by == "client", pod
+    assert on_sim.sim.pod(pod_id).deleted and not on_sim.pods.running(pod_id)
+    assert on_sim.sim.pods() == [] and on_sim.sim.secret_names() == []
+    assert not (tmp_path / "clone" / "runs").exists(), "runs go to the shared root"
+
+    async def report(client: Any) -> str:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        found = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["collected-runs"]))
+        )
+        return "\n".join(str(a.data) for a in found)
+
+    reported = [row for row in deployed.server.call(report).splitlines() if record.id in row]
+    assert any("followed to its end" in row and "succeeded" in row for row in reported), reported
+
+    # the flow run its dead process left running is ended, which frees the deployment's slot
+    def settled() -> Any:
+        state = deployed.flow_run(flow_run_id).state
+        return state if state.is_final() else None
+
+    left = wait_until(settled, 60, "the killed flow run to be settled")
     assert left.is_crashed() and record.id in left.message and "succeeded" in left.message
 
 

@@ -450,3 +450,39 @@ def test_the_tiny_model_is_sized_exactly(tiny: tuple[Path, Path]) -> None:
     assert weights is not None
     assert 100_000 < weights.parameters < 200_000
     assert weights.size > weights.parameters * 4  # fp32 weights plus the header
+
+
+@pytest.mark.slow
+def test_an_export_whose_follower_died_is_finished_by_the_collector(
+    trained: Trained, tmp_path: Path
+) -> None:
+    from overbrainer_prefect.flows.collect import collect
+    from tests.test_runpod_pipeline import export_in_child
+    from tests.test_train_flow import kill, wait_until
+
+    run_id = copy_run(trained)
+    exports = Runs(trained.runs_dir).children(run_id, "export")
+    child = export_in_child(run_id, trained.target, trained.runs_dir, tmp_path / "child.log")
+
+    def started() -> Any:
+        return next((r for r in exports.list() if r.job is not None), None)
+
+    try:
+        wait_until(lambda: started() is not None, 120, "the export's job to start")
+    finally:
+        kill(child)  # its follower dies without a trace; the job runs on in its own session
+    record = exports.load(started().id)
+    assert record.state == RunState.RUNNING
+    rows = run(collect(runs_dir=str(trained.runs_dir)))
+    (row,) = [r for r in rows if r.run_id == record.id]
+    assert row.kind == f"export {record.id} of run {run_id}" and row.retrieved
+    assert row.action == "followed to its end" and row.state == RunState.SUCCEEDED
+    saved = exports.load(record.id)
+    assert saved.state == RunState.SUCCEEDED and saved.message is None
+    local = exports.run_dir(record.id)
+    manifest = json.loads((local / "manifest.json").read_text())
+    (gguf,) = [e for e in manifest if e["path"].endswith(".gguf")]
+    assert sha256(local / gguf["path"]) == gguf["sha256"]
+    # the collected export is reused by the next export of the same quant
+    again = run(export(run_id=run_id, quant="q8_0", runs_dir=str(trained.runs_dir)))
+    assert again.reused and again.export_id == record.id

@@ -546,6 +546,30 @@ def test_bad_input_fails_in_one_line_before_any_pod_is_created(
     assert not runs_dir.exists()
 
 
+def test_a_pod_dearer_than_the_whole_gpu_budget_is_refused_before_any_run_or_pod_exists(
+    prefect_server: None, sim: RunpodSim, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, BudgetError, set_budget
+
+    runs_dir = tmp_path / "runs"
+    run(set_budget(2, 0.10))  # ten cents an hour: an A4000 at $0.25/h never fits
+    try:
+        with pytest.raises(BudgetError) as refused:
+            run(train(target=target(sim), training=spec(*tiny), runs_dir=str(runs_dir)))
+    finally:
+
+        async def drop() -> None:
+            async with get_client() as client:
+                for name in (POD_LIMIT, SPEND_LIMIT):
+                    await client.delete_global_concurrency_limit_by_name(name)
+
+        run(drop())
+    message = str(refused.value)
+    assert "\n" not in message and "$0.25/h costs more than the whole GPU budget" in message
+    assert f"prefect gcl update {SPEND_LIMIT} --limit 25" in message
+    assert Runs(runs_dir).list() == [] and sim.pods(include_deleted=True) == []
+
+
 def test_pods_remove_of_a_run_that_is_not_a_runpod_run_deletes_nothing(
     prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
 ) -> None:

@@ -37,7 +37,7 @@ from overbrainer_prefect.artifacts import (
     publish_summary,
     summary_markdown,
 )
-from overbrainer_prefect.blocks import RunpodTarget
+from overbrainer_prefect.blocks import RunpodTarget, TargetBlock
 from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.hooks import crashed_pod_job_hook
 from overbrainer_prefect.flows.targets import UnknownTarget, load_target
@@ -49,7 +49,10 @@ from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, is_followed
 from overbrainer_prefect.runs.records import RecordError
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
+from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
+from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.compare import BASES_DIR, BaseExportTrainer, base_exports
 
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""
@@ -72,8 +75,11 @@ class Collected(BaseModel):
     """What the collector did with one run."""
 
     run_id: str
+    """The run, or the export or compare (`kind`), the collector finished."""
     target: str
     was: RunState
+    kind: str = "run"
+    """`run`, or an export or compare: `export E of run R`."""
     action: str
     state: RunState
     retrieved: bool = False
@@ -91,8 +97,33 @@ class Finished:
     cancelled: bool
 
 
+def job_trainer(runs: Runs, record: RunRecord, block: TargetBlock) -> Trainer:
+    """The trainer of any job, rebuilt from its record: a run's training, a run's
+    export or compare, or a base model's export (an export with no run).
+    Raises RunError when the record holds no usable spec."""
+    if record.trainer == "compare":
+        from overbrainer_prefect.flows.compare import compare_trainer_of
+
+        return compare_trainer_of(runs, record, block)
+    if record.trainer == "export" and record.parent is None:
+        spec = record.spec or {}
+        return BaseExportTrainer(
+            str(spec.get("base_model")), str(spec.get("quant")), cpu_threads=block.cpu_threads
+        )
+    if record.trainer == "export":
+        from overbrainer_prefect.flows.export import export_trainer_of
+
+        return export_trainer_of(runs)(record, block)
+    return trainer_of(record, block)
+
+
 async def finish_run(
-    runs: Runs, record: RunRecord, *, cancel: bool = False, reporter: Any = None
+    runs: Runs,
+    record: RunRecord,
+    *,
+    cancel: bool = False,
+    reporter: Any = None,
+    store: Runs | None = None,
 ) -> Finished:
     """Finishes a started run whose follower is gone. The caller holds the run's
     follow lock.
@@ -105,24 +136,28 @@ async def finish_run(
     says whether everything the target held is here: only then may the target's
     copy go (a pod be deleted).
 
+    `store` holds the record when it is an export or a compare (`runs` is then
+    the runs directory its run is in).
+
     Raises UnknownTarget when the run's target block no longer exists, RunError
     (Unreachable, NotRetrieved, ...) when the job cannot be followed to its end,
     ExecError when the target cannot be reached to cancel the job.
     """
+    store = store or runs
     target_ref, block = await load_target(record.target)
+    trainer = job_trainer(runs, record, block)
     if isinstance(block, RunpodTarget):
-        return await _finish_on_pod(runs, record, block, cancel=cancel, reporter=reporter)
+        return await _finish_on_pod(store, record, block, trainer, cancel=cancel, reporter=reporter)
     executor = block.executor(target_ref)
     try:
-        trainer = trainer_of(record, block)
-        ctx = run_context(runs, block, executor, reporter or lifecycle.LogReporter())
+        ctx = run_context(store, block, executor, reporter or lifecycle.LogReporter())
         if cancel:
             record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
             if status.kind == "cancelled":
                 outcome = await lifecycle.watch(ctx, trainer, record)
                 outcome.retrieved = retrieved
                 return Finished(outcome, executor.description, cancelled=True)
-        if isinstance(ctx.reporter, PrefectReporter):
+        if isinstance(ctx.reporter, PrefectReporter) and isinstance(trainer, AxolotlTrainer):
             outcome = await follow_job(ctx, trainer, record)
         else:
             outcome = await lifecycle.watch(ctx, trainer, record)
@@ -132,7 +167,13 @@ async def finish_run(
 
 
 async def _finish_on_pod(
-    runs: Runs, record: RunRecord, block: RunpodTarget, *, cancel: bool, reporter: Any
+    runs: Runs,
+    record: RunRecord,
+    block: RunpodTarget,
+    trainer: Trainer,
+    *,
+    cancel: bool,
+    reporter: Any,
 ) -> Finished:
     """`finish_run` for a run on a pod: its pod reached again from `pod.json`,
     the job followed (the lease renewed) or cancelled, its files retrieved and
@@ -140,7 +181,6 @@ async def _finish_on_pod(
     recorded from its local files, failed with the reason."""
     from overbrainer_prefect.flows.podjob import finish_on_pod, pod_account
 
-    trainer = trainer_of(record, block)
     async with pod_account(block, runs, get_run_logger()) as ctx:
         outcome, where = await finish_on_pod(
             ctx, block, record, trainer, reporter or lifecycle.LogReporter(), cancel=cancel
@@ -200,42 +240,65 @@ async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
     return state.type
 
 
-def orphans(runs: Runs) -> list[RunRecord]:
-    """The runs not ended that no live process follows, oldest first."""
-    return [
-        record
-        for record in runs.list(skipped=lambda _name, _error: None)
-        if not record.state.ended and not is_followed(runs.run_dir(record.id))
-    ]
+def orphans(runs: Runs) -> list[tuple[Runs, RunRecord]]:
+    """The runs, exports, compares and base model exports not ended that no
+    live process follows, each with the store holding it: runs first, oldest
+    first."""
+    stores = [runs]
+    records = runs.list(skipped=lambda _name, _error: None)
+    for record in records:
+        stores += [runs.children(record.id, kind) for kind in ("export", "compare")]
+    bases = runs.root / BASES_DIR
+    if bases.is_dir():
+        stores += [base_exports(runs, key.name) for key in sorted(bases.iterdir())]
+    found = []
+    for store in stores:
+        listed = records if store is runs else store.list(skipped=lambda _name, _error: None)
+        found += [
+            (store, record)
+            for record in listed
+            if not record.state.ended and not is_followed(store.run_dir(record.id))
+        ]
+    return found
 
 
-async def collect_run(runs: Runs, record: RunRecord) -> Collected | None:
-    """Takes the follow lock of a run nobody follows and finishes it; returns
-    what was done, or None when there was nothing to do (another process took
-    the run, it ended meanwhile, or it is still being prepared)."""
+async def collect_run(runs: Runs, record: RunRecord, store: Runs | None = None) -> Collected | None:
+    """Takes the follow lock of a run (or of an export or compare, held in
+    `store`) nobody follows and finishes it; returns what was done, or None
+    when there was nothing to do (another process took it, it ended
+    meanwhile, or it is still being prepared)."""
     logger = get_run_logger()
+    store = store or runs
     state = await flow_run_state(record.flow_run_id)
     was = record.state
-    row = Collected(run_id=record.id, target=record.target, was=was, action="", state=was)
+    name = subject(record)
+    row = Collected(
+        run_id=record.id,
+        target=record.target,
+        was=was,
+        action="",
+        state=was,
+        kind=name if record.parent is not None or record.trainer != "training" else "run",
+    )
     try:
-        with follow_lock(runs.run_dir(record.id), flow_run.id):
-            record = runs.load(record.id)  # as its last follower left it
+        with follow_lock(store.run_dir(record.id), flow_run.id):
+            record = store.load(record.id)  # as its last follower left it
             if record.state.ended:
                 return None
             if record.job is None:
                 if state is None or state not in FINAL_FLOW_RUN:
                     return None  # its flow run may still be preparing it
                 if record.target_kind == "runpod":
-                    await crashed_pod_job_hook(runs, record, logger)  # its pods are deleted
-                    record = runs.load(record.id)
+                    await crashed_pod_job_hook(store, record, logger)  # its pods are deleted
+                    record = store.load(record.id)
                 if not record.state.ended:
                     record.state = RunState.FAILED
                     record.message = "interrupted before the job started"
                     record.ended = rfc3339()
-                    runs.save(record)
+                    store.save(record)
                 logger.info(
-                    "run %s: its flow run is %s and its job never started: recorded failed",
-                    record.id,
+                    "%s: its flow run is %s and its job never started: recorded failed",
+                    name,
                     state.value.lower(),
                 )
                 return row.model_copy(
@@ -247,15 +310,16 @@ async def collect_run(runs: Runs, record: RunRecord) -> Collected | None:
                 )
             cancel = state in CANCELLED_FLOW_RUN
             logger.info(
-                "run %s is %s and nobody follows it: %s",
-                record.id,
+                "%s is %s and nobody follows it: %s",
+                name,
                 record.state,
                 "its flow run was cancelled, so its job is cancelled"
                 if cancel
                 else "following its job to its end",
             )
-            reporter = PrefectReporter(logger, record.id)
-            finished = await finish_run(runs, record, cancel=cancel, reporter=reporter)
+            training = record.parent is None and record.trainer == "training"
+            reporter = PrefectReporter(logger, record.id) if training else None
+            finished = await finish_run(runs, record, cancel=cancel, reporter=reporter, store=store)
     except RunBusy:
         return None
     except (
@@ -267,20 +331,23 @@ async def collect_run(runs: Runs, record: RunRecord) -> Collected | None:
         PodError,
         RunpodError,
     ) as error:
-        logger.warning("run %s: cannot finish it: %s", record.id, error)
-        current = _state_of(runs, record)
+        logger.warning("%s: cannot finish it: %s", name, error)
+        current = _state_of(store, record)
         return row.model_copy(
             update={"action": "left as it was", "state": current, "message": str(error)}
         )
     outcome = finished.outcome
     ended = outcome.record
-    await publish_metrics_table(ended.id, outcome.summary)
-    await publish_summary(
-        ended.id,
-        summary_markdown(ended, finished.target, outcome.summary, outcome.files, next_step(ended)),
-    )
+    if ended.parent is None and ended.trainer == "training":
+        await publish_metrics_table(ended.id, outcome.summary)
+        await publish_summary(
+            ended.id,
+            summary_markdown(
+                ended, finished.target, outcome.summary, outcome.files, next_step(ended)
+            ),
+        )
     files = f"{len(outcome.files)} files " + ("verified" if outcome.retrieved else "not retrieved")
-    logger.info("run %s %s: %s", ended.id, ended.state, files)
+    logger.info("%s %s: %s", name, ended.state, files)
     await settle_flow_run(ended, f"{ended.state}, {files}")
     return row.model_copy(
         update={
@@ -313,8 +380,9 @@ def collected_markdown(rows: list[Collected], root: str) -> str:
     for row in rows:
         files = f"{row.files} verified" if row.retrieved else "not retrieved"
         message = (row.message or "").replace("|", "\\|").replace("\n", " ")
+        shown = row.run_id if row.kind == "run" else row.kind
         lines.append(
-            f"| {row.run_id} | {row.target} | {row.was} | {row.action} | **{row.state}** "
+            f"| {shown} | {row.target} | {row.was} | {row.action} | **{row.state}** "
             f"| {files} | {message} |"
         )
     return "\n".join(lines) + "\n"
@@ -334,10 +402,12 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
     """
     runs = Runs(runs_dir)
     found = orphans(runs)
-    results = await asyncio.gather(*(collect_run(runs, r) for r in found), return_exceptions=True)
+    results = await asyncio.gather(
+        *(collect_run(runs, record, store) for store, record in found), return_exceptions=True
+    )
     rows: list[Collected] = []
     errors: list[BaseException] = []
-    for record, result in zip(found, results, strict=True):
+    for (store, record), result in zip(found, results, strict=True):
         if isinstance(result, BaseException):
             errors.append(result)
             rows.append(
@@ -346,7 +416,7 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
                     target=record.target,
                     was=record.state,
                     action="failed to collect",
-                    state=_state_of(runs, record),
+                    state=_state_of(store, record),
                     message=f"{type(result).__name__}: {result}",
                 )
             )

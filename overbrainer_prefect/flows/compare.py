@@ -609,8 +609,9 @@ def _log_result(result: CompareResult, record: RunRecord) -> None:
     )
 
 
-def _trainer_of(runs: Runs, record: RunRecord, block: TargetBlock) -> CompareTrainer:
-    """The trainer of a compare, rebuilt from its record."""
+def compare_trainer_of(runs: Runs, record: RunRecord, block: TargetBlock) -> CompareTrainer:
+    """The trainer of a compare of a run of `runs`, rebuilt from its record.
+    Raises RunError when its record holds no compare spec."""
     spec = spec_of(record.spec)
     if spec is None:
         raise RunError(
@@ -632,7 +633,7 @@ async def _follow_again(runs: Runs, run_id: str, compare_id: str) -> CompareResu
         outcome, where = await follow_again_on_pod(
             compares,
             record,
-            _trainer_of(runs, record, block),
+            compare_trainer_of(runs, record, block),
             block,
             CompareReporter(logger, subject(record)),
             logger,
@@ -640,7 +641,7 @@ async def _follow_again(runs: Runs, run_id: str, compare_id: str) -> CompareResu
         return await _finish(compares, outcome, where)
     executor = block.executor(target_ref)
     try:
-        trainer = _trainer_of(runs, record, block)
+        trainer = compare_trainer_of(runs, record, block)
         reporter = CompareReporter(get_run_logger(), subject(record))
         ctx = run_context(compares, block, executor, reporter)
         try:
@@ -678,7 +679,7 @@ def _unfinished_of(flow_run: FlowRun) -> list[tuple[Runs, RunRecord, str]]:
 
 def _hook_trainer(runs: Runs, record: RunRecord, kind: str, block: TargetBlock) -> Trainer:
     if kind == COMPARE:
-        return _trainer_of(runs, record, block)
+        return compare_trainer_of(runs, record, block)
     spec = record.spec or {}
     return BaseExportTrainer(str(spec.get("base_model")), str(spec.get("quant")))
 
