@@ -279,3 +279,78 @@ def test_a_wrong_compare_image_fails_in_one_line_before_any_pod(
     assert "\n" not in str(refused.value) and "the image is missing" in str(refused.value)
     assert sim.pods(include_deleted=True) == []
     assert not Runs(runs_dir).children(run_id, "compare").root.exists()
+
+
+def fine_tune_in_child(fine: FineTuneSpec, log: Path) -> Any:
+    """Runs the fine_tune flow in another Python process, against this session's server."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
+    code = (
+        "import asyncio, sys\n"
+        "from overbrainer_prefect.flows import FineTuneSpec, fine_tune\n"
+        "asyncio.run(fine_tune(FineTuneSpec.model_validate_json(sys.argv[1])))\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, fine.model_dump_json()],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def test_a_fine_tune_cancelled_while_its_run_trains_on_a_pod_cancels_the_job_and_deletes_the_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    from overbrainer_prefect.flows.pipeline import on_fine_tune_cancelled
+    from tests.test_runpod_flows import LONG, running_on_pod
+
+    runs_dir = tmp_path / "runs"
+    fine = FineTuneSpec(
+        target=target(sim),
+        training=spec(*tiny, max_steps=LONG),
+        compare=CompareSettings(questions=QUESTIONS),
+        runs_dir=str(runs_dir),
+    )
+    child = fine_tune_in_child(fine, tmp_path / "child.log")
+    try:
+        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
+        record = running_on_pod(runs_dir)
+
+        async def cancel() -> Any:
+            async with get_client() as client:
+                train_run = await client.read_flow_run(uuid.UUID(record.flow_run_id))
+                assert train_run.parent_task_run_id is not None  # a subflow of the fine-tune
+                task_run = await client.read_task_run(train_run.parent_task_run_id)
+                parent = task_run.flow_run_id
+                assert parent is not None
+                await client.set_flow_run_state(parent, Cancelling(), force=True)
+                return parent
+
+        parent = run(cancel())
+    finally:
+        kill(child)  # as a runner kills the process of a cancelled flow run
+
+    async def hook() -> Any:
+        from overbrainer_prefect.flows.pipeline import fine_tune as fine_tune_flow
+
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(parent)
+            await on_fine_tune_cancelled(fine_tune_flow, flow_run, flow_run.state)
+            return await client.read_flow_run(uuid.UUID(record.flow_run_id))
+
+    train_run = run(hook())
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.CANCELLED, saved.message
+    assert (Runs(runs_dir).run_dir(record.id) / "job.log").is_file()
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted and not pods_of.running(pod.pod_id)
+    assert sim.pods() == [] and sim.secret_names() == []
+    assert train_run.state is not None and train_run.state.is_cancelled()
