@@ -354,3 +354,34 @@ def test_a_fine_tune_cancelled_while_its_run_trains_on_a_pod_cancels_the_job_and
     assert sim.pod(pod.pod_id).deleted and not pods_of.running(pod.pod_id)
     assert sim.pods() == [] and sim.secret_names() == []
     assert train_run.state is not None and train_run.state.is_cancelled()
+
+
+def test_an_export_on_a_pod_whose_follower_died_is_followed_again_and_its_pod_deleted(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    run_id = trained_locally(tiny, tmp_path, runs_dir)
+    exports = Runs(runs_dir).children(run_id, "export")
+    name = target(sim)
+    child = export_in_child(run_id, name, runs_dir, tmp_path / "child.log")
+
+    def started() -> Any:
+        return next((r for r in exports.list() if r.job is not None), None)
+
+    try:
+        wait_until(lambda: started() is not None, 180, "the export's job to start on its pod")
+    finally:
+        kill(child)  # its follower dies; the job and its pod are left to the watchdog
+    export_id = started().id
+    pod = PodRecord.load(exports, export_id)
+    assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
+    result = run(export(run_id=run_id, export_id=export_id, runs_dir=str(runs_dir)))
+    assert result.state == RunState.SUCCEEDED and result.export_id == export_id
+    assert result.gguf is not None and Path(result.gguf_path or "").is_file()
+    pod = PodRecord.load(exports, export_id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
+    assert sim.pod(pod.pod_id).deleted and sim.pods() == [] and sim.secret_names() == []  # type: ignore[arg-type]
