@@ -3,10 +3,12 @@ its metrics, and a summary of how it ended with its verified files."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 from uuid import UUID
 
@@ -23,6 +25,29 @@ from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, RunState
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often
+
+
+@asynccontextmanager
+async def live_progress(reporter: object) -> AsyncIterator[None]:
+    """While the block runs, a `PrefectReporter`'s progress artifact is opened
+    and pushed every second (and once more at the end); any other reporter
+    is left as it is."""
+    if not isinstance(reporter, PrefectReporter):
+        yield
+        return
+    await reporter.open()
+
+    async def pump() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await reporter.flush()
+
+    pumping = asyncio.create_task(pump())
+    try:
+        yield
+    finally:
+        pumping.cancel()
+        await reporter.flush(force=True)
 
 
 def artifact_key(run_id: str, what: str) -> str:

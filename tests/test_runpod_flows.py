@@ -379,9 +379,10 @@ def test_max_cost_usd_reached_deletes_the_pod_and_fails_the_run_with_that_reason
     assert sim.spend(pod.pod_id) <= 0.0025 + 0.25 * 3 / 3600
 
 
-def cancel_through_prefect(flow_run_id: str, child: Any) -> None:
+def cancel_through_prefect(flow_run_id: str, child: Any, hook_of: Any = None) -> None:
     """Sets the flow run Cancelling through the API, kills its process as a
-    runner does, then runs the cancellation hook's work from the records."""
+    runner does, then runs the cancellation hook's work from the records (the
+    train flow's, or `hook_of(flow_run)`)."""
 
     async def cancelling() -> None:
         async with get_client() as client:
@@ -394,7 +395,10 @@ def cancel_through_prefect(flow_run_id: str, child: Any) -> None:
         async with get_client() as client:
             flow_run = await client.read_flow_run(uuid.UUID(flow_run_id))
         assert flow_run.state is not None and flow_run.state.name == "Cancelling"
-        await cancel_runs_of(flow_run, logging.getLogger("hook"))
+        if hook_of is None:
+            await cancel_runs_of(flow_run, logging.getLogger("hook"))
+        else:
+            await hook_of(flow_run)
 
     run(hook())
 

@@ -7,15 +7,14 @@ What is shown: `fine_tune` on a pod target runs each step (the training, the
 run's export, the base model's export, the compare) on a new pod of its own,
 each deleted only after its files are verified; `auto` picks each pod's GPU
 from that step's VRAM floor; a compare may name its own image; cancelling an
-export while its pod boots deletes that pod; a wrong compare image fails in
-one line before any pod exists.
+export while its pod boots deletes that pod; an export whose follower died is
+followed again and its pod deleted; a fine-tune cancelled while its run trains
+on a pod cancels the job and deletes the pod (its own hook runs its steps'); a
+wrong compare image fails in one line before any pod exists.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,18 +40,19 @@ from overbrainer_prefect.runpod.settings import SettingsError
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.trainers.compare import BASES_DIR
 from overbrainer_prefect.trainers.export import ExportSpec
-from tests.conftest import REPO, job_venv
+from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.test_runpod_flows import (
     FAST,
     assert_no_secret_in_files,
+    cancel_through_prefect,
     flow_logs,
     run,
     secrets_of,
     target,
 )
-from tests.test_train_flow import kill, spec, wait_until
+from tests.test_train_flow import kill, python_in_child, spec, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -176,45 +176,21 @@ def trained_locally(tiny: tuple[Path, Path], tmp_path: Path, runs_dir: Path) -> 
 
 def export_in_child(run_id: str, target_name: str, runs_dir: Path, log: Path) -> Any:
     """Runs the export flow in another Python process, against this session's server."""
-    from prefect.settings import PREFECT_API_URL
-
-    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     code = (
         "import asyncio, sys\n"
         "from overbrainer_prefect.flows import export\n"
         "asyncio.run(export(run_id=sys.argv[1], quant='q8_0', target=sys.argv[2], "
         "runs_dir=sys.argv[3]))\n"
     )
-    return subprocess.Popen(
-        [sys.executable, "-c", code, run_id, target_name, str(runs_dir)],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return python_in_child(code, [run_id, target_name, str(runs_dir)], log)
 
 
-def cancel_export_through_prefect(flow_run_id: str, child: Any) -> None:
-    """Sets the export's flow run Cancelling through the API, kills its process
-    as a runner does, then runs the flow's cancellation hook from the records."""
+async def export_hook(flow_run: Any) -> None:
+    """The export flow's cancellation hook, as a runner runs it."""
     from overbrainer_prefect.flows.export import export as export_flow
     from overbrainer_prefect.flows.export import on_export_cancelled
 
-    async def cancelling() -> None:
-        async with get_client() as client:
-            await client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
-
-    run(cancelling())
-    kill(child)
-
-    async def hook() -> None:
-        async with get_client() as client:
-            flow_run = await client.read_flow_run(uuid.UUID(flow_run_id))
-        assert flow_run.state is not None and flow_run.state.name == "Cancelling"
-        await on_export_cancelled(export_flow, flow_run, flow_run.state)
-
-    run(hook())
+    await on_export_cancelled(export_flow, flow_run, flow_run.state)
 
 
 def test_an_export_cancelled_while_its_pod_boots_deletes_that_pod(
@@ -241,7 +217,7 @@ def test_an_export_cancelled_while_its_pod_boots_deletes_that_pod(
     try:
         wait_until(lambda: created() is not None, 120, "the export's pod to be created")
         record = created()
-        cancel_export_through_prefect(record.flow_run_id, child)
+        cancel_through_prefect(record.flow_run_id, child, export_hook)
     finally:
         kill(child)
     saved = exports.load(record.id)
@@ -283,22 +259,12 @@ def test_a_wrong_compare_image_fails_in_one_line_before_any_pod(
 
 def fine_tune_in_child(fine: FineTuneSpec, log: Path) -> Any:
     """Runs the fine_tune flow in another Python process, against this session's server."""
-    from prefect.settings import PREFECT_API_URL
-
-    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     code = (
         "import asyncio, sys\n"
         "from overbrainer_prefect.flows import FineTuneSpec, fine_tune\n"
         "asyncio.run(fine_tune(FineTuneSpec.model_validate_json(sys.argv[1])))\n"
     )
-    return subprocess.Popen(
-        [sys.executable, "-c", code, fine.model_dump_json()],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return python_in_child(code, [fine.model_dump_json()], log)
 
 
 def test_a_fine_tune_cancelled_while_its_run_trains_on_a_pod_cancels_the_job_and_deletes_the_pod(

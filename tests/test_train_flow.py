@@ -137,13 +137,26 @@ def wait_until(check: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def python_in_child(code: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Runs `code` (a flow call) in another Python process with `args` as its
+    argv, against this session's Prefect server, in a session of its own."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 def start_in_child(
     target: str, training: TrainingSpec, runs_dir: Path, log: Path
 ) -> subprocess.Popen[bytes]:
     """Runs the train flow in another Python process, against this session's server."""
-    from prefect.settings import PREFECT_API_URL
-
-    env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     code = (
         "import asyncio, json, sys\n"
         "from overbrainer_prefect.flows import train\n"
@@ -151,14 +164,7 @@ def start_in_child(
         "spec = TrainingSpec.model_validate(json.loads(sys.argv[2]))\n"
         "asyncio.run(train(target=sys.argv[1], training=spec, runs_dir=sys.argv[3]))\n"
     )
-    return subprocess.Popen(
-        [sys.executable, "-c", code, target, training.model_dump_json(), str(runs_dir)],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return python_in_child(code, [target, training.model_dump_json(), str(runs_dir)], log)
 
 
 def first_running(runs_dir: Path) -> Any:

@@ -50,7 +50,6 @@ from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, is_followed
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
-from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import Trainer
 from overbrainer_prefect.trainers.compare import BASES_DIR, BaseExportTrainer, base_exports
 
@@ -157,10 +156,7 @@ async def finish_run(
                 outcome = await lifecycle.watch(ctx, trainer, record)
                 outcome.retrieved = retrieved
                 return Finished(outcome, executor.description, cancelled=True)
-        if isinstance(ctx.reporter, PrefectReporter) and isinstance(trainer, AxolotlTrainer):
-            outcome = await follow_job(ctx, trainer, record)
-        else:
-            outcome = await lifecycle.watch(ctx, trainer, record)
+        outcome = await follow_job(ctx, trainer, record)
         return Finished(outcome, executor.description, cancelled=False)
     finally:
         await executor.close()

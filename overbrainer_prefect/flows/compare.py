@@ -842,13 +842,9 @@ async def compare(
             f"{subject(busy)} of the same questions is already running: follow it with the "
             f"compare flow (run_id={run_id}, compare_id={busy.id})"
         )
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.pod_exports import compare_on_pod, export_base_on_pod
-        from overbrainer_prefect.flows.podjob import pod_settings
 
-        pod_settings(block, image)  # a wrong image fails here, before any pod
-        base_ref = await export_base_on_pod(runs, base, quant, target_ref, block)
-        spec = CompareSpec(
+    def asking(base_ref: GgufRef) -> CompareSpec:
+        return CompareSpec(
             questions=asked,
             max_tokens=max_tokens,
             seed=seed,
@@ -857,6 +853,14 @@ async def compare(
             tuned=tuned,
             base=base_ref,
         )
+
+    if isinstance(block, RunpodTarget):
+        from overbrainer_prefect.flows.pod_exports import compare_on_pod, export_base_on_pod
+        from overbrainer_prefect.flows.podjob import pod_settings
+
+        pod_settings(block, image)  # a wrong image fails here, before any pod
+        base_ref = await export_base_on_pod(runs, base, quant, target_ref, block)
+        spec = asking(base_ref)
         return await compare_on_pod(runs, run_id, spec, target_ref, block, image)
     if image is not None:
         logger.warning(
@@ -883,16 +887,7 @@ async def compare(
             quant,
             tuned.size / 1e6,
         )
-        base_ref = await export_base(runs, base, quant, target_ref, block, executor)
-        spec = CompareSpec(
-            questions=asked,
-            max_tokens=max_tokens,
-            seed=seed,
-            quant=quant,
-            base_model=base,
-            tuned=tuned,
-            base=base_ref,
-        )
+        spec = asking(await export_base(runs, base, quant, target_ref, block, executor))
         trainer = CompareTrainer(spec, runs.root, cpu_threads=block.cpu_threads)
         record = await create_compare(compares, run_id, target_ref, block, spec)
         with follow_lock(compares.run_dir(record.id), flow_run.id):

@@ -24,7 +24,7 @@ from prefect.artifacts import acreate_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from overbrainer_prefect.artifacts import PrefectReporter, artifact_key
+from overbrainer_prefect.artifacts import artifact_key, live_progress
 from overbrainer_prefect.blocks import RunpodTarget
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.local import LocalExecutor
@@ -158,24 +158,8 @@ async def follow_pod_job(
     """Follows the job on its pod to its end (the lease renewed while it
     progresses, the client's guard at the deadline), then retrieves and
     verifies its files."""
-    reporter = run_ctx.reporter
-    pumping: asyncio.Task[None] | None = None
-    if isinstance(reporter, PrefectReporter):
-        await reporter.open()
-
-        async def pump() -> None:
-            while True:
-                await asyncio.sleep(1.0)
-                await reporter.flush()
-
-        pumping = asyncio.create_task(pump())
-    try:
+    async with live_progress(run_ctx.reporter):
         watched = await watch_leased(run_ctx, trainer, record, pod, ctx.timing, run_ctx.stall_s)
-    finally:
-        if pumping is not None:
-            pumping.cancel()
-        if isinstance(reporter, PrefectReporter):
-            await reporter.flush(force=True)
     return await settle(ctx, pod, record.id, watched)
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from overbrainer_prefect.artifacts import (
     PrefectReporter,
+    live_progress,
     next_step,
     publish_metrics_table,
     publish_summary,
@@ -139,23 +140,10 @@ async def start_job(
 
 
 @task(name="follow-job", cache_policy=NO_CACHE, persist_result=False)
-async def follow_job(ctx: RunContext, trainer: AxolotlTrainer, record: RunRecord) -> Outcome:
+async def follow_job(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
     """Follows the job to its end, then retrieves and verifies its files."""
-    reporter = ctx.reporter
-    assert isinstance(reporter, PrefectReporter)
-    await reporter.open()
-
-    async def pump() -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            await reporter.flush()
-
-    pumping = asyncio.create_task(pump())
-    try:
+    async with live_progress(ctx.reporter):
         return await lifecycle.watch(ctx, trainer, record)
-    finally:
-        pumping.cancel()
-        await reporter.flush(force=True)
 
 
 async def _finish(
