@@ -574,6 +574,32 @@ def test_a_pod_dearer_than_the_whole_gpu_budget_is_refused_before_any_run_or_pod
     assert Runs(runs_dir).list() == [] and sim.pods(include_deleted=True) == []
 
 
+def test_the_gpu_types_dearer_than_the_whole_budget_are_left_out_of_the_plan(
+    prefect_server: None, sim: RunpodSim
+) -> None:
+    from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, set_budget
+    from overbrainer_prefect.flows.podjob import plan_job, plan_price, pod_account, within_budget
+
+    block = RunpodTarget.load(target(sim, gpu_types="auto"))
+    notes = logging.getLogger("budget-test")
+
+    async def plans() -> tuple[Any, Any]:
+        async with pod_account(block, Runs(), notes) as ctx:
+            plan = await plan_job(ctx, block.settings(), None, "")
+        await set_budget(2, 0.30)
+        try:
+            return plan, await within_budget(plan, notes)
+        finally:
+            async with get_client() as client:
+                for name in (POD_LIMIT, SPEND_LIMIT):
+                    await client.delete_global_concurrency_limit_by_name(name)
+
+    plan, kept = run(plans())
+    assert plan_price(plan) > 0.30 and len(kept.choices) < len(plan.choices)
+    assert kept.first == plan.first and plan_price(kept) <= 0.30
+    assert [c for c in plan.choices if c.price_per_hour <= 0.30] == list(kept.choices)
+
+
 def test_pods_remove_of_a_run_that_is_not_a_runpod_run_deletes_nothing(
     prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
 ) -> None:

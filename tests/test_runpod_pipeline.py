@@ -15,6 +15,7 @@ wrong compare image fails in one line before any pod exists.
 
 from __future__ import annotations
 
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,7 @@ from overbrainer_prefect.flows.pipeline import CompareSettings
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.settings import SettingsError
+from overbrainer_prefect.runs.ids import new_run_id
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.trainers.compare import BASES_DIR
 from overbrainer_prefect.trainers.export import ExportSpec
@@ -163,15 +165,34 @@ def test_fine_tune_on_a_pod_target_runs_each_step_on_its_own_pod_deleted_after_v
     assert_no_secret_in_files(runs_dir, secrets_of(sim))
 
 
-def trained_locally(tiny: tuple[Path, Path], tmp_path: Path, runs_dir: Path) -> str:
-    """A succeeded run of the tiny model on a local target; returns its ID."""
+@pytest.fixture(scope="module")
+def trained_here(
+    prefect_server: None, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
+    """A succeeded run of the tiny model on a local target, trained once for
+    the module: its runs directory and its ID."""
+    root = tmp_path_factory.mktemp("trained")
     local = f"local-{uuid.uuid4().hex[:8]}"
     LocalTarget(
-        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
+        job_venv=str(job_venv()), work_dir=str(root / "work"), poll_seconds=0.5, cpu_threads=1
     ).save(local)
+    runs_dir = root / "runs"
     result = run(train(target=local, training=spec(*tiny), runs_dir=str(runs_dir)))
     assert result.state == RunState.SUCCEEDED, result.message
-    return str(result.run_id)
+    return runs_dir, str(result.run_id)
+
+
+def trained_locally(trained_here: tuple[Path, str], runs_dir: Path) -> str:
+    """A copy of the module's succeeded run in `runs_dir`, under a new ID and
+    without exports; returns its ID."""
+    source, run_id = trained_here
+    new_id = new_run_id()
+    runs = Runs(runs_dir)
+    shutil.copytree(
+        Runs(source).run_dir(run_id), runs.run_dir(new_id), ignore=shutil.ignore_patterns("exports")
+    )
+    runs.save(Runs(source).load(run_id).model_copy(update={"id": new_id}))
+    return new_id
 
 
 def export_in_child(run_id: str, target_name: str, runs_dir: Path, log: Path) -> Any:
@@ -197,11 +218,11 @@ def test_an_export_cancelled_while_its_pod_boots_deletes_that_pod(
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
-    tiny: tuple[Path, Path],
+    trained_here: tuple[Path, str],
     tmp_path: Path,
 ) -> None:
     runs_dir = tmp_path / "runs"
-    run_id = trained_locally(tiny, tmp_path, runs_dir)
+    run_id = trained_locally(trained_here, runs_dir)
     exports = Runs(runs_dir).children(run_id, "export")
     pods_of.boot_delay_s = 3.0
     name = target(sim)
@@ -233,11 +254,11 @@ def test_a_wrong_compare_image_fails_in_one_line_before_any_pod(
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
-    tiny: tuple[Path, Path],
+    trained_here: tuple[Path, str],
     tmp_path: Path,
 ) -> None:
     runs_dir = tmp_path / "runs"
-    run_id = trained_locally(tiny, tmp_path, runs_dir)
+    run_id = trained_locally(trained_here, runs_dir)
     name = target(sim)
     exported = run(export(run_id=run_id, quant="q8_0", runs_dir=str(runs_dir)))
     assert exported.state == RunState.SUCCEEDED
@@ -326,11 +347,11 @@ def test_an_export_on_a_pod_whose_follower_died_is_followed_again_and_its_pod_de
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
-    tiny: tuple[Path, Path],
+    trained_here: tuple[Path, str],
     tmp_path: Path,
 ) -> None:
     runs_dir = tmp_path / "runs"
-    run_id = trained_locally(tiny, tmp_path, runs_dir)
+    run_id = trained_locally(trained_here, runs_dir)
     exports = Runs(runs_dir).children(run_id, "export")
     name = target(sim)
     child = export_in_child(run_id, name, runs_dir, tmp_path / "child.log")

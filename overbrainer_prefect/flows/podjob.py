@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from prefect import task
@@ -28,7 +29,7 @@ from overbrainer_prefect.artifacts import artifact_key, live_progress
 from overbrainer_prefect.blocks import RunpodTarget
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.flows.budget import gpu_budget
+from overbrainer_prefect.flows.budget import SPEND_LIMIT, budget_limits, cents_per_hour, gpu_budget
 from overbrainer_prefect.flows.train import start_job
 from overbrainer_prefect.runpod.bootstrap import PodTiming
 from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
@@ -115,6 +116,26 @@ async def plan_job(
 def plan_price(plan: LaunchPlan) -> float:
     """The most a pod of `plan` may cost an hour: the dearest type it may fall back to."""
     return max(choice.price_per_hour for choice in plan.choices)
+
+
+async def within_budget(plan: LaunchPlan, logger: Any) -> LaunchPlan:
+    """`plan` without the GPU types dearer than the whole GPU budget's spend
+    limit (logged), so that the pod is held at the price of the dearest type
+    it may still fall back to. Unchanged without a budget on the server, or
+    when no type fits (taking the budget then says why in one line)."""
+    spend = (await budget_limits()).get(SPEND_LIMIT)
+    if spend is None:
+        return plan
+    kept = tuple(c for c in plan.choices if cents_per_hour(c.price_per_hour) <= spend)
+    if not kept or len(kept) == len(plan.choices):
+        return plan
+    dropped = [c.label() for c in plan.choices if c not in kept]
+    logger.info(
+        "the GPU budget allows $%.2f/h in all: %s left out of the GPU types to try",
+        spend / 100,
+        ", ".join(dropped),
+    )
+    return replace(plan, choices=kept)
 
 
 async def warn_orphans(ctx: PodContext, runs: Runs) -> None:
@@ -219,6 +240,7 @@ async def run_on_new_pod(
     its pod keep running; the message says how to follow it again or remove
     the pod).
     """
+    plan = await within_budget(plan, ctx.log)
     async with gpu_budget(plan_price(plan)):
         record, trainer, reporter = create()
         with follow_lock(ctx.runs.run_dir(record.id), flow_run.id):
