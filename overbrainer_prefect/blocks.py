@@ -354,7 +354,9 @@ class RunpodTarget(TargetBlock):
     )
     max_volume_gb: int | None = Field(
         default=None,
-        description="Largest size in GB the network volume may be grown to; unset: never grown.",
+        description="Largest size in GB the network volume may be grown to, before a job's pod "
+        "is asked for, when what the job will write there (estimated) does not fit; a volume "
+        "only grows. Unset: never grown (a warning says when it is too small).",
     )
     keep_pod: bool = Field(
         default=False,

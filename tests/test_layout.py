@@ -22,6 +22,7 @@ CORE = [
     "overbrainer_prefect.runpod.ending",
     "overbrainer_prefect.runpod.reconnect",
     "overbrainer_prefect.runpod.orphans",
+    "overbrainer_prefect.runpod.volume",
 ]
 
 

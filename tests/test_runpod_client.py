@@ -10,7 +10,7 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -394,3 +394,63 @@ def test_the_simulator_calls_its_hooks_and_takes_knobs_over_http(sim: RunpodSim)
     assert created == deleted == [pod_id]
     state = httpx.get(f"{sim.base_url}/_sim/state").json()
     assert [(p["id"], p["deleted"]) for p in state["pods"]] == [(pod_id, True)]
+
+
+def volume_settings(volume_id: str, **changes: Any) -> Any:
+    from overbrainer_prefect.runpod.settings import settings_from
+
+    values: dict[str, Any] = {
+        "gpu_types": ["NVIDIA RTX A4000"],
+        "image": "x:1",
+        "job_venv": "/opt/venv",
+        "network_volume_id": volume_id,
+        "data_center_ids": ["EU-RO-1"],
+    }
+    values.update(changes)
+    return settings_from(values)
+
+
+def test_a_network_volume_grows_to_what_a_job_needs_within_max_volume_gb_and_never_past_it(
+    sim: RunpodSim, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from overbrainer_prefect.runpod.volume import VolumeError, ensure_volume
+
+    volume_id = sim.add_volume(10, "EU-RO-1")
+    log = logging.getLogger("volume-test")
+    caplog.set_level(logging.INFO, "volume-test")
+    roomy = volume_settings(volume_id, max_volume_gb=50)
+
+    # 30 GB to write: a tenth of headroom, grown to 33 GB
+    assert run(sim, lambda c: ensure_volume(c, roomy, 30 * 10**9, "the export", log)) == 33
+    assert sim.volume(volume_id).size == 33
+    assert "grown from 10 to 33 GB for the export (max_volume_gb 50)" in caplog.text
+    # what fits is left as it is; what is not estimated is only logged
+    assert run(sim, lambda c: ensure_volume(c, roomy, 5 * 10**9, "the compare", log)) == 33
+    assert run(sim, lambda c: ensure_volume(c, roomy, None, "the run", log)) == 33
+    assert sim.volume(volume_id).size == 33 and "is not estimated" in caplog.text
+    # past max_volume_gb, or without it, a warning and no grow: it bills for good
+    assert run(sim, lambda c: ensure_volume(c, roomy, 80 * 10**9, "the export", log)) == 33
+    assert "needs about 88 GB, and max_volume_gb is 50: it is not grown" in caplog.text
+    unbounded = volume_settings(volume_id)
+    assert run(sim, lambda c: ensure_volume(c, unbounded, 40 * 10**9, "the export", log)) == 33
+    assert sim.volume(volume_id).size == 33 and "max_volume_gb is unset" in caplog.text
+    # a volume that is not there, or not in the pod's data center: one line, nothing grown
+    with pytest.raises(VolumeError, match="no network volume nosuchvol0 in this Runpod account"):
+        run(sim, lambda c: ensure_volume(c, volume_settings("nosuchvol0"), 1, "the run", log))
+    elsewhere = volume_settings(volume_id, data_center_ids=["US-KS-2"], max_volume_gb=50)
+    with pytest.raises(VolumeError, match=r"is in EU-RO-1, not in US-KS-2: set data_center_ids"):
+        run(sim, lambda c: ensure_volume(c, elsewhere, 40 * 10**9, "the run", log))
+    assert sim.volume(volume_id).size == 33
+
+
+def test_a_network_volume_only_grows(sim: RunpodSim) -> None:
+    from overbrainer_prefect.runpod.errors import RunpodError
+
+    volume_id = sim.add_volume(20, "EU-RO-1")
+    grown = run(sim, lambda c: c.grow_network_volume(volume_id, 25))
+    assert grown.size == 25 and grown.data_center == "EU-RO-1"
+    with pytest.raises(RunpodError, match="Runpod answered 400"):
+        run(sim, lambda c: c.grow_network_volume(volume_id, 12))
+    assert run(sim, lambda c: c.get_network_volume("nosuchvol0")) is None

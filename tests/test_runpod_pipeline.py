@@ -372,3 +372,38 @@ def test_an_export_on_a_pod_whose_follower_died_is_followed_again_and_its_pod_de
     pod = PodRecord.load(exports, export_id)
     assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
     assert sim.pod(pod.pod_id).deleted and sim.pods() == [] and sim.secret_names() == []  # type: ignore[arg-type]
+
+
+def test_an_export_on_a_pod_with_a_network_volume_checks_the_volume_before_any_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    trained_here: tuple[Path, str],
+    tmp_path: Path,
+) -> None:
+    from overbrainer_prefect.runpod.volume import VolumeError
+
+    runs_dir = tmp_path / "runs"
+    run_id = trained_locally(trained_here, runs_dir)
+    exports = Runs(runs_dir).children(run_id, "export")
+    on_volume = {"data_center_ids": ["EU-RO-1"], "max_volume_gb": 20}
+    missing = target(sim, network_volume_id="nosuchvol0", **on_volume)
+    with pytest.raises(VolumeError) as refused:
+        run(export(run_id=run_id, quant="q8_0", target=missing, runs_dir=str(runs_dir)))
+    assert str(refused.value) == (
+        "no network volume nosuchvol0 in this Runpod account: check network_volume_id"
+    )
+    assert exports.list() == [] and sim.pods(include_deleted=True) == []
+
+    volume_id = sim.add_volume(10, "EU-RO-1")
+    name = target(sim, network_volume_id=volume_id, **on_volume)
+    state = run(
+        export(run_id=run_id, quant="q8_0", target=name, runs_dir=str(runs_dir), return_state=True)
+    )
+    result = state.result()
+    assert result.state == RunState.SUCCEEDED and result.gguf is not None
+    (pod,) = sim.pods(include_deleted=True)
+    assert pod.deleted and pod.request["mounts"]["network"][0]["volumeId"] == volume_id
+    assert sim.volume(volume_id).size == 10  # a tiny export fits: nothing grown
+    logs = "\n".join(flow_logs(str(state.state_details.flow_run_id)))
+    assert f"network volume {volume_id}: 10 GB, the q8_0 export of run {run_id} needs" in logs

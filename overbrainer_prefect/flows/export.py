@@ -39,7 +39,7 @@ from overbrainer_prefect.runs.lifecycle import Outcome, RunContext, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
-from overbrainer_prefect.sizing import disk_warning, export_disk
+from overbrainer_prefect.sizing import ExportDisk, disk_warning, export_disk
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.export import (
     CONFIG_FILE,
@@ -334,7 +334,10 @@ def _cell(text: str) -> str:
 
 def target_disk(block: TargetBlock) -> int | None:
     """The disk a target is known to have, in bytes (a pod's container disk); None
-    for a local or SSH target, whose free space is theirs to manage."""
+    for a local or SSH target, whose free space is theirs to manage, and for a
+    pod with a network volume (checked, and grown, before its pod is asked for)."""
+    if getattr(block, "network_volume_id", None):
+        return None
     gb = getattr(block, "container_disk_gb", None)
     return int(gb) * 10**9 if isinstance(gb, int | float) else None
 
@@ -354,9 +357,10 @@ async def check_converter(executor: Executor, python: str) -> None:
 
 def log_disk(
     run: RunRecord, files: list[Path], trainer: ExportTrainer, block: TargetBlock, where: str
-) -> None:
+) -> ExportDisk | None:
     """Logs the disk the export of `run` needs (base, merged copy, GGUF), and
-    warns when the target's known disk is smaller."""
+    warns when the target's known disk is smaller; returns the estimate (None
+    when the base model is not a directory here)."""
     logger = get_run_logger()
     need = export_disk(files[0].parent, trainer.base_model, trainer.spec.quant)
     if need is None:
@@ -366,11 +370,12 @@ def log_disk(
             run.id,
             trainer.base_model,
         )
-        return
+        return None
     logger.info("run %s: %s", run.id, need.describe())
     warning = disk_warning(need, target_disk(block), where)
     if warning is not None:
         logger.warning("%s", warning)
+    return need
 
 
 @task(name="create-export", cache_policy=NO_CACHE, persist_result=False)
@@ -639,8 +644,9 @@ async def export(
     if isinstance(block, RunpodTarget):
         from overbrainer_prefect.flows.pod_exports import export_on_pod
 
-        log_disk(run, files, trainer, block, f"Runpod target {target_ref!r}")
-        return await export_on_pod(runs, run, spec, trainer, target_ref, block)
+        need = log_disk(run, files, trainer, block, f"Runpod target {target_ref!r}")
+        written = need.total - need.base if need is not None else None  # in the run dir
+        return await export_on_pod(runs, run, spec, trainer, target_ref, block, written)
     executor = block.executor(target_ref)
     try:
         log_disk(run, files, trainer, block, executor.description)

@@ -108,6 +108,7 @@ async def export_on_pod(
     trainer: ExportTrainer,
     target_ref: str,
     block: RunpodTarget,
+    disk_bytes: int | None = None,
 ) -> ExportResult | State[Any]:
     """The export of the succeeded run `run` on a new pod of the Runpod target
     `block`: the plan (with the merge's VRAM as the auto floor) logged before
@@ -147,7 +148,15 @@ async def export_on_pod(
             return record, trainer, ExportReporter(logger, record)
 
         outcome, where = await run_on_new_pod(
-            ctx, block, target_ref, settings, plan, create, check=_converter_check(block)
+            ctx,
+            block,
+            target_ref,
+            settings,
+            plan,
+            create,
+            check=_converter_check(block),
+            disk_bytes=disk_bytes,
+            what=f"the {spec.quant} export of run {run.id}",
         )
     return await finish_export(exports, outcome, where)
 
@@ -211,7 +220,14 @@ async def export_base_on_pod(
                 return record, trainer, reporter
 
             outcome, _ = await run_on_new_pod(
-                ctx, block, target_ref, settings, plan, create, check=_converter_check(block)
+                ctx,
+                block,
+                target_ref,
+                settings,
+                plan,
+                create,
+                check=_converter_check(block),
+                what=f"the {quant} export of the base model {base}",
             )
             name = names[0]
     except (TrainError, RunError) as error:
@@ -281,7 +297,16 @@ async def compare_on_pod(
             return record, trainer, CompareReporter(logger, subject(record))
 
         try:
-            outcome, where = await run_on_new_pod(ctx, block, target_ref, settings, plan, create)
+            outcome, where = await run_on_new_pod(
+                ctx,
+                block,
+                target_ref,
+                settings,
+                plan,
+                create,
+                disk_bytes=spec.tuned.size + spec.base.size,  # both GGUFs are copied there
+                what=f"the compare of run {run_id}",
+            )
         finally:  # the staged GGUFs were copied to the pod (links here, but no need)
             for record in created:
                 shutil.rmtree(compares.run_dir(record.id) / MODELS_DIR, ignore_errors=True)

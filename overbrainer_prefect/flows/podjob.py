@@ -50,6 +50,7 @@ from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.provision import Provisioned, provision
 from overbrainer_prefect.runpod.reconnect import reconnect
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings, settings_from
+from overbrainer_prefect.runpod.volume import ensure_volume
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import NotRetrieved, Outcome, RunContext, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
@@ -227,19 +228,25 @@ async def run_on_new_pod(
     create: Callable[[], Created],
     *,
     check: Check | None = None,
+    disk_bytes: int | None = None,
+    what: str = "the job",
 ) -> tuple[Outcome, str]:
-    """Runs a new job on a pod of its own: takes the GPU budget for the pod's
+    """Runs a new job on a pod of its own: checks the target's network volume
+    (grown within `max_volume_gb` when `what`, writing about `disk_bytes`
+    there, needs more), takes the GPU budget for the pod's
     price (waiting while other pods hold it), then `create`s the job's record
     (in the store `ctx.runs`), holds its follow lock, provisions the pod, runs
     `check` on it, starts the job, follows it, retrieves and verifies its
     files, then ends the pod. Returns the outcome and where it ran.
 
-    Raises BudgetError (nothing created) when the budget can never hold the
+    Raises VolumeError (nothing created) when the network volume cannot be
+    used; BudgetError (nothing created) when the budget can never hold the
     pod; PodError (the record failed, every pod of it deleted) when the pod
     cannot be had or `check` fails; RunError when the watch fails (the job and
     its pod keep running; the message says how to follow it again or remove
     the pod).
     """
+    await ensure_volume(ctx.client, settings, disk_bytes, what, ctx.log)
     plan = await within_budget(plan, ctx.log)
     async with gpu_budget(plan_price(plan)):
         record, trainer, reporter = create()

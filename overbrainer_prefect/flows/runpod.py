@@ -143,7 +143,9 @@ async def train_on_pod(
             trainer = AxolotlTrainer(training, resume_from=resume, cpu_threads=block.cpu_threads)
             return record, trainer, PrefectReporter(logger, record.id)
 
-        outcome, where = await run_on_new_pod(ctx, block, target_ref, settings, plan, create)
+        outcome, where = await run_on_new_pod(
+            ctx, block, target_ref, settings, plan, create, what="the run"
+        )
     if export is not None and outcome.record.state == RunState.SUCCEEDED:
         exported = await _export_after(outcome.record.id, export, runs_dir)
         return await _finish(runs, outcome, where, exported=exported)

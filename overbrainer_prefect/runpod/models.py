@@ -253,6 +253,25 @@ class Secret(BaseModel):
     name: str
 
 
+class NetworkVolume(BaseModel):
+    """A network volume as REST v2 shows it: its size in GB and its data center."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    id: str
+    name: str = ""
+    size: int = Field(ge=0, description="GB.")
+    data_center: str | None = Field(default=None, alias="dataCenterId")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _v2_names(cls, data: Any) -> Any:
+        """REST v2 names the data center `dataCenter`; v1 `dataCenterId`."""
+        if isinstance(data, Mapping) and "dataCenter" in data and "dataCenterId" not in data:
+            data = {**data, "dataCenterId": data["dataCenter"]}
+        return data
+
+
 class PodRequest(BaseModel):
     """A pod to create, as REST v2's `POST /pods` takes it.
 

@@ -111,8 +111,9 @@ class RunpodTargetSettings(BaseModel):
     max_volume_gb: int | None = Field(
         default=None,
         ge=1,
-        description="Largest size in GB the network volume may be grown to when the run fills "
-        "it (a grow is permanent); unset: never grown.",
+        description="Largest size in GB the network volume may be grown to, before a job's pod "
+        "is asked for, when what the job will write there (estimated) does not fit (a grow is "
+        "permanent); unset: never grown.",
     )
     keep_pod: bool = Field(
         default=False,

@@ -178,6 +178,16 @@ class SimPod:
 
 
 @dataclass
+class SimVolume:
+    """A network volume: its size (GB) only grows."""
+
+    id: str
+    name: str
+    size: int
+    data_center: str
+
+
+@dataclass
 class SimSecret:
     """An account secret; the value never leaves the simulator's API."""
 
@@ -245,6 +255,7 @@ class RunpodSim:
         self._lock = threading.RLock()
         self._pods: dict[str, SimPod] = {}
         self._secrets: dict[str, SimSecret] = {}
+        self._volumes: dict[str, SimVolume] = {}
         self._faults: list[_Fault] = []
         self._fail_after_create = 0
         self._create_lag = (0, 0)
@@ -409,6 +420,18 @@ class RunpodSim:
             pods = [self._pods[pod_id]] if pod_id else list(self._pods.values())
             return sum(pod.spend(now) for pod in pods)
 
+    def add_volume(self, size: int, data_center: str) -> str:
+        """Creates a network volume of `size` GB in `data_center`; returns its id."""
+        with self._lock:
+            volume = SimVolume(_token(10), f"volume-{len(self._volumes) + 1}", size, data_center)
+            self._volumes[volume.id] = volume
+            return volume.id
+
+    def volume(self, volume_id: str) -> SimVolume:
+        """The network volume `volume_id`. Raises KeyError."""
+        with self._lock:
+            return self._volumes[volume_id]
+
     def secret_names(self) -> list[str]:
         """The names of the account's secrets."""
         with self._lock:
@@ -432,6 +455,9 @@ class RunpodSim:
             Route("/v2/catalog/datacenters", self._catalog_dcs, methods=["GET"]),
             Route("/v2/account/secrets", self._secrets_endpoint, methods=["GET", "POST"]),
             Route("/v2/account/secrets/{secret_id}", self._secret_endpoint, methods=["DELETE"]),
+            Route(
+                "/v2/networkvolumes/{volume_id}", self._volume_endpoint, methods=["GET", "PATCH"]
+            ),
             Route("/graphql", self._graphql, methods=["POST"]),
             Route("/v1/{rest:path}", self._retired, methods=["GET", "POST", "DELETE", "PATCH"]),
             Route("/_sim/knobs", self._knobs, methods=["POST"]),
@@ -539,6 +565,10 @@ class RunpodSim:
             sim_gpu = self.gpus.get(gpu["id"])
             if sim_gpu is None:
                 return _problem(400, "gpu type is not valid"), None, False
+            network = (body.get("mounts") or {}).get("network") or [{}]
+            volume_id = network[0].get("volumeId")
+            if volume_id is not None and volume_id not in self._volumes:
+                return _problem(400, "network volume not found"), None, False
             wanted_dcs = body.get("dataCenterIds") or []
             unknown = [dc for dc in wanted_dcs if dc not in self.data_centers]
             if unknown:
@@ -752,6 +782,37 @@ class RunpodSim:
         if gone is None:
             return self._done(request, _problem(404, "resource not found"), scope)
         return self._done(request, Response(status_code=204), scope)
+
+    async def _volume_endpoint(self, request: Request) -> Response:
+        scope, answer = self._account_only(request)
+        if answer is not None:
+            return self._done(request, answer, scope)
+        body: Any = None
+        if request.method == "PATCH":
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+        with self._lock:
+            volume = self._volumes.get(request.path_params["volume_id"])
+            if volume is None:
+                return self._done(request, _problem(404, "network volume not found"), scope)
+            if request.method == "PATCH":
+                size = body.get("size") if isinstance(body, dict) else None
+                if not isinstance(size, int) or size > 4096:
+                    return self._done(request, _problem(422, "$.size: 10..4096"), scope)
+                if size < volume.size:
+                    return self._done(
+                        request, _problem(400, "a network volume's size can only grow"), scope
+                    )
+                volume.size = size
+            row = {
+                "id": volume.id,
+                "name": volume.name,
+                "size": volume.size,
+                "dataCenter": volume.data_center,
+            }
+        return self._done(request, JSONResponse(row), scope)
 
     async def _graphql(self, request: Request) -> Response:
         scope, answer = self._account_only(request)
