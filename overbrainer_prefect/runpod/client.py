@@ -371,7 +371,7 @@ class RunpodClient:
     async def get_network_volume(self, volume_id: str) -> NetworkVolume | None:
         """The network volume `volume_id`, or None when Runpod answers 404.
         Raises RunpodError on any other failure."""
-        url = self._url(f"/networkvolumes/{_segment(volume_id)}")
+        url = self._url(f"/network-volumes/{_segment(volume_id)}")
         response = await self._request("GET", url)
         if response.status_code == 404:
             return None
@@ -383,7 +383,7 @@ class RunpodClient:
         """Grows the network volume `volume_id` to `size_gb` GB (a volume only
         grows; it bills by its size from then on). Raises RunpodError when
         Runpod refuses (a smaller size, the volume gone)."""
-        url = self._url(f"/networkvolumes/{_segment(volume_id)}")
+        url = self._url(f"/network-volumes/{_segment(volume_id)}")
         response = await self._request("PATCH", url, json={"size": size_gb}, retry=False)
         if response.status_code != 200:
             raise self._error(response)

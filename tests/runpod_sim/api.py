@@ -456,7 +456,7 @@ class RunpodSim:
             Route("/v2/account/secrets", self._secrets_endpoint, methods=["GET", "POST"]),
             Route("/v2/account/secrets/{secret_id}", self._secret_endpoint, methods=["DELETE"]),
             Route(
-                "/v2/networkvolumes/{volume_id}", self._volume_endpoint, methods=["GET", "PATCH"]
+                "/v2/network-volumes/{volume_id}", self._volume_endpoint, methods=["GET", "PATCH"]
             ),
             Route("/graphql", self._graphql, methods=["POST"]),
             Route("/v1/{rest:path}", self._retired, methods=["GET", "POST", "DELETE", "PATCH"]),
