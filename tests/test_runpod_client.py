@@ -454,3 +454,29 @@ def test_a_network_volume_only_grows(sim: RunpodSim) -> None:
     with pytest.raises(RunpodError, match="Runpod answered 400"):
         run(sim, lambda c: c.grow_network_volume(volume_id, 12))
     assert run(sim, lambda c: c.get_network_volume("nosuchvol0")) is None
+
+
+def test_the_start_command_is_v2s_args_string_and_any_other_create_property_is_refused(
+    sim: RunpodSim,
+) -> None:
+    import shlex
+
+    from overbrainer_prefect.runpod.bootstrap import START_COMMAND
+
+    request = PodRequest(
+        name="ob-20260101-000000-args-a1",
+        image="x:1",
+        gpu_type_id="NVIDIA RTX A4000",
+        args=shlex.join(START_COMMAND),
+    )
+    body = request.to_api()
+    assert shlex.split(body["args"]) == START_COMMAND  # split back as a shell (Docker) does
+    assert "cmd" not in body and "entrypoint" not in body
+    pod = run(sim, lambda c: c.create_pod(request))
+    assert sim.pod(pod.id).request["args"] == body["args"]
+
+    async def with_cmd(client: RunpodClient) -> Any:
+        return await client._request("POST", client._url("/pods"), json={**body, "cmd": ["sh"]})
+
+    answer = run(sim, with_cmd)
+    assert answer.status_code == 422 and "additional properties 'cmd'" in answer.text

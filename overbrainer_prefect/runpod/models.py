@@ -295,8 +295,10 @@ class PodRequest(BaseModel):
     network_volume_path: str = "/workspace"
     volume_gb: int | None = Field(default=None, ge=10)
     volume_path: str = "/workspace"
-    entrypoint: list[str] | None = None
-    cmd: list[str] | None = None
+    args: str | None = None
+    """The container's start command, one shell-quoted string (REST v2's only
+    start-command field, "arguments passed to the container entrypoint"; the
+    image's CMD when it has no ENTRYPOINT)."""
 
     def to_api(self) -> dict[str, Any]:
         """The JSON body of REST v2's `POST /pods`."""
@@ -317,10 +319,8 @@ class PodRequest(BaseModel):
             }
         elif self.volume_gb:
             body["mounts"] = {"persistent": {"size": self.volume_gb, "path": self.volume_path}}
-        if self.entrypoint is not None:
-            body["entrypoint"] = list(self.entrypoint)
-        if self.cmd is not None:
-            body["cmd"] = list(self.cmd)
+        if self.args is not None:
+            body["args"] = self.args
         return body
 
 

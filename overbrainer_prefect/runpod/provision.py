@@ -188,7 +188,7 @@ async def _provision(
             ports=["22/tcp"],
             data_center_ids=list(settings.data_center_ids),
             network_volume_id=settings.network_volume_id,
-            cmd=list(START_COMMAND),
+            args=shlex.join(START_COMMAND),
         )
 
     def before_attempt(choice: GpuChoice, sent: PodRequest) -> None:

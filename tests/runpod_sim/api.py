@@ -91,6 +91,28 @@ def default_gpus() -> list[SimGpu]:
     ]
 
 
+CREATE_FIELDS = frozenset(
+    {
+        "name",
+        "image",
+        "gpu",
+        "cpu",
+        "cloud",
+        "disk",
+        "env",
+        "ports",
+        "args",
+        "registry",
+        "dataCenterIds",
+        "mounts",
+        "templateId",
+        "globalNetworking",
+        "startSsh",
+        "startJupyter",
+    }
+)
+"""The properties REST v2's `POST /pods` takes; any other is a 422."""
+
 DEFAULT_DATA_CENTERS = ("EU-RO-1", "EU-SE-1", "US-KS-2", "US-TX-3", "CA-MTL-1")
 
 
@@ -548,6 +570,10 @@ class RunpodSim:
     def _create(self, body: Any) -> tuple[Response | None, SimPod | None, bool]:
         if not isinstance(body, dict):
             return _problem(422, "body is not an object"), None, False
+        unknown = sorted(set(body) - CREATE_FIELDS)
+        if unknown:  # v2's CreatePodRequest: "unevaluatedProperties": false
+            detail = f"$: additional properties '{unknown[0]}' not allowed"
+            return _problem(422, "Request validation failed.", errors=[detail]), None, False
         errors = []
         name, image, gpu = body.get("name"), body.get("image"), body.get("gpu")
         if not isinstance(name, str) or not name:

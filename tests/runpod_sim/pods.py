@@ -27,6 +27,7 @@ import contextlib
 import getpass
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -127,7 +128,8 @@ class SimPods:
         pod.public_ip = "127.0.0.1"
         pod.ssh_port = port
         pod.ssh_user = getpass.getuser()
-        command = pod.request.get("cmd") or ["sh", "-c", "while :; do sleep 3600; done"]
+        args = pod.request.get("args")  # v2: one string, split like a shell (Docker's CMD)
+        command = shlex.split(args) if args else ["sh", "-c", "while :; do sleep 3600; done"]
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "LANG": "C.UTF-8",
