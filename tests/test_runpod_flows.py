@@ -283,6 +283,20 @@ def start_in_child(name: str, training: Any, runs_dir: Path, log: Path) -> Any:
     return start(name, training, runs_dir, log)
 
 
+def follower_killed_while_training(
+    name: str, tiny: tuple[Path, Path], runs_dir: Path, tmp_path: Path
+) -> Any:
+    """Trains on the target `name` in another process until its job logged a
+    step on its pod, then SIGKILLs that process (no hook runs: the job and its
+    pod keep going); returns the run's record."""
+    child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
+    try:
+        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
+    finally:
+        kill(child)
+    return running_on_pod(runs_dir)
+
+
 def running_on_pod(runs_dir: Path) -> Any:
     for record in Runs(runs_dir).list():
         if record.state == RunState.RUNNING and record.job is not None:
@@ -301,12 +315,8 @@ def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth
 ) -> None:
     runs_dir = tmp_path / "runs"
     name = target(sim, max_hours=0.01)  # 36 s after the create
-    child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
-    try:
-        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
-    finally:
-        kill(child)  # SIGKILL: no hook runs, the job and its pod keep going
-    record = running_on_pod(runs_dir)
+    # SIGKILL: no hook runs, the job and its pod keep going
+    record = follower_killed_while_training(name, tiny, runs_dir, tmp_path)
     pod = PodRecord.load(Runs(runs_dir), record.id)
     assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
     wait_until(lambda: sim.pod(pod.pod_id).deleted, 120, "the watchdog to delete the pod")
@@ -695,12 +705,8 @@ def test_stop_from_another_process_checkpoints_a_run_whose_follower_died_and_end
 ) -> None:
     runs_dir = tmp_path / "runs"
     name = target(sim)
-    child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
-    try:
-        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
-    finally:
-        kill(child)  # the follower dies; the job and its pod go on
-    record = running_on_pod(runs_dir)
+    # the follower dies; the job and its pod go on
+    record = follower_killed_while_training(name, tiny, runs_dir, tmp_path)
     stopped = run(stop(run_id=record.id, runs_dir=str(runs_dir)))
     assert stopped.state == RunState.STOPPED, stopped.message
     saved = Runs(runs_dir).load(record.id)
@@ -759,12 +765,7 @@ def test_the_cancel_flow_cancels_a_job_on_its_pod_retrieves_what_it_left_and_end
 ) -> None:
     runs_dir = tmp_path / "runs"
     name = target(sim)
-    child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
-    try:
-        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
-    finally:
-        kill(child)
-    record = running_on_pod(runs_dir)
+    record = follower_killed_while_training(name, tiny, runs_dir, tmp_path)
     result = run(cancel(run_id=record.id, runs_dir=str(runs_dir)))
     assert result.state == RunState.CANCELLED and result.retrieved
     local = Runs(runs_dir).run_dir(record.id)
