@@ -32,6 +32,7 @@ from overbrainer_prefect.flows import (
     compare,
     export,
     fine_tune,
+    pods,
     train,
 )
 from overbrainer_prefect.flows.pipeline import CompareSettings
@@ -366,6 +367,10 @@ def test_an_export_on_a_pod_whose_follower_died_is_followed_again_and_its_pod_de
     export_id = started().id
     pod = PodRecord.load(exports, export_id)
     assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
+    listed = run(pods(action="list", runs_dir=str(runs_dir), credentials=None))
+    (row,) = [r for r in listed.pods if r.pod_id == pod.pod_id]
+    assert row.run_id == export_id and not row.orphan  # found under its run, bounded
+    assert row.owner == f"export {export_id} of run {run_id}"
     result = run(export(run_id=run_id, export_id=export_id, runs_dir=str(runs_dir)))
     assert result.state == RunState.SUCCEEDED and result.export_id == export_id
     assert result.gguf is not None and Path(result.gguf_path or "").is_file()

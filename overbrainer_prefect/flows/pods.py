@@ -39,6 +39,7 @@ class PodListing(BaseModel):
 
     pod_id: str
     run_id: str
+    owner: str = Field(default="", description="`run R`, or `export E of run R`.")
     status: str
     run_state: str
     gpu: str
@@ -197,7 +198,8 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
 
 async def _credentials(runs: Runs, name: str | None, target: str | None) -> RunpodCredentials:
     """The Runpod credentials block `name`; else that of the Runpod target
-    `target`; else that of the first Runpod target of the runs here. Raises
+    `target`; else that of the first Runpod target of the runs here (or of
+    their exports and compares). Raises
     PodsError with one line when there is none."""
     if name is not None:
         try:
@@ -207,7 +209,11 @@ async def _credentials(runs: Runs, name: str | None, target: str | None) -> Runp
                 f"no Runpod credentials block named {name!r}: create it in the Prefect UI"
             ) from None
     targets = [target] if target else []
-    targets += [r.target for r in runs.list(skipped=lambda *_: None) if r.target_kind == "runpod"]
+    for record in runs.list(skipped=lambda *_: None):
+        jobs = [record]
+        for kind in ("export", "compare"):
+            jobs += runs.children(record.id, kind).list(skipped=lambda *_: None)
+        targets += [job.target for job in jobs if job.target_kind == "runpod"]
     for ref in dict.fromkeys(targets):
         try:
             _, block = await load_target(ref)
@@ -222,6 +228,7 @@ def _listing(row: PodRow) -> PodListing:
     return PodListing(
         pod_id=row.pod_id,
         run_id=row.run_id,
+        owner=row.owner,
         status=row.status,
         run_state=row.run_state,
         gpu=row.gpu,

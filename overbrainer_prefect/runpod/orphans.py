@@ -17,7 +17,7 @@ from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
 from overbrainer_prefect.runs.lifecycle import MANIFEST_FILE, artifacts_missing
 from overbrainer_prefect.runs.records import RecordError
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class PodRow:
     orphan: bool
     why: str
     """Why it is an orphan, or what bounds it."""
+    owner: str = ""
+    """How messages name what the pod ran: `run R`, or `export E of run R`."""
     retrieved: bool = False
     """Its run has ended with every file retrieved and verified here, and the
     pod is not kept: nothing is lost by deleting it (the sweep does)."""
@@ -47,7 +49,8 @@ class PodRow:
         spend = f"~${self.estimated_spend:.2f}" if self.estimated_spend is not None else "~$?"
         flag = "ORPHAN" if self.orphan else "ok"
         return (
-            f"{self.pod_id}  run {self.run_id}  {self.status}/{self.run_state}  {self.gpu}  "
+            f"{self.pod_id}  {self.owner or 'run ' + self.run_id}  {self.status}/{self.run_state}  "
+            f"{self.gpu}  "
             f"{rate}  up {self.uptime_s / 3600:.2f} h  {spend}  {flag}: {self.why}"
         )
 
@@ -111,6 +114,7 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
         estimated_spend=spend,
         orphan=orphan,
         why=why,
+        owner=subject(record) if record is not None else f"run {run_id}",
         retrieved=retrieved,
     )
 
@@ -136,7 +140,8 @@ def orphan_warnings(rows: list[PodRow]) -> list[str]:
             else ")"
         )
         warnings.append(
-            f"pod {row.pod_id} of run {row.run_id}{rate}{spend} is an orphan: {row.why}; remove "
+            f"pod {row.pod_id} of {row.owner or 'run ' + row.run_id}{rate}{spend} is an orphan: "
+            f"{row.why}; remove "
             f"it with the pods flow (action=remove, run_id={row.run_id})"
         )
     return warnings
