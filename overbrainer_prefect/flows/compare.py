@@ -677,13 +677,6 @@ def _unfinished_of(flow_run: FlowRun) -> list[tuple[Runs, RunRecord, str]]:
     return found
 
 
-def _hook_trainer(runs: Runs, record: RunRecord, kind: str, block: TargetBlock) -> Trainer:
-    if kind == COMPARE:
-        return compare_trainer_of(runs, record, block)
-    spec = record.spec or {}
-    return BaseExportTrainer(str(spec.get("base_model")), str(spec.get("quant")))
-
-
 def _name_of(record: RunRecord, kind: str) -> str:
     if kind == COMPARE:
         return subject(record)
@@ -701,13 +694,14 @@ async def on_compare_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: S
     except Exception as error:  # a hook must not fail the cancellation itself
         logger.warning("cannot find the compares of this flow run: %s", error)
         return
+    from overbrainer_prefect.flows.collect import job_trainer
+
+    def rebuild(job: RunRecord, block: TargetBlock) -> Trainer:
+        return job_trainer(runs, job, block)
+
     for store, record, kind in unfinished:
         name = _name_of(record, kind)
         if record.target_kind == "runpod":
-
-            def rebuild(job: RunRecord, block: TargetBlock, kind: str = kind) -> Trainer:
-                return _hook_trainer(runs, job, kind, block)
-
             await cancel_pod_job_hook(store, record, str(flow_run.id), logger, trainer_of=rebuild)
             continue
         if record.job is None:
@@ -721,7 +715,7 @@ async def on_compare_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: S
         executor = block.executor(record.target)
         ctx = RunContext(runs=store, executor=executor, python=block.python)
         try:
-            trainer = _hook_trainer(runs, record, kind, block)
+            trainer = rebuild(record, block)
             with follow_lock(store.run_dir(record.id), str(flow_run.id)):
                 _, status, retrieved = await asyncio.wait_for(
                     lifecycle.cancel(ctx, trainer, record), HOOK_CANCEL_S
