@@ -6,24 +6,26 @@ the run flows drive. Training settings are not here: they are flow parameters.
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from prefect.blocks.core import Block
 from pydantic import Field, HttpUrl, SecretStr
 
 from overbrainer_prefect.envfile import read_env_file
-from overbrainer_prefect.executors.base import ExecError, Executor
+from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.settings import (
-    DEFAULT_RUNPOD_IMAGE,
-    DEFAULT_RUNPOD_VENV,
+    RunpodSettingsFields,
     RunpodTargetSettings,
     settings_from,
 )
+from overbrainer_prefect.targets.base import Logger, Target
+from overbrainer_prefect.targets.host import Bounds, HostTarget
+from overbrainer_prefect.targets.pod import PodTarget
 
 DOCS_URL = "https://github.com/overbrainer/overbrainer-prefect#readme"
 LOGO_URL = "https://raw.githubusercontent.com/overbrainer/overbrainer-prefect/main/logo.png"
@@ -54,9 +56,10 @@ class HuggingFaceCredentials(Block):
     )
 
 
-class TargetBlock(Block):
+class TargetBlock(Block, ABC):
     """What every target has: the job environment, the bounds of a job, and
-    how to build its executor."""
+    the `Target` (in the core) the flows drive. Not a block type of its own:
+    save a `LocalTarget`, an `SshTarget` or a `RunpodTarget`."""
 
     _logo_url = HttpUrl(LOGO_URL)
     _documentation_url = HttpUrl(DOCS_URL)
@@ -108,9 +111,33 @@ class TargetBlock(Block):
             secrets["HF_TOKEN"] = self.huggingface.token
         return secrets
 
+    def bounds(self) -> Bounds:
+        """How a job's steps are bounded on this target."""
+        return Bounds(
+            python=self.python,
+            poll_s=self.poll_seconds,
+            max_hours=self.max_hours,
+            stall_s=self.stall_minutes * 60,
+        )
+
     @abstractmethod
-    def executor(self, name: str) -> Executor:
-        """The executor of this target, named `name` in messages."""
+    def target(self, ref: str, log: Logger) -> Target:
+        """The `Target` the flows drive, named `ref` in records and messages,
+        logging to `log`. Raises SettingsError (one line) for settings that
+        cannot be used."""
+
+
+def host_target(block: LocalTarget | SshTarget, ref: str, log: Logger) -> HostTarget:
+    """A machine you own, as the flows drive it: its executor, named `ref`."""
+    return HostTarget(
+        ref,
+        block.kind,
+        lambda: block.executor(ref),
+        block.bounds(),
+        secrets=block.secrets,
+        cpu_threads=block.cpu_threads,
+        log=log,
+    )
 
 
 class LocalTarget(TargetBlock):
@@ -139,6 +166,10 @@ class LocalTarget(TargetBlock):
     def executor(self, name: str) -> Executor:
         """A `LocalExecutor` over `work_dir`."""
         return LocalExecutor(Path(self.work_dir).expanduser(), name=name)
+
+    def target(self, ref: str, log: Logger) -> Target:
+        """This machine as a `HostTarget`."""
+        return host_target(self, ref, log)
 
 
 class SshTarget(TargetBlock):
@@ -196,6 +227,10 @@ class SshTarget(TargetBlock):
             name=name,
             connect_timeout=self.connect_timeout,
         )
+
+    def target(self, ref: str, log: Logger) -> Target:
+        """The SSH box as a `HostTarget`."""
+        return host_target(self, ref, log)
 
 
 class OllamaServer(Block):
@@ -268,7 +303,7 @@ class RunpodCredentials(Block):
         return RunpodClient(self.api_key, rest_url=self.rest_url, graphql_url=self.graphql_url)
 
 
-class RunpodTarget(TargetBlock):
+class RunpodTarget(RunpodSettingsFields, TargetBlock):
     """A Runpod pod created for each run and deleted once the run's files are
     retrieved and verified. A watchdog on the pod deletes it by itself at
     `max_hours` (unless the flow following a progressing job renews its
@@ -277,8 +312,9 @@ class RunpodTarget(TargetBlock):
     bills past its bound, whatever dies on this side. `keep_pod` turns all of
     that off.
 
-    The settings are checked when a run starts: each problem (an unknown GPU
-    type or data center, a price limit nothing meets, a missing image) is one
+    The settings are `RunpodTargetSettings`' own fields, with their
+    constraints; what only Runpod can tell (an unknown GPU type or data
+    center, a price limit nothing meets) is checked when a job starts, in one
     line, before any pod is created.
 
     Example:
@@ -295,74 +331,6 @@ class RunpodTarget(TargetBlock):
     kind: ClassVar[str] = "runpod"
 
     credentials: RunpodCredentials = Field(description="The Runpod account pods are created in.")
-    job_venv: str = Field(
-        default=DEFAULT_RUNPOD_VENV,
-        description="The virtual environment on the pod that runs jobs (torch, axolotl).",
-    )
-    max_hours: float = Field(
-        default=6.0,
-        description="Hours after which the pod's watchdog deletes the pod, unless the flow "
-        "following a progressing job renews its lease.",
-    )
-    gpu_types: list[str] | Literal["auto"] = Field(
-        default="auto",
-        description='Runpod GPU type ids tried in order (like "NVIDIA GeForce RTX 4090"), or '
-        '"auto": the cheapest types with enough VRAM.',
-    )
-    min_vram_gb: float | None = Field(
-        default=None,
-        description="Least VRAM per GPU in GB; unset: estimated from the base model for auto.",
-    )
-    max_price_per_hour: float | None = Field(
-        default=None,
-        description="Most the pod may cost per hour in USD, all its GPUs together; unset: "
-        "no limit.",
-    )
-    gpu_count: int = Field(default=1, description="GPUs of the pod.")
-    cloud: Literal["secure", "community"] = Field(
-        default="secure",
-        description="secure: Runpod's data centers; community: hosts of the community.",
-    )
-    image: str = Field(
-        default=DEFAULT_RUNPOD_IMAGE,
-        description="The pod's Docker image: Python, sshd and the job venv.",
-    )
-    container_disk_gb: int = Field(
-        default=50, description="The pod's container disk in GB (wiped with the pod)."
-    )
-    max_cost_usd: float | None = Field(
-        default=None,
-        description="Most the pod may cost in USD (hours × its rate): its watchdog deletes it "
-        "there. Unset: only max_hours bounds it.",
-    )
-    boot_grace_s: float = Field(
-        default=1800.0,
-        description="Seconds a pod may take to answer SSH, and its watchdog waits for a job "
-        "to start, before the pod is deleted.",
-    )
-    retrieve_grace_s: float = Field(
-        default=3600.0,
-        description="Seconds the watchdog keeps a pod whose ended job was not retrieved.",
-    )
-    data_center_ids: list[str] = Field(
-        default_factory=list,
-        description="Runpod data centers the pod may be placed in, like EU-RO-1; empty: any.",
-    )
-    network_volume_id: str | None = Field(
-        default=None,
-        description="A network volume to mount at /workspace; needs exactly one data center.",
-    )
-    max_volume_gb: int | None = Field(
-        default=None,
-        description="Largest size in GB the network volume may be grown to, before a job's pod "
-        "is asked for, when what the job will write there (estimated) does not fit; a volume "
-        "only grows. Unset: never grown (a warning says when it is too small).",
-    )
-    keep_pod: bool = Field(
-        default=False,
-        description="Keep the pod once the run ends, with no time or cost limit: only the pods "
-        "flow deletes it.",
-    )
 
     def settings(self) -> RunpodTargetSettings:
         """The checked settings of this target. Raises SettingsError with one
@@ -372,11 +340,19 @@ class RunpodTarget(TargetBlock):
         }
         return settings_from(values)
 
-    def executor(self, name: str) -> Executor:
-        """A Runpod target has no executor of its own: each run's pod is
-        reached over SSH once it exists. Raises ExecError saying so."""
-        raise ExecError(
-            "connect",
-            f"Runpod target {name!r} has no machine until a run creates its pod: train on it "
-            "with the train flow, or follow a run with the attach flow",
+    def target(self, ref: str, log: Logger) -> Target:
+        """A `PodTarget`: a pod of this account made for each job."""
+        credentials = self.credentials
+        hub = self.huggingface
+        return PodTarget(
+            ref,
+            self.settings(),
+            credentials.client,
+            api_url=credentials.rest_url,
+            bounds=self.bounds(),
+            secrets=self.secrets,
+            cpu_threads=self.cpu_threads,
+            hub_token=hub.token if hub is not None else None,
+            hub_endpoint=hub.endpoint if hub is not None else None,
+            log=log,
         )

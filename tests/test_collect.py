@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ from prefect.states import State
 
 from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.executors.base import JobSpec
-from overbrainer_prefect.flows.collect import collect
+from overbrainer_prefect.flows.collect import CREATE_GRACE_S, collect
 from overbrainer_prefect.runs import Runs, RunState, lifecycle
+from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.lock import follow_lock
 from overbrainer_prefect.runs.store import RunRecord
 from overbrainer_prefect.trainers.spec import TrainingSpec
@@ -180,12 +182,21 @@ def test_collect_fails_a_run_whose_flow_run_ended_before_its_job_started(
     record = lifecycle.create(
         runs, target=ref, target_kind="local", workdir=block.work_dir, flow_run_id=crashed
     )
+    assert asyncio.run(collect(runs_dir=str(runs.root))) == []  # its creator may lock it yet
+    backdate(runs, record.id, CREATE_GRACE_S + 1)
     rows = asyncio.run(collect(runs_dir=str(runs.root)))
     assert [(r.run_id, r.state) for r in rows] == [(record.id, RunState.FAILED)]
     assert runs.load(record.id).message == "interrupted before the job started"
 
 
-def test_collect_leaves_a_run_its_live_flow_run_is_still_preparing(
+def backdate(runs: Runs, record_id: str, seconds: float) -> None:
+    """Makes a record look created `seconds` ago."""
+    saved = runs.load(record_id)
+    saved.created = rfc3339(datetime.now(UTC) - timedelta(seconds=seconds))
+    runs.save(saved)
+
+
+def test_collect_leaves_a_run_its_live_creator_is_still_preparing(
     target: tuple[str, LocalTarget], tmp_path: Path
 ) -> None:
     runs = Runs(tmp_path / "runs")
@@ -194,9 +205,26 @@ def test_collect_leaves_a_run_its_live_flow_run_is_still_preparing(
     record = lifecycle.create(
         runs, target=ref, target_kind="local", workdir=block.work_dir, flow_run_id=running
     )
-    assert asyncio.run(collect(runs_dir=str(runs.root))) == []
+    backdate(runs, record.id, CREATE_GRACE_S + 1)
+    with follow_lock(runs.run_dir(record.id), "its creator"):  # what decides: the lock
+        assert asyncio.run(collect(runs_dir=str(runs.root))) == []
     assert runs.load(record.id).state == RunState.PREPARING
     assert flow_run_state(running).type == StateType.RUNNING
+
+
+def test_collect_fails_a_preparing_run_whose_flow_run_still_says_running_but_nobody_holds(
+    target: tuple[str, LocalTarget], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    ref, block = target
+    left = flow_run_in(StateType.RUNNING)  # what a killed process leaves forever
+    record = lifecycle.create(
+        runs, target=ref, target_kind="local", workdir=block.work_dir, flow_run_id=left
+    )
+    backdate(runs, record.id, CREATE_GRACE_S + 1)
+    rows = asyncio.run(collect(runs_dir=str(runs.root)))
+    assert [(r.run_id, r.state) for r in rows] == [(record.id, RunState.FAILED)]
+    assert flow_run_state(left).type == StateType.CRASHED
 
 
 def test_collect_of_an_empty_runs_directory_says_there_was_nothing(

@@ -1,9 +1,15 @@
-"""The shape of the package: the core never imports Prefect."""
+"""The shape of the package: the core never imports Prefect, the flows never
+branch on which target they hold, nothing imports inside a function to break a
+circle, and no import circle exists among the package's modules."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "overbrainer_prefect"
 
 CORE = [
     "overbrainer_prefect.runs.lifecycle",
@@ -11,6 +17,7 @@ CORE = [
     "overbrainer_prefect.executors.local",
     "overbrainer_prefect.executors.jobscript",
     "overbrainer_prefect.trainers.axolotl",
+    "overbrainer_prefect.trainers.rebuild",
     "overbrainer_prefect.executors.ssh",
     "overbrainer_prefect.runpod.client",
     "overbrainer_prefect.runpod.gpus",
@@ -23,7 +30,12 @@ CORE = [
     "overbrainer_prefect.runpod.reconnect",
     "overbrainer_prefect.runpod.orphans",
     "overbrainer_prefect.runpod.volume",
+    "overbrainer_prefect.targets.base",
+    "overbrainer_prefect.targets.host",
+    "overbrainer_prefect.targets.pod",
 ]
+
+TARGET_CLASSES = ("RunpodTarget", "SshTarget", "LocalTarget", "PodTarget", "HostTarget")
 
 
 def test_the_core_imports_without_prefect() -> None:
@@ -37,3 +49,95 @@ def test_the_core_imports_without_prefect() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == ""
+
+
+def _flow_modules() -> list[Path]:
+    # the pods flow manages Runpod's own pods: it is Runpod's by definition
+    return [p for p in sorted((PACKAGE / "flows").glob("*.py")) if p.name != "pods.py"]
+
+
+def test_no_flow_module_branches_on_the_target_it_holds() -> None:
+    found = []
+    for path in _flow_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = ast.unparse(node) if isinstance(node, ast.Call | ast.Compare) else ""
+            is_isinstance = getattr(getattr(node, "func", None), "id", None) == "isinstance"
+            if is_isinstance and any(name in text for name in TARGET_CLASSES):
+                found.append(f"{path.name}: {text}")
+            kinds = ("target_kind", "'runpod'", "'ssh'", "'local'")
+            if isinstance(node, ast.Compare) and any(kind in text for kind in kinds):
+                found.append(f"{path.name}: {text}")
+            is_def = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            if is_def and node.name.endswith("_on_pod"):
+                found.append(f"{path.name}: def {node.name}")
+    assert found == []
+
+
+def test_no_module_imports_the_package_inside_a_function() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "jobs" in path.parts:  # scripts that run in the job venv, not the package
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for inner in ast.walk(node):
+                module = inner.module if isinstance(inner, ast.ImportFrom) else None
+                names = [a.name for a in inner.names] if isinstance(inner, ast.Import) else []
+                if (module or "").startswith("overbrainer_prefect") or any(
+                    n.startswith("overbrainer_prefect") for n in names
+                ):
+                    found.append(f"{path.relative_to(PACKAGE)}: {node.name}")
+    assert found == []
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules `path` imports at module level (TYPE_CHECKING left out)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for inner in ast.walk(node):
+            names: list[str] = []
+            if isinstance(inner, ast.ImportFrom) and inner.module and inner.level == 0:
+                names = [inner.module] + [f"{inner.module}.{a.name}" for a in inner.names]
+            elif isinstance(inner, ast.Import):
+                names = [a.name for a in inner.names]
+            found |= {name for name in names if name in modules}
+    return found
+
+
+def test_no_import_circle_among_the_package_modules() -> None:
+    paths = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "jobs" in path.parts:
+            continue
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            continue  # re-exports
+        paths[".".join(parts)] = path
+    graph = {m: _imports(p, set(paths)) - {m} for m, p in paths.items()}
+    circles = []
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for other in sorted(graph[module]):
+            if state.get(other) == 1:
+                circles.append(" -> ".join([*trail[trail.index(other) :], other]))
+            elif other not in state:
+                visit(other, [*trail, other])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert circles == []
+
+
+def test_the_abstract_target_block_is_not_a_block_type_of_its_own() -> None:
+    from abc import ABC
+
+    from overbrainer_prefect.blocks import TargetBlock
+
+    assert ABC in TargetBlock.__bases__  # Prefect registers no block type with ABC as a base

@@ -44,6 +44,7 @@ FAST = RetryPolicy(
     create_attempts=3,
     reconcile_looks=3,
     reconcile_interval_s=0.05,
+    reconcile_window_s=0.3,
 )
 """The default policy's shape with waits short enough for tests."""
 

@@ -36,12 +36,12 @@ from prefect.states import Cancelling
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.flows import RunResult, attach, cancel, pods, stop, train
-from overbrainer_prefect.flows.hooks import cancel_runs_of
+from overbrainer_prefect.flows.driver import on_cancelled
 from overbrainer_prefect.flows.pods import PodsError
 from overbrainer_prefect.runpod import PodRequest
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR
-from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord, PodState
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.trainers.spec import TrainingSpec
@@ -54,7 +54,8 @@ pytestmark = pytest.mark.slow
 
 FAST = (
     "watch_interval_s=1,lease_ttl_s=6,lease_renew_s=1,lease_tick_s=0.5,deadline_margin_s=4,"
-    "arm_timeout_s=30,ready_poll_s=0.3,gone_interval_s=0.3,confirm_timeout_s=30"
+    "arm_timeout_s=30,ready_poll_s=0.3,gone_interval_s=0.3,confirm_timeout_s=30,"
+    "checkpoint_hold_s=90"
 )
 """Timings short enough for tests: the watchdog looks every second, a lease
 holds 6 s."""
@@ -314,24 +315,27 @@ def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth
     tmp_path: Path,
 ) -> None:
     runs_dir = tmp_path / "runs"
-    name = target(sim, max_hours=0.01)  # 36 s after the create
+    name = target(sim, max_hours=0.02)  # 72 s after the create; a checkpoint asked 7 s before
     # SIGKILL: no hook runs, the job and its pod keep going
     record = follower_killed_while_training(name, tiny, runs_dir, tmp_path)
     pod = PodRecord.load(Runs(runs_dir), record.id)
     assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
-    wait_until(lambda: sim.pod(pod.pod_id).deleted, 120, "the watchdog to delete the pod")
-    assert pod.deadline_unix is not None and time.time() >= pod.deadline_unix
-    log = pods_of.watchdog_log(pod.pod_id, record.id)
-    assert "max_hours reached" in log, log
-    assert (record.job is not None and not Path(f"/proc/{record.job.pid}/cmdline").exists()) or (
-        "Z" in Path(f"/proc/{record.job.pid}/stat").read_text().rpartition(")")[2][:3]
+    assert pod.deadline_unix is not None
+    wait_until(
+        lambda: "hold: max_hours passed" in pods_of.watchdog_log(str(pod.pod_id), record.id),
+        150,
+        "max_hours, and the checkpoint the watchdog asked for",
     )
-    with pytest.raises(Exception, match=MAX_HOURS_REACHED):
-        run(attach(run_id=record.id, runs_dir=str(runs_dir)))
+    assert not sim.pod(pod.pod_id).deleted  # the checkpoint is not destroyed seconds after
+    log = pods_of.watchdog_log(pod.pod_id, record.id)
+    assert log.index("asked the job for a checkpoint") < log.index("hold: max_hours passed")
+    result = run(attach(run_id=record.id, runs_dir=str(runs_dir)))  # within the hold
+    assert isinstance(result, RunResult) and result.state == RunState.STOPPED
     saved = Runs(runs_dir).load(record.id)
-    assert saved.state == RunState.FAILED and saved.message == MAX_HOURS_REACHED
+    assert saved.checkpoint and (Runs(runs_dir).run_dir(record.id) / saved.checkpoint).is_dir()
+    assert saved.message is not None and f"resume_from={record.id}" in saved.message
     pod = PodRecord.load(Runs(runs_dir), record.id)
-    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "watchdog"
+    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
     assert not (Runs(runs_dir).run_dir(record.id) / SSH_DIR / CLIENT_KEY).exists()
 
 
@@ -385,8 +389,8 @@ def test_max_cost_usd_reached_deletes_the_pod_and_fails_the_run_with_that_reason
     assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "watchdog"
     assert pod.pod_id is not None
     log = pods_of.watchdog_log(pod.pod_id, record.id)
-    assert "max_cost_usd reached: $0.0025 at $0.25/h" in log, log
-    assert sim.spend(pod.pod_id) <= 0.0025 + 0.25 * 3 / 3600
+    assert "max_cost_usd reached: $0.0025 at $0.256944/h" in log, log
+    assert sim.spend(pod.pod_id) <= 0.0025  # GPUs and container disk, at deletion
 
 
 def cancel_through_prefect(flow_run_id: str, child: Any, hook_of: Any = None) -> None:
@@ -406,7 +410,7 @@ def cancel_through_prefect(flow_run_id: str, child: Any, hook_of: Any = None) ->
             flow_run = await client.read_flow_run(uuid.UUID(flow_run_id))
         assert flow_run.state is not None and flow_run.state.name == "Cancelling"
         if hook_of is None:
-            await cancel_runs_of(flow_run, logging.getLogger("hook"))
+            await on_cancelled(train, flow_run, flow_run.state)
         else:
             await hook_of(flow_run)
 
@@ -477,9 +481,8 @@ def test_a_flow_run_cancelled_while_training_cancels_the_job_and_deletes_its_pod
 def test_auto_picks_the_cheapest_gpu_type_that_fits_the_estimated_vram(
     sim: RunpodSim, tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.flows.runpod import plan_for
-    from overbrainer_prefect.runpod.context import PodContext
     from overbrainer_prefect.runpod.vram import estimate_vram, read_local_shape
+    from overbrainer_prefect.targets.base import JobNeed, NoBudget
 
     model = tmp_path / "model"
     model.mkdir()
@@ -510,9 +513,10 @@ def test_auto_picks_the_cheapest_gpu_type_that_fits_the_estimated_vram(
     )
 
     async def go() -> Any:
-        async with block.credentials.client() as client:
-            ctx = PodContext(client=client, runs=Runs(tmp_path / "runs"))
-            return await plan_for(ctx, block.settings(), training, block)
+        place = block.target("overbrainer-runpod-target/auto", logging.getLogger("plan"))
+        need = JobNeed(what="the run", training=training)
+        async with place.reserve(Runs(tmp_path / "runs"), need, NoBudget()) as reserved:
+            return reserved.plan
 
     plan = run(go())
     fitting = sorted((gpu.secure_price, gpu.id) for gpu in sim.gpus.values() if gpu.memory >= need)
@@ -587,18 +591,21 @@ def test_a_pod_dearer_than_the_whole_gpu_budget_is_refused_before_any_run_or_pod
 def test_the_gpu_types_dearer_than_the_whole_budget_are_left_out_of_the_plan(
     prefect_server: None, sim: RunpodSim
 ) -> None:
-    from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, set_budget
-    from overbrainer_prefect.flows.podjob import plan_job, plan_price, pod_account, within_budget
+    from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, PrefectBudget, set_budget
+    from overbrainer_prefect.targets.base import JobNeed, NoBudget
+    from overbrainer_prefect.targets.pod import plan_price
 
-    block = RunpodTarget.load(target(sim, gpu_types="auto"))
-    notes = logging.getLogger("budget-test")
+    name = target(sim, gpu_types="auto")
+    place = RunpodTarget.load(name).target(name, logging.getLogger("budget-test"))
+    need = JobNeed(what="the job")
 
     async def plans() -> tuple[Any, Any]:
-        async with pod_account(block, Runs(), notes) as ctx:
-            plan = await plan_job(ctx, block.settings(), None, "")
+        async with place.reserve(Runs(), need, NoBudget()) as reserved:
+            plan = reserved.plan
         await set_budget(2, 0.30)
         try:
-            return plan, await within_budget(plan, notes)
+            async with place.reserve(Runs(), need, PrefectBudget()) as held:
+                return plan, held.plan
         finally:
             async with get_client() as client:
                 for name in (POD_LIMIT, SPEND_LIMIT):

@@ -209,10 +209,10 @@ def export_in_child(run_id: str, target_name: str, runs_dir: Path, log: Path) ->
 
 async def export_hook(flow_run: Any) -> None:
     """The export flow's cancellation hook, as a runner runs it."""
+    from overbrainer_prefect.flows.driver import on_cancelled
     from overbrainer_prefect.flows.export import export as export_flow
-    from overbrainer_prefect.flows.export import on_export_cancelled
 
-    await on_export_cancelled(export_flow, flow_run, flow_run.state)
+    await on_cancelled(export_flow, flow_run, flow_run.state)
 
 
 def test_an_export_cancelled_while_its_pod_boots_deletes_that_pod(

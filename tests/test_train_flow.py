@@ -295,9 +295,9 @@ def test_an_invalid_or_unknown_run_id_touches_nothing(
 def test_the_cancellation_hook_cancels_the_job_of_a_killed_flow_run_from_its_record(
     target: str, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    import logging
 
-    from overbrainer_prefect.flows.hooks import cancel_runs_of
+    from overbrainer_prefect.flows import train as train_flow
+    from overbrainer_prefect.flows.driver import on_cancelled
 
     runs_dir = tmp_path / "runs"
     child = start_in_child(target, spec(*tiny, max_steps=400), runs_dir, tmp_path / "child.log")
@@ -311,7 +311,7 @@ def test_the_cancellation_hook_cancels_the_job_of_a_killed_flow_run_from_its_rec
     async def hook() -> None:
         async with get_client() as client:
             flow_run = await client.read_flow_run(uuid.UUID(record.flow_run_id))
-        await cancel_runs_of(flow_run, logging.getLogger("hook"))
+        await on_cancelled(train_flow, flow_run, flow_run.state)
 
     run(hook())
     saved = Runs(runs_dir).load(record.id)

@@ -55,7 +55,8 @@ T = TypeVar("T")
 A4000 = "NVIDIA RTX A4000"
 FAST = (
     "watch_interval_s=1,lease_ttl_s=4,lease_renew_s=1,lease_tick_s=0.3,deadline_margin_s=3,"
-    "arm_timeout_s=20,ready_poll_s=0.2,gone_interval_s=0.2,confirm_timeout_s=20"
+    "arm_timeout_s=20,ready_poll_s=0.2,gone_interval_s=0.2,confirm_timeout_s=20,"
+    "checkpoint_hold_s=6"
 )
 
 
@@ -87,6 +88,9 @@ CHECKPOINTS_ON_REQUEST = (
     "echo saved > checkpoint.saved; sleep 600"
 )
 """A job that saves a checkpoint when asked (then lingers, as a slow save would)."""
+
+CHECKPOINTS_AND_ENDS = CHECKPOINTS_ON_REQUEST.replace("sleep 600", "exit 0")
+"""A job that saves a checkpoint when asked, then ends."""
 
 
 @dataclass
@@ -269,8 +273,9 @@ def test_a_ready_pod_has_claimed_its_run_directory_and_armed_its_cap_before_any_
     saved = PodRecord.load(bed.runs, pod.run_id)
     assert saved is not None and saved.pod_id == pod.pod_id
     assert saved.deadline_unix is not None and saved.cost_deadline_unix is not None
-    # the cost cap: $5 at $0.25/h is 20 h after the create
-    assert saved.cost_deadline_unix - saved.deadline_unix == pytest.approx(19 * 3600, abs=5)
+    # the cost cap: $5 at $0.25/h and 50 GB of disk at $0.10/GB/month, less a look and a delete
+    to_cap = 5 / (0.25 + 50 * 0.10 / 720) * 3600 - (1 + 5)
+    assert saved.cost_deadline_unix - saved.deadline_unix == pytest.approx(to_cap - 3600, abs=5)
     log = log_of(bed, pod)
     lines = [line.split(" ", 1)[1] for line in log.splitlines()]
     kinds = [line.split(":", 1)[0] for line in lines]
@@ -344,24 +349,46 @@ def test_a_job_that_ended_unretrieved_keeps_its_pod_for_the_retrieve_grace(bed: 
 
 
 @pytest.mark.slow
-def test_max_hours_asks_the_job_for_a_checkpoint_then_deletes_the_pod_and_its_job(
+def test_max_hours_asks_the_job_for_a_checkpoint_and_keeps_it_retrievable_for_the_hold(
+    bed: Bed,
+) -> None:
+    async def body(ctx: PodContext) -> tuple[PodRecord, RunRecord, float]:
+        # 0.006 h is 21.6 s after the create; the checkpoint is asked 2 s before
+        ready = await ready_pod(ctx, bed, settings(max_hours=0.006))
+        _, record = await start(ctx, ready, CHECKPOINTS_AND_ENDS)
+        await ready.executor.close()
+        assert ready.pod.deadline_unix is not None
+        await until(lambda: time.time() > ready.pod.deadline_unix + 2, 40, "max_hours")  # type: ignore[operator]
+        assert not deleted(bed, ready.pod)  # the checkpoint it saved is still there
+        await until(lambda: deleted(bed, ready.pod), 30, "the checkpoint hold")
+        return ready.pod, record, time.time()
+
+    pod, record, gone = run(bed, body)
+    log = log_of(bed, pod)
+    assert "decision: asked the job for a checkpoint (stop.request): max_hours ends at" in log
+    assert "hold: max_hours passed" in log and "the pod stays until" in log
+    assert "its files were not retrieved within checkpoint_hold (6s)" in log
+    assert log.index("asked the job for a checkpoint") < log.index("hold: max_hours passed")
+    remote = Path(record.remote_dir)
+    assert (remote / "checkpoint.saved").is_file()
+    assert pod.deadline_unix is not None and gone <= pod.deadline_unix + 6 + 5
+
+
+@pytest.mark.slow
+def test_max_hours_deletes_the_pod_and_its_job_when_the_job_ignores_the_checkpoint_request(
     bed: Bed,
 ) -> None:
     async def body(ctx: PodContext) -> tuple[PodRecord, RunRecord]:
-        # 0.006 h is 21.6 s after the create; the checkpoint is asked 2 s before
         ready = await ready_pod(ctx, bed, settings(max_hours=0.006))
-        _, record = await start(ctx, ready, CHECKPOINTS_ON_REQUEST)
+        _, record = await start(ctx, ready, STALLED)
         await ready.executor.close()
         await until(lambda: deleted(bed, ready.pod), 40, "max_hours")
         return ready.pod, record
 
     pod, record = run(bed, body)
     log = log_of(bed, pod)
-    assert "decision: asked the job for a checkpoint (stop.request): max_hours ends at" in log
     assert "max_hours reached (0.006 h" in log and "no lease was renewed" in log
     assert log.index("asked the job for a checkpoint") < log.index("max_hours reached")
-    remote = Path(record.remote_dir)
-    assert (remote / "checkpoint.saved").is_file()
     # the job died with its pod
     assert record.job is not None
     assert not alive(record.job.pid)
@@ -379,10 +406,10 @@ def test_max_cost_usd_deletes_the_pod_once_reached(bed: Bed) -> None:
 
     pod = run(bed, body)
     log = log_of(bed, pod)
-    assert "cost cap armed: max_cost_usd $0.001 at $0.25/h" in log
-    assert "decision: delete pod" in log and "max_cost_usd reached: $0.001 at $0.25/h" in log
+    assert "cost cap armed: max_cost_usd $0.001 at $0.256944/h (GPUs and container disk)" in log
+    assert "decision: delete pod" in log and "max_cost_usd reached: $0.001 at $0.256944/h" in log
     spent = bed.sim.pod(pod.pod_id or "").spend(bed.sim.now())
-    assert spent <= 0.001 + 0.25 * 3 / 3600  # a look of the watchdog at most past the cap
+    assert spent <= 0.001  # GPUs and disk, one look and the delete counted in: never past it
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from prefect.client.orchestration import get_client
@@ -177,3 +177,16 @@ def _logger() -> logging.Logger | logging.LoggerAdapter[Any]:
         return get_run_logger()
     except Exception:  # outside a flow run: the library's logger
         return get_logger("overbrainer.budget")
+
+
+class PrefectBudget:
+    """The GPU budget of this Prefect server as the `Budget` a target holds
+    while its pod lives (see `targets.base.Budget`)."""
+
+    async def spend_limit_cents(self) -> int | None:
+        """The spend limit's size in cents an hour, None without one."""
+        return (await budget_limits()).get(SPEND_LIMIT)
+
+    def hold(self, price_per_hour: float) -> AbstractAsyncContextManager[None]:
+        """`gpu_budget(price_per_hour)`."""
+        return gpu_budget(price_per_hour)

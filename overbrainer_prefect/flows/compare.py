@@ -14,45 +14,29 @@ reused, not asked again.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import FlowRun, State
-from prefect.flows import Flow
-from prefect.logging.loggers import flow_run_logger
-from prefect.runtime import flow_run
+from prefect.client.schemas.objects import State
 from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
-from overbrainer_prefect.blocks import RunpodTarget, TargetBlock
-from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest, JobStatus
+from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.flows.export import (
-    ExportReporter,
-    check_converter,
-    gguf_entry,
-    reusable,
-    running,
-)
-from overbrainer_prefect.flows.hooks import cancel_pod_job_hook, crashed_pod_job_hook
-from overbrainer_prefect.flows.targets import load_target
-from overbrainer_prefect.flows.train import FileEntry, RunFailed, run_context, start_job
+from overbrainer_prefect.flows.driver import HOOKS, Finished, NewJob, follow_again, run_new
+from overbrainer_prefect.flows.export import export_job, gguf_entry, reusable, running
+from overbrainer_prefect.flows.results import FileEntry, RunFailed
+from overbrainer_prefect.flows.targets import target_named
 from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.lifecycle import Outcome, RunContext, RunError
-from overbrainer_prefect.runs.lock import RunBusy, follow_lock
-from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
+from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
-from overbrainer_prefect.trainers.base import Trainer, TrainError
+from overbrainer_prefect.targets.base import JobNeed, Logger, Target
+from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.compare import (
     ANSWERS_FILE,
-    BASES_DIR,
     MODELS_DIR,
     BaseExportTrainer,
     CompareSpec,
@@ -68,13 +52,7 @@ from overbrainer_prefect.trainers.compare import (
     vram_floor,
 )
 from overbrainer_prefect.trainers.export import DEFAULT_QUANT, base_model, check_quant
-
-COMPARE = "compare"
-"""The kind of a compare's record: `runs/<run-id>/compares/<compare-id>/compare.json`."""
-
-EXPORT = "export"
-
-HOOK_CANCEL_S = 120.0  # how long a cancellation hook spends cancelling and retrieving a job
+from overbrainer_prefect.trainers.rebuild import COMPARE, EXPORT
 
 GB = 10**9
 
@@ -127,27 +105,6 @@ class CompareResult(BaseModel):
             if a is not None and a.tokens_per_s is not None
         ]
         return sum(speeds) / len(speeds) if speeds else None
-
-
-class CompareReporter:
-    """A `Reporter` for a compare's job (or a base export's): each answer, the job's
-    status and warnings in the flow's log, named as `name`."""
-
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter[Any], name: str) -> None:
-        self.logger = logger
-        self.name = name
-
-    def metric(self, metric: Metric, summary: MetricsSummary) -> None:
-        """Logs an answer given (a compare writes one `log` event per answer)."""
-        self.logger.info("%s: answer %s/%s", self.name, metric.step, summary.max_steps)
-
-    def status(self, status: JobStatus) -> None:
-        """Logs the job's new status."""
-        self.logger.info("%s: job %s", self.name, status)
-
-    def warning(self, message: str) -> None:
-        """Logs a warning."""
-        self.logger.warning("%s", message)
 
 
 def tuned_gguf(runs: Runs, run_id: str, quant: str) -> GgufRef:
@@ -421,72 +378,46 @@ def job_failure(local: Path, prefix: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def _base_name(record: RunRecord, base: str) -> str:
-    return f"base export {record.id} ({base})"
-
-
-@task(name="export-base", cache_policy=NO_CACHE, persist_result=False)
-async def export_base(
-    runs: Runs,
-    base: str,
-    quant: str,
-    target_ref: str,
-    block: TargetBlock,
-    executor: Executor,
-) -> GgufRef:
+async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: Logger) -> GgufRef:
     """The base model's GGUF of type `quant`: a succeeded export of it reused, one
     left running followed again, else an export of the plain base model made on the
-    target (converted and quantized like the run's) and retrieved and verified into
-    `<runs dir>/.bases/<key>/exports/<export-id>/`.
+    target (converted and quantized like the run's; on a pod of its own on Runpod)
+    and retrieved and verified into `<runs dir>/.bases/<key>/exports/<export-id>/`.
 
     Raises CompareFailed with one line when the export fails or its GGUF cannot be
     retrieved (compare again: a started export is followed again).
     """
-    logger = get_run_logger()
-    store = base_exports(runs, base_key(base, target_ref))
+    store = base_exports(runs, base_key(base, place.ref))
     ref = reused_base(runs, store, base, quant)
     if ref is not None:
         return ref
-    trainer = BaseExportTrainer(base, quant, cpu_threads=block.cpu_threads)
-    record = running(store, quant)
-    if record is None:
-        await check_converter(executor, block.python)
-        record = lifecycle.create(
-            store,
-            target=target_ref,
-            target_kind=block.kind,
-            workdir=f"{executor.workdir.rstrip('/')}/{BASES_DIR.lstrip('.')}",
-            trainer=EXPORT,
-            spec={"quant": quant, "keep_intermediate": False, "base_model": base},
-            flow_run_id=flow_run.id,
-        )
-        logger.info(
-            "the base model %s has no %s GGUF yet: %s made on %s (files in %s)",
-            base,
-            quant,
-            _base_name(record, base),
-            executor.description,
-            store.run_dir(record.id),
-        )
-    else:
-        logger.info("%s was left running: following it again", _base_name(record, base))
-    name = _base_name(record, base)
-    reporter = ExportReporter(logger, record)
-    reporter.name = name
-    ctx = run_context(store, block, executor, reporter)
     again = "compare again: it follows this export again, or makes a new one"
+    left = running(store, quant)
     try:
-        with follow_lock(store.run_dir(record.id), flow_run.id):
-            if record.job is None:
-                record = await lifecycle.start(ctx, trainer, record, block.secrets())
-            outcome = await lifecycle.watch(ctx, trainer, record)
-    except RunBusy as busy:
+        if left is not None:
+            logger.info("%s was left running: following it again", subject(left))
+            finished: Finished = await follow_again(runs, store, left, logger)
+        else:
+            trainer = BaseExportTrainer(base, quant, cpu_threads=place.cpu_threads)
+            logger.info(
+                "the base model %s has no %s GGUF yet: exporting it on %s", base, quant, place.ref
+            )
+            job = export_job(
+                store,
+                trainer,
+                {"quant": quant, "keep_intermediate": False, "base_model": base},
+                base,
+                place.python,
+                what=f"the {quant} export of the base model {base}",
+                parent=None,
+                subdir="bases",
+            )
+            finished = await run_new(place, job, logger)
+    except (TrainError, RunError) as error:
         raise CompareFailed(
-            f"{name} is followed by {busy.holder}: compare again once it has ended"
+            f"the base model's export could not be made: {error}; {again}"
         ) from None
-    except (TrainError, ExecError, RunError) as error:
-        raise CompareFailed(f"{name} could not be made: {error}; {again}") from None
-    return base_gguf(runs, store, outcome, name)
+    return base_gguf(runs, store, finished.outcome, subject(finished.outcome.record))
 
 
 def reused_base(runs: Runs, store: Runs, base: str, quant: str) -> GgufRef | None:
@@ -500,14 +431,14 @@ def reused_base(runs: Runs, store: Runs, base: str, quant: str) -> GgufRef | Non
         logger.info(
             "the base model's GGUF (%s) is reused from %s: %s",
             quant,
-            _base_name(done, base),
+            subject(done),
             ref.path,
         )
         return ref
     if done is not None:
         logger.warning(
             "the GGUF of %s no longer matches its SHA-256: exporting the base again",
-            _base_name(done, base),
+            subject(done),
         )
     return None
 
@@ -538,38 +469,7 @@ def base_gguf(runs: Runs, store: Runs, outcome: Outcome, name: str) -> GgufRef:
     )
 
 
-@task(name="create-compare", cache_policy=NO_CACHE, persist_result=False)
-async def create_compare(
-    compares: Runs, run_id: str, target_ref: str, block: TargetBlock, spec: CompareSpec
-) -> RunRecord:
-    """Creates the compare's record, `preparing`, under its run."""
-    executor = block.executor(target_ref)
-    record = lifecycle.create(
-        compares,
-        target=target_ref,
-        target_kind=block.kind,
-        workdir=f"{executor.workdir.rstrip('/')}/compares",
-        trainer=COMPARE,
-        spec=spec.model_dump(mode="json"),
-        flow_run_id=flow_run.id,
-        parent=run_id,
-    )
-    get_run_logger().info(
-        "%s created on %s (files in %s)",
-        subject(record),
-        executor.description,
-        compares.run_dir(record.id),
-    )
-    return record
-
-
-@task(name="follow-compare", cache_policy=NO_CACHE, persist_result=False)
-async def follow_compare(ctx: RunContext, trainer: CompareTrainer, record: RunRecord) -> Outcome:
-    """Follows the compare's job to its end, then retrieves and verifies its answers."""
-    return await lifecycle.watch(ctx, trainer, record)
-
-
-async def _finish(
+async def finish_compare(
     compares: Runs,
     outcome: Outcome,
     where: str,
@@ -609,168 +509,7 @@ def _log_result(result: CompareResult, record: RunRecord) -> None:
     )
 
 
-def compare_trainer_of(runs: Runs, record: RunRecord, block: TargetBlock) -> CompareTrainer:
-    """The trainer of a compare of a run of `runs`, rebuilt from its record.
-    Raises RunError when its record holds no compare spec."""
-    spec = spec_of(record.spec)
-    if spec is None:
-        raise RunError(
-            f"{subject(record)} has no compare spec in its record: it cannot be followed"
-        )
-    return CompareTrainer(spec, runs.root, cpu_threads=block.cpu_threads)
-
-
-async def _follow_again(runs: Runs, run_id: str, compare_id: str) -> CompareResult | State[Any]:
-    """Follows a started compare again until its job ends, then retrieves its
-    answers; for one ended whose files were not retrieved, retrieves them again."""
-    compares = runs.children(run_id, COMPARE)
-    record = compares.load(compare_id)
-    target_ref, block = await load_target(record.target)
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.podjob import follow_again_on_pod
-
-        logger = get_run_logger()
-        outcome, where = await follow_again_on_pod(
-            compares,
-            record,
-            compare_trainer_of(runs, record, block),
-            block,
-            CompareReporter(logger, subject(record)),
-            logger,
-        )
-        return await _finish(compares, outcome, where)
-    executor = block.executor(target_ref)
-    try:
-        trainer = compare_trainer_of(runs, record, block)
-        reporter = CompareReporter(get_run_logger(), subject(record))
-        ctx = run_context(compares, block, executor, reporter)
-        try:
-            with follow_lock(compares.run_dir(compare_id), flow_run.id):
-                record = compares.load(compare_id)
-                if record.state.ended and lifecycle.artifacts_missing(record):
-                    record, _ = await lifecycle.collect(ctx, trainer, record)
-                outcome = await follow_compare(ctx, trainer, record)
-                return await _finish(compares, outcome, executor.description)
-        except RunBusy as busy:
-            raise RunError(
-                f"{subject(record)} is already followed by {busy.holder}: it records the "
-                "outcome; follow it again only once that follower has ended"
-            ) from None
-    finally:
-        await executor.close()
-
-
-def _unfinished_of(flow_run: FlowRun) -> list[tuple[Runs, RunRecord, str]]:
-    """The compares and base exports a flow run created that have not ended, with
-    their store and what their trainer is."""
-    parameters = flow_run.parameters or {}
-    runs = Runs(parameters.get("runs_dir"))
-    stores = [(runs.children(str(parameters.get("run_id")), COMPARE), COMPARE)]
-    bases = runs.root / BASES_DIR
-    if bases.is_dir():
-        stores += [(base_exports(runs, key.name), EXPORT) for key in sorted(bases.iterdir())]
-    found = []
-    for store, kind in stores:
-        for record in store.list(skipped=lambda _name, _error: None):
-            if record.flow_run_id == str(flow_run.id) and not record.state.ended:
-                found.append((store, record, kind))
-    return found
-
-
-def _name_of(record: RunRecord, kind: str) -> str:
-    if kind == COMPARE:
-        return subject(record)
-    return _base_name(record, str((record.spec or {}).get("base_model")))
-
-
-async def on_compare_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """`on_cancellation` hook of the compare flow: the compares and base exports it
-    created that have not ended are ended too: one not started is failed, a started
-    job cancelled and what it left retrieved (bounded in time)."""
-    logger = flow_run_logger(flow_run, flow)
-    try:
-        runs = Runs((flow_run.parameters or {}).get("runs_dir"))
-        unfinished = _unfinished_of(flow_run)
-    except Exception as error:  # a hook must not fail the cancellation itself
-        logger.warning("cannot find the compares of this flow run: %s", error)
-        return
-    from overbrainer_prefect.flows.collect import job_trainer
-
-    def rebuild(job: RunRecord, block: TargetBlock) -> Trainer:
-        return job_trainer(runs, job, block)
-
-    for store, record, kind in unfinished:
-        name = _name_of(record, kind)
-        if record.target_kind == "runpod":
-            await cancel_pod_job_hook(store, record, str(flow_run.id), logger, trainer_of=rebuild)
-            continue
-        if record.job is None:
-            record.state = RunState.FAILED
-            record.message = "interrupted before the job started"
-            record.ended = rfc3339()
-            store.save(record)
-            logger.info("%s: interrupted before its job started; nothing runs", name)
-            continue
-        _, block = await load_target(record.target)
-        executor = block.executor(record.target)
-        ctx = RunContext(runs=store, executor=executor, python=block.python)
-        try:
-            trainer = rebuild(record, block)
-            with follow_lock(store.run_dir(record.id), str(flow_run.id)):
-                _, status, retrieved = await asyncio.wait_for(
-                    lifecycle.cancel(ctx, trainer, record), HOOK_CANCEL_S
-                )
-            logger.info(
-                "%s: job %s; its files were %sretrieved", name, status, "" if retrieved else "not "
-            )
-        except (ExecError, TimeoutError, RunBusy, RunError) as error:
-            logger.warning(
-                "%s: cannot cancel its job on %s (%s); follow it again with the compare flow "
-                "(run_id=%s)",
-                name,
-                executor.description,
-                error,
-                (flow_run.parameters or {}).get("run_id"),
-            )
-        finally:
-            await executor.close()
-
-
-async def on_compare_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """`on_crashed` hook of the compare flow: a started compare or base export keeps
-    running (bounded by its target's max_hours); says how to follow it again."""
-    logger = flow_run_logger(flow_run, flow)
-    try:
-        unfinished = _unfinished_of(flow_run)
-    except Exception:
-        return
-    for store, record, kind in unfinished:
-        if record.target_kind == "runpod":
-            await crashed_pod_job_hook(store, record, logger)
-            continue
-        if record.job is None:
-            continue
-        if kind == COMPARE:
-            logger.warning(
-                "%s keeps running on its target; follow it again with the compare flow "
-                "(run_id=%s, compare_id=%s)",
-                subject(record),
-                record.parent,
-                record.id,
-            )
-        else:
-            logger.warning(
-                "%s keeps running on its target; the next compare of the run follows it again",
-                _name_of(record, kind),
-            )
-
-
-@flow(
-    name="compare",
-    persist_result=True,
-    on_cancellation=[on_compare_cancelled],
-    on_crashed=[on_compare_crashed],
-)
+@flow(name="compare", persist_result=True, **HOOKS)
 async def compare(
     run_id: str,
     questions: list[str] | None = None,
@@ -807,16 +546,17 @@ async def compare(
     llama.cpp cannot load).
     """
     runs = Runs(runs_dir)
+    logger = get_run_logger()
+    compares = runs.children(run_id, COMPARE)
     if compare_id is not None:
-        return await _follow_again(runs, run_id, compare_id)
+        finished = await follow_again(runs, compares, compares.load(compare_id), logger)
+        return await finish_compare(compares, finished.outcome, finished.where)
     asked = load_questions(questions, questions_file)
     check_max_tokens(max_tokens)
     quant = check_quant(quant)
     run, tuned, base = check_comparable(runs, run_id, quant)
-    compares = runs.children(run_id, COMPARE)
-    logger = get_run_logger()
-    target_ref, block = await load_target(target or run.target)
-    done = reusable_compare(compares, asked, max_tokens, seed, quant, tuned, target_ref)
+    place = await target_named(target or run.target, logger)
+    done = reusable_compare(compares, asked, max_tokens, seed, quant, tuned, place.ref)
     if done is not None:
         files = lifecycle.load_manifest(compares.run_dir(done.id))
         result = result_of(compares, done, files, reused=True)
@@ -827,7 +567,7 @@ async def compare(
             len(asked),
             done.ended,
         )
-        await publish_answers(done.id, answers_markdown(result, target_ref))
+        await publish_answers(done.id, answers_markdown(result, place.ref))
         _log_result(result, done)
         return result
     busy = running_compare(compares, asked, max_tokens, seed, quant, tuned.sha256)
@@ -836,62 +576,49 @@ async def compare(
             f"{subject(busy)} of the same questions is already running: follow it with the "
             f"compare flow (run_id={run_id}, compare_id={busy.id})"
         )
+    need = JobNeed(
+        what=f"the compare of run {run_id}",
+        gguf_bytes=tuned.size,
+        disk_bytes=2 * tuned.size,  # both GGUFs are copied there
+        image=image,
+    )
+    place.check(need)  # a wrong image fails here, before any base export
+    logger.info(
+        "run %s: %d questions to its base model and its fine-tune (%s, at most %d tokens "
+        "each, seed %d) on %s; VRAM floor %.1f GB (the %s GGUF, %.1f MB, plus a fifth, plus 2 GB)",
+        run_id,
+        len(asked),
+        quant,
+        max_tokens,
+        seed,
+        place.ref,
+        vram_floor(tuned.size) / GB,
+        quant,
+        tuned.size / 1e6,
+    )
+    spec = CompareSpec(
+        questions=asked,
+        max_tokens=max_tokens,
+        seed=seed,
+        quant=quant,
+        base_model=base,
+        tuned=tuned,
+        base=await export_base(runs, base, quant, place, logger),
+    )
+    trainer = CompareTrainer(spec, runs.root, cpu_threads=place.cpu_threads)
 
-    def asking(base_ref: GgufRef) -> CompareSpec:
-        return CompareSpec(
-            questions=asked,
-            max_tokens=max_tokens,
-            seed=seed,
-            quant=quant,
-            base_model=base,
-            tuned=tuned,
-            base=base_ref,
-        )
+    def unstage(record: RunRecord) -> None:  # the staged GGUFs were copied (links here)
+        shutil.rmtree(compares.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
 
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.pod_exports import compare_on_pod, export_base_on_pod
-        from overbrainer_prefect.flows.podjob import pod_settings
-
-        pod_settings(block, image)  # a wrong image fails here, before any pod
-        base_ref = await export_base_on_pod(runs, base, quant, target_ref, block)
-        spec = asking(base_ref)
-        return await compare_on_pod(runs, run_id, spec, target_ref, block, image)
-    if image is not None:
-        logger.warning(
-            "image=%s is for a Runpod target's compare pod: %s runs on its own machine",
-            image,
-            target_ref,
-        )
-    executor = block.executor(target_ref)
-    try:
-        logger.info(
-            "run %s: %d questions to its base model and its fine-tune (%s, at most %d tokens "
-            "each, seed %d) on %s",
-            run_id,
-            len(asked),
-            quant,
-            max_tokens,
-            seed,
-            executor.description,
-        )
-        logger.info(
-            "run %s: VRAM floor %.1f GB (the %s GGUF, %.1f MB, plus a fifth, plus 2 GB)",
-            run_id,
-            vram_floor(tuned.size) / GB,
-            quant,
-            tuned.size / 1e6,
-        )
-        spec = asking(await export_base(runs, base, quant, target_ref, block, executor))
-        trainer = CompareTrainer(spec, runs.root, cpu_threads=block.cpu_threads)
-        record = await create_compare(compares, run_id, target_ref, block, spec)
-        with follow_lock(compares.run_dir(record.id), flow_run.id):
-            reporter = CompareReporter(logger, subject(record))
-            ctx = run_context(compares, block, executor, reporter)
-            try:
-                record = await start_job(ctx, trainer, record, block)
-            finally:  # the staged GGUFs were copied to the target (links here, but no need)
-                shutil.rmtree(compares.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
-            outcome = await follow_compare(ctx, trainer, record)
-            return await _finish(compares, outcome, executor.description)
-    finally:
-        await executor.close()
+    job = NewJob(
+        store=compares,
+        need=need,
+        kind=COMPARE,
+        prepare=lambda _record: trainer,
+        spec=spec.model_dump(mode="json"),
+        parent=run_id,
+        subdir="compares",
+        started=unstage,
+    )
+    finished = await run_new(place, job, logger)
+    return await finish_compare(compares, finished.outcome, finished.where)

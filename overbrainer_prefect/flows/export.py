@@ -11,36 +11,27 @@ quant type that already succeeded is reused, not made again.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import FlowRun, State
-from prefect.flows import Flow
-from prefect.logging.loggers import flow_run_logger
-from prefect.runtime import flow_run
+from prefect.client.schemas.objects import State
 from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
-from overbrainer_prefect.blocks import RunpodTarget, TargetBlock
-from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest, JobStatus
+from overbrainer_prefect.executors.base import Executor, FileDigest
 from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.flows.hooks import cancel_pod_job_hook, crashed_pod_job_hook
-from overbrainer_prefect.flows.targets import load_target
-from overbrainer_prefect.flows.train import FileEntry, RunFailed, run_context, start_job
+from overbrainer_prefect.flows.driver import HOOKS, Check, NewJob, follow_again, run_new
+from overbrainer_prefect.flows.results import FileEntry, RunFailed
+from overbrainer_prefect.flows.targets import target_named
 from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.ids import parse_rfc3339, rfc3339
-from overbrainer_prefect.runs.lifecycle import Outcome, RunContext, RunError
-from overbrainer_prefect.runs.lock import RunBusy, follow_lock
-from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
+from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
-from overbrainer_prefect.sizing import ExportDisk, disk_warning, export_disk
-from overbrainer_prefect.trainers.base import TrainError
+from overbrainer_prefect.sizing import ExportDisk, export_disk
+from overbrainer_prefect.targets.base import JobNeed
+from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.export import (
     CONFIG_FILE,
     DEFAULT_QUANT,
@@ -54,11 +45,7 @@ from overbrainer_prefect.trainers.export import (
     model_files,
     phases,
 )
-
-EXPORT = "export"
-"""The kind of an export's record: `runs/<run-id>/exports/<export-id>/export.json`."""
-
-HOOK_CANCEL_S = 120.0  # how long a cancellation hook spends cancelling and retrieving an export
+from overbrainer_prefect.trainers.rebuild import EXPORT
 
 
 class NotExportable(RunError):
@@ -87,27 +74,6 @@ class ExportResult(BaseModel):
     files: list[FileEntry] = Field(default_factory=list)
     export_dir: str
     next: str
-
-
-class ExportReporter:
-    """A `Reporter` for an export's job: its status and warnings in the flow's log,
-    named as `export E of run R` (an export writes phases, not training metrics)."""
-
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter[Any], record: RunRecord):
-        self.logger = logger
-        self.name = subject(record)
-
-    def metric(self, metric: Metric, summary: MetricsSummary) -> None:
-        """Logs a step (an export writes none)."""
-        self.logger.info("%s: step %s", self.name, metric.step)
-
-    def status(self, status: JobStatus) -> None:
-        """Logs the job's new status."""
-        self.logger.info("%s: job %s", self.name, status)
-
-    def warning(self, message: str) -> None:
-        """Logs a warning."""
-        self.logger.warning("%s", message)
 
 
 def check_exportable(runs: Runs, run: RunRecord) -> list[Path]:
@@ -227,10 +193,10 @@ def result_of(
         target=record.target,
         message=record.message,
         reused=reused,
-        gguf=FileEntry(path=entry.path, size=entry.size, sha256=entry.sha256) if entry else None,
+        gguf=FileEntry.of(entry) if entry else None,
         gguf_path=str(local / entry.path) if entry else None,
         phases=timings,
-        files=[FileEntry(path=f.path, size=f.size, sha256=f.sha256) for f in files],
+        files=[FileEntry.of(f) for f in files],
         export_dir=str(local),
         next=_next_step(record),
     )
@@ -332,16 +298,6 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def target_disk(block: TargetBlock) -> int | None:
-    """The disk a target is known to have, in bytes (a pod's container disk); None
-    for a local or SSH target, whose free space is theirs to manage, and for a
-    pod with a network volume (checked, and grown, before its pod is asked for)."""
-    if getattr(block, "network_volume_id", None):
-        return None
-    gb = getattr(block, "container_disk_gb", None)
-    return int(gb) * 10**9 if isinstance(gb, int | float) else None
-
-
 async def check_converter(executor: Executor, python: str) -> None:
     """Raises TrainError with one line when llama.cpp's converter is not in the
     target's job venv (ExecError when the target cannot be reached)."""
@@ -355,62 +311,34 @@ async def check_converter(executor: Executor, python: str) -> None:
         )
 
 
-def log_disk(
-    run: RunRecord, files: list[Path], trainer: ExportTrainer, block: TargetBlock, where: str
-) -> ExportDisk | None:
-    """Logs the disk the export of `run` needs (base, merged copy, GGUF), and
-    warns when the target's known disk is smaller; returns the estimate (None
-    when the base model is not a directory here)."""
+def converter_check(python: str) -> Check:
+    """The check, before an export's job starts, that its machine has llama.cpp's converter."""
+
+    async def check(executor: Executor) -> None:
+        await check_converter(executor, python)
+
+    return check
+
+
+def log_disk(name: str, model_dir: Path, trainer: ExportTrainer) -> ExportDisk | None:
+    """Logs the disk the export of the model in `model_dir` needs (base, merged
+    copy, GGUF); returns the estimate (None when the base model is not a
+    directory here)."""
     logger = get_run_logger()
-    need = export_disk(files[0].parent, trainer.base_model, trainer.spec.quant)
+    need = export_disk(model_dir, trainer.base_model, trainer.spec.quant)
     if need is None:
         logger.info(
-            "run %s: cannot estimate the disk of its export (its base model %s is not a "
-            "directory here)",
-            run.id,
+            "%s: cannot estimate the disk of its export (its base model %s is not a directory "
+            "here)",
+            name,
             trainer.base_model,
         )
         return None
-    logger.info("run %s: %s", run.id, need.describe())
-    warning = disk_warning(need, target_disk(block), where)
-    if warning is not None:
-        logger.warning("%s", warning)
+    logger.info("%s: %s", name, need.describe())
     return need
 
 
-@task(name="create-export", cache_policy=NO_CACHE, persist_result=False)
-async def create_export(
-    exports: Runs, run: RunRecord, target_ref: str, block: TargetBlock, spec: ExportSpec
-) -> RunRecord:
-    """Creates the export's record, `preparing`, under its run."""
-    executor = block.executor(target_ref)
-    record = lifecycle.create(
-        exports,
-        target=target_ref,
-        target_kind=block.kind,
-        workdir=f"{executor.workdir.rstrip('/')}/exports",
-        trainer=EXPORT,
-        spec=spec.model_dump(mode="json"),
-        flow_run_id=flow_run.id,
-        parent=run.id,
-    )
-    get_run_logger().info(
-        "%s (%s) created on %s (files in %s)",
-        subject(record),
-        spec.quant,
-        executor.description,
-        exports.run_dir(record.id),
-    )
-    return record
-
-
-@task(name="follow-export", cache_policy=NO_CACHE, persist_result=False)
-async def follow_export(ctx: RunContext, trainer: ExportTrainer, record: RunRecord) -> Outcome:
-    """Follows the export's job to its end, then retrieves and verifies its GGUF."""
-    return await lifecycle.watch(ctx, trainer, record)
-
-
-async def _finish(
+async def finish_export(
     exports: Runs, outcome: Outcome, where: str, *, cancelling: bool = False
 ) -> ExportResult | State[Any]:
     """Publishes the export summary and turns the outcome into the flow's result:
@@ -444,152 +372,33 @@ def _log_result(result: ExportResult, record: RunRecord) -> None:
     )
 
 
-async def _trainer_of(runs: Runs, record: RunRecord, block: TargetBlock) -> ExportTrainer:
-    """The trainer of an export, rebuilt from its record and its run's."""
-    return export_trainer_of(runs)(record, block)
+def export_job(
+    store: Runs,
+    trainer: Trainer,
+    spec: dict[str, Any],
+    model: str,
+    python: str,
+    *,
+    what: str,
+    parent: str | None,
+    subdir: str,
+    disk_bytes: int | None = None,
+) -> NewJob:
+    """The new job of an export (of a run's model, or of a base model) by
+    `trainer`, whose merge loads `model`: its machine checked for the converter."""
+    return NewJob(
+        store=store,
+        need=JobNeed(what=what, merge_model=model, disk_bytes=disk_bytes),
+        kind=EXPORT,
+        prepare=lambda _record: trainer,
+        spec=spec,
+        parent=parent,
+        subdir=subdir,
+        check=converter_check(python),
+    )
 
 
-def export_trainer_of(runs: Runs) -> Callable[[RunRecord, TargetBlock], ExportTrainer]:
-    """Rebuilds the trainer of an export of a run of `runs` from its record and
-    its run's (raises RunError when its record holds no export spec)."""
-
-    def rebuild(record: RunRecord, block: TargetBlock) -> ExportTrainer:
-        if record.parent is None or record.spec is None:
-            raise RunError(
-                f"{subject(record)} has no export spec in its record: it cannot be followed"
-            )
-        run = runs.load(record.parent)
-        spec = ExportSpec.model_validate(record.spec)
-        return ExportTrainer(run, runs.run_dir(run.id), spec, cpu_threads=block.cpu_threads)
-
-    return rebuild
-
-
-async def _follow_again(runs: Runs, run_id: str, export_id: str) -> ExportResult | State[Any]:
-    """Follows a started export again until its job ends, then retrieves its GGUF;
-    for one ended whose files were not retrieved, retrieves them again."""
-    exports = runs.children(run_id, EXPORT)
-    record = exports.load(export_id)
-    target_ref, block = await load_target(record.target)
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.podjob import follow_again_on_pod
-
-        logger = get_run_logger()
-        trainer = await _trainer_of(runs, record, block)
-        outcome, where = await follow_again_on_pod(
-            exports, record, trainer, block, ExportReporter(logger, record), logger
-        )
-        return await _finish(exports, outcome, where)
-    executor = block.executor(target_ref)
-    try:
-        trainer = await _trainer_of(runs, record, block)
-        ctx = run_context(exports, block, executor, ExportReporter(get_run_logger(), record))
-        try:
-            with follow_lock(exports.run_dir(export_id), flow_run.id):
-                record = exports.load(export_id)
-                if record.state.ended and lifecycle.artifacts_missing(record):
-                    record, _ = await lifecycle.collect(ctx, trainer, record)
-                outcome = await follow_export(ctx, trainer, record)
-                return await _finish(exports, outcome, executor.description)
-        except RunBusy as busy:
-            raise RunError(
-                f"{subject(record)} is already followed by {busy.holder}: it records the "
-                "outcome; follow it again only once that follower has ended"
-            ) from None
-    finally:
-        await executor.close()
-
-
-async def on_export_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """`on_cancellation` hook of the export flow: the exports it created that have
-    not ended are ended too: one not started is failed, a started job cancelled
-    and what it left retrieved (bounded in time)."""
-    logger = flow_run_logger(flow_run, flow)
-    parameters = flow_run.parameters or {}
-    runs = Runs(parameters.get("runs_dir"))
-    try:
-        exports = runs.children(str(parameters.get("run_id")), EXPORT)
-        records = [
-            r
-            for r in exports.list(skipped=lambda _name, _error: None)
-            if r.flow_run_id == str(flow_run.id) and not r.state.ended
-        ]
-    except Exception as error:  # a hook must not fail the cancellation itself
-        logger.warning("cannot find the exports of this flow run: %s", error)
-        return
-    for record in records:
-        if record.target_kind == "runpod":
-            await cancel_pod_job_hook(
-                exports, record, str(flow_run.id), logger, trainer_of=export_trainer_of(runs)
-            )
-            continue
-        if record.job is None:
-            record.state = RunState.FAILED
-            record.message = "interrupted before the job started"
-            record.ended = rfc3339()
-            exports.save(record)
-            logger.info("%s: interrupted before its job started; nothing runs", subject(record))
-            continue
-        _, block = await load_target(record.target)
-        executor = block.executor(record.target)
-        ctx = RunContext(runs=exports, executor=executor, python=block.python)
-        try:
-            trainer = await _trainer_of(runs, record, block)
-            with follow_lock(exports.run_dir(record.id), str(flow_run.id)):
-                _, status, retrieved = await asyncio.wait_for(
-                    lifecycle.cancel(ctx, trainer, record), HOOK_CANCEL_S
-                )
-            logger.info(
-                "%s: job %s; its files were %sretrieved",
-                subject(record),
-                status,
-                "" if retrieved else "not ",
-            )
-        except (ExecError, TimeoutError, RunBusy, RunError) as error:
-            logger.warning(
-                "%s: cannot cancel its job on %s (%s); follow it again with the export flow "
-                "(run_id=%s, export_id=%s)",
-                subject(record),
-                executor.description,
-                error,
-                record.parent,
-                record.id,
-            )
-        finally:
-            await executor.close()
-
-
-async def on_export_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """`on_crashed` hook of the export flow: a started export keeps running (bounded
-    by its target's max_hours); says how to follow it again."""
-    logger = flow_run_logger(flow_run, flow)
-    parameters = flow_run.parameters or {}
-    try:
-        exports = Runs(parameters.get("runs_dir")).children(str(parameters.get("run_id")), EXPORT)
-        records = exports.list(skipped=lambda _name, _error: None)
-    except Exception:
-        return
-    for record in records:
-        mine = record.flow_run_id == str(flow_run.id)
-        if mine and record.target_kind == "runpod" and not record.state.ended:
-            await crashed_pod_job_hook(exports, record, logger)
-            continue
-        if mine and record.job is not None and not record.state.ended:
-            logger.warning(
-                "%s keeps running on its target; follow it again with the export flow "
-                "(run_id=%s, export_id=%s)",
-                subject(record),
-                record.parent,
-                record.id,
-            )
-
-
-@flow(
-    name="export",
-    persist_result=True,
-    on_cancellation=[on_export_cancelled],
-    on_crashed=[on_export_crashed],
-)
+@flow(name="export", persist_result=True, **HOOKS)
 async def export(
     run_id: str,
     quant: str = DEFAULT_QUANT,
@@ -614,13 +423,14 @@ async def export(
     with the export's message when its job fails.
     """
     runs = Runs(runs_dir)
+    logger = get_run_logger()
+    exports = runs.children(run_id, EXPORT)
     if export_id is not None:
-        return await _follow_again(runs, run_id, export_id)
+        finished = await follow_again(runs, exports, exports.load(export_id), logger)
+        return await finish_export(exports, finished.outcome, finished.where)
     spec = ExportSpec(quant=check_quant(quant), keep_intermediate=keep_intermediate)
     run = runs.load(run_id)
-    files = check_exportable(runs, run)
-    exports = runs.children(run_id, EXPORT)
-    logger = get_run_logger()
+    check_exportable(runs, run)
     done = reusable(exports, spec.quant)
     if done is not None:
         result = result_of(exports, done, lifecycle.load_manifest(exports.run_dir(done.id)))
@@ -639,23 +449,20 @@ async def export(
             f"{subject(busy)} ({spec.quant}) is already running: follow it with the export flow "
             f"(run_id={run_id}, export_id={busy.id})"
         )
-    target_ref, block = await load_target(target or run.target)
-    trainer = ExportTrainer(run, runs.run_dir(run_id), spec, cpu_threads=block.cpu_threads)
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.pod_exports import export_on_pod
-
-        need = log_disk(run, files, trainer, block, f"Runpod target {target_ref!r}")
-        written = need.total - need.base if need is not None else None  # in the run dir
-        return await export_on_pod(runs, run, spec, trainer, target_ref, block, written)
-    executor = block.executor(target_ref)
-    try:
-        log_disk(run, files, trainer, block, executor.description)
-        await check_converter(executor, block.python)
-        record = await create_export(exports, run, target_ref, block, spec)
-        with follow_lock(exports.run_dir(record.id), flow_run.id):
-            ctx = run_context(exports, block, executor, ExportReporter(logger, record))
-            record = await start_job(ctx, trainer, record, block)
-            outcome = await follow_export(ctx, trainer, record)
-            return await _finish(exports, outcome, executor.description)
-    finally:
-        await executor.close()
+    place = await target_named(target or run.target, logger)
+    run_dir = runs.run_dir(run_id)
+    trainer = ExportTrainer(run, run_dir, spec, cpu_threads=place.cpu_threads)
+    need = log_disk(f"run {run_id}", run_dir / OUTPUT_DIR, trainer)
+    job = export_job(
+        exports,
+        trainer,
+        spec.model_dump(mode="json"),
+        trainer.base_model or str(run_dir / OUTPUT_DIR),  # full weights: no merge
+        place.python,
+        what=f"the {spec.quant} export of run {run_id}",
+        parent=run_id,
+        subdir="exports",
+        disk_bytes=need.total - need.base if need is not None else None,  # in the run dir
+    )
+    finished = await run_new(place, job, logger)
+    return await finish_export(exports, finished.outcome, finished.where)

@@ -11,18 +11,13 @@ not done again, and the step that failed is taken up where it was.
 from __future__ import annotations
 
 from typing import Any
-from uuid import UUID
 
 from prefect import flow, get_run_logger
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-from prefect.client.schemas.objects import FlowRun, State
-from prefect.flows import Flow
-from prefect.logging.loggers import flow_run_logger
-from prefect.states import Cancelled, Crashed
+from prefect.client.schemas.objects import State
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from overbrainer_prefect.flows.compare import COMPARE, CompareResult, compare, running_compare
+from overbrainer_prefect.flows.compare import CompareResult, compare, running_compare
+from overbrainer_prefect.flows.driver import HOOKS
 from overbrainer_prefect.flows.export import ExportResult, export, running
 from overbrainer_prefect.flows.train import RunResult, attach, train
 from overbrainer_prefect.runs.lifecycle import RunError
@@ -33,6 +28,7 @@ from overbrainer_prefect.trainers.compare import (
     load_questions,
 )
 from overbrainer_prefect.trainers.export import ExportSpec
+from overbrainer_prefect.trainers.rebuild import COMPARE
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 TRAIN, EXPORT = "training", "export"
@@ -134,98 +130,7 @@ async def _train_step(
     return None, result
 
 
-MAX_DEPTH = 3  # fine_tune → train → export: the deepest its subflows go
-
-
-async def subflow_runs(flow_run_id: UUID) -> list[tuple[str, FlowRun]]:
-    """The flow runs below `flow_run_id` (its subflows, theirs, to MAX_DEPTH),
-    each with its flow's name, oldest first."""
-    found: list[tuple[str, FlowRun]] = []
-    parents = [flow_run_id]
-    async with get_client() as client:
-        for _ in range(MAX_DEPTH):
-            if not parents:
-                break
-            children = await client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(
-                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)
-                )
-            )
-            for child in children:
-                found.append(((await client.read_flow(child.flow_id)).name, child))
-            parents = [child.id for child in children]
-    return sorted(found, key=lambda pair: pair[1].created or 0)
-
-
-async def on_fine_tune_cancelled(
-    flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]
-) -> None:
-    """`on_cancellation` hook of `fine_tune`: its subflows ran in its process,
-    so their own hooks do not run: each subflow's hook is run here instead
-    (the job it started cancelled, what it left retrieved, its pod deleted),
-    and each subflow run left unfinished is marked cancelled."""
-    from overbrainer_prefect.flows.compare import compare, on_compare_cancelled
-    from overbrainer_prefect.flows.export import export, on_export_cancelled
-    from overbrainer_prefect.flows.hooks import cancel_runs_of
-
-    logger = flow_run_logger(flow_run, flow)
-    try:
-        children = await subflow_runs(flow_run.id)
-    except Exception as error:  # a hook must not fail the cancellation itself
-        logger.warning("cannot find the steps of this fine-tune: %s", error)
-        return
-    for name, child in children:
-        if child.state is not None and child.state.is_final():
-            continue
-        if name == "train":
-            await cancel_runs_of(child, logger)
-        elif name == "export":
-            await on_export_cancelled(export, child, state)
-        elif name == "compare":
-            await on_compare_cancelled(compare, child, state)
-        await _settle(child, Cancelled(message="its fine-tune was cancelled"), logger)
-
-
-async def on_fine_tune_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """`on_crashed` hook of `fine_tune`: each unfinished subflow's own crash
-    hook is run (a started job is left to its bounds, a pod whose job never
-    started is deleted; the log says how to follow it again)."""
-    from overbrainer_prefect.flows.compare import compare, on_compare_crashed
-    from overbrainer_prefect.flows.export import export, on_export_crashed
-    from overbrainer_prefect.flows.hooks import on_crashed
-
-    logger = flow_run_logger(flow_run, flow)
-    try:
-        children = await subflow_runs(flow_run.id)
-    except Exception as error:
-        logger.warning("cannot find the steps of this fine-tune: %s", error)
-        return
-    for name, child in children:
-        if child.state is not None and child.state.is_final():
-            continue
-        if name == "train":
-            await on_crashed(train, child, state)
-        elif name == "export":
-            await on_export_crashed(export, child, state)
-        elif name == "compare":
-            await on_compare_crashed(compare, child, state)
-        await _settle(child, Crashed(message="its fine-tune crashed"), logger)
-
-
-async def _settle(child: FlowRun, state: State[Any], logger: Any) -> None:
-    try:
-        async with get_client() as client:
-            await client.set_flow_run_state(child.id, state, force=True)
-    except Exception as error:
-        logger.warning("cannot mark subflow run %s %s: %s", child.id, state.name, error)
-
-
-@flow(
-    name="fine-tune",
-    persist_result=True,
-    on_cancellation=[on_fine_tune_cancelled],
-    on_crashed=[on_fine_tune_crashed],
-)
+@flow(name="fine-tune", persist_result=True, **HOOKS)
 async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneResult | State[Any]:
     """Fine-tunes a model, exports it to a GGUF and compares its answers with its base
     model's: the `train`, `export` and `compare` flows run in turn as subflows on

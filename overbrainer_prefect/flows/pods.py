@@ -23,10 +23,11 @@ from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.flows.targets import load_target
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import delete_and_confirm
-from overbrainer_prefect.runpod.ending import fail_run, forget_if_gone, remove, sweep_others
+from overbrainer_prefect.runpod.ending import forget_if_gone, remove, sweep_others
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows, sweep_host_keys
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
+from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 
 
@@ -121,8 +122,9 @@ async def _sweep_retrieved(ctx: PodContext, rows: list[PodRow]) -> list[str]:
         mine = PodContext(client=ctx.client, runs=store, log=ctx.log, timing=ctx.timing)
         try:
             if local is not None and local.pod_id == row.pod_id:
-                await remove(mine, local, "swept: its run ended and its files were verified")
+                await remove(mine, local, f"swept: {row.why}")
                 await forget_if_gone(mine, local)
+                lifecycle.fail(store, row.run_id, "its job never started within boot_grace")
             else:  # an earlier attempt of the run, or a pod.json that lost track of it
                 await delete_and_confirm(ctx.client, row.pod_id)
         except (PodError, RunpodError) as error:
@@ -173,7 +175,7 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
                 )
             assert record is not None
             if not record.state.ended:
-                fail_run(store, run_id, "its pod was removed with the pods flow")
+                lifecycle.fail(store, run_id, "its pod was removed with the pods flow")
         else:
             for found in await client.list_pods():
                 if run_of_pod_name(found.name) != run_id or found.status == "TERMINATED":

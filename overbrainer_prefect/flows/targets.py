@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from overbrainer_prefect.blocks import LocalTarget, RunpodTarget, SshTarget, TargetBlock
+from overbrainer_prefect.runpod.settings import one_line
+from overbrainer_prefect.targets.base import Logger, Target
 
 TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget, SshTarget, RunpodTarget)
 """The target block types, in the order a bare name is looked up."""
@@ -26,6 +30,11 @@ async def load_target(name: str) -> tuple[str, TargetBlock]:
     for block_type in types:
         try:
             block = await block_type.aload(bare)
+        except ValidationError as error:
+            raise UnknownTarget(
+                f"the {block_type.get_block_type_name()} block {bare!r} holds a setting that is "
+                f"not valid ({one_line(error)}): fix it in the Prefect UI under Blocks"
+            ) from None
         except ValueError:
             continue
         return f"{block_type.get_block_type_slug()}/{bare}", block
@@ -34,3 +43,11 @@ async def load_target(name: str) -> tuple[str, TargetBlock]:
         f"no target block named {bare!r} ({kinds}): create it with "
         f"`python blocks/create_blocks.py` or in the Prefect UI under Blocks"
     )
+
+
+async def target_named(name: str, log: Logger) -> Target:
+    """The `Target` of the block `name` (see `load_target`), logging to `log`.
+    Raises UnknownTarget, or SettingsError for settings that cannot be used,
+    each with one line."""
+    ref, block = await load_target(name)
+    return block.target(ref, log)

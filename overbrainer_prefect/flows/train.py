@@ -1,59 +1,44 @@
-"""The run flows: `train`, `attach`, `stop` and `cancel`.
-
-Each works from `run.json` alone once a run exists, so any of them can pick a
-run up in another process, on another worker, another day. The steps
-themselves live in `overbrainer_prefect.runs`; these flows add what Prefect
-shows: logs, progress, a metrics table and a run summary.
-"""
-
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
 from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
 from overbrainer_prefect.artifacts import (
-    PrefectReporter,
-    live_progress,
     next_step,
     publish_metrics_table,
     publish_summary,
     summary_markdown,
 )
-from overbrainer_prefect.blocks import RunpodTarget, TargetBlock
-from overbrainer_prefect.executors.base import Executor
-from overbrainer_prefect.flows.hooks import on_cancelled, on_crashed
-from overbrainer_prefect.flows.targets import load_target
+from overbrainer_prefect.flows.driver import (
+    HOOKS,
+    NewJob,
+    finish,
+    follow_again,
+    reporter_for,
+    run_new,
+)
+from overbrainer_prefect.flows.export import ExportResult, gguf_markdown
+from overbrainer_prefect.flows.export import export as export_flow
+from overbrainer_prefect.flows.results import FileEntry, RunFailed
+from overbrainer_prefect.flows.targets import target_named
 from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, RunContext, RunError
+from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
-from overbrainer_prefect.runs.resume import resume_path, resume_point, stage_checkpoint
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.runs.resume import resume_point, stage_checkpoint
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
-from overbrainer_prefect.trainers.base import Trainer
 from overbrainer_prefect.trainers.export import ExportSpec
+from overbrainer_prefect.trainers.rebuild import TRAINING, trainer_of
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
-if TYPE_CHECKING:
-    from overbrainer_prefect.flows.export import ExportResult
-
-
-class RunFailed(Exception):
-    """A run ended failed; the message says why and what to do next."""
-
-
-class FileEntry(BaseModel):
-    """A retrieved file, verified by SHA-256."""
-
-    path: str
-    size: int
-    sha256: str
+__all__ = ["FileEntry", "RunFailed", "RunResult", "attach", "cancel", "stop", "train"]
 
 
 class RunResult(BaseModel):
@@ -76,77 +61,7 @@ class RunResult(BaseModel):
     )
 
 
-def trainer_of(record: RunRecord, block: TargetBlock) -> AxolotlTrainer:
-    """The trainer of a run, rebuilt from its record. Raises RunError when the
-    record holds no training spec."""
-    if record.spec is None:
-        raise RunError(f"run {record.id} has no training spec in its record: it cannot be followed")
-    spec = TrainingSpec.model_validate(record.spec)
-    resume = resume_path(record.resumed_from) if record.resumed_from else None
-    return AxolotlTrainer(spec, resume_from=resume, cpu_threads=block.cpu_threads)
-
-
-def run_context(runs: Runs, block: TargetBlock, executor: Executor, reporter: Any) -> RunContext:
-    """The context of the steps of a run (or of an export, with `runs` its run's
-    exports) on the target `block`: its executor, where progress goes, its bounds."""
-    return RunContext(
-        runs=runs,
-        executor=executor,
-        reporter=reporter,
-        python=block.python,
-        poll_s=block.poll_seconds,
-        max_hours=block.max_hours,
-        stall_s=block.stall_minutes * 60,
-    )
-
-
-@task(name="create-run", cache_policy=NO_CACHE, persist_result=False)
-async def create_run(
-    runs: Runs, target_ref: str, block: TargetBlock, training: TrainingSpec
-) -> RunRecord:
-    """Creates the run's record, `preparing`."""
-    executor = block.executor(target_ref)
-    record = lifecycle.create(
-        runs,
-        target=target_ref,
-        target_kind=block.kind,
-        workdir=executor.workdir,
-        spec=training.model_dump(mode="json"),
-        flow_run_id=flow_run.id,
-    )
-    get_run_logger().info(
-        "run %s created on %s (files in %s)",
-        record.id,
-        executor.description,
-        runs.run_dir(record.id),
-    )
-    return record
-
-
-@task(name="start-job", cache_policy=NO_CACHE, persist_result=False)
-async def start_job(
-    ctx: RunContext, trainer: Trainer, record: RunRecord, block: TargetBlock
-) -> RunRecord:
-    """Checks the target, uploads the run (or export) and starts its job."""
-    record = await lifecycle.start(ctx, trainer, record, block.secrets())
-    get_run_logger().info(
-        "%s: job started on %s (pid %s), deadline %s",
-        subject(record),
-        ctx.executor.description,
-        record.job.pid if record.job else "?",
-        record.deadline,
-    )
-    return record
-
-
-@task(name="follow-job", cache_policy=NO_CACHE, persist_result=False)
-async def follow_job(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
-    """Follows the job to its end, then retrieves and verifies its files."""
-    async with live_progress(ctx.reporter):
-        return await lifecycle.watch(ctx, trainer, record)
-
-
-async def _finish(
+async def run_result(
     runs: Runs,
     outcome: Outcome,
     where: str,
@@ -159,8 +74,6 @@ async def _finish(
     this flow is the one that cancelled them). `exported` is the export made after
     training (its GGUF joins the summary and the result), or why it failed (the
     flow then fails, the run staying succeeded)."""
-    from overbrainer_prefect.flows.export import gguf_markdown
-
     record = outcome.record
     logger = get_run_logger()
     await publish_metrics_table(record.id, outcome.summary)
@@ -180,7 +93,7 @@ async def _finish(
         first_loss=outcome.summary.first_loss,
         final_loss=outcome.summary.final_loss,
         retrieved=outcome.retrieved,
-        files=[FileEntry(path=f.path, size=f.size, sha256=f.sha256) for f in outcome.files],
+        files=[FileEntry.of(f) for f in outcome.files],
         run_dir=str(runs.run_dir(record.id)),
         next=step,
     )
@@ -207,7 +120,7 @@ async def _finish(
     return result
 
 
-@flow(name="train", persist_result=True, on_cancellation=[on_cancelled], on_crashed=[on_crashed])
+@flow(name="train", persist_result=True, **HOOKS)
 async def train(
     target: str,
     training: TrainingSpec | None = None,
@@ -226,7 +139,8 @@ async def train(
     the run's message when its job fails, or the export's when it fails.
     """
     runs = Runs(runs_dir)
-    target_ref, block = await load_target(target)
+    logger = get_run_logger()
+    place = await target_named(target, logger)
     point = None
     if resume_from is not None:
         stopped = runs.load(resume_from)
@@ -236,37 +150,34 @@ async def train(
     if training is None:
         raise ValueError("give the training spec (training=...), or a stopped run to resume_from")
     training.check_local_files()
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.runpod import train_on_pod
+    spec = training
 
-        return await train_on_pod(runs, target_ref, block, training, point, export, runs_dir)
-    record = await create_run(runs, target_ref, block, training)
-    resume = None
-    if point is not None:
-        resume = stage_checkpoint(runs, point, record)
-        record.resumed_from = point
-        runs.save(record)
-    trainer = AxolotlTrainer(training, resume_from=resume, cpu_threads=block.cpu_threads)
-    executor = block.executor(target_ref)
-    try:
-        with follow_lock(runs.run_dir(record.id), flow_run.id):
-            ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
-            record = await start_job(ctx, trainer, record, block)
-            outcome = await follow_job(ctx, trainer, record)
-            if export is None or outcome.record.state != RunState.SUCCEEDED:
-                return await _finish(runs, outcome, executor.description)
-        exported = await _export_after(outcome.record.id, export, runs_dir)
-        return await _finish(runs, outcome, executor.description, exported=exported)
-    finally:
-        await executor.close()
+    def prepare(record: RunRecord) -> AxolotlTrainer:
+        resume = None
+        if point is not None:
+            resume = stage_checkpoint(runs, point, record)
+            record.resumed_from = point
+            runs.save(record)
+        return AxolotlTrainer(spec, resume_from=resume, cpu_threads=place.cpu_threads)
+
+    job = NewJob(
+        store=runs,
+        need=JobNeed(what="the run", training=spec),
+        kind=TRAINING,
+        prepare=prepare,
+        spec=spec.model_dump(mode="json"),
+    )
+    finished = await run_new(place, job, logger)
+    outcome = finished.outcome
+    if export is None or outcome.record.state != RunState.SUCCEEDED:
+        return await run_result(runs, outcome, finished.where)
+    exported = await _export_after(outcome.record.id, export, runs_dir)
+    return await run_result(runs, outcome, finished.where, exported=exported)
 
 
 async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> ExportResult | str:
     """Exports a run that just succeeded (the `export` flow, as a subflow); returns
     its result, or one line saying why it failed and how to export again."""
-    from overbrainer_prefect.flows.export import ExportResult
-    from overbrainer_prefect.flows.export import export as export_flow
-
     again = f"export it again with the export flow (run_id={run_id}, quant={spec.quant})"
     try:
         exported = await export_flow(
@@ -282,42 +193,18 @@ async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> 
     return exported
 
 
-async def _load(run_id: str, runs_dir: str | None) -> tuple[Runs, RunRecord, TargetBlock]:
-    runs = Runs(runs_dir)
-    record = runs.load(run_id)
-    _, block = await load_target(record.target)
-    return runs, record, block
-
-
-@flow(name="attach", persist_result=True, on_cancellation=[on_cancelled], on_crashed=[on_crashed])
+@flow(name="attach", persist_result=True, **HOOKS)
 async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
     """Follows a started run again (after its first follower died, or its files
     could not be retrieved) until its job ends, then retrieves and verifies its
-    files. For a run already ended whose files were not retrieved, retrieves
-    them again. Touches nothing for an unknown or invalid run ID."""
-    runs, record, block = await _load(run_id, runs_dir)
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.runpod import attach_on_pod
-
-        return await attach_on_pod(runs, record, block)
-    executor = block.executor(record.target)
-    try:
-        trainer = trainer_of(record, block)
-        ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
-        try:
-            with follow_lock(runs.run_dir(record.id), flow_run.id):
-                record = runs.load(run_id)  # as the last follower left it
-                if record.state.ended and lifecycle.artifacts_missing(record):
-                    record, _ = await lifecycle.collect(ctx, trainer, record)
-                outcome = await follow_job(ctx, trainer, record)
-                return await _finish(runs, outcome, executor.description)
-        except RunBusy as busy:
-            raise RunError(
-                f"run {run_id} is already followed by {busy.holder}: it records the outcome; "
-                "attach again only once that follower has ended"
-            ) from None
-    finally:
-        await executor.close()
+    files and ends what it ran on. For a run already ended whose files were not
+    retrieved, retrieves them again; for one whose job never started, deletes
+    what its target holds for it and records it failed. Touches nothing for an
+    unknown or invalid run ID."""
+    runs = Runs(runs_dir)
+    record = runs.load(run_id)
+    finished = await follow_again(runs, runs, record, get_run_logger())
+    return await run_result(runs, finished.outcome, finished.where)
 
 
 @flow(name="stop", persist_result=True)
@@ -325,78 +212,73 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
     """Asks a running job to save a resumable checkpoint and stop, then follows it
     to its end and retrieves its files (checkpoint included). Resume it with the
     `train` flow and `resume_from=<run_id>`."""
-    runs, record, block = await _load(run_id, runs_dir)
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.runpod import stop_on_pod
-
-        return await stop_on_pod(runs, record, block)
-    executor = block.executor(record.target)
+    runs = Runs(runs_dir)
+    record = runs.load(run_id)
+    logger = get_run_logger()
+    place = await target_named(record.target, logger)
+    trainer = trainer_of(runs, record, place.cpu_threads)
+    async with place.reach(runs, record) as placed:
+        if placed is None:
+            raise RunError(f"run {run_id} has nothing left to run on: nothing to stop")
+        await lifecycle.request_stop(placed.context(runs, reporter_for(record, logger)), record)
+    logger.info("run %s: asked its job for a checkpoint and a stop", run_id)
     try:
-        trainer = trainer_of(record, block)
-        ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
-        await lifecycle.request_stop(ctx, record)
-        logger = get_run_logger()
-        logger.info("run %s: asked its job for a checkpoint and a stop", run_id)
-        try:
-            with follow_lock(runs.run_dir(run_id), flow_run.id):
-                outcome = await follow_job(ctx, trainer, runs.load(run_id))
-                return await _finish(runs, outcome, executor.description)
-        except RunBusy as busy:
-            logger.info(
-                "run %s is followed by %s, which will record the stop and retrieve the "
-                "checkpoint; resume it afterwards with the train flow (resume_from=%s)",
-                run_id,
-                busy.holder,
-                run_id,
-            )
-            return await _wait_for_end(runs, run_id, executor)
-    finally:
-        await executor.close()
+        with follow_lock(runs.run_dir(run_id), flow_run.id):
+            record = runs.load(run_id)
+            finished = await finish(place, runs, record, trainer, reporter_for(record, logger))
+            return await run_result(runs, finished.outcome, finished.where)
+    except RunBusy as busy:
+        logger.info(
+            "run %s is followed by %s, which will record the stop and retrieve the "
+            "checkpoint; resume it afterwards with the train flow (resume_from=%s)",
+            run_id,
+            busy.holder,
+            run_id,
+        )
+        return await _wait_for_end(runs, run_id, place.ref)
 
 
 @flow(name="cancel", persist_result=True)
 async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
     """Cancels the job of a run (its whole process group), records it
-    `cancelled`, and retrieves what it left, best effort."""
-    runs, record, block = await _load(run_id, runs_dir)
-    if isinstance(block, RunpodTarget):
-        from overbrainer_prefect.flows.runpod import cancel_on_pod
-
-        return await cancel_on_pod(runs, record, block)
-    executor = block.executor(record.target)
-    try:
-        trainer = trainer_of(record, block)
-        ctx = run_context(runs, block, executor, PrefectReporter(get_run_logger(), record.id))
-        if is_followed(runs.run_dir(run_id)) and record.job is not None:
-            # its follower sees the cancel, records it and retrieves what the job left
-            await executor.cancel(record.job)
-            get_run_logger().info(
-                "run %s: job cancelled; its follower (%s) records it",
-                run_id,
-                holder_of(runs.run_dir(run_id)),
-            )
-            return await _wait_for_end(runs, run_id, executor, cancelling=True)
-        record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
-        if status.kind != "cancelled":
-            raise RunError(
-                f"run {run_id}: its job had already ended ({status}), so nothing was cancelled; "
-                f"follow it with the attach flow (run_id={run_id}) to record its outcome"
-            )
-        outcome = await lifecycle.watch(ctx, trainer, record)
-        outcome.retrieved = retrieved
-        get_run_logger().info(
-            "run %s cancelled; its files were %sretrieved", run_id, "" if retrieved else "not "
+    `cancelled`, retrieves what it left, best effort, and ends what it ran on.
+    A run whose job never started has what its target holds deleted and is
+    recorded failed; one whose job had already ended is recorded as it ended."""
+    runs = Runs(runs_dir)
+    record = runs.load(run_id)
+    logger = get_run_logger()
+    if is_followed(runs.run_dir(run_id)) and record.job is not None:
+        # its follower sees the cancel, records it, retrieves what the job left
+        place = await target_named(record.target, logger)
+        async with place.reach(runs, record) as placed:
+            if placed is not None:
+                await placed.executor.cancel(record.job)
+        logger.info(
+            "run %s: job cancelled; its follower (%s) records it",
+            run_id,
+            holder_of(runs.run_dir(run_id)),
         )
-        return await _finish(runs, outcome, executor.description, cancelling=True)
-    finally:
-        await executor.close()
+        return await _wait_for_end(runs, run_id, place.ref, cancelling=True)
+    finished = await follow_again(runs, runs, record, logger, cancel=True)
+    if not finished.cancelled and record.job is not None:
+        raise RunError(
+            f"run {run_id}: its job had already ended, so nothing was cancelled; it is recorded "
+            f"{finished.outcome.record.state} ({finished.outcome.record.message or 'no message'})"
+        )
+    logger.info(
+        "run %s %s; its files were %sretrieved",
+        run_id,
+        finished.outcome.record.state,
+        "" if finished.outcome.retrieved else "not ",
+    )
+    return await run_result(runs, finished.outcome, finished.where, cancelling=True)
 
 
 FOLLOWER_WAIT_S = 300.0  # how long stop and cancel wait for another follower to record the end
 
 
 async def _wait_for_end(
-    runs: Runs, run_id: str, executor: Executor, *, cancelling: bool = False
+    runs: Runs, run_id: str, where: str, *, cancelling: bool = False
 ) -> RunResult | State[Any]:
     """Waits (bounded) until the run's other follower has recorded its end, and
     reports that outcome; past the bound, says the run is still followed."""
@@ -405,19 +287,10 @@ async def _wait_for_end(
     while loop.time() < deadline:
         record = runs.load(run_id)
         if record.state.ended and not is_followed(runs.run_dir(run_id)):
-            outcome = await lifecycle.watch(
-                RunContext(runs=runs, executor=executor), _record_trainer(record), record
-            )
-            return await _finish(runs, outcome, executor.description, cancelling=cancelling)
+            outcome = lifecycle.recorded(runs, trainer_of(runs, record), record)
+            return await run_result(runs, outcome, where, cancelling=cancelling)
         await asyncio.sleep(1.0)
     raise RunError(
         f"run {run_id} is still followed by {holder_of(runs.run_dir(run_id))} after "
         f"{FOLLOWER_WAIT_S:g} s; see its flow run for the outcome"
     )
-
-
-def _record_trainer(record: RunRecord) -> AxolotlTrainer:
-    """The trainer of an ended run, for reading its local files."""
-    if record.spec is None:
-        raise RunError(f"run {record.id} has no training spec in its record")
-    return AxolotlTrainer(TrainingSpec.model_validate(record.spec))

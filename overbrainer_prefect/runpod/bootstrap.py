@@ -100,6 +100,11 @@ class PodTiming:
     checkpoint_lead_s: float = 600.0
     """How long before max_hours (or max_cost_usd) the watchdog asks the job for a
     checkpoint; at most a tenth of max_hours."""
+    checkpoint_hold_s: float = 900.0
+    """How long past max_hours a pod whose job ended after the watchdog asked it
+    for a checkpoint stays, so that a collector retrieves that checkpoint (three
+    runs of a collector scheduled every five minutes); counted in the plan's
+    most the pod can cost."""
 
     @classmethod
     def from_env(cls) -> PodTiming:
@@ -171,12 +176,24 @@ def pod_env(
         "OVERBRAINER_LEASE_TTL": str(math.ceil(timing.lease_ttl_s)),
         "OVERBRAINER_WATCH_INTERVAL": str(max(1, math.ceil(timing.watch_interval_s))),
         "OVERBRAINER_CHECKPOINT_LEAD": str(timing.checkpoint_lead(settings.max_hours)),
+        "OVERBRAINER_CHECKPOINT_HOLD": str(math.ceil(timing.checkpoint_hold_s)),
         "OVERBRAINER_KEEP_POD": "1" if settings.keep_pod else "0",
     }
 
 
+CONTAINER_DISK_USD_PER_GB_MONTH = 0.10  # Runpod's price of a running pod's container disk
+HOURS_A_MONTH = 30 * 24  # Runpod bills storage by the second at its price per 30-day month
+
+
+def disk_per_hour(container_disk_gb: float) -> float:
+    """What a running pod's container disk of `container_disk_gb` bills an hour
+    (beside its GPUs' rate, which does not include it)."""
+    return container_disk_gb * CONTAINER_DISK_USD_PER_GB_MONTH / HOURS_A_MONTH
+
+
 def cap_text(rate: float, max_cost_usd: float | None) -> str:
-    """The content of the cost cap file the watchdog arms itself with."""
+    """The content of the cost cap file the watchdog arms itself with; `rate` is
+    everything the pod bills an hour (its GPUs and its container disk)."""
     cost = "none" if max_cost_usd is None else f"{max_cost_usd:g}"
     return f"rate={rate:g} max_cost_usd={cost}\n"
 

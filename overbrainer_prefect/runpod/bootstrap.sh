@@ -14,9 +14,14 @@
 #     client following a progressing job renewed .pod/lease in the last
 #     OVERBRAINER_LEASE_TTL seconds; the job is asked for a checkpoint
 #     (stop.request) OVERBRAINER_CHECKPOINT_LEAD seconds before;
+#     A job that ended after that request keeps its pod up to
+#     OVERBRAINER_CHECKPOINT_HOLD seconds past max_hours, for its checkpoint to
+#     be retrieved;
 #   - at max_cost_usd, once the client armed the cost cap (.pod/cap holds the
-#     pod's rate and the cap): the time since the pod was created times its
-#     rate; a hard cap, which no lease holds off.
+#     pod's rate, its GPUs and its container disk, and the cap): the time since
+#     the pod was created times its rate, less one look of this watchdog and
+#     the time a delete takes, so that the spend at deletion stays under the
+#     cap; a hard cap, which no lease holds off.
 # With OVERBRAINER_KEEP_POD=1 only the boot grace applies.
 #
 # Every decision is logged with its reason to <run dir>/.pod/watchdog.log,
@@ -46,6 +51,8 @@ RETRIEVE_GRACE=${OVERBRAINER_RETRIEVE_GRACE:-3600}
 LEASE_TTL=${OVERBRAINER_LEASE_TTL:-900}
 INTERVAL=${OVERBRAINER_WATCH_INTERVAL:-30}
 LEAD=${OVERBRAINER_CHECKPOINT_LEAD:-600}
+HOLD=${OVERBRAINER_CHECKPOINT_HOLD:-900}
+DELETE_MARGIN=5     # seconds a delete takes to stop the billing, kept under the cost cap
 KEEP=${OVERBRAINER_KEEP_POD:-0}
 CREATED=${OVERBRAINER_CREATED_AT:-}
 AUTHORIZED_KEY=${OVERBRAINER_AUTHORIZED_KEY:-}
@@ -81,6 +88,7 @@ RETRIEVE_GRACE=$(whole "$RETRIEVE_GRACE")
 LEASE_TTL=$(whole "$LEASE_TTL")
 INTERVAL=$(whole "$INTERVAL")
 LEAD=$(whole "$LEAD")
+HOLD=$(whole "$HOLD")
 [ "$INTERVAL" -ge 1 ] || INTERVAL=1
 
 # -- the Runpod API, with the pod's own key -----------------------------------
@@ -289,14 +297,15 @@ arm() {
         log "cost cap armed: no max_cost_usd; max_hours deletes the pod at $(iso "$DEADLINE") (\$$RATE/h) [deadline_unix=$DEADLINE cost_deadline_unix=none]"
         return 0
     fi
-    seconds=$(awk -v c="$MAX_COST" -v r="$RATE" 'BEGIN { if (r + 0 <= 0) print -1; else printf "%d", c / r * 3600 }')
+    seconds=$(awk -v c="$MAX_COST" -v r="$RATE" -v m=$((INTERVAL + DELETE_MARGIN)) \
+        'BEGIN { if (r + 0 <= 0) print -1; else { s = c / r * 3600 - m; printf "%d", (s < 0 ? 0 : s) } }')
     if [ "$seconds" -lt 0 ]; then
         ARMED_CAP=
         log "cannot arm the cost cap: the pod's rate ($RATE) is not a positive number of dollars an hour"
         return 0
     fi
     COST_DEADLINE=$((START + seconds))
-    log "cost cap armed: max_cost_usd \$$MAX_COST at \$$RATE/h is reached at $(iso "$COST_DEADLINE"); max_hours deletes the pod at $(iso "$DEADLINE") [deadline_unix=$DEADLINE cost_deadline_unix=$COST_DEADLINE]"
+    log "cost cap armed: max_cost_usd \$$MAX_COST at \$$RATE/h (GPUs and container disk) is reached at $(iso "$COST_DEADLINE") (one look and a delete early); max_hours deletes the pod at $(iso "$DEADLINE") [deadline_unix=$DEADLINE cost_deadline_unix=$COST_DEADLINE]"
 }
 
 # ask_checkpoint WHY: asks a running job for a resumable checkpoint and a stop.
@@ -308,6 +317,7 @@ ask_checkpoint() {
 JOB_SEEN=0
 ENDED_AT=
 ASKED_HOURS=0
+HOLD_NOTED=0
 LEASE_NOTED=
 
 while :; do
@@ -377,7 +387,18 @@ while :; do
                     ASKED_HOURS=1
                     ask_checkpoint "max_hours ends at $(iso "$DEADLINE") and no lease holds it off"
                 fi
-                if [ "$t" -ge "$DEADLINE" ]; then
+                if [ "$t" -ge "$DEADLINE" ] && [ -n "$ENDED_AT" ] && [ "$ASKED_HOURS" = 1 ]; then
+                    # the job saved what it was asked for: keep it retrievable, for a bounded time
+                    until=$((ENDED_AT + HOLD))
+                    [ "$until" -gt $((DEADLINE + HOLD)) ] && until=$((DEADLINE + HOLD))
+                    if [ "$HOLD_NOTED" != 1 ]; then
+                        HOLD_NOTED=1
+                        log "hold: max_hours passed ($(iso "$DEADLINE")), but the job ended after it was asked for a checkpoint: the pod stays until $(iso "$until") (checkpoint_hold ${HOLD}s) for its files to be retrieved"
+                    fi
+                    if [ "$t" -ge "$until" ]; then
+                        delete_pod "max_hours reached ($MAX_HOURS h, at $(iso "$DEADLINE")); the job ended after it was asked for a checkpoint, and its files were not retrieved within checkpoint_hold (${HOLD}s)"
+                    fi
+                elif [ "$t" -ge "$DEADLINE" ]; then
                     delete_pod "max_hours reached ($MAX_HOURS h, at $(iso "$DEADLINE")) and no lease was renewed in the last ${LEASE_TTL}s"
                 fi
             fi

@@ -79,8 +79,11 @@ class RetryPolicy:
     `backoff_s` before the second (doubled each time, at most `max_backoff_s`);
     429s are waited out for `rate_limit_budget_s` in all, one `Retry-After`
     above `max_retry_after_s` is not waited; a create is sent at most
-    `create_attempts` times, each ambiguous answer followed by
-    `reconcile_looks` looks for the pod by name, `reconcile_interval_s` apart.
+    `create_attempts` times, each ambiguous answer (a 5xx, a lost answer)
+    followed by looks for the pod by name, `reconcile_interval_s` apart, for
+    `reconcile_window_s` (and at least `reconcile_looks` looks): Runpod's pod
+    list may lag a create by tens of seconds, and a create sent again while
+    the list still hides the first pod would leave two billing.
     """
 
     attempts: int = 4
@@ -91,6 +94,7 @@ class RetryPolicy:
     create_attempts: int = 3
     reconcile_looks: int = 3
     reconcile_interval_s: float = 2.0
+    reconcile_window_s: float = 60.0  # a list ~20 s behind a create was seen: three times that
 
     def backoff(self, failures: int) -> float:
         """Seconds to wait after the `failures`-th failure in a row."""
@@ -498,14 +502,18 @@ class RunpodClient:
         )
 
     async def _reconcile(self, name: str, cause: RunpodError) -> Pod | None:
-        """The pod named `name` after an ambiguous create, looked for
-        `reconcile_looks` times (lists can lag); the others of that name are
-        deleted. Raises RunpodError when the pods cannot be listed: sending the
-        create again could then leave two pods."""
+        """The pod named `name` after an ambiguous create, looked for until the
+        reconcile window has passed (lists can lag behind a create); the others
+        of that name are deleted. Raises RunpodError when the pods cannot be
+        listed: sending the create again could then leave two pods."""
         policy = self.retry
-        for look in range(policy.reconcile_looks):
+        loop = asyncio.get_running_loop()
+        until = loop.time() + policy.reconcile_window_s
+        look = 0
+        while look < policy.reconcile_looks or loop.time() < until:
             if look:
                 await asyncio.sleep(policy.reconcile_interval_s)
+            look += 1
             try:
                 named = [p for p in await self.pods_named(name) if p.status != "TERMINATED"]
             except RunpodError as error:

@@ -11,6 +11,7 @@ hold files not retrieved yet.
 from __future__ import annotations
 
 import contextlib
+import time
 from enum import StrEnum
 
 from overbrainer_prefect.executors.base import ExecError, Executor
@@ -20,8 +21,8 @@ from overbrainer_prefect.runpod.deletion import delete_and_confirm, look_up
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name
-from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, follow_again, subject
+from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
 
 
 class Ending(StrEnum):
@@ -99,7 +100,13 @@ async def sweep_others(ctx: PodContext, pod: PodRecord) -> None:
     names = {other.name for other in listed}
     for index, attempt in enumerate(pod.attempts):
         if attempt.result == "sent" and attempt.pod_id is None:
-            seen = "swept" if attempt.name in names else "no pod shown (swept)"
+            if attempt.name in names:
+                seen = "swept"
+            elif _sent_ago_s(attempt.at) < ctx.client.retry.reconcile_window_s:
+                left.append(attempt.name)  # the list may lag behind its create: look again
+                continue
+            else:
+                seen = "no pod shown (swept)"
             pod.attempts[index] = attempt.model_copy(update={"result": seen})
     for other in listed:
         if run_of_pod_name(other.name) != pod.run_id or other.id == pod.pod_id:
@@ -113,6 +120,7 @@ async def sweep_others(ctx: PodContext, pod: PodRecord) -> None:
                 interval_s=ctx.timing.gone_interval_s,
                 timeout_s=ctx.timing.confirm_timeout_s,
             )
+            pod.swept.append(other.id)
             ctx.log.warning(
                 "deleted pod %s, another pod of run %s (%s)", other.id, pod.run_id, other.name
             )
@@ -121,6 +129,14 @@ async def sweep_others(ctx: PodContext, pod: PodRecord) -> None:
             left.append(other.id)
     pod.strays = left
     pod.save(ctx.runs)
+
+
+def _sent_ago_s(at: str) -> float:
+    """Seconds since an attempt recorded at `at` (RFC 3339) was sent."""
+    try:
+        return float(time.time() - parse_rfc3339(at).timestamp())
+    except ValueError:
+        return float("inf")
 
 
 async def forget_if_gone(ctx: PodContext, pod: PodRecord) -> None:
@@ -223,21 +239,6 @@ async def fetch_watchdog_log(runs: Runs, executor: Executor, record: RunRecord) 
     """Copies the watchdog's log of the run into `runs/<id>/.pod/`, best effort."""
     with contextlib.suppress(ExecError):
         await executor.download(record.remote_dir, runs.run_dir(record.id), [WATCHDOG_LOG])
-
-
-def fail_run(runs: Runs, run_id: str, message: str) -> RunRecord | None:
-    """Saves the run `run_id` failed with `message` (unless it already ended);
-    returns its record, or None when it cannot be read or saved."""
-    try:
-        record = runs.load(run_id)
-        if not record.state.ended:
-            record.state = RunState.FAILED
-            record.message = message
-            record.ended = rfc3339()
-            runs.save(record)
-        return record
-    except Exception:
-        return None
 
 
 def unretrieved_message(pod: PodRecord, record: RunRecord) -> str:

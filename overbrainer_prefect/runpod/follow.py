@@ -22,7 +22,7 @@ from typing import Any
 from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
 from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, PodTiming
 from overbrainer_prefect.runpod.context import PodContext, PodError, PodGone
-from overbrainer_prefect.runpod.ending import fail_run, is_gone, remove
+from overbrainer_prefect.runpod.ending import is_gone, remove
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext, Unreachable
@@ -192,7 +192,7 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
     """
     if watched.deadline_passed:
         await remove(ctx, pod, "max_hours reached: the client's guard")
-        fail_run(ctx.runs, run_id, MAX_HOURS_REACHED)
+        lifecycle.fail(ctx.runs, run_id, MAX_HOURS_REACHED)
         raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}")
     if watched.error is not None:
         error = watched.error
@@ -204,7 +204,7 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
                 gone = False
             if gone:
                 reason = pod.limit_reached() or f"pod {pod.name} no longer exists"
-                fail_run(ctx.runs, run_id, reason)
+                lifecycle.fail(ctx.runs, run_id, reason)
                 raise PodGone(f"run {run_id} failed: {reason}") from None
         raise error
     assert watched.outcome is not None

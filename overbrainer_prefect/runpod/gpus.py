@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from overbrainer_prefect.runpod.bootstrap import PodTiming, disk_per_hour
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.errors import NoCapacity, RunpodError
 from overbrainer_prefect.runpod.models import Cloud, DataCenter, GpuType, Pod, PodRequest
@@ -67,6 +68,10 @@ class LaunchPlan:
     keep_pod: bool
     vram_floor_gb: float | None = None
     data_center_ids: tuple[str, ...] = ()
+    disk_per_hour: float = 0.0
+    """What the container disk bills an hour, beside the GPUs."""
+    checkpoint_hold_s: float = 0.0
+    """How long past max_hours a job that saved the checkpoint asked for keeps its pod."""
 
     @property
     def first(self) -> GpuChoice:
@@ -76,11 +81,13 @@ class LaunchPlan:
     @property
     def worst_case_usd(self) -> float | None:
         """The most the pod may cost on the first type without a renewed lease:
-        `max_hours` at its rate, or `max_cost_usd` when lower; None for a kept
-        pod (nothing bounds it)."""
+        `max_hours` and the checkpoint hold at its rate (its GPUs and its
+        container disk), or `max_cost_usd` when lower; None for a kept pod
+        (nothing bounds it)."""
         if self.keep_pod:
             return None
-        bound = self.first.price_per_hour * self.max_hours
+        hours = self.max_hours + self.checkpoint_hold_s / 3600
+        bound = (self.first.price_per_hour + self.disk_per_hour) * hours
         return bound if self.max_cost_usd is None else min(bound, self.max_cost_usd)
 
     def describe(self) -> str:
@@ -114,12 +121,19 @@ class LaunchPlan:
         ends.append(f"{_minutes(self.retrieve_grace_s)} after its job ends unretrieved")
         ends.append(f"{_minutes(self.boot_grace_s)} after it starts if no job starts")
         text += ". The pod is deleted " + ", ".join(ends[:-1]) + ", and " + ends[-1]
+        if self.checkpoint_hold_s:
+            text += (
+                f" (a job that saved the checkpoint asked for at max_hours keeps it "
+                f"{_minutes(self.checkpoint_hold_s)} more, for it to be retrieved)"
+            )
         worst = self.worst_case_usd
         if worst is not None:
             text += f": at most ${worst:.2f} at this rate"
             top = max(c.price_per_hour for c in self.choices)
             if top > first.price_per_hour:
                 text += f" (${top:.2f}/h at most on another type)"
+            if self.disk_per_hour:
+                text += f", its container disk included (${self.disk_per_hour:.4f}/h)"
         return text + "."
 
 
@@ -251,6 +265,8 @@ def plan_launch(
         keep_pod=settings.keep_pod,
         vram_floor_gb=floor,
         data_center_ids=tuple(settings.data_center_ids),
+        disk_per_hour=disk_per_hour(settings.container_disk_gb),
+        checkpoint_hold_s=PodTiming.from_env().checkpoint_hold_s,
     )
 
 

@@ -16,6 +16,7 @@ from overbrainer_prefect.runpod.keys import HOST_KEY_SECRET_PREFIX
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
 from overbrainer_prefect.runs.lifecycle import MANIFEST_FILE, artifacts_missing
+from overbrainer_prefect.runs.lock import is_followed
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
 
@@ -40,8 +41,9 @@ class PodRow:
     owner: str = ""
     """How messages name what the pod ran: `run R`, or `export E of run R`."""
     retrieved: bool = False
-    """Its run has ended with every file retrieved and verified here, and the
-    pod is not kept: nothing is lost by deleting it (the sweep does)."""
+    """Its run has ended with every file retrieved and verified here, or its job
+    never started within boot grace and nothing follows it; the pod is not
+    kept: nothing is lost by deleting it (the sweep does)."""
 
     def line(self) -> str:
         """The row as one line of text."""
@@ -72,6 +74,7 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
     record = None
     local: PodRecord | None = None
     retrieved = False
+    store = runs
     try:
         found = runs.find(run_id)
         if found is not None:
@@ -99,9 +102,22 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
                 else "; its files were not retrieved: its watchdog deletes it after the retrieve "
                 "grace"
             )
+        elif kept:
+            orphan, why = False, "kept (keep_pod)"
+        elif record.job is None and local is not None and local.past_boot_bound(now):
+            orphan = True
+            retrieved = not is_followed(store.run_dir(record.id))
+            why = "its job never started within boot_grace of its create: " + (
+                "the sweep deletes it" if retrieved else "its follower is still there"
+            )
+        elif local is not None and local.watchdog_shown:
+            orphan, why = False, "bounded by its watchdog"
         else:
             orphan = False
-            why = "kept (keep_pod)" if kept else "bounded by its watchdog"
+            why = (
+                "starting: its watchdog has not shown it runs yet; the collector or the sweep "
+                "deletes it once boot_grace has passed without a job"
+            )
     return PodRow(
         pod_id=pod.id,
         name=pod.name,

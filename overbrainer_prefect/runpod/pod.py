@@ -84,10 +84,17 @@ class PodRecord(BaseModel):
         default_factory=list,
         description="Other pods of the run that may exist (names or ids): swept at its end.",
     )
+    swept: list[str] = Field(
+        default_factory=list,
+        description="Other pods of the run found and deleted (a create answered twice).",
+    )
     pod_id: str | None = None
     pod_name: str | None = None
     gpu_type_id: str | None = None
     cost_per_hour: float | None = None
+    disk_per_hour: float = Field(
+        default=0.0, description="What its container disk bills an hour, beside its GPUs."
+    )
     created: str | None = Field(default=None, description="When the pod was asked for, RFC 3339.")
     created_unix: int | None = None
     deadline: str | None = Field(default=None, description="The watchdog's max_hours deadline.")
@@ -96,6 +103,12 @@ class PodRecord(BaseModel):
         default=None, description="When the watchdog's max_cost_usd is reached."
     )
     max_cost_usd: float | None = None
+    boot_grace_s: float | None = Field(
+        default=None,
+        description="How long after it was asked for the pod may run without a job "
+        "(its watchdog's boot grace, and the bound the collector and the sweep apply "
+        "when its start command never ran).",
+    )
     host_key: str = Field(description="The pod's public host key, pinned.")
     host_key_secret: str | None = Field(
         default=None, description="The Runpod secret holding the host key (its name)."
@@ -161,10 +174,11 @@ class PodRecord(BaseModel):
         return max(0.0, end - self.created_unix)
 
     def estimated_spend(self, now: float | None = None) -> float | None:
-        """What the pod cost so far (its rate × its uptime), when its rate is known."""
+        """What the pod cost so far (its GPUs' and its disk's rate × its uptime),
+        when its rate is known."""
         if self.cost_per_hour is None:
             return None
-        return self.cost_per_hour * self.uptime_s(now) / 3600
+        return (self.cost_per_hour + self.disk_per_hour) * self.uptime_s(now) / 3600
 
     def rate_text(self) -> str:
         """` ($0.44/h)`, or nothing when the rate is unknown."""
@@ -180,6 +194,23 @@ class PodRecord(BaseModel):
         self.delete_reason = reason
         if self.pod_id is not None:
             self.strays = [s for s in self.strays if s != self.pod_id]
+
+    def past_boot_bound(self, now: float | None = None) -> bool:
+        """Whether the pod was asked for longer ago than its boot grace: one
+        that has no job by then will never run one."""
+        if self.created_unix is None or self.boot_grace_s is None:
+            return False
+        return (now or time.time()) >= self.created_unix + self.boot_grace_s
+
+    @property
+    def watchdog_shown(self) -> bool:
+        """Whether the pod's watchdog has shown it runs (it confirmed the cost
+        cap, so the pod reached `ready`)."""
+        return self.deadline_unix is not None or self.state in (
+            PodState.READY,
+            PodState.RUNNING,
+            PodState.AWAITING_RETRIEVAL,
+        )
 
     def limit_reached(self, now: float | None = None) -> str | None:
         """Why the watchdog deleted this pod when it is found gone at `now`:

@@ -41,6 +41,7 @@ from overbrainer_prefect.runpod.bootstrap import (
     WORKDIR_NAME,
     Armed,
     cap_text,
+    disk_per_hour,
     parse_armed,
     pod_env,
 )
@@ -105,6 +106,7 @@ async def provision(
             host_key=keys.host_public,
             host_key_secret=host_key_secret(run.id),
             max_cost_usd=settings.max_cost_usd,
+            boot_grace_s=settings.boot_grace_s,
         )
         pod.save(ctx.runs)
     except Exception as error:  # nothing was asked of Runpod yet
@@ -218,6 +220,7 @@ async def _provision(
     pod.pod_name = remote.name or pod.attempts[-1].name
     pod.gpu_type_id = remote.gpu_type_id or placed.choice.id
     pod.cost_per_hour = remote.cost_per_hr if remote.cost_per_hr else placed.choice.price_per_hour
+    pod.disk_per_hour = disk_per_hour(settings.container_disk_gb)
     pod.strays = [s for s in pod.strays if s != pod.attempts[-1].name]
     pod.state = PodState.BOOTING
     pod.save(ctx.runs)
@@ -390,7 +393,7 @@ async def arm_cost_cap(
     timing's `arm_timeout_s` (at least three of its looks): a pod that cannot
     be capped must not run a job.
     """
-    rate = pod.cost_per_hour or 0.0
+    rate = (pod.cost_per_hour or 0.0) + pod.disk_per_hour  # everything the pod bills
     cap = f"{run.remote_dir}/{CAP_FILE}"
     text = cap_text(rate, settings.max_cost_usd)
     script = (

@@ -1,6 +1,6 @@
 """What a Runpod target sets: the GPU it asks for, the pod it creates and the
 bounds that end the pod. A plain pydantic model, so the core reads it without
-Prefect; the `RunpodTarget` block carries the same fields.
+Prefect; the `RunpodTarget` block holds the same fields (one definition).
 
 Every field is checked when the model is built; `settings_from` turns the
 first problem into one line saying what to fix.
@@ -9,7 +9,7 @@ first problem into one line saying what to fix.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -28,8 +28,9 @@ DEFAULT_RUNPOD_VENV = "/workspace/axolotl-venv"
 AUTO: Literal["auto"] = "auto"
 
 
-class RunpodTargetSettings(BaseModel):
-    """The settings of a Runpod target.
+class RunpodSettingsFields(BaseModel):
+    """The fields of a Runpod target's settings, with their constraints: held
+    once, by the checked settings below and by the `RunpodTarget` block.
 
     `gpu_types` is a list of Runpod GPU type ids tried in its order, or
     `"auto"`: every type that has the VRAM (`min_vram_gb`, or the estimate of
@@ -40,8 +41,6 @@ class RunpodTargetSettings(BaseModel):
     unretrieved, and `boot_grace_s` after it started without a job;
     `keep_pod` turns all of that off.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     gpu_types: list[str] | Literal["auto"] = Field(
         default=AUTO,
@@ -174,7 +173,7 @@ class RunpodTargetSettings(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _volume(self) -> RunpodTargetSettings:
+    def _volume(self) -> Self:
         if self.network_volume_id is not None and len(self.data_center_ids) != 1:
             raise ValueError(
                 "a network volume needs exactly one data center: set data_center_ids to the "
@@ -193,6 +192,12 @@ class RunpodTargetSettings(BaseModel):
     def api_cloud(self) -> Cloud:
         """The cloud as the Runpod API spells it."""
         return "SECURE" if self.cloud == "secure" else "COMMUNITY"
+
+
+class RunpodTargetSettings(RunpodSettingsFields):
+    """The checked settings of a Runpod target (frozen), as the core reads them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class SettingsError(ValueError):

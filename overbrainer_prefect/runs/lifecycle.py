@@ -309,10 +309,7 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
         raise NotStarted(record.id)
     local = ctx.runs.run_dir(record.id)
     if record.state.ended:
-        summary = _local_summary(local / trainer.metrics_file)
-        retrieved = not artifacts_missing(record) and (local / JOB_LOG).is_file()
-        files = load_manifest(local) if retrieved else []
-        return Outcome(record=record, summary=summary, retrieved=retrieved, files=files)
+        return recorded(ctx.runs, trainer, record)
     summary = MetricsSummary()
     stream = LineStream(ctx.executor, f"{record.remote_dir}/{trainer.metrics_file}")
     status, timed_out = await _follow(ctx, record, job, stream, summary)
@@ -610,6 +607,40 @@ async def request_stop(ctx: RunContext, record: RunRecord) -> None:
     if record.state.ended:
         raise RunError(f"{subject(record)} has already ended ({record.state}): nothing to stop")
     await ctx.executor.touch(f"{record.remote_dir}/{STOP_FILE}")
+
+
+def fail(runs: Runs, run_id: str, message: str) -> RunRecord | None:
+    """Saves the record `run_id` of `runs` failed with `message` unless it
+    already ended; returns it, or None when it cannot be read or saved (logged)."""
+    try:
+        record = runs.load(run_id)
+        if not record.state.ended:
+            record.state = RunState.FAILED
+            record.message = message
+            record.ended = rfc3339()
+            runs.save(record)
+        return record
+    except Exception as error:  # the caller's own cleanup matters more
+        log.warning("cannot record %s as failed: %s", run_id, error)
+        return None
+
+
+def has_job_log(runs: Runs, record: RunRecord) -> bool:
+    """Whether the job log of `record` was retrieved into its local directory."""
+    return (runs.run_dir(record.id) / JOB_LOG).is_file()
+
+
+def recorded(runs: Runs, trainer: Trainer, record: RunRecord) -> Outcome:
+    """The outcome of an ended job from its local files alone (what it ran on
+    is gone, or it was never started): its metrics, and its verified files
+    when they were retrieved."""
+    local = runs.run_dir(record.id)
+    summary = _local_summary(local / trainer.metrics_file)
+    retrieved = (
+        record.job is not None and not artifacts_missing(record) and (local / JOB_LOG).is_file()
+    )
+    files = load_manifest(local) if retrieved else []
+    return Outcome(record=record, summary=summary, retrieved=retrieved, files=files)
 
 
 def _local_summary(path: Path) -> MetricsSummary:

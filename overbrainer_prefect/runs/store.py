@@ -36,6 +36,13 @@ RUNS_ROOT_ENV = "OVERBRAINER_RUNS_DIR"
 machines attach to the same runs); default `./runs`."""
 
 
+CHILD_KINDS = ("export", "compare")
+"""The kinds of record a run holds below it: `<run dir>/<kind>s/<id>/<kind>.json`."""
+
+BASES_DIR = ".bases"
+"""Under the runs directory: the exports of base models, `<key>/exports/<id>/`."""
+
+
 class RunState(StrEnum):
     """Where a run stands, as last seen."""
 
@@ -108,7 +115,10 @@ class RunRecord(BaseModel):
 
 
 def subject(record: RunRecord) -> str:
-    """How messages name a record: `run R`, or `export E of run R`."""
+    """How messages name a record: `run R`, `export E of run R`, or a base
+    model's export `base export E (model)`."""
+    if record.parent is None and record.trainer == "export":
+        return f"base export {record.id} ({(record.spec or {}).get('base_model')})"
     if record.parent is None:
         return f"run {record.id}"
     return f"{record.trainer} {record.id} of run {record.parent}"
@@ -116,6 +126,8 @@ def subject(record: RunRecord) -> str:
 
 def follow_again(record: RunRecord) -> str:
     """The flow, with its parameters, that follows a record again."""
+    if record.parent is None and record.trainer == "export":
+        return "the compare flow (a compare of the same base model follows it again)"
     if record.parent is None:
         return f"the attach flow (run_id={record.id})"
     return f"the {record.trainer} flow (run_id={record.parent}, {record.trainer}_id={record.id})"
@@ -183,16 +195,32 @@ class Runs:
         self.run_dir(record_id)  # validates the ID before it names a path
         if (self.root / record_id / self.record_file).is_file():
             return self, self.load(record_id)
-        for kind in ("export", "compare"):
+        for kind in CHILD_KINDS:
             for found in sorted(self.root.glob(f"*/{kind}s/{record_id}/{kind}.json")):
                 parent = found.parent.parent.parent.name
                 if is_valid_run_id(parent):
                     store = self.children(parent, kind)
                     return store, store.load(record_id)
-        for found in sorted(self.root.glob(f".bases/*/exports/{record_id}/export.json")):
+        for found in sorted(self.root.glob(f"{BASES_DIR}/*/exports/{record_id}/export.json")):
             store = Runs(found.parent.parent, record_file="export.json", kind="export")
             return store, store.load(record_id)
         return None
+
+    def stores(self) -> list[Runs]:
+        """Every store under this runs directory that holds records: the runs,
+        the exports and compares of each run, and each base model's exports.
+        Raises RecordIoError when the runs directory cannot be read."""
+        found: list[Runs] = [self]
+        for record in self.list(skipped=lambda _name, _error: None):
+            for kind in CHILD_KINDS:
+                if (self.root / record.id / f"{kind}s").is_dir():
+                    found.append(self.children(record.id, kind))
+        bases = self.root / BASES_DIR
+        if bases.is_dir():
+            for key in sorted(bases.iterdir()):
+                if (key / "exports").is_dir():
+                    found.append(Runs(key / "exports", record_file="export.json", kind="export"))
+        return found
 
     def run_dir(self, run_id: str) -> Path:
         """The local directory of the run `run_id`.

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.runs.store import BASES_DIR, Runs
 from overbrainer_prefect.trainers.base import (
     METRICS_FILE,
     Artifacts,
@@ -60,9 +60,6 @@ COMPARE_MODULE = "overbrainer_compare"
 COMPARE_MODULES = ("llama_cpp",)
 """What the compare job imports."""
 
-BASES_DIR = ".bases"
-"""Under the runs directory: the GGUFs of base models, one directory per base
-model and target (a dot directory, so `Runs.list` never takes it for a run)."""
 
 MAX_TOKENS_LIMIT = 8192  # the most tokens an answer may be given: more is a typo, not a compare
 

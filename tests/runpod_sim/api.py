@@ -116,6 +116,9 @@ CREATE_FIELDS = frozenset(
 DEFAULT_DATA_CENTERS = ("EU-RO-1", "EU-SE-1", "US-KS-2", "US-TX-3", "CA-MTL-1")
 
 
+DISK_USD_PER_GB_MONTH = 0.10  # Runpod's published price of a running pod's container disk
+
+
 @dataclass
 class SimPod:
     """A pod of the simulator. `spend(now)` is its bill so far."""
@@ -141,6 +144,8 @@ class SimPod:
     missing_secrets: list[str] = field(default_factory=list)
     hidden_gets: int = 0
     hidden_lists: int = 0
+    hidden_until: float = 0.0
+    """Monotonic time until which the pod is missing from lists (a lagging list)."""
     lingering_gets: int = 0
     lingering_lists: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -152,9 +157,12 @@ class SimPod:
         return self.deleted_at is not None
 
     def spend(self, now: float) -> float:
-        """What the pod billed from its create until its delete (or `now`)."""
+        """What the pod billed from its create until its delete (or `now`): its
+        GPUs at `cost_per_hr`, and its container disk at Runpod's price for a
+        running pod ($0.10/GB/month), which `cost` does not include."""
         end = self.deleted_at if self.deleted_at is not None else now
-        return self.cost_per_hr * max(0.0, end - self.created_at) / 3600.0
+        disk_per_hr = float(self.request.get("disk", 50)) * DISK_USD_PER_GB_MONTH / (30 * 24)
+        return (self.cost_per_hr + disk_per_hr) * max(0.0, end - self.created_at) / 3600.0
 
     def to_api(self, now: float) -> dict[str, Any]:
         """The pod as REST v2 shows it."""
@@ -281,6 +289,7 @@ class RunpodSim:
         self._faults: list[_Fault] = []
         self._fail_after_create = 0
         self._create_lag = (0, 0)
+        self._create_lag_s = 0.0
         self._delete_lag = (0, 0)
         self._catalog_enabled = True
         self._pod_keys_revoked = False
@@ -382,16 +391,23 @@ class RunpodSim:
         with self._lock:
             self._faults.append(_Fault(status, times, method, path, detail=detail))
 
+    def clear_faults(self) -> None:
+        """Forgets the faults `fail` set that have not run out."""
+        with self._lock:
+            self._faults.clear()
+
     def fail_after_create(self, times: int = 1) -> None:
         """The next `times` creates create their pod (it bills), then answer 500."""
         with self._lock:
             self._fail_after_create = times
 
-    def lag_after_create(self, gets: int = 0, lists: int = 0) -> None:
+    def lag_after_create(self, gets: int = 0, lists: int = 0, seconds: float = 0.0) -> None:
         """Each new pod answers 404 to its next `gets` look-ups and is missing
-        from the next `lists` lists."""
+        from the next `lists` lists, and from every list for its first
+        `seconds` (a list that lags behind the creates)."""
         with self._lock:
             self._create_lag = (gets, lists)
+            self._create_lag_s = seconds
 
     def lag_after_delete(self, gets: int = 0, lists: int = 0) -> None:
         """Each deleted pod still shows (as EXITED) to its next `gets` look-ups
@@ -636,6 +652,7 @@ class RunpodSim:
                 missing_secrets=missing,
                 hidden_gets=self._create_lag[0],
                 hidden_lists=self._create_lag[1],
+                hidden_until=time.monotonic() + self._create_lag_s,
             )
             pod.env.update(
                 {
@@ -663,6 +680,8 @@ class RunpodSim:
                         shown.append(pod.to_api(now))
                 elif pod.hidden_lists > 0:
                     pod.hidden_lists -= 1
+                elif time.monotonic() < pod.hidden_until:
+                    pass
                 else:
                     shown.append(pod.to_api(now))
         return JSONResponse({"pods": shown})

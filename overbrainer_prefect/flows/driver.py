@@ -1,0 +1,492 @@
+"""The one job driver: every kind of job (a run's training, its export, a base
+model's export, a compare) goes through the same steps on any `Target`:
+
+1. check and reserve what the job needs before anything exists;
+2. create its record (`preparing`) and take its follow lock at once;
+3. place it (a pod provisioned for it), start its job, follow it, retrieve
+   and verify its files, end what it ran on by the outcome.
+
+The same code follows a job again from its record alone (`follow_again`:
+attach, `export(export_id=...)`, `compare(compare_id=...)`, the collector),
+and ends it when its flow run is cancelled or crashes (one hook of each,
+shared by every flow). The flow modules keep only what their kind adds.
+Nothing here asks which target it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from prefect import task
+from prefect.artifacts import acreate_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+from prefect.client.schemas.objects import FlowRun, State
+from prefect.flows import Flow
+from prefect.logging.loggers import flow_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Cancelled, Crashed
+
+from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_progress
+from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
+from overbrainer_prefect.flows.budget import PrefectBudget
+from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.runpod.context import INTERRUPTED
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext, RunError
+from overbrainer_prefect.runs.lock import RunBusy, follow_lock
+from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.targets.base import JobNeed, Logger, Placed, Target
+from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.rebuild import TRAINING, trainer_of
+
+HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends cancelling and retrieving a job
+MAX_DEPTH = 3  # fine_tune → train → export: the deepest subflows go
+
+Check = Callable[[Executor], Awaitable[None]]
+"""A check of the job's machine before its job starts (raises TrainError with one line)."""
+
+
+@dataclass
+class NewJob:
+    """A job to run: where its record goes, what it needs, its record's
+    contents, and how its trainer is made once its record exists."""
+
+    store: Runs
+    need: JobNeed
+    kind: str
+    """The record's `trainer`: training, export or compare."""
+    prepare: Callable[[RunRecord], Trainer]
+    """Makes the job's trainer once its record exists and is locked (stages a
+    checkpoint, logs what is asked)."""
+    spec: dict[str, Any] | None = None
+    parent: str | None = None
+    subdir: str = ""
+    """Where its directory is under the target's work directory (`exports`)."""
+    check: Check | None = None
+    started: Callable[[RunRecord], None] | None = None
+    """Called once the job's files were copied (whether or not it started)."""
+
+
+@dataclass
+class Finished:
+    """How a job ended: its outcome, where it ran, and whether this process
+    cancelled it."""
+
+    outcome: Outcome
+    where: str
+    cancelled: bool = False
+    facts: list[tuple[str, str]] = field(default_factory=list)
+
+
+class JobReporter:
+    """A `Reporter` for a job that is not a training run (an export, a
+    compare): its status and warnings in the flow's log, named by `name`."""
+
+    def __init__(self, logger: Logger, name: str) -> None:
+        self.logger = logger
+        self.name = name
+
+    def metric(self, metric: Metric, summary: MetricsSummary) -> None:
+        """Logs a step."""
+        self.logger.info("%s: step %s", self.name, metric.step)
+
+    def status(self, status: JobStatus) -> None:
+        """Logs the job's new status."""
+        self.logger.info("%s: job %s", self.name, status)
+
+    def warning(self, message: str) -> None:
+        """Logs a warning."""
+        self.logger.warning("%s", message)
+
+
+def reporter_for(record: RunRecord, logger: Logger) -> Reporter:
+    """Where a job's progress goes: a training run's live progress and log,
+    or another job's status in the log."""
+    if record.parent is None and record.trainer == TRAINING:
+        return PrefectReporter(logger, record.id)
+    return JobReporter(logger, subject(record))
+
+
+@task(name="start-job", cache_policy=NO_CACHE, persist_result=False)
+async def start_job(
+    ctx: RunContext, trainer: Trainer, record: RunRecord, target: Target, placed: Placed
+) -> RunRecord:
+    """Checks the machine, uploads the job's files and starts its job."""
+    record = await lifecycle.start(ctx, trainer, record, dict(target.secrets()))
+    placed.started(ctx.runs, record)
+    if isinstance(ctx.reporter, (PrefectReporter, JobReporter)):
+        ctx.reporter.logger.info(
+            "%s: job started on %s (pid %s)%s",
+            subject(record),
+            placed.description,
+            record.job.pid if record.job else "?",
+            f", deadline {record.deadline}" if record.deadline else "",
+        )
+    return record
+
+
+@task(name="follow-job", cache_policy=NO_CACHE, persist_result=False)
+async def follow_job(
+    placed: Placed, ctx: RunContext, trainer: Trainer, record: RunRecord
+) -> Outcome:
+    """Follows the job to its end, retrieves and verifies its files, and ends
+    what it ran on by the outcome."""
+    async with live_progress(ctx.reporter):
+        return await placed.follow(ctx, trainer, record)
+
+
+async def publish_facts(record: RunRecord, facts: list[tuple[str, str]]) -> None:
+    """A markdown artifact of what a job's place cost (a pod's GPU, rate,
+    uptime, spend and how it ended); nothing for a machine you own."""
+    if not facts:
+        return
+    name = subject(record)
+    lines = [f"# Where {name} ran", "", "| | |", "| --- | --- |"]
+    lines += [f"| {key} | {value} |" for key, value in facts]
+    await acreate_markdown_artifact(
+        markdown="\n".join(lines) + "\n",
+        key=artifact_key(record.id, "pod"),
+        description=f"Where {name} ran and what it cost",
+    )
+
+
+async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
+    """Runs a new job on `target`: checks and reserves what it needs (the GPU
+    budget, waiting while other pods hold it), creates its record and takes
+    its follow lock, places it, starts its job, follows it, retrieves and
+    verifies its files, then ends what it ran on.
+
+    Raises (one line, nothing created) when the target refuses the job or
+    cannot reserve it; (the record failed, nothing left billing) when it
+    cannot be placed or its job cannot start; RunError when the job cannot
+    be followed to its end (it keeps running: the message says how to follow
+    it again).
+    """
+    store = job.store
+    target.check(job.need)
+    async with target.reserve(store, job.need, PrefectBudget()) as reservation:
+        record = lifecycle.create(
+            store,
+            target=target.ref,
+            target_kind=target.kind,
+            workdir=posixpath.join(target.workdir, job.subdir) if job.subdir else target.workdir,
+            trainer=job.kind,
+            spec=job.spec,
+            flow_run_id=flow_run.id,
+            parent=job.parent,
+        )
+        with follow_lock(store.run_dir(record.id), flow_run.id):
+            logger.info(
+                "%s created on %s (files in %s)",
+                subject(record),
+                target.ref,
+                store.run_dir(record.id),
+            )
+            try:
+                trainer = job.prepare(record)
+            except Exception as error:
+                lifecycle.fail(store, record.id, str(error) or type(error).__name__)
+                raise
+            record = store.load(record.id)
+            async with target.place(store, record, reservation) as placed:
+                ctx = placed.context(store, reporter_for(record, logger))
+                try:
+                    if job.check is not None:
+                        await job.check(placed.executor)
+                    record = await start_job(ctx, trainer, record, target, placed)
+                except Exception as error:
+                    lifecycle.fail(store, record.id, str(error) or type(error).__name__)
+                    raise
+                finally:
+                    if job.started is not None:
+                        job.started(record)
+                outcome = await follow_job(placed, ctx, trainer, record)
+                facts = placed.facts()
+                await publish_facts(outcome.record, facts)
+                return Finished(outcome, placed.description, facts=facts)
+
+
+async def finish(
+    target: Target,
+    store: Runs,
+    record: RunRecord,
+    trainer: Trainer,
+    reporter: Reporter,
+    *,
+    cancel: bool = False,
+) -> Finished:
+    """Brings a job to a final state from its records alone; the caller holds
+    its follow lock and has just read `record`.
+
+    A job that never started has what its target holds for it deleted and is
+    failed `interrupted before the job started`. Otherwise what it ran on is
+    reached again: a running job is followed to its end (with `cancel`,
+    cancelled and what it left retrieved, best effort), an ended one has its
+    files retrieved again when they were not; then what it ran on is ended by
+    the outcome (a pod is deleted once its files are verified). A job whose
+    machine is gone is reported from its local files.
+
+    Raises RunError when the job cannot be followed to its end; what the
+    target raises when it cannot be reached now (try again).
+    """
+    if record.job is None:
+        return await _abandoned(target, store, record)
+    async with target.reach(store, record) as placed:
+        if placed is None:
+            return Finished(
+                lifecycle.recorded(store, trainer, store.load(record.id)), "its local files"
+            )
+        ctx = placed.context(store, reporter)
+        cancelled = False
+        if record.state == RunState.RUNNING and cancel:
+            record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
+            if status.kind == "cancelled":
+                outcome = lifecycle.recorded(store, trainer, record)
+                outcome.retrieved = retrieved
+                await placed.end(outcome)
+                cancelled = True
+        if cancelled:
+            pass
+        elif record.state == RunState.RUNNING:
+            outcome = await follow_job(placed, ctx, trainer, record)
+        else:
+            retrieved = True
+            if lifecycle.artifacts_missing(record) or not lifecycle.has_job_log(store, record):
+                record, retrieved = await lifecycle.collect(ctx, trainer, record)
+            outcome = lifecycle.recorded(store, trainer, record)
+            outcome.retrieved = retrieved
+            await placed.end(outcome)
+        facts = placed.facts()
+        await publish_facts(outcome.record, facts)
+        return Finished(outcome, placed.description, cancelled=cancelled, facts=facts)
+
+
+async def _abandoned(target: Target, store: Runs, record: RunRecord) -> Finished:
+    """A job that never started and that nobody prepares: what its target holds
+    for it deleted, its record failed `interrupted before the job started`."""
+    reason = (record.message or INTERRUPTED) if record.state.ended else INTERRUPTED
+    await target.abandon(store, record, reason)
+    return Finished(Outcome(store.load(record.id), MetricsSummary(), retrieved=False), target.ref)
+
+
+async def follow_again(
+    runs: Runs, store: Runs, record: RunRecord, logger: Logger, *, cancel: bool = False
+) -> Finished:
+    """`finish` under the job's follow lock, its target and trainer found from
+    its record: what attach, an export or compare followed again, and the
+    collector do. `runs` is the runs directory, `store` the record's own.
+
+    Raises RunError when another live process follows the job, or it cannot
+    be followed to its end; UnknownTarget when its target block is gone.
+    """
+    target = await target_named(record.target, logger)
+    try:
+        with follow_lock(store.run_dir(record.id), flow_run.id):
+            record = store.load(record.id)  # as its last follower left it
+            if record.job is None:
+                return await _abandoned(target, store, record)
+            trainer = trainer_of(runs, record, target.cpu_threads)
+            return await finish(
+                target, store, record, trainer, reporter_for(record, logger), cancel=cancel
+            )
+    except RunBusy as busy:
+        raise RunError(
+            f"{subject(record)} is already followed by {busy.holder}: it records the outcome; "
+            "follow it again only once that follower has ended"
+        ) from None
+
+
+# -- hooks ------------------------------------------------------------------------------
+
+
+def runs_of(flow_run: FlowRun) -> Runs:
+    """The runs directory a flow run used (its `runs_dir`, or its spec's)."""
+    parameters = flow_run.parameters or {}
+    runs_dir = parameters.get("runs_dir")
+    spec = parameters.get("spec")
+    if runs_dir is None and isinstance(spec, dict):
+        runs_dir = spec.get("runs_dir")
+    return Runs(runs_dir)
+
+
+def unfinished_of(runs: Runs, flow_run_ids: Iterable[str]) -> list[tuple[Runs, RunRecord]]:
+    """The jobs (in every store of `runs`) created by one of `flow_run_ids`
+    that have not ended, each with its store."""
+    ids = set(flow_run_ids)
+    found = []
+    for store in runs.stores():
+        for record in store.list(skipped=lambda _name, _error: None):
+            if record.flow_run_id in ids and not record.state.ended:
+                found.append((store, record))
+    return found
+
+
+async def subflow_runs(flow_run_id: UUID) -> list[FlowRun]:
+    """The flow runs below `flow_run_id` (its subflows, theirs, to MAX_DEPTH)."""
+    found: list[FlowRun] = []
+    parents = [flow_run_id]
+    async with get_client() as client:
+        for _ in range(MAX_DEPTH):
+            if not parents:
+                break
+            children = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)
+                )
+            )
+            found += children
+            parents = [child.id for child in children]
+    return found
+
+
+async def cancel_job(
+    runs: Runs, store: Runs, record: RunRecord, holder: str, logger: Logger
+) -> None:
+    """What a cancelled flow run leaves of one of its jobs, from its records
+    alone: a job not started has what its target holds deleted and is failed;
+    a started one is cancelled, what it left retrieved (bounded in time), and
+    what it ran on deleted. A failure is logged with what to do."""
+    name = subject(record)
+    try:
+        target = await target_named(record.target, logger)
+        with follow_lock(store.run_dir(record.id), holder):
+            record = store.load(record.id)
+            if record.state.ended:
+                return
+            if record.job is None:
+                left = not await target.abandon(store, record, INTERRUPTED)
+                logger.warning(
+                    "%s: interrupted before its job started; %s",
+                    name,
+                    "something of it may be left: " + target.detached(store, record)
+                    if left
+                    else "nothing of it is left",
+                )
+                return
+            retrieved = False
+            try:
+                trainer: Trainer | None = trainer_of(runs, record, target.cpu_threads)
+            except Exception as error:
+                logger.warning("%s: its trainer cannot be rebuilt (%s)", name, error)
+                trainer = None
+            async with target.reach(store, record) as placed:
+                if placed is not None:
+                    try:
+                        if trainer is None:
+                            await placed.executor.cancel(record.job)
+                        else:
+                            ctx = placed.context(store, lifecycle.LogReporter())
+                            _, status, retrieved = await asyncio.wait_for(
+                                lifecycle.cancel(ctx, trainer, record), HOOK_RETRIEVE_S
+                            )
+                            logger.info("%s: job %s on %s", name, status, placed.description)
+                    except (ExecError, RunError, TimeoutError) as error:
+                        logger.warning("%s: cannot cancel its job cleanly: %s", name, error)
+            lifecycle.fail(store, record.id, "its flow run was cancelled")
+            gone = await target.abandon(store, record, "its flow run was cancelled")
+            logger.info(
+                "%s: its files were %sretrieved; %s",
+                name,
+                "" if retrieved else "not ",
+                "nothing of it is left"
+                if gone
+                else "something may be left: " + target.detached(store, record),
+            )
+    except Exception as error:  # a hook must not fail the cancellation itself
+        logger.warning(
+            "%s: cannot end it (%s); cancel it again with the cancel flow, or remove its pod with "
+            "the pods flow (action=remove, run_id=%s)",
+            name,
+            error,
+            record.id,
+        )
+
+
+async def crashed_job(store: Runs, record: RunRecord, logger: Logger) -> None:
+    """What a crashed flow run leaves of one of its jobs: a started job keeps
+    running (bounded by its target), and the log says how to follow it again;
+    one that never started has what its target holds deleted and is failed."""
+    try:
+        target = await target_named(record.target, logger)
+        if record.job is not None:
+            logger.warning("%s", target.detached(store, record))
+            return
+        await target.abandon(store, record, INTERRUPTED)
+    except Exception as error:
+        logger.warning(
+            "%s: it may keep something billing (%s); remove it with the pods flow "
+            "(action=remove, run_id=%s)",
+            subject(record),
+            error,
+            record.id,
+        )
+
+
+async def _flow_runs_below(flow_run: FlowRun, logger: Logger) -> list[FlowRun]:
+    try:
+        return await subflow_runs(flow_run.id)
+    except Exception as error:  # a hook must not fail on the server
+        logger.warning("cannot find the subflow runs of this flow run: %s", error)
+        return []
+
+
+async def _settle_children(children: list[FlowRun], state: State[Any], logger: Logger) -> None:
+    """Marks the unfinished subflow runs `state`: they ran in this flow run's
+    process, so nothing else ends them."""
+    for child in children:
+        if child.state is not None and child.state.is_final():
+            continue
+        try:
+            async with get_client() as client:
+                await client.set_flow_run_state(child.id, state, force=True)
+        except Exception as error:
+            logger.warning("cannot mark subflow run %s %s: %s", child.id, state.name, error)
+
+
+async def _jobs_of(
+    flow_run: FlowRun, logger: Logger
+) -> tuple[Runs, list[FlowRun], list[tuple[Runs, RunRecord]]]:
+    """The runs directory a flow run used, its subflow runs, and the jobs they
+    created that have not ended."""
+    children = await _flow_runs_below(flow_run, logger)
+    runs = runs_of(flow_run)
+    ids = [str(flow_run.id), *(str(child.id) for child in children)]
+    try:
+        return runs, children, unfinished_of(runs, ids)
+    except Exception as error:  # a hook must not fail on a bad runs directory
+        logger.warning("cannot find the jobs of this flow run: %s", error)
+        return runs, children, []
+
+
+async def on_cancelled(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """`on_cancellation` hook of every flow: the jobs this flow run and its
+    subflows started are cancelled, what they left retrieved, what they ran
+    on deleted; the subflow runs are marked cancelled."""
+    logger = flow_run_logger(flow_run, flow)
+    runs, children, jobs = await _jobs_of(flow_run, logger)
+    for store, record in jobs:
+        await cancel_job(runs, store, record, str(flow_run.id), logger)
+    await _settle_children(children, Cancelled(message="its parent flow run was cancelled"), logger)
+
+
+async def on_crashed(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """`on_crashed` hook of every flow: a started job is left to its bounds
+    (the log says how to follow it again), one never started has what it
+    holds deleted; the subflow runs are marked crashed."""
+    logger = flow_run_logger(flow_run, flow)
+    _, children, jobs = await _jobs_of(flow_run, logger)
+    for store, record in jobs:
+        await crashed_job(store, record, logger)
+    await _settle_children(children, Crashed(message="its parent flow run crashed"), logger)
+
+
+HOOKS: dict[str, Any] = {"on_cancellation": [on_cancelled], "on_crashed": [on_crashed]}
+"""The state hooks every flow that starts jobs takes (`@flow(..., **HOOKS)`)."""

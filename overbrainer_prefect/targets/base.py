@@ -1,0 +1,211 @@
+"""The one interface every place where jobs run implements: this machine, an
+SSH box, a Runpod pod made for the job. Nothing above it asks which one it
+holds: a new place (another cloud, a cluster) is one new `Target`.
+
+The verbs, in a job's order (after SkyPilot's `sky/provision/`):
+
+- `check`: refuse a job the target can never run, before anything exists;
+- `reserve`: what the job needs before anything exists (a plan, its price,
+  the GPU budget, a network volume), held for the length of the block;
+- `place`: the job's record placed (a pod provisioned for it), an executor
+  yielded; on exit, what was placed for a job that never started is ended;
+- `reach`: a placed job reached again from its record alone (or None when
+  what it ran on is gone);
+- `abandon`: whatever the target holds for a job deleted, its keys and
+  secrets cleaned, the record failed;
+- `leftover`: whether the target still holds something for an ended job.
+
+A `Placed` job is followed (`follow`, to its end, files retrieved and
+verified, then ended by its outcome) or ended (`end`) by the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import SecretStr
+
+from overbrainer_prefect.executors.base import Executor
+from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext
+from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.spec import TrainingSpec
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+
+@dataclass(frozen=True)
+class JobNeed:
+    """What a job needs of the place it runs on, for a target that sizes and
+    prices its machine per job (a pod): the GPU memory of its kind of job, the
+    disk it writes, another image. A machine you own ignores all of it."""
+
+    what: str
+    """The job in messages: `the run`, `the q8_0 export of run R`."""
+    training: TrainingSpec | None = None
+    """A training run: its VRAM is estimated from its base model and settings."""
+    merge_model: str | None = None
+    """An export: its VRAM is what merging into this model (a directory or a Hub id) takes."""
+    gguf_bytes: int | None = None
+    """A job that loads a GGUF of this size (a compare, an evaluation)."""
+    disk_bytes: int | None = None
+    """What the job writes where a volume holds it (estimated)."""
+    image: str | None = None
+    """Another image for this job's machine (a compare's own)."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What `reserve` set aside for one job: the plan it will be placed by
+    (opaque above the target) and its most expensive hourly price."""
+
+    plan: object | None = None
+    price_per_hour: float | None = None
+
+
+class Budget(Protocol):
+    """A bound on what pods cost together (the GPU budget), held while a pod lives."""
+
+    async def spend_limit_cents(self) -> int | None:
+        """The whole budget's hourly spend in cents, None when there is none."""
+        ...
+
+    def hold(self, price_per_hour: float) -> AbstractAsyncContextManager[None]:
+        """Holds one pod at `price_per_hour` for the length of the block,
+        waiting until it fits. Raises BudgetError when it never can."""
+        ...
+
+
+class NoBudget:
+    """A `Budget` that bounds nothing (no server, or a machine you own)."""
+
+    async def spend_limit_cents(self) -> int | None:
+        """None: there is no budget."""
+        return None
+
+    def hold(self, price_per_hour: float) -> AbstractAsyncContextManager[None]:
+        """A block that holds nothing."""
+        return _Nothing()
+
+
+class _Nothing:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+class Placed(Protocol):
+    """A job's place once it exists: the executor that reaches it, how its
+    steps are bounded there, how it is followed and how it ends."""
+
+    @property
+    def executor(self) -> Executor:
+        """Reaches the job's machine."""
+        ...
+
+    @property
+    def description(self) -> str:
+        """Where the job runs, for messages and summaries."""
+        ...
+
+    def context(self, store: Runs, reporter: Reporter) -> RunContext:
+        """The context of the job's steps here (its bounds: a deadline on a
+        machine you own, the pod's watchdog on a pod)."""
+        ...
+
+    async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
+        """Follows the started job to its end, retrieves and verifies its
+        files, then ends what it ran on by the outcome (a pod is deleted once
+        its files are verified). Raises RunError when the job cannot be
+        followed to its end: it keeps running, and the message says how to
+        follow it again or remove what bills."""
+        ...
+
+    def started(self, store: Runs, record: RunRecord) -> None:
+        """Records that the job `record` started here, and logs what bounds
+        it. Raises when that cannot be recorded (the job is then cancelled)."""
+        ...
+
+    async def end(self, outcome: Outcome) -> None:
+        """Ends what the job ran on once it ended with `outcome` (a pod
+        deleted when its files are verified, else left to its watchdog's
+        retrieve grace). Raises PodError when a delete cannot be confirmed."""
+        ...
+
+    def facts(self) -> list[tuple[str, str]]:
+        """What the job's place cost and how it ended (a pod's GPU, rate,
+        uptime, spend), for its summary; empty for a machine you own."""
+        ...
+
+
+class Target(Protocol):
+    """Where jobs run. See the module for the verbs."""
+
+    ref: str
+    """The target's name (`<block type>/<name>`), kept in every record."""
+    kind: str
+    """What it is (`local`, `ssh`, `runpod`), for records and messages only."""
+    python: str
+    """The job venv's Python there."""
+    cpu_threads: int | None
+    """Threads a job may use where there is no GPU."""
+
+    @property
+    def workdir(self) -> str:
+        """The directory of the run directories there."""
+        ...
+
+    def secrets(self) -> Mapping[str, SecretStr]:
+        """What reaches the job through its environment only. Raises
+        ValueError with one line when it cannot be read."""
+        ...
+
+    def check(self, need: JobNeed) -> None:
+        """Refuses, with one line, a job this target can never run (before
+        anything exists)."""
+        ...
+
+    def reserve(
+        self, store: Runs, need: JobNeed, budget: Budget
+    ) -> AbstractAsyncContextManager[Reservation]:
+        """Sets aside what the job needs before anything exists, for the
+        length of the block. Raises (one line, nothing created) when it
+        cannot be had."""
+        ...
+
+    def place(
+        self, store: Runs, record: RunRecord, reservation: Reservation
+    ) -> AbstractAsyncContextManager[Placed]:
+        """Places the new job `record` (saved `preparing`, its follow lock
+        held): yields its place. On exit, a job that never started has what
+        was placed for it ended and its record failed. Raises (the record
+        failed, nothing left billing) when it cannot be placed."""
+        ...
+
+    def reach(self, store: Runs, record: RunRecord) -> AbstractAsyncContextManager[Placed | None]:
+        """Reaches a placed job again from its record alone, or yields None
+        when what it ran on is gone (its record then says why when it had not
+        ended). Raises when it cannot be reached now (try again later)."""
+        ...
+
+    async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
+        """Ends what the target holds for a job that will not (or no longer)
+        run: deletes it, cleans its keys and secrets, fails the record with
+        `reason` when it had not ended. Returns whether nothing is left."""
+        ...
+
+    def leftover(self, store: Runs, record: RunRecord) -> bool:
+        """Whether the target may still hold something for `record` (a pod not
+        confirmed deleted), from the local records alone."""
+        ...
+
+    def detached(self, store: Runs, record: RunRecord) -> str:
+        """The message of a started job left running with nobody following it:
+        what bounds it, how to follow it again or remove what bills."""
+        ...

@@ -1,0 +1,154 @@
+"""A machine you own (this one, or an SSH box): nothing to reserve, price or
+delete. A job is placed in a run directory of its work directory and bounded
+by its `max_hours` deadline; what it leaves stays there."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from pydantic import SecretStr
+
+from overbrainer_prefect.executors.base import Executor
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext
+from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
+from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
+from overbrainer_prefect.trainers.base import Trainer
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How a job's steps are bounded on a target: its deadline, the pace of
+    its watch, when it counts as stalled."""
+
+    python: str
+    poll_s: float = 2.0
+    max_hours: float | None = None
+    stall_s: float = 900.0
+
+    def context(self, store: Runs, executor: Executor, reporter: Reporter) -> RunContext:
+        """The context of a job's steps with these bounds."""
+        return RunContext(
+            runs=store,
+            executor=executor,
+            reporter=reporter,
+            python=self.python,
+            poll_s=self.poll_s,
+            max_hours=self.max_hours,
+            stall_s=self.stall_s,
+        )
+
+
+@dataclass
+class HostPlaced:
+    """A job on a machine you own."""
+
+    executor: Executor
+    bounds: Bounds
+
+    @property
+    def description(self) -> str:
+        """The executor's description (`local:/path`, `ssh user@host:port`)."""
+        return self.executor.description
+
+    def context(self, store: Runs, reporter: Reporter) -> RunContext:
+        """The job's context, with the target's deadline."""
+        return self.bounds.context(store, self.executor, reporter)
+
+    async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
+        """`lifecycle.watch`: follows the job, retrieves and verifies its files."""
+        return await lifecycle.watch(ctx, trainer, record)
+
+    async def end(self, outcome: Outcome) -> None:
+        """Nothing: a machine you own is not deleted."""
+
+    def started(self, store: Runs, record: RunRecord) -> None:
+        """Nothing to record: the job's record says where it runs."""
+
+    def facts(self) -> list[tuple[str, str]]:
+        """None: a machine you own costs nothing here."""
+        return []
+
+
+class HostTarget:
+    """A `Target` over one machine reached by an executor."""
+
+    def __init__(
+        self,
+        ref: str,
+        kind: str,
+        executor: Callable[[], Executor],
+        bounds: Bounds,
+        *,
+        secrets: Callable[[], Mapping[str, SecretStr]],
+        cpu_threads: int | None,
+        log: Logger,
+    ) -> None:
+        self.ref = ref
+        self.kind = kind
+        self.python = bounds.python
+        self.cpu_threads = cpu_threads
+        self._executor = executor
+        self._bounds = bounds
+        self._secrets = secrets
+        self._log = log
+
+    @property
+    def workdir(self) -> str:
+        """The executor's work directory."""
+        return self._executor().workdir
+
+    def secrets(self) -> Mapping[str, SecretStr]:
+        """The target's secrets (env file, Hugging Face token)."""
+        return self._secrets()
+
+    def check(self, need: JobNeed) -> None:
+        """Accepts any job; an image asked for is said to be ignored."""
+        if need.image:
+            self._log.warning(
+                "image=%s is for a Runpod target's pod: %s runs on its own machine",
+                need.image,
+                self.ref,
+            )
+
+    @asynccontextmanager
+    async def reserve(
+        self, store: Runs, need: JobNeed, budget: Budget
+    ) -> AsyncIterator[Reservation]:
+        """Nothing to reserve on a machine you own."""
+        yield Reservation()
+
+    @asynccontextmanager
+    async def place(
+        self, store: Runs, record: RunRecord, reservation: Reservation
+    ) -> AsyncIterator[HostPlaced]:
+        """The job's executor, closed on exit."""
+        executor = self._executor()
+        try:
+            yield HostPlaced(executor, self._bounds)
+        finally:
+            await executor.close()
+
+    @asynccontextmanager
+    async def reach(self, store: Runs, record: RunRecord) -> AsyncIterator[HostPlaced | None]:
+        """The machine again (it is never gone: its job's status says the rest)."""
+        async with self.place(store, record, Reservation()) as placed:
+            yield placed
+
+    async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
+        """Fails the record (nothing is held on a machine you own)."""
+        lifecycle.fail(store, record.id, reason)
+        return True
+
+    def leftover(self, store: Runs, record: RunRecord) -> bool:
+        """Never: nothing on a machine you own bills."""
+        return False
+
+    def detached(self, store: Runs, record: RunRecord) -> str:
+        """How to follow again a job left running on its machine."""
+        return (
+            f"{subject(record)} keeps running on {self.ref} (bounded by max_hours); follow it "
+            f"again with {follow_again(record)}, or cancel it with the cancel flow"
+        )

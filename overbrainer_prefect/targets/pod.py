@@ -1,0 +1,459 @@
+"""A Runpod pod made for each job: the plan priced and logged before anything
+is spent, the GPU budget held while the pod lives, the pod provisioned for
+the job's record, its lease renewed while the job progresses, and the pod
+deleted once the job's files are verified (or left to its watchdog's bounds).
+
+Every step with a pod is in `overbrainer_prefect.runpod`; this module is
+what the job driver sees of them. A job's record lives in its own store,
+and so do its `pod.json`, keys and watchdog log: every pod belongs to
+exactly one record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+from pydantic import SecretStr
+
+from overbrainer_prefect.executors.base import ExecError, Executor
+from overbrainer_prefect.executors.ssh import SshExecutor
+from overbrainer_prefect.runpod.bootstrap import PodTiming
+from overbrainer_prefect.runpod.client import RunpodClient
+from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
+from overbrainer_prefect.runpod.ending import (
+    detached_message,
+    end_pod,
+    fetch_watchdog_log,
+    kept_message,
+    release,
+    remove_hint,
+    sweep_others,
+)
+from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.follow import settle, watch_leased
+from overbrainer_prefect.runpod.gpus import LaunchPlan, plan_from_api
+from overbrainer_prefect.runpod.orphans import orphan_warnings, pod_rows, sweep_host_keys
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
+from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, provision
+from overbrainer_prefect.runpod.reconnect import reconnect
+from overbrainer_prefect.runpod.settings import RunpodTargetSettings, settings_from
+from overbrainer_prefect.runpod.volume import ensure_volume
+from overbrainer_prefect.runpod.vram import (
+    GB,
+    VramEstimateError,
+    estimate_vram,
+    merge_vram_bytes,
+    model_shape,
+)
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.lifecycle import NotRetrieved, Outcome, Reporter, RunContext, RunError
+from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
+from overbrainer_prefect.targets.host import Bounds
+from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.compare import vram_floor
+
+
+def plan_price(plan: LaunchPlan) -> float:
+    """The most a pod of `plan` may cost an hour: the dearest type it may fall back to."""
+    return max(choice.price_per_hour for choice in plan.choices)
+
+
+def cents(price_per_hour: float) -> int:
+    """A price in whole cents an hour, rounded up."""
+    return max(1, math.ceil(round(price_per_hour * 100, 6)))
+
+
+@dataclass
+class PodPlaced:
+    """A job on its pod: the pod's record, an executor over SSH with the pinned
+    host key, the account, and the bounds of the job's steps (no deadline of
+    its own: the pod's watchdog and the client's guard bound it)."""
+
+    ctx: PodContext
+    pod: PodRecord
+    ssh: SshExecutor
+    bounds: Bounds
+    retrieve_grace_s: float
+
+    @property
+    def executor(self) -> Executor:
+        """The pod's executor."""
+        return self.ssh
+
+    @property
+    def description(self) -> str:
+        """`<target>: pod <id>`."""
+        return self.ssh.description
+
+    def context(self, store: Runs, reporter: Reporter) -> RunContext:
+        """The job's context on its pod."""
+        return self.bounds.context(store, self.ssh, reporter)
+
+    async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
+        """Follows the job with the pod's lease renewed while it progresses and
+        the client's guard at the deadline, retrieves and verifies its files,
+        then ends the pod. A pod gone under the watch fails the record with
+        the reason (its outcome then comes from the local files)."""
+        try:
+            watched = await watch_leased(
+                ctx, trainer, record, self.pod, self.ctx.timing, ctx.stall_s
+            )
+            outcome = await settle(self.ctx, self.pod, record.id, watched)
+        except PodGone as gone:
+            self.ctx.log.warning("%s", gone)
+            return lifecycle.recorded(ctx.runs, trainer, ctx.runs.load(record.id))
+        except NotRetrieved as error:
+            self.pod.state = PodState.AWAITING_RETRIEVAL
+            self.pod.save(ctx.runs)
+            await fetch_watchdog_log(ctx.runs, self.ssh, record)
+            raise RunError(
+                f"{error}; its pod {self.pod.name}{self.pod.rate_text()} stays until its "
+                f"watchdog's retrieve grace ends, or {remove_hint(record.id)}"
+            ) from None
+        except (RunError, ExecError) as error:
+            detached = detached_message(
+                ctx.runs, self.pod, record, self.retrieve_grace_s, self.ctx.timing.lease_ttl_s
+            )
+            raise RunError(f"{error}. {detached}") from None
+        await self.end(outcome)
+        return outcome
+
+    async def end(self, outcome: Outcome) -> None:
+        """Deletes the pod (confirmed) once the job's files are verified, else
+        leaves it to its watchdog's retrieve grace (see `runpod.ending.end_pod`)."""
+        await end_pod(self.ctx, self.pod, self.ssh, outcome.record, outcome.retrieved)
+
+    def started(self, store: Runs, record: RunRecord) -> None:
+        """Records the pod running its job, and logs what bounds it. Raises
+        PodError (with how to remove the pod) when `pod.json` cannot be saved."""
+        pod = self.pod
+        pod.state = PodState.RUNNING
+        try:
+            pod.save(store)
+        except Exception as error:
+            raise PodError(
+                f"the job of {subject(record)} runs on pod {pod.name}{pod.rate_text()}, but "
+                f"pod.json cannot be saved ({error}); {remove_hint(record.id)}"
+            ) from None
+        if pod.keep:
+            self.ctx.log.warning("%s", kept_message(store, pod, record.id))
+        else:
+            self.ctx.log.info(
+                "%s: its job runs on pod %s%s; the pod's watchdog deletes it at max_hours (%s) "
+                "unless this flow renews its lease while the job progresses",
+                subject(record),
+                pod.name,
+                pod.rate_text(),
+                pod.deadline,
+            )
+
+    def facts(self) -> list[tuple[str, str]]:
+        """The pod's GPU, rate, uptime, spend, deadline and how it ended."""
+        return pod_facts(self.pod)
+
+
+def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
+    """A pod's summary rows: GPU, rate, uptime, spend, deadline, how it ended."""
+    spend = pod.estimated_spend()
+    gpu = f"{pod.gpu_count} × {pod.gpu_type_id}" if pod.gpu_count > 1 else str(pod.gpu_type_id)
+    rows = [
+        ("Pod", pod.name),
+        ("GPU", gpu),
+        ("Rate", f"${pod.cost_per_hour:.2f}/h" if pod.cost_per_hour is not None else "unknown"),
+        ("Uptime", f"{pod.uptime_s() / 60:.1f} min"),
+        ("Estimated spend", f"${spend:.4f}" if spend is not None else "unknown"),
+        ("Watchdog deadline (max_hours)", pod.deadline or "none"),
+        ("State", str(pod.state)),
+    ]
+    if pod.deleted_by:
+        rows.append(("Deleted by", f"{pod.deleted_by} ({pod.delete_reason})"))
+    if pod.attempts:
+        rows.append(
+            ("Create attempts", "; ".join(f"{a.gpu_type_id}: {a.result}" for a in pod.attempts))
+        )
+    return rows
+
+
+class PodTarget:
+    """A `Target` that makes a Runpod pod for each job (see the module)."""
+
+    kind = "runpod"
+
+    def __init__(
+        self,
+        ref: str,
+        settings: RunpodTargetSettings,
+        client: Callable[[], RunpodClient],
+        *,
+        api_url: str,
+        bounds: Bounds,
+        secrets: Callable[[], Mapping[str, SecretStr]],
+        cpu_threads: int | None,
+        hub_token: SecretStr | None,
+        hub_endpoint: str | None,
+        log: Logger,
+    ) -> None:
+        self.ref = ref
+        self.settings = settings
+        self.python = bounds.python
+        self.cpu_threads = cpu_threads
+        self._client = client
+        self._api_url = api_url
+        self._bounds = replace(bounds, max_hours=None)
+        self._secrets = secrets
+        self._hub = (hub_token, hub_endpoint)
+        self._log = log
+
+    @property
+    def workdir(self) -> str:
+        """Where the run directories are on a real pod (a pod says its own once up)."""
+        return DEFAULT_WORKDIR
+
+    def secrets(self) -> Mapping[str, SecretStr]:
+        """The target's secrets (env file, Hugging Face token)."""
+        return self._secrets()
+
+    def check(self, need: JobNeed) -> None:
+        """Refuses, with one line, settings (with the job's own image) that
+        cannot make a pod. Raises SettingsError."""
+        self._settings(need)
+
+    def _settings(self, need: JobNeed) -> RunpodTargetSettings:
+        if not need.image:
+            return self.settings
+        return settings_from({**self.settings.model_dump(), "image": need.image})
+
+    @asynccontextmanager
+    async def _account(self, store: Runs) -> AsyncIterator[PodContext]:
+        async with self._client() as client:
+            yield PodContext(client=client, runs=store, log=self._log)
+
+    @asynccontextmanager
+    async def reserve(
+        self, store: Runs, need: JobNeed, budget: Budget
+    ) -> AsyncIterator[Reservation]:
+        """Checks the network volume (grown within `max_volume_gb` when the
+        job needs it), plans the pod (the VRAM floor from the job's kind for
+        `auto` types), logs the plan and its price, leaves out the types
+        dearer than the whole budget, warns of the account's leftover pods,
+        and holds the budget for the pod's price for the length of the block.
+
+        Raises SettingsError, GpuChoiceError, VolumeError, RunpodError or
+        BudgetError with one line; nothing is created.
+        """
+        settings = self._settings(need)
+        async with self._account(store) as ctx:
+            await ensure_volume(ctx.client, settings, need.disk_bytes, need.what, ctx.log)
+            floor = await self._vram_floor(settings, need)
+            plan = await plan_from_api(ctx.client, settings, vram_floor_gb=floor)
+            self._log.info("%s", plan.describe())
+            await self._warn_orphans(ctx, store)
+        plan = await self._within(plan, budget)
+        async with budget.hold(plan_price(plan)):
+            yield Reservation(plan=plan, price_per_hour=plan_price(plan))
+
+    async def _vram_floor(self, settings: RunpodTargetSettings, need: JobNeed) -> float | None:
+        """The VRAM per GPU the job needs, for `auto` types without `min_vram_gb`
+        (logged with how it was found); None (with a warning) when unknown."""
+        if not settings.is_auto or settings.min_vram_gb is not None:
+            return None
+        token, endpoint = self._hub
+        try:
+            if need.training is not None:
+                spec = need.training
+                shape = await asyncio.to_thread(
+                    model_shape, spec.base_model, token=token, endpoint=endpoint
+                )
+                estimate = estimate_vram(
+                    shape,
+                    spec.adapter,
+                    sequence_len=spec.sequence_len,
+                    micro_batch_size=spec.micro_batch_size,
+                    lora_r=spec.lora_r,
+                    gradient_checkpointing=bool(spec.extra.get("gradient_checkpointing")),
+                )
+                floor, why = (
+                    float(estimate.floor_gb),
+                    f"the run needs about {estimate} of VRAM per GPU (estimate)",
+                )
+            elif need.merge_model is not None:
+                shape = await asyncio.to_thread(
+                    model_shape, need.merge_model, token=token, endpoint=endpoint
+                )
+                bytes_ = merge_vram_bytes(shape)
+                floor = float(math.ceil(bytes_ / GB))
+                why = (
+                    f"the merge into {need.merge_model} needs about {bytes_ / GB:.1f} GB of VRAM "
+                    "(its 16-bit weights, a fifth more, the CUDA context)"
+                )
+            elif need.gguf_bytes is not None:
+                bytes_ = vram_floor(need.gguf_bytes)
+                floor = float(math.ceil(bytes_ / GB))
+                why = (
+                    f"{need.what} needs about {bytes_ / GB:.1f} GB of VRAM (the GGUF, "
+                    f"{need.gguf_bytes / 1e6:.1f} MB, plus a fifth, plus 2 GB)"
+                )
+            else:
+                return None
+        except VramEstimateError as error:
+            self._log.warning(
+                "cannot estimate the VRAM %s needs (%s): gpu_types auto picks without a VRAM floor",
+                need.what,
+                error,
+            )
+            return None
+        self._log.info("%s: gpu_types auto keeps the types with at least %g GB", why, floor)
+        return floor
+
+    async def _within(self, plan: LaunchPlan, budget: Budget) -> LaunchPlan:
+        """`plan` without the GPU types dearer than the whole budget (logged),
+        so that the pod is held at the price of the dearest type left."""
+        spend = await budget.spend_limit_cents()
+        if spend is None:
+            return plan
+        kept = tuple(c for c in plan.choices if cents(c.price_per_hour) <= spend)
+        if not kept or len(kept) == len(plan.choices):
+            return plan
+        dropped = [c.label() for c in plan.choices if c not in kept]
+        self._log.info(
+            "the GPU budget allows $%.2f/h in all: %s left out of the GPU types to try",
+            spend / 100,
+            ", ".join(dropped),
+        )
+        return replace(plan, choices=kept)
+
+    async def _warn_orphans(self, ctx: PodContext, store: Runs) -> None:
+        """Warns of the account's pods nothing here follows, and sweeps the
+        host key secrets no pod needs any more (best effort, never deletes a pod)."""
+        try:
+            rows = await pod_rows(ctx.client, store)
+        except RunpodError as error:
+            ctx.log.warning("cannot look for leftover pods: %s", error)
+            return
+        for warning in orphan_warnings(rows):
+            ctx.log.warning("%s", warning)
+        try:
+            for warning in await sweep_host_keys(ctx.client, store, rows):
+                ctx.log.warning("%s", warning)
+        except RunpodError as error:
+            ctx.log.warning("cannot look for leftover host key secrets: %s", error)
+
+    @asynccontextmanager
+    async def place(
+        self, store: Runs, record: RunRecord, reservation: Reservation
+    ) -> AsyncIterator[PodPlaced]:
+        """Provisions the job's pod (see `runpod.provision`) and yields it. On
+        exit, a job that never started has every pod of it deleted and its
+        record failed with the reason; a started one keeps its pod (its
+        follower ended it, or its watchdog bounds it).
+
+        Raises PodError (the record failed, every pod deleted) when the pod
+        cannot be had or readied."""
+        plan = reservation.plan
+        if not isinstance(plan, LaunchPlan):
+            raise PodError(f"{subject(record)} has no launch plan: reserve its pod first")
+        settings = self.settings
+        async with self._account(store) as ctx:
+            ready = await provision(
+                ctx, record, settings, plan, api_url=self._api_url, name=self.ref
+            )
+            await sweep_others(ctx, ready.pod)  # a twin of an answer lost on the way: at once
+            placed = PodPlaced(
+                ctx, ready.pod, ready.executor, self._bounds, settings.retrieve_grace_s
+            )
+            try:
+                yield placed
+            except BaseException as error:
+                if store.load(record.id).job is None:
+                    # no job runs: the pod has nothing left to do
+                    reason = (
+                        INTERRUPTED
+                        if not isinstance(error, Exception)
+                        else (str(error) or type(error).__name__)
+                    )
+                    await asyncio.shield(
+                        self._end_unstarted(ctx, store, record, placed.pod, reason)
+                    )
+                raise
+            else:
+                if store.load(record.id).job is None:
+                    await self._end_unstarted(ctx, store, record, placed.pod, INTERRUPTED)
+            finally:
+                await ready.executor.close()
+
+    async def _end_unstarted(
+        self, ctx: PodContext, store: Runs, record: RunRecord, pod: PodRecord, reason: str
+    ) -> None:
+        await release(ctx, pod, reason)
+        lifecycle.fail(store, record.id, reason)
+
+    @asynccontextmanager
+    async def reach(self, store: Runs, record: RunRecord) -> AsyncIterator[PodPlaced | None]:
+        """The job's pod reached again from `pod.json` (looked up first: its
+        port may have changed), or None when it is gone (confirmed), the record
+        then failed with the reason when it had not ended (its watchdog's bound).
+
+        Raises RunError when the job never asked for a pod; PodError when the
+        pod is stopped, has no SSH endpoint, or cannot be reached or looked up."""
+        pod = PodRecord.load(store, record.id)
+        if pod is None:
+            raise RunError(
+                f"{subject(record)} has no pod record ({record.id}/pod.json): it never asked "
+                "for a pod, so there is nothing to reach"
+            )
+        async with self._account(store) as ctx:
+            if record.state.ended and pod.state == PodState.DELETING:
+                # its files were settled before the delete was sent: confirm that delete
+                await release(ctx, pod, pod.delete_reason or "its job ended")
+                yield None
+                return
+            executor = await reconnect(ctx, pod, record, record.target)
+            if executor is None:
+                ctx.log.info("%s: pod %s no longer exists", subject(record), pod.name)
+                if not record.state.ended:
+                    lifecycle.fail(
+                        store, record.id, pod.limit_reached() or f"pod {pod.name} no longer exists"
+                    )
+                yield None
+                return
+            try:
+                yield PodPlaced(ctx, pod, executor, self._bounds, self.settings.retrieve_grace_s)
+            finally:
+                await executor.close()
+
+    async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
+        """Deletes every pod of the job (confirmed), sweeps its other pods,
+        removes its client key and host key secret, and fails the record with
+        `reason` when it had not ended. Returns whether no pod may be left."""
+        pod = PodRecord.load(store, record.id)
+        if pod is not None:
+            async with self._account(store) as ctx:
+                await release(ctx, pod, reason)
+        lifecycle.fail(store, record.id, reason)
+        return pod is None or pod.gone
+
+    def leftover(self, store: Runs, record: RunRecord) -> bool:
+        """Whether a pod of the job may still exist (`pod.json` not gone) or
+        its keys and secret are still here."""
+        try:
+            pod = PodRecord.load(store, record.id)
+        except Exception:
+            return False
+        if pod is None:
+            return False
+        return not pod.gone or (pod.host_key_secret is not None and not pod.secret_deleted)
+
+    def detached(self, store: Runs, record: RunRecord) -> str:
+        """What bounds a started job's pod with nobody following it, and how
+        to follow it again or remove the pod."""
+        pod = PodRecord.load(store, record.id)
+        if pod is None:
+            return f"{subject(record)} has no pod record: nothing of it bills"
+        return detached_message(
+            store, pod, record, self.settings.retrieve_grace_s, PodTiming.from_env().lease_ttl_s
+        )
