@@ -278,6 +278,27 @@ def test_no_capacity_429s_and_a_500_after_the_create_still_leave_exactly_one_pod
     assert pod is not None and pod.state == PodState.DELETED and pod.strays == []
 
 
+def test_a_500_to_a_create_whose_pod_the_list_shows_20_s_late_still_leaves_one_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    runs_dir = tmp_path / "runs"
+    sim.fail_after_create(1)  # Runpod creates the pod, then answers 500...
+    sim.lag_after_create(seconds=20.0)  # ...and its list shows the pod only 20 s later
+    name = target(sim)
+    result = run(train(target=name, training=spec(*tiny, max_steps=3), runs_dir=str(runs_dir)))
+    assert result.state == RunState.SUCCEEDED, result.message
+    creates = [r.status for r in sim.requests if r.method == "POST" and r.path == "/v2/pods"]
+    assert creates == [500]  # never sent again while the list could still hide the first
+    (pod,) = sim.pods(include_deleted=True)
+    assert pod.deleted and result.run_id in pod.name
+    saved = PodRecord.load(Runs(runs_dir), result.run_id)
+    assert saved is not None and saved.pod_id == pod.id and saved.state == PodState.DELETED
+
+
 def start_in_child(name: str, training: Any, runs_dir: Path, log: Path) -> Any:
     from tests.test_train_flow import start_in_child as start
 
@@ -536,7 +557,6 @@ def test_auto_picks_the_cheapest_gpu_type_that_fits_the_estimated_vram(
         ({"data_center_ids": ["EU-XX-9"]}, "unknown data center EU-XX-9 in data_center_ids"),
         ({"max_price_per_hour": 0.1}, "costs at most $0.10/h: the cheapest is NVIDIA RTX A4000"),
         ({"min_vram_gb": 500, "gpu_types": "auto"}, "has 500 GB of VRAM (min_vram_gb)"),
-        ({"image": " "}, "image: the image is missing"),
     ],
 )
 def test_bad_input_fails_in_one_line_before_any_pod_is_created(
@@ -562,6 +582,31 @@ def test_bad_input_fails_in_one_line_before_any_pod_is_created(
     assert sim.pods(include_deleted=True) == []
     assert not [r for r in sim.requests if r.method == "POST"]
     assert not runs_dir.exists()
+
+
+def test_the_runpod_target_block_holds_its_settings_with_their_constraints(
+    sim: RunpodSim,
+) -> None:
+    from pydantic import ValidationError
+
+    from overbrainer_prefect.runpod.settings import RunpodTargetSettings
+
+    credentials = RunpodCredentials(api_key=sim.api_key, rest_url=sim.rest_url)
+    for bad, said in [
+        ({"image": " "}, "the image is missing"),
+        ({"gpu_count": 17}, "less than or equal to 16"),
+        ({"gpu_count": 0}, "greater than or equal to 1"),
+        ({"container_disk_gb": 5}, "greater than or equal to 20"),
+        ({"max_volume_gb": 100}, "max_volume_gb needs a network_volume_id"),
+    ]:
+        with pytest.raises(ValidationError, match=said):
+            RunpodTarget(credentials=credentials, **bad)
+    block = RunpodTarget(credentials=credentials, gpu_count=2, gpu_types="NVIDIA A40, NVIDIA L40S")
+    assert block.settings() == RunpodTargetSettings(
+        gpu_count=2, gpu_types=["NVIDIA A40", "NVIDIA L40S"]
+    )
+    schema = RunpodTarget.model_json_schema()["properties"]["gpu_count"]
+    assert (schema["minimum"], schema["maximum"]) == (1, 16)  # the UI form shows the bounds
 
 
 def test_a_pod_dearer_than_the_whole_gpu_budget_is_refused_before_any_run_or_pod_exists(
@@ -781,3 +826,64 @@ def test_the_cancel_flow_cancels_a_job_on_its_pod_retrieves_what_it_left_and_end
     assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
     assert sim.pod(pod.pod_id).deleted
     assert record.job is not None and not pods_of.running(pod.pod_id)
+
+
+def test_the_sweep_deletes_a_pod_whose_job_never_started_within_boot_grace_and_no_other(
+    prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+) -> None:
+    from overbrainer_prefect.runs.ids import new_run_id, rfc3339
+    from overbrainer_prefect.runs.store import RunRecord
+
+    runs_dir = tmp_path / "runs"
+    runs = Runs(runs_dir)
+    pods_of.boot_delay_s = 3600.0  # their start commands never run: no watchdog bounds them
+
+    def preparing_with_pod(asked_ago_s: float) -> tuple[str, str]:
+        """A record whose follower died before its job started, and its pod."""
+        run_id = new_run_id()
+        runs.save(
+            RunRecord(
+                id=run_id,
+                target="gone",
+                target_kind="runpod",
+                created=rfc3339(),
+                remote_dir=f"/workspace/overbrainer/{run_id}",
+            )
+        )
+
+        async def create() -> str:
+            async with RunpodCredentials(
+                api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+            ).client() as client:
+                made = await client.create_pod(
+                    PodRequest(name=f"ob-{run_id}-a1", image="x:1", gpu_type_id=A5000)
+                )
+                return made.id
+
+        pod_id = str(run(create()))
+        PodRecord(
+            run_id=run_id,
+            state=PodState.BOOTING,
+            pod_id=pod_id,
+            host_key="ssh-ed25519 AAAA",
+            created_unix=int(time.time() - asked_ago_s),
+            boot_grace_s=30.0,
+        ).save(runs)
+        return run_id, pod_id
+
+    late_run, late_pod = preparing_with_pod(asked_ago_s=120)  # past its boot bound
+    young_run, young_pod = preparing_with_pod(asked_ago_s=5)  # may still boot
+    credentials = f"creds-{uuid.uuid4().hex[:8]}"
+    RunpodCredentials(api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url).save(
+        credentials
+    )
+    listed = run(pods(action="list", runs_dir=str(runs_dir), credentials=credentials))
+    why = {row.pod_id: row.why for row in listed.pods}
+    assert "never started within boot_grace" in why[late_pod]
+    assert "its watchdog has not shown it runs yet" in why[young_pod]
+    assert "bounded by its watchdog" not in why[young_pod]  # it has shown nothing
+    swept = run(pods(action="sweep", runs_dir=str(runs_dir), credentials=credentials))
+    assert swept.removed == [late_pod] and sim.pod(late_pod).deleted
+    assert not sim.pod(young_pod).deleted
+    assert runs.load(late_run).state == RunState.FAILED
+    assert runs.load(young_run).state == RunState.PREPARING

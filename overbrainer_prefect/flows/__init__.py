@@ -1,12 +1,14 @@
 """The Prefect flows of overbrainer-prefect."""
 
 from overbrainer_prefect.flows.collect import Collected, collect
-from overbrainer_prefect.flows.compare import CompareResult, compare
+from overbrainer_prefect.flows.compare import compare
 from overbrainer_prefect.flows.deliver import deliver
-from overbrainer_prefect.flows.export import ExportResult, export
+from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
 from overbrainer_prefect.flows.pods import PodsResult, pods
 from overbrainer_prefect.flows.train import RunFailed, RunResult, attach, cancel, stop, train
+from overbrainer_prefect.reports.compare import CompareResult
+from overbrainer_prefect.reports.export import ExportResult
 
 __all__ = [
     "Collected",

@@ -34,14 +34,14 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Crashed
 
 from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_progress
-from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
+from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.flows.budget import PrefectBudget
 from overbrainer_prefect.flows.targets import target_named
 from overbrainer_prefect.runpod.context import INTERRUPTED
 from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext, RunError
+from overbrainer_prefect.runs.lifecycle import JobReporter, Outcome, Reporter, RunContext, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
-from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
+from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.targets.base import JobNeed, Logger, Placed, Target
 from overbrainer_prefect.trainers.base import Trainer
@@ -84,27 +84,6 @@ class Finished:
     where: str
     cancelled: bool = False
     facts: list[tuple[str, str]] = field(default_factory=list)
-
-
-class JobReporter:
-    """A `Reporter` for a job that is not a training run (an export, a
-    compare): its status and warnings in the flow's log, named by `name`."""
-
-    def __init__(self, logger: Logger, name: str) -> None:
-        self.logger = logger
-        self.name = name
-
-    def metric(self, metric: Metric, summary: MetricsSummary) -> None:
-        """Logs a step."""
-        self.logger.info("%s: step %s", self.name, metric.step)
-
-    def status(self, status: JobStatus) -> None:
-        """Logs the job's new status."""
-        self.logger.info("%s: job %s", self.name, status)
-
-    def warning(self, message: str) -> None:
-        """Logs a warning."""
-        self.logger.warning("%s", message)
 
 
 def reporter_for(record: RunRecord, logger: Logger) -> Reporter:

@@ -16,10 +16,12 @@ from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import State
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from overbrainer_prefect.flows.compare import CompareResult, compare, running_compare
+from overbrainer_prefect.flows.compare import compare, running_compare
 from overbrainer_prefect.flows.driver import HOOKS
-from overbrainer_prefect.flows.export import ExportResult, export, running
+from overbrainer_prefect.flows.export import export, running
 from overbrainer_prefect.flows.train import RunResult, attach, train
+from overbrainer_prefect.reports.compare import CompareResult
+from overbrainer_prefect.reports.export import ExportResult
 from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.trainers.compare import (

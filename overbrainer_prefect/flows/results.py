@@ -1,24 +1,11 @@
-"""What the flows return (and Prefect persists) that every kind of job shares."""
+"""What the flows raise and return that every kind of job shares."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from overbrainer_prefect.reports.files import FileEntry
 
-from overbrainer_prefect.executors.base import FileDigest
+__all__ = ["FileEntry", "RunFailed"]
 
 
 class RunFailed(Exception):
     """A job ended failed; the message says why and what to do next."""
-
-
-class FileEntry(BaseModel):
-    """A retrieved file, verified by SHA-256."""
-
-    path: str
-    size: int
-    sha256: str
-
-    @classmethod
-    def of(cls, digest: FileDigest) -> FileEntry:
-        """The entry of a verified file of a manifest."""
-        return cls(path=digest.path, size=digest.size, sha256=digest.sha256)

@@ -23,10 +23,10 @@ from overbrainer_prefect.flows.driver import (
     reporter_for,
     run_new,
 )
-from overbrainer_prefect.flows.export import ExportResult, gguf_markdown
 from overbrainer_prefect.flows.export import export as export_flow
 from overbrainer_prefect.flows.results import FileEntry, RunFailed
 from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.reports.export import ExportResult, gguf_markdown
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed

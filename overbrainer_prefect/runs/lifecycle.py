@@ -144,6 +144,27 @@ class LogReporter:
         log.warning("%s", message)
 
 
+class JobReporter:
+    """A `Reporter` for a job that is not a training run (an export, a
+    compare): its status and warnings in the flow's log, named by `name`."""
+
+    def __init__(self, logger: logging.Logger | logging.LoggerAdapter[Any], name: str) -> None:
+        self.logger = logger
+        self.name = name
+
+    def metric(self, metric: Metric, summary: MetricsSummary) -> None:
+        """Logs a step."""
+        self.logger.info("%s: step %s", self.name, metric.step)
+
+    def status(self, status: JobStatus) -> None:
+        """Logs the job's new status."""
+        self.logger.info("%s: job %s", self.name, status)
+
+    def warning(self, message: str) -> None:
+        """Logs a warning."""
+        self.logger.warning("%s", message)
+
+
 @dataclass
 class RunContext:
     """What the steps of a run share: where runs live, the target, where progress
