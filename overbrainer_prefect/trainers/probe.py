@@ -5,8 +5,8 @@ a small script that prints one JSON line: the GPUs and their lowest compute
 capability (what decides bf16 and FlashAttention), and the modules' versions.
 Modules are looked up without being imported (axolotl takes twenty seconds to
 import, torch three): a CPU build of torch is told by its `version.py`, and the
-GPUs of a CUDA build are counted by the CUDA driver, as torch would count them (torch is imported only when the
-driver library is not there).
+GPUs of a CUDA build are counted by the CUDA driver, as torch would count them
+(torch is imported only when the driver library is not there).
 """
 
 from __future__ import annotations
