@@ -16,9 +16,10 @@ the weights). The estimate adds up (research/training-tools.md §2.2):
 - a fixed 1 GiB for the CUDA context and the allocator.
 
 On N GPUs, DDP keeps all of it on each GPU; DeepSpeed ZeRO-1 shards the
-optimizer moments across them, ZeRO-2 the gradients too, and ZeRO-3 or FSDP
-the weights as well (plus one layer gathered at a time). Activations and
-logits stay per GPU.
+optimizer state across them (for a full fine-tune DeepSpeed's bf16 keeps an
+fp32 master copy and fp32 moments: 12 bytes a parameter), ZeRO-2 the
+gradients too, and ZeRO-3 or FSDP the weights as well (plus one layer gathered
+at a time). Activations and logits stay per GPU.
 
 It is an estimate to pick a GPU type by, not a promise: the floor is rounded
 up to whole GB.
@@ -50,6 +51,7 @@ LORA_STATE_BYTES = 16  # fp32 adapter weight, gradient and two AdamW moments
 LORA_WEIGHT_GRAD_BYTES = 8  # of which the fp32 adapter weight and its gradient
 FULL_EXTRA_BYTES = 6  # bf16 gradient and two bf16 AdamW moments, beside the bf16 weight
 FULL_GRAD_BYTES = 2  # of which the bf16 gradient
+DEEPSPEED_OPTIMIZER_BYTES = 12  # DeepSpeed's bf16 keeps an fp32 master weight and fp32 moments
 NF4_BYTES = 0.55  # a 4-bit weight with its quantization constants
 HEADER_LIMIT = 100 << 20  # bytes of a safetensors header read at most
 
@@ -174,6 +176,8 @@ def estimate_vram(
         weights = 2 * shape.params
     if adapter == "full":
         grads, moments = FULL_GRAD_BYTES * shape.params, (FULL_EXTRA_BYTES - 2) * shape.params
+        if sharding in ("zero1", "zero2", "zero3"):
+            moments = DEEPSPEED_OPTIMIZER_BYTES * shape.params
     else:
         lora = shape.lora_params(lora_r)
         grads = LORA_WEIGHT_GRAD_BYTES * lora
