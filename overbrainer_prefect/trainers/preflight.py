@@ -31,17 +31,19 @@ def preflight(
     gpus: int | None = None,
     compute_capability: tuple[int, int] | None = None,
     secrets: Collection[str] | None = None,
+    hub_token: str | None = None,
 ) -> list[str]:
     """Checks `spec` before anything exists: its local files and the model's
     context (see `TrainingSpec.check_local_files`), then, when `gpus` (the GPUs
     the job will have: 0 for a CPU) is known, what the spec asks of them (with
     `compute_capability`, the lowest of those GPUs, when known), and, when
     `secrets` (the names of the secrets the job gets) is known, that each
-    tracker has its key. Returns warnings.
+    tracker has its key. `hub_token` reads a gated Hub model's config.
+    Returns warnings.
 
     Raises TrainError with one line naming the fix for the first problem.
     """
-    warnings = spec.check_local_files()
+    warnings = spec.check_local_files(hub_token)
     if gpus is not None:
         problem = target_problem(spec, gpus, compute_capability)
         if problem is not None:

@@ -351,14 +351,14 @@ class TrainingSpec(BaseModel):
             if problem is not None:
                 raise TrainError(problem)
 
-    def check_local_files(self) -> list[str]:
+    def check_local_files(self, hub_token: str | None = None) -> list[str]:
         """The pre-flight checks that need no target, before a run is created:
         every local dataset file exists and its rows carry what their `type`
         needs (the first bad row named by file and line), and `sequence_len`
         fits the model's context (read from its directory's config.json, or from
-        the Hub). Relative paths are read from the current directory. Returns
-        warnings: a model whose config cannot be read, a file whose rows are not
-        checked.
+        the Hub with `hub_token` for a gated model). Relative paths are read
+        from the current directory. Returns warnings: a model whose config
+        cannot be read, a file whose rows are not checked.
 
         Raises TrainError with one line for the first problem.
         """
@@ -373,7 +373,7 @@ class TrainingSpec(BaseModel):
                 raise TrainError(problem)
             if warning is not None:
                 warnings.append(warning)
-        context, warning = context_length(self.base_model)
+        context, warning = context_length(self.base_model, hub_token)
         if warning is not None:
             warnings.append(warning)
         rope = "rope_scaling" in self.extra or "rope_theta" in self.extra
