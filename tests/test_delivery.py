@@ -184,7 +184,7 @@ def make_run(tmp_path: Path, gguf_file: Path, *, export: bool = True) -> FakeRun
             "lora_r": 8,
             "lora_alpha": 16,
             "learning_rate": 5e-3,
-            "extra": {"gradient_checkpointing": True, "wandb_api_key": "not-for-the-card"},
+            "extra": {"gradient_checkpointing": True, "comet_api_key": "not-for-the-card"},
         }
     )
     record = lifecycle.create(
@@ -586,7 +586,7 @@ def test_the_deliver_flow_commits_adapter_gguf_and_card_to_a_private_repo_in_one
     assert f"| `chat.jsonl` | {len(fake.dataset)} | `{sha256(fake.dataset)}` |" in card
     assert "final training loss: 0.7500" in card and "| lora_r | `8` |" in card
     assert sha256(fake.gguf.read_bytes()) in card and "not-for-the-card" not in card
-    assert "wandb_api_key" not in card
+    assert "comet_api_key" not in card
     [delivery] = result.deliveries
     assert delivery.url == f"{hub.url}/overbrainer/smollm2-tuned" and delivery.private
     assert load_deliveries(fake.run_dir).deliveries[0].commit == repo.commits[0].oid

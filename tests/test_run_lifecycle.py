@@ -116,10 +116,8 @@ def test_a_job_that_exits_0_without_metrics_fails_with_the_plugin_message(tmp_pa
 def test_a_failing_job_fails_with_its_exit_code(tmp_path: Path) -> None:
     outcome = run_job(tmp_path, f"{WRITE_METRICS}; exit 3")
     assert outcome.record.state == RunState.FAILED
-    assert (
-        outcome.record.message
-        == f"the job exited with code 3 (see runs/{outcome.record.id}/job.log)"
-    )
+    local = Runs(tmp_path / "runs").run_dir(outcome.record.id)
+    assert outcome.record.message == f"the job exited with code 3 (see {local}/job.log)"
 
 
 def test_a_success_without_output_is_a_permanent_failure(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ directory on the job's PYTHONPATH, and its config names
 It appends one JSON object a line to the metrics file, flushed at each line,
 each with `time` (epoch seconds):
 
-    {"event": "begin", "step": 0, "max_steps": 40, "time": ...}
+    {"event": "begin", "step": 0, "max_steps": 40, "processes": 2, "gpus": 2, "time": ...}
     {"event": "log", "step": 3, "loss": 5.6, "learning_rate": 0.001, "grad_norm": 1.2,
      "epoch": 0.19, "max_steps": 40, "time": ...}
     {"event": "end", "step": 40, "stopped": false, "checkpoint": null, "train_loss": 5.5,
@@ -18,6 +18,11 @@ After each optimizer step, when the stop file exists in the job's directory,
 it asks the trainer for a checkpoint (`output/checkpoint-N`, with the optimizer
 state, so training can resume from it) and to stop; the end event then says
 `stopped: true` and names that checkpoint.
+
+In a run of N processes (torchrun), only the main process (rank 0) writes the
+metrics file; the begin event says how many processes trained and on how many
+GPUs, and the main process's stop decision is broadcast to every process so
+that all of them save the checkpoint and stop at the same step.
 """
 
 from __future__ import annotations
@@ -61,9 +66,19 @@ class MetricsCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
     ) -> None:
-        """Writes the begin event."""
+        """Writes the begin event, with the processes and GPUs that train."""
+        processes = int(getattr(args, "world_size", 1) or 1)
+        on_gpu = getattr(getattr(args, "device", None), "type", "cpu") == "cuda"
+        gpus = processes * max(1, int(getattr(args, "n_gpu", 1) or 1)) if on_gpu else 0
         self._write(
-            state, {"event": "begin", "step": state.global_step, "max_steps": state.max_steps}
+            state,
+            {
+                "event": "begin",
+                "step": state.global_step,
+                "max_steps": state.max_steps,
+                "processes": processes,
+                "gpus": gpus,
+            },
         )
 
     def on_log(

@@ -72,6 +72,8 @@ class LaunchPlan:
     """What the container disk bills an hour, beside the GPUs."""
     checkpoint_hold_s: float = 0.0
     """How long past max_hours a job that saved the checkpoint asked for keeps its pod."""
+    job_launch: str | None = None
+    """How the job uses the pod's GPUs (`launch_summary`): processes and sharding."""
 
     @property
     def first(self) -> GpuChoice:
@@ -100,6 +102,8 @@ class LaunchPlan:
             text += f" in {', '.join(self.data_center_ids)}"
         if self.vram_floor_gb is not None:
             text += f" (at least {self.vram_floor_gb:g} GB of VRAM per GPU)"
+        if self.job_launch:
+            text += f"; the job runs {self.job_launch}"
         rest = self.choices[1:]
         if rest:
             shown = ", ".join(f"{c.id} (${c.price_per_hour:.2f}/h)" for c in rest[:4])
@@ -192,6 +196,11 @@ def choose_gpus(
     sized = [gpu for gpu in offered if (gpu.max_count(cloud) or count) >= count]
     if not sized:
         most = max((gpu.max_count(cloud) or 0) for gpu in offered)
+        if len(offered) == 1:
+            raise GpuChoiceError(
+                f"GPU type {offered[0].id} has at most {most} GPUs in one pod on the "
+                f"{cloud.lower()} cloud, not {count}: set gpu_count to {most} or less"
+            )
         raise GpuChoiceError(
             f"no GPU type {what} offers {count} GPUs in one pod (at most {most}): lower gpu_count"
         )
@@ -246,11 +255,14 @@ def plan_launch(
     vram_floor_gb: float | None = None,
     floor_source: str = "the estimate of the run's needs",
     data_centers: Sequence[DataCenter] | None = None,
+    job_launch: str | None = None,
 ) -> LaunchPlan:
     """The launch plan of a run on a target with `settings`, from Runpod's
     `catalog` (and its `data_centers`, to check `data_center_ids`).
-    `vram_floor_gb` is the estimate of the run's needs, used when
-    `min_vram_gb` is unset. Raises GpuChoiceError with one line."""
+    `vram_floor_gb` is the estimate of the run's needs per GPU, used when
+    `min_vram_gb` is unset; `job_launch` says how the job uses the GPUs
+    (`launch_summary(spec, settings.gpu_count)`). Raises GpuChoiceError with
+    one line."""
     if settings.data_center_ids and data_centers is not None:
         check_data_centers(settings.data_center_ids, data_centers)
     choices = choose_gpus(catalog, settings, vram_floor_gb=vram_floor_gb, floor_source=floor_source)
@@ -267,6 +279,7 @@ def plan_launch(
         data_center_ids=tuple(settings.data_center_ids),
         disk_per_hour=disk_per_hour(settings.container_disk_gb),
         checkpoint_hold_s=PodTiming.from_env().checkpoint_hold_s,
+        job_launch=job_launch,
     )
 
 
@@ -276,6 +289,7 @@ async def plan_from_api(
     *,
     vram_floor_gb: float | None = None,
     floor_source: str = "the estimate of the run's needs",
+    job_launch: str | None = None,
 ) -> LaunchPlan:
     """`plan_launch` with the catalog (and data centers, when any are set)
     read from Runpod. Raises GpuChoiceError with one line, or RunpodError
@@ -288,6 +302,7 @@ async def plan_from_api(
         vram_floor_gb=vram_floor_gb,
         floor_source=floor_source,
         data_centers=data_centers,
+        job_launch=job_launch,
     )
 
 

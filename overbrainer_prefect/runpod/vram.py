@@ -15,6 +15,12 @@ the weights). The estimate adds up (research/training-tools.md §2.2):
 - the logits and their softmax in fp32, `8·b·s·V` bytes;
 - a fixed 1 GiB for the CUDA context and the allocator.
 
+On N GPUs, DDP keeps all of it on each GPU; DeepSpeed ZeRO-1 shards the
+optimizer state across them (for a full fine-tune DeepSpeed's bf16 keeps an
+fp32 master copy and fp32 moments: 12 bytes a parameter), ZeRO-2 the
+gradients too, and ZeRO-3 or FSDP the weights as well (plus one layer gathered
+at a time). Activations and logits stay per GPU.
+
 It is an estimate to pick a GPU type by, not a promise: the floor is rounded
 up to whole GB.
 """
@@ -31,7 +37,10 @@ from typing import Any, Literal
 
 from pydantic import SecretStr
 
+from overbrainer_prefect.trainers.spec import TrainingSpec
+
 Adapter = Literal["lora", "qlora", "full"]
+Sharding = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
 
 GB = 1_000_000_000
 GIB = 1 << 30
@@ -39,7 +48,10 @@ OVERHEAD_BYTES = GIB  # CUDA context, cuBLAS workspaces, allocator slack
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # per layer, mixed precision, fused attention
 LOGIT_BYTES = 8  # fp32 logits and their softmax, per token and vocabulary entry
 LORA_STATE_BYTES = 16  # fp32 adapter weight, gradient and two AdamW moments
+LORA_WEIGHT_GRAD_BYTES = 8  # of which the fp32 adapter weight and its gradient
 FULL_EXTRA_BYTES = 6  # bf16 gradient and two bf16 AdamW moments, beside the bf16 weight
+FULL_GRAD_BYTES = 2  # of which the bf16 gradient
+DEEPSPEED_OPTIMIZER_BYTES = 12  # DeepSpeed's bf16 keeps an fp32 master weight and fp32 moments
 NF4_BYTES = 0.55  # a 4-bit weight with its quantization constants
 HEADER_LIMIT = 100 << 20  # bytes of a safetensors header read at most
 
@@ -149,19 +161,35 @@ def estimate_vram(
     micro_batch_size: int,
     lora_r: int = 16,
     gradient_checkpointing: bool = False,
+    gpus: int = 1,
+    sharding: Sharding = "ddp",
 ) -> VramEstimate:
-    """The VRAM one GPU needs to fine-tune a model of `shape` with `adapter`
-    on `micro_batch_size` sequences of `sequence_len` tokens (see the module's
-    text for the formula)."""
+    """The VRAM each GPU needs to fine-tune a model of `shape` with `adapter`
+    on `micro_batch_size` sequences of `sequence_len` tokens per GPU, the job
+    running on `gpus` GPUs with `sharding` (see the module's text for the
+    formula)."""
+    n = max(1, gpus)
     if adapter == "qlora":
         body = max(0, shape.params - shape.embedding_params)
         weights = int(body * NF4_BYTES) + 2 * shape.embedding_params
     else:
         weights = 2 * shape.params
     if adapter == "full":
-        state = FULL_EXTRA_BYTES * shape.params
+        grads, moments = FULL_GRAD_BYTES * shape.params, (FULL_EXTRA_BYTES - 2) * shape.params
+        if sharding in ("zero1", "zero2", "zero3"):
+            moments = DEEPSPEED_OPTIMIZER_BYTES * shape.params
     else:
-        state = LORA_STATE_BYTES * shape.lora_params(lora_r)
+        lora = shape.lora_params(lora_r)
+        grads = LORA_WEIGHT_GRAD_BYTES * lora
+        moments = (LORA_STATE_BYTES - LORA_WEIGHT_GRAD_BYTES) * lora
+    if sharding in ("zero1", "zero2", "zero3", "fsdp") and n > 1:
+        moments //= n
+        if sharding != "zero1":
+            grads //= n
+        if sharding in ("zero3", "fsdp"):
+            gathered = 2 * shape.params // max(1, shape.num_layers)  # one layer at a time
+            weights = weights // n + gathered
+    state = grads + moments
     tokens = sequence_len * micro_batch_size
     per_layer = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * tokens * shape.hidden_size
     if gradient_checkpointing:
@@ -171,6 +199,23 @@ def estimate_vram(
     logits = LOGIT_BYTES * tokens * shape.vocab_size
     return VramEstimate(
         weights=weights, training_state=state, activations=activations, logits=logits
+    )
+
+
+def training_vram(shape: ModelShape, spec: TrainingSpec, gpus: int = 1) -> VramEstimate:
+    """The VRAM each of `gpus` GPUs needs to run the fine-tune `spec` of a model
+    of `shape`: its adapter, sequence length, micro-batch, LoRA rank, gradient
+    checkpointing (the field, or `extra`'s) and sharding."""
+    checkpointing = spec.gradient_checkpointing or bool(spec.extra.get("gradient_checkpointing"))
+    return estimate_vram(
+        shape,
+        spec.adapter,
+        sequence_len=spec.sequence_len,
+        micro_batch_size=spec.micro_batch_size,
+        lora_r=spec.lora_r,
+        gradient_checkpointing=checkpointing,
+        gpus=gpus,
+        sharding=spec.sharding,
     )
 
 

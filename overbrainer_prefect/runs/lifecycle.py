@@ -29,6 +29,7 @@ from overbrainer_prefect.executors.base import (
     JobStatus,
 )
 from overbrainer_prefect.executors.manifest import verify
+from overbrainer_prefect.runs.failure import TAIL_LINES, failure_cause
 from overbrainer_prefect.runs.ids import new_run_id, parse_rfc3339, rfc3339
 from overbrainer_prefect.runs.lock import LOCK_FILE
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
@@ -39,7 +40,6 @@ from overbrainer_prefect.runs.store import (
     Runs,
     RunState,
     follow_again,
-    local_path,
     subject,
 )
 from overbrainer_prefect.runs.tail import LineStream
@@ -334,12 +334,15 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     summary = MetricsSummary()
     stream = LineStream(ctx.executor, f"{record.remote_dir}/{trainer.metrics_file}")
     status, timed_out = await _follow(ctx, record, job, stream, summary)
-    state, message = outcome(status, summary, local_path(record))
+    cause = None
+    if status.kind == "exited" and status.code != 0:
+        cause = failure_cause(await job_log_tail(ctx.executor, record.remote_dir, TAIL_LINES))
+    state, message = outcome(status, summary, str(local), cause)
     if timed_out:
         state = RunState.FAILED
         message = (
             f"the job ran past max_hours ({ctx.max_hours:g} h, deadline {record.deadline}) "
-            f"and was cancelled (see {local_path(record)}/{JOB_LOG})"
+            f"and was cancelled (see {local}/{JOB_LOG})"
         )
     succeeded = state in (RunState.SUCCEEDED, RunState.STOPPED)
     try:
@@ -359,7 +362,7 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
         return Outcome(record=record, summary=summary, retrieved=False)
     if no_output:
         state = RunState.FAILED
-        message = f"the job succeeded but left no output (see {local_path(record)}/{JOB_LOG})"
+        message = f"the job succeeded but left no output (see {local}/{JOB_LOG})"
     if state == RunState.STOPPED:
         record.checkpoint = summary.checkpoint
         message = (
@@ -373,14 +376,17 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     return Outcome(record=record, summary=summary, retrieved=True, files=files)
 
 
-def outcome(status: JobStatus, summary: MetricsSummary, where: str) -> tuple[RunState, str | None]:
+def outcome(
+    status: JobStatus, summary: MetricsSummary, where: str, cause: str | None = None
+) -> tuple[RunState, str | None]:
     """The final state of a run whose job ended with `status`, and its message
-    (which names its job log under `where`, e.g. `runs/R`).
+    (which names its job log under `where`, the run's local directory).
 
     Exit 0 with metrics succeeded (or stopped, when the job stopped on request
     and saved a checkpoint); exit 0 without metrics failed, since the metrics
-    plugin was not loaded; another exit code failed with that code; a cancelled
-    job is cancelled; a job gone without an exit code failed.
+    plugin was not loaded; another exit code failed with that code and `cause`
+    (what its job log says went wrong, see `failure_cause`); a cancelled job is
+    cancelled; a job gone without an exit code failed.
     """
     see = f"see {where}/{JOB_LOG}"
     if status.kind == "exited" and status.code == 0:
@@ -392,7 +398,8 @@ def outcome(status: JobStatus, summary: MetricsSummary, where: str) -> tuple[Run
             return RunState.STOPPED, None
         return RunState.SUCCEEDED, None
     if status.kind == "exited":
-        return RunState.FAILED, f"the job exited with code {status.code} ({see})"
+        why = f": {cause}" if cause else ""
+        return RunState.FAILED, f"the job exited with code {status.code}{why} ({see})"
     if status.kind == "cancelled":
         return RunState.CANCELLED, None
     return RunState.FAILED, f"the job stopped without an exit code ({see})"

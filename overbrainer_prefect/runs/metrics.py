@@ -40,6 +40,10 @@ class MetricsSummary:
     checkpoint: str | None = None
     """The checkpoint a stopped job saved, relative to its run directory."""
     end_step: int | None = None
+    processes: int | None = None
+    """How many processes trained (the begin event), None when it does not say."""
+    gpus: int | None = None
+    """On how many GPUs (0: the CPU), None when the begin event does not say."""
 
     def add(self, line: str) -> Metric | None:
         """Adds one line of the metrics file; returns the `Metric` it holds, if any."""
@@ -60,6 +64,8 @@ class MetricsSummary:
             self.max_steps = _int(event.get("max_steps"))
         if kind == "begin":
             self.begin_time = when
+            self.processes = _int(event.get("processes"))
+            self.gpus = _int(event.get("gpus"))
             return None
         if kind == "end":
             self.ended = True
@@ -98,6 +104,20 @@ class MetricsSummary:
     def final_loss(self) -> float | None:
         """The loss of the last step that has one."""
         return next((m.loss for m in reversed(self.metrics) if m.loss is not None), None)
+
+    @property
+    def final_eval_loss(self) -> float | None:
+        """The evaluation loss of the last step that has one (with val_set_size)."""
+        return next((m.eval_loss for m in reversed(self.metrics) if m.eval_loss is not None), None)
+
+    @property
+    def launch(self) -> str | None:
+        """`2 processes on 2 GPUs`, `1 process on the CPU`: what trained, from the
+        begin event; None when it does not say."""
+        if self.processes is None or self.gpus is None:
+            return None
+        where = "the CPU" if self.gpus == 0 else f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}"
+        return f"{self.processes} process{'es' if self.processes != 1 else ''} on {where}"
 
     def eta_seconds(self) -> float | None:
         """Seconds left until `max_steps`, from the pace since the first metric."""

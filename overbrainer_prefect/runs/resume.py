@@ -1,4 +1,5 @@
-"""Resuming a stopped run: its checkpoint becomes the start of a new run."""
+"""Resuming a stopped run: its checkpoint becomes the start of a new run,
+trained on the run's own copy of its data, from any working directory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import PurePosixPath
 
 from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
+from overbrainer_prefect.trainers.axolotl import data_copies
+from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
 
 RESUME_DIR = "resume"
 """Where a resumed run's starting checkpoint sits in its run directory."""
@@ -54,3 +57,39 @@ def resume_path(point: ResumedFrom) -> str:
     """Where `stage_checkpoint` puts the checkpoint of `point`, relative to the new
     run's directory: what its trainer resumes from."""
     return f"{RESUME_DIR}/{PurePosixPath(point.checkpoint).name}"
+
+
+def resumed_spec(
+    runs: Runs, stopped: RunRecord, training: TrainingSpec | None = None
+) -> TrainingSpec:
+    """The training spec a run resuming `stopped` trains with: `training`, or the
+    stopped run's own, with every local dataset the stopped run uploaded read
+    from its copy in the stopped run's directory (`<runs>/<id>/data/...`, an
+    absolute path), so that the resume works from any working directory and on
+    any worker that sees the runs directory. A dataset `training` names that
+    the stopped run did not carry is left as it is.
+
+    Raises RunError with one line when neither spec is there.
+    """
+    if stopped.spec is None and training is None:
+        raise RunError(
+            f"run {stopped.id} has no training spec in its record: give the training spec"
+        )
+    original = TrainingSpec.model_validate(stopped.spec) if stopped.spec is not None else None
+    spec = training if training is not None else original
+    assert spec is not None
+    copies: dict[str, str] = {}
+    if original is not None:
+        local = runs.run_dir(stopped.id)
+        for dataset, relative in zip(original.local_datasets(), data_copies(original), strict=True):
+            if (local / relative).exists():
+                copies[dataset.path] = str(local / relative)
+    if not copies:
+        return spec
+    datasets = [
+        DatasetSpec.model_validate(d.model_dump() | {"path": copies[d.path]})
+        if d.is_local and d.path in copies
+        else d
+        for d in spec.datasets
+    ]
+    return spec.model_copy(update={"datasets": datasets})

@@ -1,8 +1,19 @@
 """The axolotl trainer: a LoRA, QLoRA or full fine-tune run by `axolotl.cli.train`.
 
 The run directory holds everything the job reads, with paths relative to it
-(the job runs there): `axolotl.yaml`, the local datasets under `data/`, and the
-metrics plugin under `plugins/`. The job writes `metrics.jsonl` (through the
+(the job runs there): `axolotl.yaml`, the local datasets under `data/`, the
+metrics plugin under `plugins/`, and the DeepSpeed config the spec chose under
+`deepspeed/` (shipped with this package: axolotl's `fetch` would need the
+network at run time).
+
+On a target with N > 1 GPUs the job is N processes, one per GPU, launched as
+`axolotl train axolotl.yaml --launcher torchrun -- --nproc_per_node=N` launches
+them: `torchrun --nproc_per_node=N -m axolotl.cli.train axolotl.yaml`, here
+`python -m torch.distributed.run` (what the `torchrun` script runs), so that
+nothing needs the job venv's `bin/` on the PATH, with `--standalone` so that
+two jobs on one machine never share a rendezvous port. The processes stay
+children of the job, so cancelling its process group reaches them through
+torchrun, which passes the signal on. The job writes `metrics.jsonl` (through the
 plugin), `output/` (the adapter or model, and `checkpoint-N/` when it is asked
 to stop) and `prepared/` (the tokenized datasets, left on the target).
 """
@@ -26,7 +37,8 @@ from overbrainer_prefect.trainers.base import (
     TargetFacts,
     TrainError,
 )
-from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
+from overbrainer_prefect.trainers.preflight import BF16_CAPABILITY, sharding_label, target_problem
+from overbrainer_prefect.trainers.spec import DEEPSPEED_STAGES, DatasetSpec, TrainingSpec
 
 CONFIG_FILE = "axolotl.yaml"
 OUTPUT_DIR = "output"
@@ -35,6 +47,24 @@ DATA_DIR = "data"
 PLUGINS_DIR = "plugins"
 PLUGIN_MODULE = "overbrainer_metrics"
 PLUGIN = f"{PLUGIN_MODULE}.MetricsPlugin"
+
+DEEPSPEED_DIR = "deepspeed"
+"""Where the run's DeepSpeed config sits in its run directory."""
+
+LAUNCHER = "torch.distributed.run"  # the module behind `torchrun`
+
+FSDP_CONFIG: dict[str, Any] = {
+    "offload_params": False,
+    "cpu_ram_efficient_loading": False,  # FSDP2 refuses it with load_in_4bit (QLoRA)
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's own decoder layers
+    "state_dict_type": "FULL_STATE_DICT",  # one model a save, as a single GPU writes it
+    "reshard_after_forward": True,
+}
+"""The FSDP2 settings of `sharding: fsdp` (axolotl's multi-GPU guide); `extra`'s
+`fsdp_config` is laid over them."""
+
+TRACKER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
+"""The module each tracker needs in the job venv."""
 
 SAVE_KEYS = frozenset({"save_strategy", "saves_per_epoch", "hub_model_id"})
 """Keys of `extra` that say when checkpoints are saved (hub_model_id pushes them)."""
@@ -66,10 +96,16 @@ class AxolotlTrainer:
     `resume_from` is a checkpoint directory relative to the run directory (e.g.
     `resume/checkpoint-3`, copied there from a stopped run) that training
     resumes from. `cpu_threads` sets OMP_NUM_THREADS on a CPU-only target.
+    `processes` is the number of training processes: by default one per GPU
+    (one on a CPU); more than one on a CPU trains with gloo, for tests.
     """
 
     def __init__(
-        self, spec: TrainingSpec, resume_from: str | None = None, cpu_threads: int | None = None
+        self,
+        spec: TrainingSpec,
+        resume_from: str | None = None,
+        cpu_threads: int | None = None,
+        processes: int | None = None,
     ) -> None:
         if resume_from is not None:
             parts = PurePosixPath(resume_from).parts
@@ -80,9 +116,12 @@ class AxolotlTrainer:
                 )
         if cpu_threads is not None and cpu_threads < 1:
             raise TrainError(f"cpu_threads is {cpu_threads}: give 1 or more, or leave it unset")
+        if processes is not None and processes < 1:
+            raise TrainError(f"processes is {processes}: give 1 or more, or leave it unset")
         self.spec = spec
         self.resume_from = resume_from
         self.cpu_threads = cpu_threads
+        self.processes = processes
 
     @property
     def name(self) -> str:
@@ -96,19 +135,40 @@ class AxolotlTrainer:
 
     @property
     def probe_modules(self) -> Sequence[str]:
-        """torch and axolotl."""
-        return ("torch", "axolotl")
+        """torch and axolotl, and what the spec asks for: deepspeed for ZeRO,
+        flash_attn for flash attention, wandb or mlflow for its trackers."""
+        modules = ["torch", "axolotl"]
+        if self.spec.sharding in DEEPSPEED_STAGES:
+            modules.append("deepspeed")
+        if self.spec.flash_attention:
+            modules.append("flash_attn")
+        modules += [TRACKER_MODULES[t] for t in self.spec.trackers]
+        return tuple(modules)
 
     def check(self, facts: TargetFacts) -> None:
-        """Raises TrainError when the job venv lacks torch or axolotl, or when a QLoRA
-        run is asked of a target without a GPU."""
+        """Raises TrainError when the job venv lacks a module of `probe_modules`,
+        or when the target cannot run the spec (see `preflight.target_problem`:
+        QLoRA or bf16 without a GPU, DeepSpeed on one GPU...)."""
         for module in self.probe_modules:
             if facts.modules.get(module) is None:
+                package = "flash-attn --no-build-isolation" if module == "flash_attn" else module
                 raise TrainError(
                     f"{module} is not installed in the job venv {facts.python}: install it with "
-                    f"`uv pip install --python {facts.python} {module}` there"
+                    f"`uv pip install --python {facts.python} {package}` there"
                 )
-        self._check_adapter(facts)
+        self._check_target(facts)
+
+    def process_count(self, facts: TargetFacts) -> int:
+        """How many training processes the job runs: `processes` when set, else
+        one per GPU (one on a CPU)."""
+        if self.processes is not None:
+            return self.processes
+        return max(1, facts.gpus)
+
+    def launch(self, facts: TargetFacts) -> str:
+        """The launch plan in words, for the logs before a run starts: processes,
+        GPUs and sharding (see `launch_summary`)."""
+        return launch_summary(self.spec, facts.gpus, self.process_count(facts))
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
         """Copies the local datasets into `data/` and the metrics plugin into `plugins/`
@@ -117,13 +177,18 @@ class AxolotlTrainer:
         Raises TrainError when a local dataset file is missing or the target cannot
         run the spec (QLoRA without a GPU).
         """
-        self.spec.check_local_files()
-        self._check_adapter(ctx.facts)
+        self.spec.check_files_exist()
+        self._check_target(ctx.facts)
         data_paths = self._copy_datasets(local_run_dir)
         plugins = local_run_dir / PLUGINS_DIR
         plugins.mkdir(parents=True, exist_ok=True)
         source = resources.files("overbrainer_prefect.jobs").joinpath(f"{PLUGIN_MODULE}.py")
         (plugins / f"{PLUGIN_MODULE}.py").write_bytes(source.read_bytes())
+        if self.spec.sharding in DEEPSPEED_STAGES:
+            name = f"{self.spec.sharding}.json"
+            shipped = resources.files("overbrainer_prefect.trainers").joinpath(DEEPSPEED_DIR, name)
+            (local_run_dir / DEEPSPEED_DIR).mkdir(parents=True, exist_ok=True)
+            (local_run_dir / DEEPSPEED_DIR / name).write_bytes(shipped.read_bytes())
         config = self.config(ctx.facts, data_paths)
         text = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
         (local_run_dir / CONFIG_FILE).write_text(text, encoding="utf-8")
@@ -151,6 +216,13 @@ class AxolotlTrainer:
         if "warmup_ratio" not in spec.extra:  # axolotl refuses both
             config["warmup_steps"] = spec.warmup_steps
         config |= {"val_set_size": spec.val_set_size, "seed": spec.seed}
+        if spec.val_set_size > 0 and not EVAL_KEYS & spec.extra.keys():
+            if spec.eval_steps is not None:
+                config["eval_steps"] = spec.eval_steps
+            else:
+                config["eval_strategy"] = "epoch"  # also at the end of a run cut by max_steps
+            if spec.sample_packing:
+                config["eval_sample_packing"] = False  # a small eval share packs into too few rows
         if spec.save_steps is not None:
             config["save_steps"] = spec.save_steps
         elif not SAVE_KEYS & spec.extra.keys():
@@ -170,7 +242,32 @@ class AxolotlTrainer:
                 config["lora_target_linear"] = True
             if spec.adapter == "qlora":
                 config["load_in_4bit"] = True
-        config |= spec.extra
+        if facts.gpus > 0:
+            config |= precision_flags(spec.precision, facts.compute_capability)
+        if spec.flash_attention:
+            config["attn_implementation"] = "flash_attention_2"
+        if spec.sample_packing:
+            config |= {"sample_packing": True, "pad_to_sequence_len": True}
+        if spec.gradient_checkpointing and spec.sharding != "fsdp":
+            config["gradient_checkpointing"] = True
+        if "wandb" in spec.trackers:
+            config["wandb_project"] = spec.tracker_project
+        if "mlflow" in spec.trackers:
+            config |= {
+                "use_mlflow": True,
+                "mlflow_tracking_uri": spec.tracker_uri,
+                "mlflow_experiment_name": spec.tracker_project,
+            }
+        extra = dict(spec.extra)
+        if spec.sharding in DEEPSPEED_STAGES:
+            config["deepspeed"] = f"{DEEPSPEED_DIR}/{spec.sharding}.json"
+        elif spec.sharding == "fsdp":
+            fsdp = dict(FSDP_CONFIG)
+            if spec.gradient_checkpointing:  # FSDP checkpoints activations itself
+                fsdp["activation_checkpointing"] = True
+            fsdp |= extra.pop("fsdp_config", None) or {}
+            config |= {"fsdp_version": 2, "fsdp_config": fsdp}
+        config |= extra
         config |= {
             "output_dir": OUTPUT_DIR,
             "dataset_prepared_path": PREPARED_DIR,
@@ -186,22 +283,34 @@ class AxolotlTrainer:
         return config
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
-        """`python -m axolotl.cli.train axolotl.yaml`, with the job venv's Python (no
-        launcher: `accelerate` need not be on the PATH)."""
-        return [[ctx.facts.python, "-m", "axolotl.cli.train", CONFIG_FILE]]
+        """One process: `python -m axolotl.cli.train axolotl.yaml`, with the job
+        venv's Python (`accelerate` need not be on the PATH). N processes:
+        `python -m torch.distributed.run --standalone --nproc_per_node=N -m
+        axolotl.cli.train axolotl.yaml`, what axolotl's torchrun launcher runs."""
+        train = ["-m", "axolotl.cli.train", CONFIG_FILE]
+        processes = self.process_count(ctx.facts)
+        if processes == 1:
+            return [[ctx.facts.python, *train]]
+        launcher = ["-m", LAUNCHER, "--standalone", f"--nproc_per_node={processes}"]
+        return [[ctx.facts.python, *launcher, *train]]
 
     def env(self, ctx: JobContext) -> dict[str, str]:
-        """No telemetry, no wandb, the target's Hugging Face cache, the plugin on the
-        Python path, unbuffered output; offline when nothing comes from the Hub."""
+        """No telemetry, no wandb unless a tracker asks for it, the target's Hugging
+        Face cache, the plugin on the Python path, unbuffered output; offline when
+        nothing comes from the Hub. Tracker keys are secrets: they come from the
+        target, never from here."""
         env = {
             "AXOLOTL_DO_NOT_TRACK": "1",
             "DO_NOT_TRACK": "1",
-            "WANDB_MODE": "disabled",
             "HF_HOME": ctx.cache_dir,
             "PYTHONPATH": posixpath.join(ctx.run_dir, PLUGINS_DIR),
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
+        if "wandb" in self.spec.trackers:
+            env["WANDB_NAME"] = ctx.run_id
+        else:
+            env["WANDB_MODE"] = "disabled"
         if self._needs_no_hub():
             env["HF_HUB_OFFLINE"] = "1"  # also skips axolotl's token check against the Hub
         if ctx.facts.gpus == 0 and self.cpu_threads is not None:
@@ -217,11 +326,15 @@ class AxolotlTrainer:
             required=OUTPUT_DIR,
         )
 
-    def _check_adapter(self, facts: TargetFacts) -> None:
-        if self.spec.adapter == "qlora" and facts.gpus == 0:
+    def _check_target(self, facts: TargetFacts) -> None:
+        problem = target_problem(self.spec, facts.gpus, facts.compute_capability)
+        if problem is not None:
+            raise TrainError(problem)
+        processes = self.process_count(facts)
+        if facts.gpus > 0 and processes != facts.gpus:
             raise TrainError(
-                "qlora needs a CUDA GPU (bitsandbytes 4-bit) and this target has none: use "
-                "adapter lora, or a target with a GPU"
+                f"processes is {processes} but the target has {facts.gpus} GPUs: every GPU "
+                "runs one process; leave processes unset"
             )
 
     def _needs_no_hub(self) -> bool:
@@ -230,22 +343,69 @@ class AxolotlTrainer:
         return model_is_dir and not pushes and all(d.is_local for d in self.spec.datasets)
 
     def _copy_datasets(self, run_dir: Path) -> list[str]:
-        copied: list[str] = []
-        taken: set[str] = set()
-        for index, dataset in enumerate(self.spec.datasets):
-            if not dataset.is_local:
-                continue
+        copied = data_copies(self.spec)
+        for dataset, relative in zip(self.spec.local_datasets(), copied, strict=True):
             source = Path(dataset.path).expanduser()
-            name = source.name if source.name not in taken else f"{index}-{source.name}"
-            taken.add(name)
-            target = run_dir / DATA_DIR / name
+            target = run_dir / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             if source.is_dir():
                 shutil.copytree(source, target, dirs_exist_ok=True)
             else:
                 shutil.copyfile(source, target)
-            copied.append(f"{DATA_DIR}/{name}")
         return copied
+
+
+EVAL_KEYS = frozenset({"eval_steps", "evals_per_epoch", "eval_strategy"})
+"""Keys of `extra` that say when to evaluate, in place of the spec's."""
+
+
+def data_copies(spec: TrainingSpec) -> list[str]:
+    """Where `prepare` copies each local dataset of `spec`, in order, relative to
+    the run directory: `data/<file name>`, prefixed by the dataset's index when
+    an earlier one has the same name."""
+    copied: list[str] = []
+    taken: set[str] = set()
+    for index, dataset in enumerate(spec.datasets):
+        if not dataset.is_local:
+            continue
+        name = Path(dataset.path).expanduser().name
+        name = name if name not in taken else f"{index}-{name}"
+        taken.add(name)
+        copied.append(f"{DATA_DIR}/{name}")
+    return copied
+
+
+def precision_flags(precision: str, compute_capability: tuple[int, int] | None) -> dict[str, Any]:
+    """axolotl's precision keys on a GPU: `auto` is bf16 from compute capability
+    8.0 on, fp16 below it, and axolotl's own detection when it is not known."""
+    if precision == "auto":
+        if compute_capability is None:
+            return {"bf16": "auto"}
+        precision = "bf16" if compute_capability >= BF16_CAPABILITY else "fp16"
+    if precision == "bf16":
+        return {"bf16": True, "fp16": False}
+    if precision == "fp16":
+        return {"bf16": False, "fp16": True}
+    return {"bf16": False, "fp16": False, "tf32": False}
+
+
+def launch_summary(spec: TrainingSpec, gpus: int, processes: int | None = None) -> str:
+    """The launch plan in words: `4 processes (torchrun, one a GPU) on 4 GPUs,
+    DeepSpeed ZeRO-3: weights, gradients and optimizer state sharded`, or
+    `1 process on 1 GPU`, `1 process on the CPU`."""
+    processes = processes or max(1, gpus)
+    where = "the CPU" if gpus == 0 else f"{gpus} GPU{'s' if gpus > 1 else ''}"
+    if processes == 1:
+        return f"1 process on {where}"
+    text = f"{processes} processes (torchrun, {'one a GPU' if gpus else 'gloo'}) on {where}, "
+    sharded = {
+        "ddp": "each holds the whole model",
+        "zero1": "optimizer state sharded",
+        "zero2": "optimizer state and gradients sharded",
+        "zero3": "weights, gradients and optimizer state sharded",
+        "fsdp": "weights, gradients and optimizer state sharded",
+    }[spec.sharding]
+    return text + f"{sharding_label(spec.sharding)}: {sharded}"
 
 
 def _dataset_entry(dataset: DatasetSpec, local_path: str | None) -> dict[str, Any]:
@@ -254,4 +414,4 @@ def _dataset_entry(dataset: DatasetSpec, local_path: str | None) -> dict[str, An
         value = getattr(dataset, key)
         if value is not None:
             entry[key] = value
-    return entry
+    return entry | dataset.options

@@ -48,6 +48,9 @@ class TargetFacts:
     """CUDA devices torch sees there: 0 means a CPU-only target."""
     modules: Mapping[str, str | None] = field(default_factory=dict)
     """Version of each module the trainer asked about, None when it does not import."""
+    compute_capability: tuple[int, int] | None = None
+    """The lowest CUDA compute capability of those GPUs (9.0 for an H100), None
+    when there is no GPU or it is not known."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """The probe of a target's job environment: which Python, how many GPUs, which modules.
 
 Before a run is started, the job venv's Python is run once on the target with
-a small script that prints one JSON line. Modules are looked up without being
-imported (axolotl takes twenty seconds to import, torch three): a CPU build of
-torch is told by its `version.py`, and the GPUs of a CUDA build are counted by
-the CUDA driver, as torch would count them (torch is imported only when the
-driver library is not there).
+a small script that prints one JSON line: the GPUs and their lowest compute
+capability (what decides bf16 and FlashAttention), and the modules' versions.
+Modules are looked up without being imported (axolotl takes twenty seconds to
+import, torch three): a CPU build of torch is told by its `version.py`, and the
+GPUs of a CUDA build are counted by the CUDA driver, as torch would count them
+(torch is imported only when the driver library is not there).
 """
 
 from __future__ import annotations
@@ -52,24 +53,35 @@ def torch_build():
     return found.get("cuda") or found.get("hip")
 
 def cuda_devices():
-    # the driver's count, as torch.cuda.device_count() gets it (CUDA_VISIBLE_DEVICES applies)
+    # the driver's count, as torch.cuda.device_count() gets it (CUDA_VISIBLE_DEVICES applies),
+    # and each device's compute capability (attributes 75 and 76: major, minor)
     lib = ctypes.CDLL("libcuda.so.1")
     count = ctypes.c_int(0)
     if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
+        return 0, []
+    caps = []
+    for ordinal in range(count.value):
+        dev, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+        if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+            continue
+        if lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) == 0 and \
+                lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) == 0:
+            caps.append([major.value, minor.value])
+    return count.value, caps
 
-gpus = 0
+gpus, caps = 0, []
 if torch_build() is not None:
     try:
-        gpus = cuda_devices()
+        gpus, caps = cuda_devices()
     except OSError:  # no CUDA driver library (ROCm, or none): ask torch itself
         try:
             import torch
             gpus = torch.cuda.device_count()
+            caps = [list(torch.cuda.get_device_capability(i)) for i in range(gpus)]
         except Exception:
             pass
-print(@MARK@ + json.dumps({"python": sys.version.split()[0], "gpus": gpus, "modules": mods}))
+print(@MARK@ + json.dumps({"python": sys.version.split()[0], "gpus": gpus, "capabilities": caps,
+                          "modules": mods}))
 """.replace("@MARK@", repr(PROBE_MARK))
 
 
@@ -103,7 +115,13 @@ def parse_probe(python: str, result: CommandResult) -> TargetFacts:
                 modules = {
                     str(k): (None if v is None else str(v)) for k, v in found["modules"].items()
                 }
-                return TargetFacts(python=python, gpus=int(found["gpus"]), modules=modules)
+                caps = [(int(c[0]), int(c[1])) for c in found.get("capabilities") or []]
+                return TargetFacts(
+                    python=python,
+                    gpus=int(found["gpus"]),
+                    modules=modules,
+                    compute_capability=min(caps) if caps else None,
+                )
             except (ValueError, KeyError, TypeError, AttributeError):
                 break
     raise TrainError(

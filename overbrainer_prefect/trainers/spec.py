@@ -4,7 +4,9 @@
 every field says what it is and has a default where one makes sense. It is
 validated when the flow is called (each problem is one line saying what to
 fix); `check_local_files` then checks, on the machine that starts the run,
-that every local dataset file exists, before any run is created.
+that every local dataset file exists and reads as its `type` needs, that
+`sequence_len` fits the model and that every `extra` key is one axolotl knows
+(see `trainers/preflight.py`), before any run is created.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from overbrainer_prefect.trainers.base import TrainError
+from overbrainer_prefect.trainers.context import context_length
+from overbrainer_prefect.trainers.keys import CONFIG_KEYS, DATASET_KEYS, unknown_key
+from overbrainer_prefect.trainers.rows import first_bad_row
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """A Hugging Face Hub repository id: `org/name`."""
@@ -43,13 +48,28 @@ OWNED_KEYS = frozenset(
 metrics plugin, the datasets it uploads and the checkpoint it resumes from."""
 
 
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+Sharding = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
+Tracker = Literal["wandb", "mlflow"]
+
+DEEPSPEED_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
+"""The DeepSpeed ZeRO stage of each `sharding` choice that is one."""
+
+
+SHARDING_KEYS = frozenset({"deepspeed", "fsdp", "fsdp_version"})
+"""axolotl keys that `sharding` sets (`fsdp_config` in `extra` tunes `sharding: fsdp`)."""
+
+
 class DatasetSpec(BaseModel):
     """One training dataset: a local file uploaded with the run, or a Hub dataset.
 
-    A bare string is accepted as shorthand for `{"path": ...}`.
+    A bare string is accepted as shorthand for `{"path": ...}`. Any other key of
+    axolotl's dataset schema (`roles_to_train`, `message_property_mappings`,
+    `data_files`, `ds_type`...) is passed to axolotl as it is; a key axolotl
+    does not know is refused with the nearest one it does.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     path: str = Field(
         min_length=1,
@@ -79,6 +99,19 @@ class DatasetSpec(BaseModel):
         if isinstance(data, str):
             return {"path": data}
         return data
+
+    @model_validator(mode="after")
+    def _axolotl_knows_the_extra_keys(self) -> DatasetSpec:
+        for key in self.model_extra or {}:
+            problem = unknown_key(key, DATASET_KEYS, "dataset key")
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The axolotl dataset keys given beyond the named fields, as given."""
+        return dict(self.model_extra or {})
 
     @field_validator("path")
     @classmethod
@@ -181,6 +214,56 @@ class TrainingSpec(BaseModel):
         ge=0,
         description="Held-out evaluation share (0 to 1), or a number of rows; 0 means no eval.",
     )
+    eval_steps: int | None = Field(
+        default=None,
+        gt=0,
+        description="Evaluate on the held-out share every this many steps (with val_set_size); "
+        "empty evaluates at the end of each epoch. eval_loss is followed like loss.",
+    )
+    precision: Precision = Field(
+        default="auto",
+        description="`auto`: bf16 on GPUs that have it (compute capability 8.0, Ampere, or "
+        "newer), else fp16, and fp32 on a CPU; or `bf16`, `fp16`, `fp32` (bf16 and fp16 "
+        "need a GPU).",
+    )
+    flash_attention: bool = Field(
+        default=False,
+        description="FlashAttention 2 (`attn_implementation: flash_attention_2`): faster and "
+        "leaner attention on an NVIDIA GPU with flash-attn installed in the job venv.",
+    )
+    sample_packing: bool = Field(
+        default=False,
+        description="Pack several short samples into each sequence_len row (fewer padded "
+        "tokens, more steps per second); needs a GPU.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute activations in the backward pass: much less VRAM for about a "
+        "third more compute.",
+    )
+    sharding: Sharding = Field(
+        default="ddp",
+        description="How N > 1 GPUs share the work: `ddp` (each GPU holds the whole model), "
+        "`zero1`/`zero2`/`zero3` (DeepSpeed ZeRO: optimizer state, then gradients, then "
+        "weights sharded), or `fsdp` (PyTorch FSDP2, weights sharded). Sharding needs 2 or "
+        "more GPUs.",
+    )
+    trackers: list[Tracker] = Field(
+        default_factory=list,
+        description="Experiment trackers to report to: `wandb` (needs WANDB_API_KEY) and/or "
+        "`mlflow` (needs tracker_uri). Keys come from the target's env_file, through the "
+        "job's environment only.",
+    )
+    tracker_project: str = Field(
+        default="overbrainer",
+        min_length=1,
+        description="The W&B project, or the MLflow experiment, the run reports to.",
+    )
+    tracker_uri: str | None = Field(
+        default=None,
+        description="The MLflow tracking server's URL (MLFLOW_TRACKING_TOKEN, when it needs "
+        "one, comes from the target's env_file).",
+    )
     save_steps: int | None = Field(
         default=None,
         gt=0,
@@ -207,6 +290,19 @@ class TrainingSpec(BaseModel):
             raise ValueError("lora_target_modules holds an empty name: remove it")
         return modules or None
 
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_once(cls, trackers: list[str]) -> list[str]:
+        return list(dict.fromkeys(trackers))
+
+    @model_validator(mode="after")
+    def _settings_fit_together(self) -> TrainingSpec:
+        if self.eval_steps is not None and self.val_set_size == 0:
+            raise ValueError("eval_steps is set but val_set_size is 0: set val_set_size too")
+        if "mlflow" in self.trackers and not self.tracker_uri:
+            raise ValueError("trackers has mlflow but no tracker_uri: give the MLflow server URL")
+        return self
+
     @field_validator("val_set_size")
     @classmethod
     def _fraction_or_rows(cls, size: float) -> float:
@@ -219,11 +315,20 @@ class TrainingSpec(BaseModel):
     @field_validator("extra")
     @classmethod
     def _extra_owns_nothing(cls, extra: dict[str, Any]) -> dict[str, Any]:
-        own = set(cls.model_fields) - {"extra"}
+        # gradient_checkpointing may also take axolotl's own values (`offload`) in extra
+        own = set(cls.model_fields) - {"extra", "gradient_checkpointing"}
         for key in extra:
+            problem = unknown_key(key, CONFIG_KEYS, "axolotl key in extra")
+            if problem is not None:
+                raise ValueError(problem)
             if key in OWNED_KEYS:
                 raise ValueError(
                     f"extra sets {key}, which the trainer sets itself: remove it from extra"
+                )
+            if key in SHARDING_KEYS:
+                raise ValueError(
+                    f"extra sets {key}: set the sharding field instead (zero1, zero2, zero3 or "
+                    "fsdp), which ships its config with the run"
                 )
             if key in own:
                 raise ValueError(
@@ -235,9 +340,9 @@ class TrainingSpec(BaseModel):
         """The datasets that are files on this machine, to upload with the run."""
         return [d for d in self.datasets if d.is_local]
 
-    def check_local_files(self) -> None:
-        """Checks that every local dataset file exists on this machine, before a run
-        is created. Relative paths are read from the current directory.
+    def check_files_exist(self) -> None:
+        """Checks that every local dataset file exists on this machine. Relative
+        paths are read from the current directory.
 
         Raises TrainError with one line for the first dataset that cannot be used.
         """
@@ -246,11 +351,46 @@ class TrainingSpec(BaseModel):
             if problem is not None:
                 raise TrainError(problem)
 
+    def check_local_files(self, hub_token: str | None = None) -> list[str]:
+        """The pre-flight checks that need no target, before a run is created:
+        every local dataset file exists and its rows carry what their `type`
+        needs (the first bad row named by file and line), and `sequence_len`
+        fits the model's context (read from its directory's config.json, or from
+        the Hub with `hub_token` for a gated model). Relative paths are read
+        from the current directory. Returns warnings: a model whose config
+        cannot be read, a file whose rows are not checked.
+
+        Raises TrainError with one line for the first problem.
+        """
+        self.check_files_exist()
+        warnings: list[str] = []
+        for dataset in self.local_datasets():
+            fields = dict(dataset.options)
+            if dataset.field_messages is not None:
+                fields["field_messages"] = dataset.field_messages
+            problem, warning = first_bad_row(Path(dataset.path).expanduser(), dataset.type, fields)
+            if problem is not None:
+                raise TrainError(problem)
+            if warning is not None:
+                warnings.append(warning)
+        context, warning = context_length(self.base_model, hub_token)
+        if warning is not None:
+            warnings.append(warning)
+        rope = "rope_scaling" in self.extra or "rope_theta" in self.extra
+        if context is not None and self.sequence_len > context and not rope:
+            raise TrainError(
+                f"sequence_len {self.sequence_len} is longer than the {context} tokens "
+                f"{self.base_model} was trained for (max_position_embeddings in its "
+                f"config.json): set sequence_len to {context} or less"
+            )
+        return warnings
+
 
 def spec_problem(spec: TrainingSpec) -> str | None:
-    """One line saying why `spec` cannot start a run from this machine, or None."""
+    """One line saying why a local dataset of `spec` cannot be found from this
+    machine, or None (its rows are checked by `check_local_files`)."""
     try:
-        spec.check_local_files()
+        spec.check_files_exist()
     except TrainError as exc:
         return str(exc)
     return None
