@@ -222,9 +222,7 @@ def test_a_host_whose_key_does_not_match_is_refused_before_anything_is_sent(
     runs_dir = tmp_path / "runs"
     with pytest.raises(Exception, match="host key"):
         asyncio.run(train(target=name, training=spec(*tiny), runs_dir=str(runs_dir)))
-    (record,) = Runs(runs_dir).list()
-    assert record.state == RunState.FAILED and record.job is None
-    assert record.message is not None and "host key" in record.message
+    assert not runs_dir.exists()  # refused by the probe before any run exists
     assert not remote.exists()
     assert "Accepted publickey" not in sshd.log_text()
 
@@ -239,11 +237,11 @@ def test_a_target_without_a_pinned_host_key_is_refused_with_how_to_get_it(
 
 
 @pytest.mark.parametrize(
-    ("change", "expected"),
+    ("change", "expected", "creates"),
     [
-        ({"port": 1}, "cannot connect|unreachable|refused"),
-        ({"job_venv": "/nonexistent/venv"}, "/nonexistent/venv"),
-        ({"work_dir": "/proc/version/work"}, "work"),
+        ({"port": 1}, "cannot connect|unreachable|refused", False),
+        ({"job_venv": "/nonexistent/venv"}, "/nonexistent/venv", False),
+        ({"work_dir": "/proc/version/work"}, "work", True),
     ],
     ids=["unreachable-host", "missing-venv", "unwritable-work-dir"],
 )
@@ -254,12 +252,16 @@ def test_a_target_that_cannot_run_the_job_fails_the_run_before_a_job_starts(
     tmp_path: Path,
     change: dict[str, Any],
     expected: str,
+    creates: bool,
 ) -> None:
     name = saved(ssh_target(sshd, tmp_path / "remote", **change))
     runs_dir = tmp_path / "runs"
     with pytest.raises(Exception, match=expected) as caught:
         asyncio.run(train(target=name, training=spec(*tiny), runs_dir=str(runs_dir)))
     assert "\n" not in str(caught.value)
-    (record,) = Runs(runs_dir).list()
+    if not creates:  # the probe before anything exists refuses it
+        assert not runs_dir.exists()
+        return
+    (record,) = Runs(runs_dir).list()  # the upload finds it out
     assert record.state == RunState.FAILED and record.job is None
     assert record.message is not None

@@ -30,11 +30,12 @@ from overbrainer_prefect.reports.export import ExportResult, gguf_markdown
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
-from overbrainer_prefect.runs.resume import resume_point, stage_checkpoint
+from overbrainer_prefect.runs.resume import resume_point, resumed_spec, stage_checkpoint
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.targets.base import JobNeed
-from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
+from overbrainer_prefect.targets.base import JobNeed, Logger, Target
+from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, launch_summary
 from overbrainer_prefect.trainers.export import ExportSpec
+from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.rebuild import TRAINING, trainer_of
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
@@ -145,12 +146,11 @@ async def train(
     if resume_from is not None:
         stopped = runs.load(resume_from)
         point = resume_point(runs, stopped)
-        if training is None and stopped.spec is not None:
-            training = TrainingSpec.model_validate(stopped.spec)
+        training = resumed_spec(runs, stopped, training)
     if training is None:
         raise ValueError("give the training spec (training=...), or a stopped run to resume_from")
-    training.check_local_files()
     spec = training
+    await check_before_anything(spec, place, logger)
 
     def prepare(record: RunRecord) -> AxolotlTrainer:
         resume = None
@@ -173,6 +173,26 @@ async def train(
         return await run_result(runs, outcome, finished.where)
     exported = await _export_after(outcome.record.id, export, runs_dir)
     return await run_result(runs, outcome, finished.where, exported=exported)
+
+
+async def check_before_anything(spec: TrainingSpec, place: Target, logger: Logger) -> None:
+    """The pre-flight checks of a training run, before its record, pod or job
+    exists: its local files and rows, the model's context, and what the spec
+    asks of the GPUs the job will have (probed on a machine you own; a pod's
+    count). Logs the launch plan and the warnings. Raises TrainError (one line)."""
+    secrets = place.secrets()
+    hub = secrets.get("HF_TOKEN")
+    facts = await place.facts(AxolotlTrainer(spec).probe_modules)
+    warnings = preflight(
+        spec,
+        gpus=facts.gpus,
+        compute_capability=facts.compute_capability,
+        secrets=list(secrets),
+        hub_token=hub.get_secret_value() if hub is not None else None,
+    )
+    for warning in warnings:
+        logger.warning("%s", warning)
+    logger.info("the run will be %s on %s", launch_summary(spec, facts.gpus), place.ref)
 
 
 async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> ExportResult | str:

@@ -22,7 +22,7 @@ verified, then ended by its outcome) or ended (`end`) by the caller.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,7 +32,7 @@ from pydantic import SecretStr
 from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext
 from overbrainer_prefect.runs.store import RunRecord, Runs
-from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -169,6 +169,14 @@ class Target(Protocol):
     def check(self, need: JobNeed) -> None:
         """Refuses, with one line, a job this target can never run (before
         anything exists)."""
+        ...
+
+    async def facts(self, modules: Sequence[str]) -> TargetFacts:
+        """What a job's machine will offer, known before anything exists: a
+        probe of a machine you own (its GPUs, their compute capability, the
+        versions of `modules`); the GPU count of a pod (nothing else is known
+        before it exists: `modules` is left empty). Raises TrainError or
+        ExecError with one line when a machine you own cannot be probed."""
         ...
 
     def reserve(

@@ -4,7 +4,7 @@ by its `max_hours` deadline; what it leaves stays there."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -15,7 +15,7 @@ from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
-from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,14 @@ class HostTarget:
                 need.image,
                 self.ref,
             )
+
+    async def facts(self, modules: Sequence[str]) -> TargetFacts:
+        """A probe of the machine's job environment."""
+        executor = self._executor()
+        try:
+            return await lifecycle.probe(executor, self.python, modules)
+        finally:
+            await executor.close()
 
     @asynccontextmanager
     async def reserve(

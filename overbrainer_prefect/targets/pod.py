@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
@@ -45,16 +45,17 @@ from overbrainer_prefect.runpod.volume import ensure_volume
 from overbrainer_prefect.runpod.vram import (
     GB,
     VramEstimateError,
-    estimate_vram,
     merge_vram_bytes,
     model_shape,
+    training_vram,
 )
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import NotRetrieved, Outcome, Reporter, RunContext, RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.targets.host import Bounds
-from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.axolotl import launch_summary
+from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.compare import vram_floor
 
 
@@ -228,6 +229,11 @@ class PodTarget:
             return self.settings
         return settings_from({**self.settings.model_dump(), "image": need.image})
 
+    async def facts(self, modules: Sequence[str]) -> TargetFacts:
+        """The pod's GPU count (its GPUs' capability and modules are known
+        only once it exists)."""
+        return TargetFacts(python=self.python, gpus=self.settings.gpu_count)
+
     @asynccontextmanager
     async def _account(self, store: Runs) -> AsyncIterator[PodContext]:
         async with self._client() as client:
@@ -250,7 +256,12 @@ class PodTarget:
         async with self._account(store) as ctx:
             await ensure_volume(ctx.client, settings, need.disk_bytes, need.what, ctx.log)
             floor = await self._vram_floor(settings, need)
-            plan = await plan_from_api(ctx.client, settings, vram_floor_gb=floor)
+            launch = (
+                launch_summary(need.training, settings.gpu_count)
+                if need.training is not None
+                else None
+            )
+            plan = await plan_from_api(ctx.client, settings, vram_floor_gb=floor, job_launch=launch)
             self._log.info("%s", plan.describe())
             await self._warn_orphans(ctx, store)
         plan = await self._within(plan, budget)
@@ -269,14 +280,7 @@ class PodTarget:
                 shape = await asyncio.to_thread(
                     model_shape, spec.base_model, token=token, endpoint=endpoint
                 )
-                estimate = estimate_vram(
-                    shape,
-                    spec.adapter,
-                    sequence_len=spec.sequence_len,
-                    micro_batch_size=spec.micro_batch_size,
-                    lora_r=spec.lora_r,
-                    gradient_checkpointing=bool(spec.extra.get("gradient_checkpointing")),
-                )
+                estimate = training_vram(shape, spec, gpus=settings.gpu_count)
                 floor, why = (
                     float(estimate.floor_gb),
                     f"the run needs about {estimate} of VRAM per GPU (estimate)",
