@@ -6,6 +6,7 @@ from overbrainer_prefect.flows.deliver import deliver
 from overbrainer_prefect.flows.export import ExportResult, export
 from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
 from overbrainer_prefect.flows.pods import PodsResult, pods
+from overbrainer_prefect.flows.runs import RunsListing, runs
 from overbrainer_prefect.flows.train import RunFailed, RunResult, attach, cancel, stop, train
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "PodsResult",
     "RunFailed",
     "RunResult",
+    "RunsListing",
     "attach",
     "cancel",
     "collect",
@@ -25,6 +27,7 @@ __all__ = [
     "export",
     "fine_tune",
     "pods",
+    "runs",
     "stop",
     "train",
 ]

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from overbrainer_prefect.flows.compare import COMPARE, CompareResult, compare, running_compare
 from overbrainer_prefect.flows.export import ExportResult, export, running
 from overbrainer_prefect.flows.train import RunResult, attach, train
+from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.trainers.compare import (
@@ -322,7 +323,7 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         exported.gguf_path,
         compared.answers_path,
     )
-    return FineTuneResult(
+    result = FineTuneResult(
         run_id=run_id,
         run=run_result,
         export=exported,
@@ -330,3 +331,5 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         reused=reused,
         next=compared.next,
     )
+    await publish_pipeline_summary(result, runs)
+    return result
