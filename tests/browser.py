@@ -155,8 +155,10 @@ class Browser:
         value = self.evaluate("document.body ? document.body.innerText : ''")
         return str(value or "")
 
-    def screenshot(self, path: Path) -> Path:
-        """Saves a PNG of the whole page at `path`."""
-        shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+    def screenshot(self, path: Path, settle_s: float = 1.0) -> Path:
+        """Saves a PNG of the page's window at `path`, once it has had `settle_s`
+        seconds to finish re-rendering what its scripts just fetched."""
+        time.sleep(settle_s)
+        shot = self.call("Page.captureScreenshot", format="png")
         path.write_bytes(base64.b64decode(shot["data"]))
         return path
