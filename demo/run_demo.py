@@ -15,13 +15,16 @@
 
 Runs in the orchestrator venv (.venv, Prefect); the model work runs in the job
 venv (.venv-job): demo/build_base.py, and the jobs the flows start. Exits 1
-with one line saying what failed.
+with one line saying what failed, never a traceback. Prefect's temporary server
+gets the time a busy machine needs to start (the package sets
+PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS unless it is set).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -163,13 +166,8 @@ def fine_tune() -> tuple[Any, float]:
     )
     try:
         result = asyncio.run(fine_tune(spec))
-    except KeyboardInterrupt:
-        fail(
-            f"interrupted: a job already started keeps running under {WORK_DIR}; its run is "
-            f"the newest in {RUNS_DIR}: continue it with the fine_tune flow (run_id=<that run>)"
-        )
     except Exception as exc:
-        fail(f"the fine_tune flow failed: {type(exc).__name__}: {exc}")
+        fail(f"the fine_tune flow failed: {one_line(exc)}")
     if not isinstance(result, FineTuneResult):
         fail(f"the fine_tune flow ended {result!r}, not with a result")
     return result, time.monotonic() - started
@@ -256,7 +254,71 @@ def show_answers(answers: dict[str, dict[str, Any]]) -> None:
             print(f"           ({row['tokens']} tokens{cut}, {speed})")
 
 
+def one_line(error: BaseException) -> str:
+    """What failed, in one line: the error's type and the first line of its
+    message, with what to do when Prefect's own server was too slow to start."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
+    if "ephemeral Prefect API server" in text:
+        text += (
+            "; the machine is too busy for Prefect's temporary server: start one with "
+            "`.venv/bin/prefect server start`, then run the demo again with "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api (or raise "
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)"
+        )
+    return text
+
+
+class _NoTraceback(logging.Formatter):
+    """A console formatter that leaves the traceback out of a log line (the
+    Prefect API keeps it; the flow run's logs in the UI show it)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line as the inner formatter writes it, without exc_info or stack."""
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def quiet_tracebacks() -> None:
+    """Prefect's console handlers print no traceback in this process: a failing
+    step prints its one line, and the demo its own."""
+    import prefect  # noqa: F401  (configures Prefect's logging)
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    import overbrainer_prefect  # noqa: F401  (its defaults, before Prefect reads its settings)
+
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler) and not isinstance(
+                handler.formatter, _NoTraceback
+            ):
+                handler.setFormatter(_NoTraceback(handler.formatter))
+
+
 def main() -> None:
+    """Runs the demo; any failure ends it with one line, never a traceback."""
+    try:
+        quiet_tracebacks()
+        demo()
+    except KeyboardInterrupt:
+        fail(
+            f"interrupted: a job already started keeps running under {WORK_DIR}; its run is "
+            f"the newest in {RUNS_DIR}: continue it with the fine_tune flow (run_id=<that run>)"
+        )
+    except Exception as error:
+        fail(one_line(error))
+
+
+def demo() -> None:
     """Runs the phases and prints what each did and how long it took."""
     if not JOB_PYTHON.is_file():
         fail(f"the job venv {JOB_VENV} is missing: run `make setup` first")

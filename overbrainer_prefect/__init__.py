@@ -9,9 +9,32 @@ without Prefect.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
+
+EPHEMERAL_STARTUP_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+EPHEMERAL_STARTUP_S = 180
+"""How long Prefect waits for its ephemeral server (the one a flow called
+without PREFECT_API_URL starts) when the user's environment does not say: its
+own default, 20 s, is not enough on a busy 2-core machine."""
+
+
+def _ephemeral_server_patience() -> None:
+    """Sets EPHEMERAL_STARTUP_ENV to EPHEMERAL_STARTUP_S unless it is set, and
+    has an already imported Prefect read it again."""
+    if os.environ.get(EPHEMERAL_STARTUP_ENV):
+        return
+    os.environ[EPHEMERAL_STARTUP_ENV] = str(EPHEMERAL_STARTUP_S)
+    context = sys.modules.get("prefect.context")
+    refresh = getattr(context, "refresh_global_settings_context", None)
+    if refresh is not None:
+        refresh()
+
+
+_ephemeral_server_patience()
 
 _LAZY = {
     "LocalTarget": "overbrainer_prefect.blocks",

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -18,19 +20,67 @@ from prefect.artifacts import (
     acreate_table_artifact,
     aupdate_progress_artifact,
 )
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 
 from overbrainer_prefect.executors.base import FileDigest, JobStatus
+from overbrainer_prefect.losscurve import data_uri, loss_svg
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, RunState
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often
+CURVE_EVERY_S = 10.0  # the loss curve artifact is redrawn at most this often
+LOG_EVERY_PERCENT = 10.0  # a progress line each time training passes another 10 %...
+LOG_EVERY_S = 60.0  # ...or a minute after the last one, whichever comes first
+JOB_LOG_EVERY_S = 30.0  # how often the job's log is read for the warnings that matter
+
+Spend = float | Callable[[], float | None] | None
+"""Dollars spent so far on a run's pod: a value, a function that tells it now, or none."""
+
+JobLog = Callable[[], Awaitable[str]]
+"""Reads (the end of) a job's log, as `lifecycle.job_log_tail` does."""
+
+
+@dataclass(frozen=True)
+class NotableWarning:
+    """A line of a job's log that a person should see in the flow's log, once:
+    the pattern that finds it and what to tell them (`{0}`, `{1}`... its groups)."""
+
+    pattern: re.Pattern[str]
+    message: str
+
+
+NOTABLE_WARNINGS: tuple[NotableWarning, ...] = (
+    NotableWarning(
+        re.compile(r"increasing model\.config\.max_position_embeddings from (\d+) to (\d+)"),
+        "the job raised the model's max_position_embeddings from {0} to {1} (axolotl does "
+        "this when sequence_len is longer than the base model's context): positions past {0} "
+        "were never trained in the base model; lower sequence_len to {0} unless you mean to "
+        "train a longer context",
+    ),
+)
+"""The warnings of a job's own log (axolotl, transformers) surfaced in the flow's log."""
+
+
+def notable_warnings(log_text: str) -> list[tuple[str, str]]:
+    """The notable warnings found in `log_text`, each once, in the order they first
+    appear: (the pattern that found it, what to tell the user)."""
+    found: list[tuple[int, str, str]] = []
+    for warning in NOTABLE_WARNINGS:
+        match = warning.pattern.search(log_text)
+        if match is not None:
+            found.append(
+                (match.start(), warning.pattern.pattern, warning.message.format(*match.groups()))
+            )
+    return [(pattern, message) for _, pattern, message in sorted(found)]
 
 
 @asynccontextmanager
 async def live_progress(reporter: object) -> AsyncIterator[None]:
-    """While the block runs, a `PrefectReporter`'s progress artifact is opened
-    and pushed every second (and once more at the end); any other reporter
+    """While the block runs, a `PrefectReporter`'s progress and loss curve
+    artifacts are opened and pushed (at their pace, and once more at the end),
+    and its job log is read for the warnings that matter; any other reporter
     is left as it is."""
     if not isinstance(reporter, PrefectReporter):
         yield
@@ -41,12 +91,14 @@ async def live_progress(reporter: object) -> AsyncIterator[None]:
         while True:
             await asyncio.sleep(1.0)
             await reporter.flush()
+            await reporter.scan_job_log()
 
     pumping = asyncio.create_task(pump())
     try:
         yield
     finally:
         pumping.cancel()
+        await reporter.scan_job_log(force=True)
         await reporter.flush(force=True)
 
 
@@ -57,39 +109,90 @@ def artifact_key(run_id: str, what: str) -> str:
 
 
 class PrefectReporter:
-    """A `Reporter` that writes each metric to the flow run's log (step, loss,
-    ETA) and keeps a progress artifact up to date."""
+    """A `Reporter` that writes a run's progress to the flow run's log at a pace a
+    person follows (a line every `log_every_percent` % of the steps or every
+    `log_every_s` seconds, whichever comes first; the first, the last and every
+    eval always), and keeps two artifacts up to date: a progress bar, and the loss
+    curve (a picture of loss and eval loss against step, with the learning rate
+    and, given `spend`, the dollars spent so far), redrawn every `curve_every_s`.
 
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter[Any], run_id: str) -> None:
+    With `job_log` (a function reading the end of the job's log), the warnings of
+    NOTABLE_WARNINGS found there are logged, each once."""
+
+    def __init__(
+        self,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        run_id: str,
+        *,
+        log_every_percent: float = LOG_EVERY_PERCENT,
+        log_every_s: float = LOG_EVERY_S,
+        curve_every_s: float = CURVE_EVERY_S,
+        spend: Spend = None,
+        job_log: JobLog | None = None,
+    ) -> None:
         self.logger = logger
         self.run_id = run_id
+        self.log_every_percent = log_every_percent
+        self.log_every_s = log_every_s
+        self.curve_every_s = curve_every_s
+        self.spend = spend
+        self.job_log = job_log
         self.progress_id: UUID | None = None
+        self.curve_id: UUID | None = None
         self._pending: float | None = None
         self._last_update = 0.0
+        self._summary: MetricsSummary | None = None
+        self._curve_dirty = False
+        self._last_curve = 0.0
+        self._last_line: float | None = None
+        self._last_bucket = -1
+        self._last_scan = 0.0
+        self._surfaced: set[str] = set()
+        self._artifact_failed = False
 
     async def open(self) -> None:
-        """Creates the run's progress artifact at 0 %."""
+        """Creates the run's progress artifact at 0 % and its loss curve (empty
+        until a loss is logged)."""
         self.progress_id = await acreate_progress_artifact(
             progress=0.0,
             key=artifact_key(self.run_id, "progress"),
             description=f"Training progress of run {self.run_id}",
         )
+        self.curve_id = await acreate_markdown_artifact(
+            markdown=curve_markdown(self.run_id, self._summary or MetricsSummary(), self.spent()),
+            key=artifact_key(self.run_id, "loss-curve"),
+            description=f"Loss curve of run {self.run_id}, redrawn while it trains",
+        )
+        self._last_curve = time.monotonic()
 
     def metric(self, metric: Metric, summary: MetricsSummary) -> None:
-        """Logs the step with its loss, learning rate and ETA; queues a progress update."""
-        parts = [f"step {metric.step}" + (f"/{summary.max_steps}" if summary.max_steps else "")]
-        if metric.loss is not None:
-            parts.append(f"loss {metric.loss:.4f}")
-        if metric.eval_loss is not None:
-            parts.append(f"eval_loss {metric.eval_loss:.4f}")
-        if metric.learning_rate is not None:
-            parts.append(f"lr {metric.learning_rate:.2e}")
-        eta = summary.eta_seconds()
-        if eta is not None:
-            parts.append(f"ETA {_duration(eta)}")
-        self.logger.info("run %s: %s", self.run_id, ", ".join(parts))
+        """Notes the step for the artifacts; logs it (step, loss, eval loss,
+        learning rate, ETA) when a line is due."""
+        self._summary = summary
+        self._curve_dirty = True
         if summary.max_steps:
             self._pending = min(100.0, 100.0 * metric.step / summary.max_steps)
+        if self._line_due(metric, summary):
+            self.logger.info(
+                "run %s: %s", self.run_id, progress_line(metric, summary, self.spent())
+            )
+
+    def _line_due(self, metric: Metric, summary: MetricsSummary) -> bool:
+        now = time.monotonic()
+        bucket = -1
+        if summary.max_steps and self.log_every_percent > 0:
+            bucket = int(100.0 * metric.step / summary.max_steps // self.log_every_percent)
+        due = (
+            self._last_line is None
+            or metric.eval_loss is not None
+            or (summary.max_steps is not None and metric.step >= summary.max_steps)
+            or bucket > self._last_bucket
+            or now - self._last_line >= self.log_every_s
+        )
+        if due:
+            self._last_line = now
+            self._last_bucket = max(self._last_bucket, bucket)
+        return due
 
     def status(self, status: JobStatus) -> None:
         """Logs the job's new status."""
@@ -99,8 +202,53 @@ class PrefectReporter:
         """Logs a warning."""
         self.logger.warning("%s", message)
 
+    def spent(self) -> float | None:
+        """The dollars spent so far, when a spend was given and is known."""
+        if self.spend is None or isinstance(self.spend, float | int):
+            return None if self.spend is None else float(self.spend)
+        try:
+            return self.spend()
+        except Exception:  # a spend that cannot be told now is shown as unknown
+            return None
+
+    def surface(self, log_text: str) -> list[str]:
+        """Logs the notable warnings of `log_text` not logged before; returns them."""
+        new = []
+        for pattern, message in notable_warnings(log_text):
+            if pattern not in self._surfaced:
+                self._surfaced.add(pattern)
+                self.logger.warning("run %s: %s", self.run_id, message)
+                new.append(message)
+        return new
+
+    async def scan_job_log(self, force: bool = False) -> None:
+        """Reads the job's log (at most every JOB_LOG_EVERY_S) for notable
+        warnings; a log that cannot be read is tried again later."""
+        if self.job_log is None or len(self._surfaced) == len(NOTABLE_WARNINGS):
+            return
+        if not force and time.monotonic() - self._last_scan < JOB_LOG_EVERY_S:
+            return
+        self._last_scan = time.monotonic()
+        try:
+            text = await self.job_log()
+        except Exception:  # the target may be busy or gone; the job's own log keeps it
+            return
+        self.surface(text)
+
     async def flush(self, force: bool = False) -> None:
-        """Pushes the latest progress to its artifact (at most every PROGRESS_EVERY_S)."""
+        """Pushes the latest progress to its artifact (at most every
+        PROGRESS_EVERY_S) and redraws the loss curve (at most every
+        `curve_every_s`). An artifact the API refuses is reported once in the
+        log, and never fails the run."""
+        try:
+            await self._flush_progress(force)
+            await self._flush_curve(force)
+        except Exception as error:
+            if not self._artifact_failed:
+                self._artifact_failed = True
+                self.logger.warning("run %s: cannot update its artifacts: %s", self.run_id, error)
+
+    async def _flush_progress(self, force: bool) -> None:
         if self.progress_id is None or self._pending is None:
             return
         if not force and time.monotonic() - self._last_update < PROGRESS_EVERY_S:
@@ -109,25 +257,132 @@ class PrefectReporter:
         self._pending = None
         self._last_update = time.monotonic()
 
+    async def _flush_curve(self, force: bool) -> None:
+        if self.curve_id is None or self._summary is None:
+            return
+        if not (self._curve_dirty or (force and self.spend is not None)):
+            return
+        if not force and time.monotonic() - self._last_curve < self.curve_every_s:
+            return
+        markdown = curve_markdown(self.run_id, self._summary, self.spent())
+        async with get_client() as client:
+            await client.update_artifact(self.curve_id, ArtifactUpdate(data=markdown))
+        self._curve_dirty = False
+        self._last_curve = time.monotonic()
+
+
+def progress_line(metric: Metric, summary: MetricsSummary, spent: float | None = None) -> str:
+    """`step 12/30 (40 %), loss 1.234, lr 2.00e-04, ETA 0:42, $0.12 spent`."""
+    step = f"step {metric.step}"
+    if summary.max_steps:
+        step += f"/{summary.max_steps} ({100 * metric.step / summary.max_steps:.0f} %)"
+    parts = [step]
+    if metric.loss is not None:
+        parts.append(f"loss {sig(metric.loss)}")
+    if metric.eval_loss is not None:
+        parts.append(f"eval_loss {sig(metric.eval_loss)}")
+    if metric.learning_rate is not None:
+        parts.append(f"lr {sci(metric.learning_rate)}")
+    eta = summary.eta_seconds()
+    if eta is not None:
+        parts.append(f"ETA {_duration(eta)}")
+    if spent is not None:
+        parts.append(f"${spent:.2f} spent")
+    return ", ".join(parts)
+
+
+def curve_markdown(run_id: str, summary: MetricsSummary, spent: float | None = None) -> str:
+    """The loss curve artifact: a picture of loss (and eval loss) against step,
+    carried as a `data:` URI SVG the Prefect UI renders as an image, and a line
+    with the latest step, losses, learning rate and, on a pod, the dollars spent."""
+    last = summary.last
+    steps = "-" if last is None else str(last.step)
+    if summary.max_steps:
+        steps += f" / {summary.max_steps}"
+    latest_eval = next(
+        (m.eval_loss for m in reversed(summary.metrics) if m.eval_loss is not None), None
+    )
+    title = f"run {run_id}: loss against step"
+    svg = loss_svg(summary.metrics, summary.max_steps, title)
+    lines = [
+        f"# Loss of run {run_id}",
+        "",
+        f"![loss against step of run {run_id}]({data_uri(svg)})",
+        "",
+        "| step | loss | eval loss | learning rate | spent so far |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {steps} | {_fmt(summary.final_loss)} | {_fmt(latest_eval)} "
+        f"| {sci(last.learning_rate) if last is not None else '-'} "
+        f"| {'-' if spent is None else f'${spent:.2f}'} |",
+        "",
+    ]
+    return "\n".join(lines)
+
 
 async def publish_metrics_table(run_id: str, summary: MetricsSummary) -> None:
-    """A table artifact of every metric of the run, one row a step."""
-    rows: list[dict[str, Any]] = [
-        {
-            "step": m.step,
-            "loss": _finite(m.loss),
-            "eval_loss": _finite(m.eval_loss),
-            "learning_rate": _finite(m.learning_rate),
-            "grad_norm": _finite(m.grad_norm),
-            "epoch": _finite(m.epoch),
-        }
-        for m in summary.metrics
-    ]
+    """A table artifact of every metric of the run, one row a step, rounded to
+    what a person reads: 4 significant digits for losses and the gradient norm,
+    the learning rate in scientific notation, the epoch to 3 decimals."""
     await acreate_table_artifact(
-        table=rows,
+        table=metric_rows(summary),
         key=artifact_key(run_id, "metrics"),
         description=f"Metrics of run {run_id}, one row a logged step",
     )
+
+
+def metric_rows(summary: MetricsSummary) -> list[dict[str, Any]]:
+    """The rows of the metrics table: step, loss, eval_loss, learning_rate,
+    grad_norm and epoch of each metric, rounded (None where not measured)."""
+    return [
+        {
+            "step": m.step,
+            "loss": round_sig(m.loss),
+            "eval_loss": round_sig(m.eval_loss),
+            "learning_rate": sci(m.learning_rate) if _finite(m.learning_rate) is not None else None,
+            "grad_norm": round_sig(m.grad_norm),
+            "epoch": _round(m.epoch, 3),
+        }
+        for m in summary.metrics
+    ]
+
+
+def round_sig(value: float | None, digits: int = 4) -> float | None:
+    """`value` rounded to `digits` significant digits (5.776554 -> 5.777); None
+    for None, NaN or infinity."""
+    finite = _finite(value)
+    return None if finite is None else float(f"{finite:.{digits}g}")
+
+
+def sig(value: float, digits: int = 4) -> str:
+    """`value` written with `digits` significant digits (`5.777`, `0.01234`)."""
+    return f"{value:.{digits}g}"
+
+
+def sci(value: float | None) -> str:
+    """A learning rate as a person reads it: `2.00e-04` (`-` for none)."""
+    return "-" if value is None else f"{value:.2e}"
+
+
+def table_cell(text: str) -> str:
+    """`text` as one markdown table cell that shows it as written: backslashes,
+    pipes, backticks and the characters that would start markup or HTML escaped,
+    line breaks as `<br>`; an empty text as a space."""
+    escaped = re.sub(r"([\\`*_\[\]<>|#~])", r"\\\1", text)
+    return "<br>".join(escaped.splitlines()) or " "
+
+
+def code_cell(text: str) -> str:
+    """`text` as a code span in one markdown table cell: fenced by more backticks
+    than any run of them inside it (padded with spaces when it starts or ends
+    with one), pipes escaped, line breaks as spaces. A text holding a backslash
+    before a pipe is written as `table_cell` writes it (no code span can hold it)."""
+    flat = " ".join(text.splitlines()) or " "
+    if "\\|" in flat:  # a backslash before a pipe cannot be written in a code span of a cell
+        return table_cell(flat)
+    longest = max((len(run) for run in re.findall(r"`+", flat)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if flat.startswith("`") or flat.endswith("`") else ""
+    return f"{fence}{pad}{flat.replace('|', chr(92) + '|')}{pad}{fence}"
 
 
 def summary_markdown(
@@ -145,9 +400,9 @@ def summary_markdown(
         "| | |",
         "|---|---|",
         f"| state | **{record.state}** |",
-        f"| target | {target_description} |",
+        f"| target | {table_cell(target_description)} |",
         f"| created | {record.created} |",
-        f"| duration | {_run_duration(record)} |",
+        f"| duration | {run_duration(record)} |",
         f"| steps | {summary.last.step if summary.last else 0}"
         + (f" / {summary.max_steps}" if summary.max_steps else "")
         + " |",
@@ -159,11 +414,11 @@ def summary_markdown(
             f"| resumed from | run {record.resumed_from.run_id}, {record.resumed_from.checkpoint} |"
         )
     if record.message:
-        lines.append(f"| message | {_cell(record.message)} |")
+        lines.append(f"| message | {table_cell(record.message)} |")
     lines += ["", f"## Files ({len(files)}, verified by SHA-256)", ""]
     if files:
         lines += ["| file | size | SHA-256 |", "|---|---:|---|"]
-        lines += [f"| `{f.path}` | {_size(f.size)} | `{f.sha256}` |" for f in files]
+        lines += [f"| {code_cell(f.path)} | {size_text(f.size)} | `{f.sha256}` |" for f in files]
     else:
         lines.append("No file was retrieved.")
     lines += ["", "## Next", "", next_step, ""]
@@ -190,7 +445,8 @@ def next_step(record: RunRecord) -> str:
     return f"See `runs/{record.id}/job.log`, fix the cause, and start a new run."
 
 
-def _run_duration(record: RunRecord) -> str:
+def run_duration(record: RunRecord) -> str:
+    """How long a record's job ran (`1:02:03`, `4:05`), `running`, or `-` before it started."""
     if not record.started:
         return "-"
     start = parse_rfc3339(record.started)
@@ -205,7 +461,8 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def _size(size: int) -> str:
+def size_text(size: int) -> str:
+    """A size in bytes as a person reads it: `512 B`, `1.5 MiB`."""
     value = float(size)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024 or unit == "GiB":
@@ -215,12 +472,13 @@ def _size(size: int) -> str:
 
 
 def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
+    return "-" if value is None else sig(value)
+
+
+def _round(value: float | None, decimals: int) -> float | None:
+    finite = _finite(value)
+    return None if finite is None else round(finite, decimals)
 
 
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")

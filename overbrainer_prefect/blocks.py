@@ -28,7 +28,10 @@ from overbrainer_prefect.targets.host import Bounds, HostTarget
 from overbrainer_prefect.targets.pod import PodTarget
 
 DOCS_URL = "https://github.com/overbrainer/overbrainer-prefect#readme"
-LOGO_URL = "https://raw.githubusercontent.com/overbrainer/overbrainer-prefect/main/logo.png"
+LOGO_FILE = "overbrainer_prefect/logo.png"
+"""The blocks' logo in this repository: a square 128 px PNG (Prefect's block
+standards want a square image 45 to 1000 px wide)."""
+LOGO_URL = f"https://raw.githubusercontent.com/overbrainer/overbrainer-prefect/main/{LOGO_FILE}"
 
 
 class HuggingFaceCredentials(Block):

@@ -127,7 +127,12 @@ def test_the_ui_shows_the_run_its_summary_metrics_table_and_progress(
     ]
     assert "step" in text and "loss" in text and "learning_rate" in text
     last = logged[-1]
-    assert f"{last['step']} {last['loss']}" in text  # the last step's row
+    # the last step's row, rounded as a person reads it
+    loss = float(format(last["loss"], ".4g"))
+    assert f"{last['step']} {loss} " in text
+    assert f"{last['learning_rate']:.2e}" in text
+    if len(str(last["loss"])) > 6:  # the unrounded float is not shown
+        assert str(last["loss"]) not in text
 
     progress = artifacts[f"run-{run_id}-progress"]
     text = text_of(browse(f"{ui}/artifacts/artifact/{progress.id}", profile))

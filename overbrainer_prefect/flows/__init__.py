@@ -6,6 +6,7 @@ from overbrainer_prefect.flows.deliver import deliver
 from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
 from overbrainer_prefect.flows.pods import PodsResult, pods
+from overbrainer_prefect.flows.runs import RunsListing, runs
 from overbrainer_prefect.flows.train import RunFailed, RunResult, attach, cancel, stop, train
 from overbrainer_prefect.reports.compare import CompareResult
 from overbrainer_prefect.reports.export import ExportResult
@@ -19,6 +20,7 @@ __all__ = [
     "PodsResult",
     "RunFailed",
     "RunResult",
+    "RunsListing",
     "attach",
     "cancel",
     "collect",
@@ -27,6 +29,7 @@ __all__ = [
     "export",
     "fine_tune",
     "pods",
+    "runs",
     "stop",
     "train",
 ]

@@ -20,6 +20,7 @@ from overbrainer_prefect.flows.compare import compare, running_compare
 from overbrainer_prefect.flows.driver import HOOKS
 from overbrainer_prefect.flows.export import export, running
 from overbrainer_prefect.flows.train import RunResult, attach, train
+from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.reports.compare import CompareResult
 from overbrainer_prefect.reports.export import ExportResult
 from overbrainer_prefect.runs.lifecycle import RunError
@@ -229,7 +230,7 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         exported.gguf_path,
         compared.answers_path,
     )
-    return FineTuneResult(
+    result = FineTuneResult(
         run_id=run_id,
         run=run_result,
         export=exported,
@@ -237,3 +238,5 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         reused=reused,
         next=compared.next,
     )
+    await publish_pipeline_summary(result, runs)
+    return result

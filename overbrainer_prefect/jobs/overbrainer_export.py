@@ -34,7 +34,7 @@ appended to `metrics.jsonl`, each with `time`:
     {"event": "end", "gguf": "gguf/x-q4_k_m.gguf", "size": 105454304, "seconds": 13.0, ...}
 
 usage: python scripts/overbrainer_export.py --converter PATH --quant QUANT --name NAME
-           [--threads N] [--keep-intermediate] [--base MODEL]
+           [--title TITLE] [--threads N] [--keep-intermediate] [--base MODEL]
 
 Exits 2 with one line on stderr when an input is missing (no model, no base
 model, no converter, an unknown quant type), 3 when llama.cpp fails to quantize;
@@ -206,9 +206,10 @@ def working_copy(model: Path, out: Path) -> Path:
     return out
 
 
-def convert(converter: Path, model: Path, out: Path) -> None:
-    """Converts the Hugging Face model in `model` into the f16 GGUF `out` with
-    llama.cpp's converter, run with this Python (its output goes to the job log)."""
+def convert(converter: Path, model: Path, out: Path, title: str) -> None:
+    """Converts the Hugging Face model in `model` into the f16 GGUF `out`, whose
+    `general.name` is `title`, with llama.cpp's converter, run with this Python
+    (its output goes to the job log)."""
     command = [
         sys.executable,
         str(converter),
@@ -217,6 +218,8 @@ def convert(converter: Path, model: Path, out: Path) -> None:
         "f16",
         "--outfile",
         str(out),
+        "--model-name",
+        title,
     ]
     print(f"export: {' '.join(command)}", flush=True)
     done = subprocess.run(command, check=False)
@@ -278,7 +281,7 @@ def export(args: argparse.Namespace, metrics: Metrics) -> None:
 
     mark = time.monotonic()
     f16 = WORK_DIR / f"{args.name}-f16.gguf"
-    convert(converter, merged, f16)
+    convert(converter, merged, f16, args.title or args.name)
     metrics.write(
         "phase", name="convert", seconds=round(time.monotonic() - mark, 3), size=f16.stat().st_size
     )
@@ -312,6 +315,7 @@ def main() -> int:
     parser.add_argument("--converter", required=True, help="llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--quant", required=True)
     parser.add_argument("--name", required=True, help="the GGUF's name, without the quant")
+    parser.add_argument("--title", help="the GGUF's general.name (default: --name)")
     parser.add_argument("--threads", type=int, default=0, help="0: as many as the cores")
     parser.add_argument("--keep-intermediate", action="store_true")
     parser.add_argument("--base", help="export this plain base model (a directory or a Hub id)")

@@ -9,7 +9,8 @@ target) holds what the job reads, with paths relative to it:
     scripts/        the job script, `overbrainer_export.py`
 
 The job (see `overbrainer_prefect/jobs/overbrainer_export.py`) merges, converts
-with llama.cpp's converter and quantizes; it writes `gguf/<name>-<quant>.gguf` and
+with llama.cpp's converter and quantizes; it writes `gguf/run-<run-id>-<quant>.gguf`
+(`general.name`: the run, and the base it was tuned from) and
 `metrics.jsonl` (begin, one `phase` event per step, end), which are what an
 export brings back and verifies.
 """
@@ -137,6 +138,20 @@ def gguf_name(run_id: str, base: str | None) -> str:
     return f"{stem or 'model'}-{run_id}"
 
 
+def tuned_gguf_name(run_id: str) -> str:
+    """The tuned GGUF's file name without its quant, named for the run it was
+    tuned by (`run-20261130-184143-h2vk`), not for its base (which `gguf_name`
+    names, for a base model's own export)."""
+    return f"run-{run_id}"
+
+
+def model_title(run_id: str, base: str | None) -> str:
+    """The tuned GGUF's `general.name`: the run, and the base it was tuned from
+    (`run 20261130-184143-h2vk, tuned from smollm2-base`)."""
+    stem = posixpath.basename((base or "").rstrip("/"))
+    return f"run {run_id}, tuned from {stem}" if stem else f"run {run_id}"
+
+
 def converter_path(python: str) -> str:
     """Where llama.cpp's converter is on a target whose job venv has `python`
     (`<venv>/bin/python`)."""
@@ -218,7 +233,8 @@ class ExportTrainer:
         self.spec = spec
         self.cpu_threads = cpu_threads
         self.base_model = base_model(run_dir)
-        self.gguf_stem = gguf_name(run.id, self.base_model)
+        self.gguf_stem = tuned_gguf_name(run.id)
+        self.title = model_title(run.id, self.base_model)
 
     @property
     def name(self) -> str:
@@ -265,8 +281,10 @@ class ExportTrainer:
         copy_job_script(local_run_dir, JOB_MODULE)
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
-        """The job script, with the job venv's Python and the converter next to it."""
-        extra = ["--keep-intermediate"] if self.spec.keep_intermediate else []
+        """The job script, with the job venv's Python and the converter next to it,
+        naming the GGUF for the run (its file and its `general.name`)."""
+        extra = ["--title", self.title]
+        extra += ["--keep-intermediate"] if self.spec.keep_intermediate else []
         return [export_command(ctx, self.spec.quant, self.gguf_stem, self.cpu_threads, *extra)]
 
     def env(self, ctx: JobContext) -> dict[str, str]:

@@ -1,0 +1,303 @@
+"""What a person sees in the Prefect UI, in headless Chromium against the real
+server of the deployment tests: the train flow run's loss curve while its job
+trains and at its end (an image that loaded, whose SVG holds the logged steps),
+the `fine_tune` flow run's own summary linking each step to its subflow run,
+the `runs` flow's table, and table cells that show what they hold. Screenshots
+are kept in each test's directory."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overbrainer_prefect.artifacts import PrefectReporter, notable_warnings
+from overbrainer_prefect.runs import Runs, RunState
+from tests.browser import Browser
+from tests.prefect_server import Stack, tiny_training, wait_until
+
+pytest_plugins = ["tests.prefect_server"]
+pytestmark = pytest.mark.slow
+
+PAGE_TIMEOUT_S = 90.0  # the UI's scripts and API calls, on a loaded machine
+LIVE_STEPS = 160  # long enough for the curve to be seen mid-training (about 1 s a step here)
+
+CURVE_IMAGE = """(() => {
+  const img = [...document.querySelectorAll('.markdown-renderer img')]
+    .find(i => i.src.startsWith('data:image/svg+xml;base64,'));
+  if (!img || !img.complete || img.naturalWidth === 0) return null;
+  const svg = atob(img.src.split(',')[1]);
+  const points = [...svg.matchAll(/data-name="([a-z_]+)" data-points="(\\d+)"/g)]
+    .map(m => [m[1], Number(m[2])]);
+  return {width: img.naturalWidth, height: img.naturalHeight, points: points, svg: svg};
+})()"""
+
+
+def artifacts_by_key(stack: Stack, flow_run_id: Any) -> dict[str, Any]:
+    """The flow run's artifacts, by key."""
+
+    async def read(client: Any) -> dict[str, Any]:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        found = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+        return {a.key: a for a in found if a.key}
+
+    result: dict[str, Any] = stack.server.call(read)
+    return result
+
+
+def open_artifact(browser: Browser, ui: str, flow_run_id: Any, key: str) -> None:
+    """Opens the flow run's page, its Artifacts tab, and the card of `key`, as a
+    person would click through them."""
+    browser.open(f"{ui}/runs/flow-run/{flow_run_id}")
+    browser.wait_for("document.querySelector('li#artifacts') !== null", PAGE_TIMEOUT_S, "tabs")
+    browser.evaluate("document.querySelector('li#artifacts').click()")
+    find_card = (
+        "[...document.querySelectorAll('#artifacts-content a')]"
+        f".find(a => a.innerText.includes({json.dumps(key)}))"
+    )
+    browser.wait_for(f"!!{find_card}", PAGE_TIMEOUT_S, f"the card of artifact {key}")
+    browser.evaluate(f"{find_card}.click()")
+    browser.wait_for(
+        "location.pathname.startsWith('/artifacts/artifact/') && "
+        "!!document.querySelector('.markdown-renderer, .artifact-data-table')",
+        PAGE_TIMEOUT_S,
+        f"the page of artifact {key}",
+    )
+
+
+def curve(browser: Browser) -> dict[str, Any]:
+    """The loss curve as the page shows it, once its image has loaded."""
+    found: dict[str, Any] = browser.wait_for(CURVE_IMAGE, PAGE_TIMEOUT_S, "the loss curve image")
+    return found
+
+
+def steps_logged(stack: Stack, run_id: str) -> int:
+    """How many log events the run's metrics file (retrieved) holds."""
+    text = (Runs(stack.runs).run_dir(run_id) / "metrics.jsonl").read_text()
+    return sum(1 for line in text.splitlines() if '"log"' in line)
+
+
+def new_run_id(stack: Stack, before: set[str]) -> str | None:
+    """The run the deployment made since `before`, once its record exists."""
+    made = [p.name for p in stack.runs.glob("*-*-*") if p.name not in before]
+    return made[0] if made and (stack.runs / made[0] / "run.json").is_file() else None
+
+
+def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its_end(
+    deployed: Stack, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    ui = deployed.server.url
+    before = {p.name for p in deployed.runs.glob("*")}
+    # sequence_len past the tiny model's 256 positions: axolotl warns it raised them
+    training = tiny_training(*tiny, max_steps=LIVE_STEPS, sequence_len=320)
+    flow_run_id = deployed.run_deployment("train/local", target=deployed.target, training=training)
+    run_id: str = wait_until(lambda: new_run_id(deployed, before), 300, "the run's record")
+    key = f"run-{run_id}-loss-curve"
+
+    def curve_has_points() -> bool:
+        artifact = artifacts_by_key(deployed, flow_run_id).get(key)
+        return artifact is not None and 'data-points="' in base64_svg(artifact.data)
+
+    wait_until(curve_has_points, 300, "the loss curve to show a first step", every=2.0)
+    with Browser(tmp_path / "profile") as browser:
+        open_artifact(browser, ui, flow_run_id, key)
+        during = curve(browser)
+        browser.screenshot(tmp_path / "loss-curve-training.png")
+        state_then = Runs(deployed.runs).load(run_id).state
+        final = deployed.wait_final(flow_run_id)
+        assert final.state.is_completed(), final.state
+
+        open_artifact(browser, ui, flow_run_id, key)
+        at_end = curve(browser)
+        browser.screenshot(tmp_path / "loss-curve-end.png")
+        (tmp_path / "loss-curve-end.svg").write_text(at_end["svg"])
+
+    assert during["width"] == at_end["width"] == 720 and during["height"] == 320
+    assert state_then == RunState.RUNNING  # the first picture was taken while it trained
+    seen = dict(during["points"])["loss"]
+    logged = steps_logged(deployed, run_id)
+    assert 1 <= seen < logged  # part of the curve, mid-training
+    assert dict(at_end["points"]) == {"loss": logged}  # every logged step at the end
+
+    # the job's own warning that matters, in its real log, surfaced once
+    job_log = (Runs(deployed.runs).run_dir(run_id) / "job.log").read_text(errors="replace")
+    assert job_log.count("increasing model.config.max_position_embeddings") >= 1
+    found = notable_warnings(job_log + job_log)
+    assert len(found) == 1 and "from 256 to 320" in found[0][1]
+    reporter = PrefectReporter(_ListLogger(), run_id)
+    assert reporter.surface(job_log) == [found[0][1]] and reporter.surface(job_log) == []
+
+
+def base64_svg(markdown: Any) -> str:
+    """The SVG a loss curve artifact's markdown carries."""
+    found = re.search(r"data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)", str(markdown))
+    return base64.b64decode(found.group(1)).decode() if found else ""
+
+
+class _ListLogger:
+    """A logger that keeps its lines (the reporter's lines, read by the test)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, message: str, *args: Any) -> None:
+        self.lines.append(message % args)
+
+    def warning(self, message: str, *args: Any) -> None:
+        self.lines.append(message % args)
+
+
+def test_the_fine_tune_flow_run_shows_its_summary_with_each_step_linked_to_its_subflow_run(
+    deployed: Stack, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    ui = deployed.server.url
+    spec = {
+        "target": deployed.target,
+        "training": tiny_training(*tiny),
+        "export": {"quant": "q8_0"},
+        "compare": {"questions": ["Say | and `tick`?", "hello"], "max_tokens": 8},
+    }
+    flow_run_id = deployed.run_deployment("fine-tune/nightly", spec=spec)
+    final = deployed.wait_final(flow_run_id, timeout=900)
+    assert final.state.is_completed(), final.state
+    artifacts = artifacts_by_key(deployed, flow_run_id)
+    key = next(k for k in artifacts if k.endswith("-pipeline"))
+    run_id = key.removeprefix("run-").removesuffix("-pipeline")
+    assert (deployed.runs / run_id / "exports").is_dir(), run_id
+
+    async def children(client: Any) -> dict[str, str]:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+        found = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
+            )
+        )
+        return {(await client.read_flow(c.flow_id)).name: str(c.id) for c in found}
+
+    subflows: dict[str, str] = deployed.server.call(children)
+    assert set(subflows) == {"train", "export", "compare"}
+
+    with Browser(tmp_path / "profile") as browser:
+        open_artifact(browser, ui, flow_run_id, key)
+        links = browser.wait_for(
+            "(() => { const a = [...document.querySelectorAll('.markdown-renderer a')]"
+            ".map(a => a.getAttribute('href')); return a.length ? a : null })()",
+            PAGE_TIMEOUT_S,
+            "the summary's links",
+        )
+        text = browser.text()
+        browser.screenshot(tmp_path / "pipeline-summary.png")
+        # each link opens its subflow run's page
+        train_link = f"/runs/flow-run/{subflows['train']}"
+        browser.open(ui + train_link)
+        browser.wait_for(
+            "document.body.innerText.includes('train')", PAGE_TIMEOUT_S, "the train run"
+        )
+        browser.screenshot(tmp_path / "train-subflow.png")
+
+    for name, flow_id in subflows.items():
+        assert f"/runs/flow-run/{flow_id}" in links, (name, links)
+    exported = json.loads(
+        next((deployed.runs / run_id / "exports").glob("*/export.json")).read_text()
+    )
+    assert f"Fine-tune of run {run_id}" in text
+    assert "final loss" in text and "SHA-256" in text and "q8_0" in text
+    gguf = next((deployed.runs / run_id / "exports" / exported["id"] / "gguf").glob("*.gguf"))
+    assert gguf.name == f"run-{run_id}-q8_0.gguf"  # named for the run, not its base
+    assert gguf.name in text
+
+
+def test_the_runs_flow_lists_the_runs_as_a_table_filtered_by_state(
+    deployed: Stack, tmp_path: Path
+) -> None:
+    ui = deployed.server.url
+    records = Runs(deployed.runs).list()
+    assert records, "the other tests of this module ran first and left runs"
+    flow_run_id = deployed.run_deployment("runs/default", state=["succeeded"])
+    final = deployed.wait_final(flow_run_id)
+    assert final.state.is_completed(), final.state
+    with Browser(tmp_path / "profile") as browser:
+        open_artifact(browser, ui, flow_run_id, "runs")
+        rows = browser.wait_for(
+            "(() => { const r = [...document.querySelectorAll('.artifact-data-table tbody tr')]"
+            ".map(tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()));"
+            " return r.length ? r : null })()",
+            PAGE_TIMEOUT_S,
+            "the runs table's rows",
+        )
+        header = browser.evaluate(
+            "[...document.querySelectorAll('.artifact-data-table thead th')]"
+            ".map(th => th.innerText.trim())"
+        )
+        browser.screenshot(tmp_path / "runs-table.png")
+    assert header[:9] == [
+        "run",
+        "kind",
+        "state",
+        "target",
+        "steps",
+        "final loss",
+        "spend",
+        "age",
+        "next",
+    ]
+    succeeded = {r.id for r in records if r.state == RunState.SUCCEEDED}
+    listed = {row[0] for row in rows if row[1] == "training"}
+    assert listed == succeeded
+    assert all(row[2] == "succeeded" for row in rows)
+    assert any(row[1] == "export" for row in rows)  # the fine-tune's export, of its run
+
+
+NASTY = [
+    "a|b",
+    "back`tick`s",
+    "```fence```",
+    "<script>alert(1)</script>",
+    "line1\nline2",
+    "*star* _under_ \\ back",
+    "# not a heading",
+    "a\\|b",
+]
+"""Texts that break a markdown table cell written as is."""
+
+
+def test_table_cells_show_what_they_hold_in_the_ui(deployed: Stack, tmp_path: Path) -> None:
+    import asyncio
+
+    from prefect import flow
+    from prefect.artifacts import acreate_markdown_artifact
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from overbrainer_prefect.artifacts import code_cell, table_cell
+
+    @flow(name="cells")
+    async def cells() -> str:
+        markdown = "| plain | code |\n|---|---|\n" + "".join(
+            f"| {table_cell(t)} | {code_cell(t)} |\n" for t in NASTY
+        )
+        await acreate_markdown_artifact(markdown=markdown, key="cells")
+        return str(flow_run.id)
+
+    with temporary_settings(updates={PREFECT_API_URL: deployed.server.api_url}):
+        flow_run_id = asyncio.run(cells())
+    with Browser(tmp_path / "profile") as browser:
+        open_artifact(browser, deployed.server.url, flow_run_id, "cells")
+        rows = browser.wait_for(
+            "(() => { const r = [...document.querySelectorAll('.markdown-renderer tr')]"
+            ".slice(1).map(tr => [...tr.querySelectorAll('td')].map(td => td.innerText));"
+            " return r.length ? r : null })()",
+            PAGE_TIMEOUT_S,
+            "the table's rows",
+        )
+        browser.screenshot(tmp_path / "cells.png")
+    assert [row[0] for row in rows] == NASTY
+    assert [row[1] for row in rows] == [" ".join(t.splitlines()) for t in NASTY]
