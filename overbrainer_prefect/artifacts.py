@@ -23,6 +23,7 @@ from prefect.artifacts import (
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
+from overbrainer_prefect.cells import code_cell, sci, sig, size_text, table_cell
 from overbrainer_prefect.executors.base import FileDigest, JobStatus
 from overbrainer_prefect.losscurve import data_uri, loss_svg
 from overbrainer_prefect.runs.ids import parse_rfc3339
@@ -353,38 +354,6 @@ def round_sig(value: float | None, digits: int = 4) -> float | None:
     return None if finite is None else float(f"{finite:.{digits}g}")
 
 
-def sig(value: float, digits: int = 4) -> str:
-    """`value` written with `digits` significant digits (`5.777`, `0.01234`)."""
-    return f"{value:.{digits}g}"
-
-
-def sci(value: float | None) -> str:
-    """A learning rate as a person reads it: `2.00e-04` (`-` for none)."""
-    return "-" if value is None else f"{value:.2e}"
-
-
-def table_cell(text: str) -> str:
-    """`text` as one markdown table cell that shows it as written: backslashes,
-    pipes, backticks and the characters that would start markup or HTML escaped,
-    line breaks as `<br>`; an empty text as a space."""
-    escaped = re.sub(r"([\\`*_\[\]<>|#~])", r"\\\1", text)
-    return "<br>".join(escaped.splitlines()) or " "
-
-
-def code_cell(text: str) -> str:
-    """`text` as a code span in one markdown table cell: fenced by more backticks
-    than any run of them inside it (padded with spaces when it starts or ends
-    with one), pipes escaped, line breaks as spaces. A text holding a backslash
-    before a pipe is written as `table_cell` writes it (no code span can hold it)."""
-    flat = " ".join(text.splitlines()) or " "
-    if "\\|" in flat:  # a backslash before a pipe cannot be written in a code span of a cell
-        return table_cell(flat)
-    longest = max((len(run) for run in re.findall(r"`+", flat)), default=0)
-    fence = "`" * (longest + 1)
-    pad = " " if flat.startswith("`") or flat.endswith("`") else ""
-    return f"{fence}{pad}{flat.replace('|', chr(92) + '|')}{pad}{fence}"
-
-
 def summary_markdown(
     record: RunRecord,
     target_description: str,
@@ -459,16 +428,6 @@ def _duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-def size_text(size: int) -> str:
-    """A size in bytes as a person reads it: `512 B`, `1.5 MiB`."""
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"
 
 
 def _fmt(value: float | None) -> str:

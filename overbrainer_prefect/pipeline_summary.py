@@ -21,12 +21,9 @@ from prefect.runtime import flow_run as this_flow_run
 
 from overbrainer_prefect.artifacts import (
     artifact_key,
-    code_cell,
     run_duration,
-    sig,
-    size_text,
-    table_cell,
 )
+from overbrainer_prefect.cells import code_cell, sig, size_text, table_cell
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError

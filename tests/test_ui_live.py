@@ -277,7 +277,7 @@ def test_table_cells_show_what_they_hold_in_the_ui(deployed: Stack, tmp_path: Pa
     from prefect.runtime import flow_run
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from overbrainer_prefect.artifacts import code_cell, table_cell
+    from overbrainer_prefect.cells import code_cell, table_cell
 
     @flow(name="cells")
     async def cells() -> str:

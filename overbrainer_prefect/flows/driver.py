@@ -86,11 +86,20 @@ class Finished:
     facts: list[tuple[str, str]] = field(default_factory=list)
 
 
-def reporter_for(record: RunRecord, logger: Logger) -> Reporter:
-    """Where a job's progress goes: a training run's live progress and log,
-    or another job's status in the log."""
+def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None) -> Reporter:
+    """Where a job's progress goes: a training run's live progress, loss curve
+    (with what its pod has cost so far) and log, the job log's warnings that
+    matter; or another job's status in the log."""
     if record.parent is None and record.trainer == TRAINING:
-        return PrefectReporter(logger, record.id)
+        if placed is None:
+            return PrefectReporter(logger, record.id)
+        executor, remote = placed.executor, record.remote_dir
+        return PrefectReporter(
+            logger,
+            record.id,
+            spend=placed.spend,
+            job_log=lambda: lifecycle.job_log_tail(executor, remote),
+        )
     return JobReporter(logger, subject(record))
 
 
@@ -176,7 +185,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
                 raise
             record = store.load(record.id)
             async with target.place(store, record, reservation) as placed:
-                ctx = placed.context(store, reporter_for(record, logger))
+                ctx = placed.context(store, reporter_for(record, logger, placed))
                 try:
                     if job.check is not None:
                         await job.check(placed.executor)
@@ -198,7 +207,7 @@ async def finish(
     store: Runs,
     record: RunRecord,
     trainer: Trainer,
-    reporter: Reporter,
+    logger: Logger,
     *,
     cancel: bool = False,
 ) -> Finished:
@@ -223,7 +232,7 @@ async def finish(
             return Finished(
                 lifecycle.recorded(store, trainer, store.load(record.id)), "its local files"
             )
-        ctx = placed.context(store, reporter)
+        ctx = placed.context(store, reporter_for(record, logger, placed))
         cancelled = False
         if record.state == RunState.RUNNING and cancel:
             record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
@@ -273,9 +282,7 @@ async def follow_again(
             if record.job is None:
                 return await _abandoned(target, store, record)
             trainer = trainer_of(runs, record, target.cpu_threads)
-            return await finish(
-                target, store, record, trainer, reporter_for(record, logger), cancel=cancel
-            )
+            return await finish(target, store, record, trainer, logger, cancel=cancel)
     except RunBusy as busy:
         raise RunError(
             f"{subject(record)} is already followed by {busy.holder}: it records the outcome; "

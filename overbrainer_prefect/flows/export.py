@@ -19,6 +19,7 @@ from prefect.artifacts import acreate_markdown_artifact
 from prefect.client.schemas.objects import State
 from prefect.states import Cancelled
 
+from overbrainer_prefect.cells import size_text
 from overbrainer_prefect.executors.base import Executor, FileDigest
 from overbrainer_prefect.executors.manifest import sha256_file
 from overbrainer_prefect.flows.driver import HOOKS, Check, NewJob, follow_again, run_new
@@ -28,7 +29,6 @@ from overbrainer_prefect.reports.export import (
     ExportResult,
     gguf_entry,
     result_of,
-    size_text,
     summary_markdown,
 )
 from overbrainer_prefect.runs import lifecycle

@@ -11,7 +11,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 from pydantic import BaseModel, Field
 
-from overbrainer_prefect.artifacts import next_step, sig
+from overbrainer_prefect.artifacts import next_step
+from overbrainer_prefect.cells import sig
 from overbrainer_prefect.pipeline_summary import pod_spend
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.metrics import MetricsSummary

@@ -245,7 +245,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
     try:
         with follow_lock(runs.run_dir(run_id), flow_run.id):
             record = runs.load(run_id)
-            finished = await finish(place, runs, record, trainer, reporter_for(record, logger))
+            finished = await finish(place, runs, record, trainer, logger)
             return await run_result(runs, finished.outcome, finished.where)
     except RunBusy as busy:
         logger.info(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from overbrainer_prefect.cells import code_cell, table_cell
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.reports.files import FileEntry
 from overbrainer_prefect.runs.lifecycle import RunError
@@ -124,19 +125,19 @@ def answers_markdown(result: CompareResult, target_description: str) -> str:
         "| | |",
         "|---|---|",
         f"| state | **{result.state}**{' (reused)' if result.reused else ''} |",
-        f"| target | {_cell(target_description)} |",
+        f"| target | {table_cell(target_description)} |",
         f"| quant | {result.quant} |",
         f"| seed | {result.seed} (greedy, temperature 0) |",
         f"| max tokens | {result.max_tokens} |",
-        f"| base | `{_cell(result.base_model)}`, SHA-256 `{result.base_gguf.sha256}` |",
+        f"| base | {code_cell(result.base_model)}, SHA-256 `{result.base_gguf.sha256}` |",
         f"| tuned | export {result.tuned_gguf.export_id}, SHA-256 `{result.tuned_gguf.sha256}` |",
     ]
     if result.message:
-        lines.append(f"| message | {_cell(result.message)} |")
+        lines.append(f"| message | {table_cell(result.message)} |")
     lines += ["", "## Answers", "", "| # | question | base | tuned |", "|---:|---|---|---|"]
     for number, pair in enumerate(result.answers, start=1):
         lines.append(
-            f"| {number} | {_cell(pair.question)} | {_answer_cell(pair.base)} "
+            f"| {number} | {table_cell(pair.question)} | {_answer_cell(pair.base)} "
             f"| {_answer_cell(pair.tuned)} |"
         )
     lines += [
@@ -157,17 +158,11 @@ def answers_markdown(result: CompareResult, target_description: str) -> str:
     return "\n".join(lines)
 
 
-def _cell(text: str) -> str:
-    """`text` in one markdown table cell: pipes escaped, line breaks as `<br>`."""
-    escaped = text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;")
-    return "<br>".join(line for line in escaped.splitlines()) or " "
-
-
 def _answer_cell(answer: ModelAnswer | None) -> str:
     if answer is None:
         return "*(no answer)*"
     cut = " *(cut at the token limit)*" if answer.cut else ""
-    return f"{_cell(answer.answer) if answer.answer else '*(empty)*'}{cut}"
+    return f"{table_cell(answer.answer) if answer.answer else '*(empty)*'}{cut}"
 
 
 def _tokens(answer: ModelAnswer | None) -> str:

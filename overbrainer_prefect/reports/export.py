@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from overbrainer_prefect.cells import size_text, table_cell
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.reports.files import FileEntry
 from overbrainer_prefect.runs.ids import parse_rfc3339
@@ -109,7 +110,7 @@ def summary_markdown(result: ExportResult, target_description: str, record: RunR
         if name in result.phases:
             lines.append(f"| {name} | {result.phases[name]:.1f} s |")
     if result.message:
-        lines.append(f"| message | {_cell(result.message)} |")
+        lines.append(f"| message | {table_cell(result.message)} |")
     lines += ["", f"## Files ({len(result.files)}, verified by SHA-256)", ""]
     if result.files:
         lines += ["| file | size | SHA-256 |", "|---|---:|---|"]
@@ -143,17 +144,3 @@ def _duration(record: RunRecord) -> str:
         return "-"
     seconds = (parse_rfc3339(record.ended) - parse_rfc3339(record.started)).total_seconds()
     return f"{seconds:.0f} s"
-
-
-def size_text(size: int) -> str:
-    """A size as a person reads it: `12.3 MiB`."""
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")

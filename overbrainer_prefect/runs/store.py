@@ -150,7 +150,7 @@ class InvalidRunId(RunsError):
     def __init__(self, run_id: str) -> None:
         super().__init__(
             f"{run_id!r} is not a valid run ID (YYYYMMDD-HHMMSS-xxxx): list the runs with "
-            "the pods or runs flow, or look in runs/"
+            "the runs flow, or look in runs/"
         )
 
 

@@ -143,6 +143,10 @@ class Placed(Protocol):
         uptime, spend), for its summary; empty for a machine you own."""
         ...
 
+    def spend(self) -> float | None:
+        """Dollars its place has cost so far (a pod's), None for a machine you own."""
+        ...
+
 
 class Target(Protocol):
     """Where jobs run. See the module for the verbs."""

@@ -71,6 +71,10 @@ class HostPlaced:
         """None: a machine you own costs nothing here."""
         return []
 
+    def spend(self) -> float | None:
+        """None: a machine you own costs nothing here."""
+        return None
+
 
 class HostTarget:
     """A `Target` over one machine reached by an executor."""

@@ -157,6 +157,10 @@ class PodPlaced:
         """The pod's GPU, rate, uptime, spend, deadline and how it ended."""
         return pod_facts(self.pod)
 
+    def spend(self) -> float | None:
+        """What the pod has cost so far (its GPUs and its disk, by its uptime)."""
+        return self.pod.estimated_spend()
+
 
 def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
     """A pod's summary rows: GPU, rate, uptime, spend, deadline, how it ended."""
