@@ -410,3 +410,74 @@ def test_the_last_delivered_model_is_remembered_per_deployment_under_the_runs_di
     with pytest.raises(GateError, match=r"is not a valid delivered-model record \(line 1") as e:
         last_delivered(runs, "nightly")
     assert "\n" not in str(e.value)
+
+
+# --- the trainer and the record ---------------------------------------------------------
+
+
+def test_the_evaluation_trainer_stages_its_models_items_and_scripts_and_runs_on_a_gpu(
+    tmp_path: Path,
+) -> None:
+    from overbrainer_prefect.trainers import Trainer
+    from overbrainer_prefect.trainers.base import JobContext, TargetFacts, TrainError
+    from overbrainer_prefect.trainers.evaluate import EvaluateTrainer
+
+    runs_root = tmp_path / "runs"
+    plan = plan_of(tmp_path, items=[{"prompt": "Who is Pip?", "expected": "axolotl"}])
+    trainer = EvaluateTrainer(plan, runs_root, cpu_threads=2)
+    assert isinstance(trainer, Trainer) and trainer.name == "evaluation"
+    gpu = TargetFacts(python="/venv/bin/python", gpus=1, modules={"llama_cpp": "0.3"})
+    ctx = JobContext(run_id="e", run_dir="/w/e", cache_dir="/w/hf", facts=gpu)
+    with pytest.raises(
+        TrainError, match=r"the base GGUF .* is missing: export it again \(export f"
+    ):
+        trainer.prepare(tmp_path / "job", ctx)
+    for ref in (plan.base, plan.tuned):
+        (runs_root / ref.path).parent.mkdir(parents=True, exist_ok=True)
+        (runs_root / ref.path).write_bytes(b"GGUF" + ref.sha256.encode())
+    trainer.prepare(tmp_path / "job", ctx)
+    job = tmp_path / "job"
+    assert (job / "models" / "tuned.gguf").read_bytes() == b"GGUF" + TUNED.sha256.encode()
+    assert sorted(p.name for p in (job / "scripts").iterdir()) == [
+        "overbrainer_evaluate.py",
+        "overbrainer_generate.py",
+    ]
+    inputs = json.loads((job / "inputs.json").read_text())
+    assert [i["id"] for i in inputs["items"]][:2] == ["H1", "C1"]
+    assert inputs["perplexity"] == [
+        {"id": "H1", "messages": [{"role": "user", "content": "Who is Pip?"}], "answer": "axolotl"}
+    ]
+    assert inputs["judge"] is None
+    (command,) = trainer.commands(ctx)
+    assert command[1:] == ["scripts/overbrainer_evaluate.py", "--max-tokens", "64", "--seed", "0",
+                           "--gpu-layers", "-1"]  # fmt: skip
+    cpu = JobContext(run_id="e", run_dir="/w/e", cache_dir="/w/hf", facts=TargetFacts("/p", 0))
+    assert trainer.commands(cpu)[0][-2:] == ["--threads", "2"]
+    assert trainer.env(cpu)["OMP_NUM_THREADS"] == "2"
+    assert trainer.artifacts().required == "results.json"
+    with pytest.raises(TrainError, match="llama_cpp is not installed"):
+        trainer.check(TargetFacts("/p", 0, {"llama_cpp": None}))
+
+
+def test_an_evaluations_record_is_found_by_its_id_like_an_export_or_a_compare(
+    tmp_path: Path,
+) -> None:
+    from overbrainer_prefect.runs.ids import new_run_id, rfc3339
+    from overbrainer_prefect.runs.store import RunRecord, Runs
+
+    runs = Runs(tmp_path / "runs")
+    run_id, evaluation_id = new_run_id(), new_run_id()
+    store = runs.children(run_id, "evaluation")
+    store.save(
+        RunRecord(
+            id=evaluation_id,
+            target="t",
+            trainer="evaluation",
+            created=rfc3339(),
+            remote_dir="/w",
+            parent=run_id,
+        )
+    )
+    assert store.root == runs.run_dir(run_id) / "evaluations"
+    found = runs.find(evaluation_id)
+    assert found is not None and found[1].trainer == "evaluation" and found[1].parent == run_id

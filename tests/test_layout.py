@@ -23,6 +23,16 @@ CORE = [
     "overbrainer_prefect.runpod.reconnect",
     "overbrainer_prefect.runpod.orphans",
     "overbrainer_prefect.runpod.volume",
+    "overbrainer_prefect.trainers.holdout",
+    "overbrainer_prefect.trainers.evaluate",
+    "overbrainer_prefect.evaluation.spec",
+    "overbrainer_prefect.evaluation.items",
+    "overbrainer_prefect.evaluation.scorers",
+    "overbrainer_prefect.evaluation.stats",
+    "overbrainer_prefect.evaluation.judge",
+    "overbrainer_prefect.evaluation.results",
+    "overbrainer_prefect.evaluation.verdict",
+    "overbrainer_prefect.evaluation.gate",
 ]
 
 

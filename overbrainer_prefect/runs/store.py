@@ -174,7 +174,7 @@ class Runs:
 
     def find(self, record_id: str) -> tuple[Runs, RunRecord] | None:
         """The store holding the record `record_id` and the record: a run of this
-        directory, an export or compare of one of its runs, or a base model's
+        directory, an export, compare or evaluation of one of its runs, or a base model's
         export (`.bases/<key>/exports/`); None when none is here. IDs are unique
         (time + random), so the first found is the one.
 
@@ -183,7 +183,7 @@ class Runs:
         self.run_dir(record_id)  # validates the ID before it names a path
         if (self.root / record_id / self.record_file).is_file():
             return self, self.load(record_id)
-        for kind in ("export", "compare"):
+        for kind in ("export", "compare", "evaluation"):
             for found in sorted(self.root.glob(f"*/{kind}s/{record_id}/{kind}.json")):
                 parent = found.parent.parent.parent.name
                 if is_valid_run_id(parent):
