@@ -3,7 +3,7 @@ compare tests' fine-tune, trained and exported once for the module by the real
 flows) evaluated by the real job script, run directly with the job venv's
 Python in a directory its trainer prepared: both models' answers (the very
 answers the compare gave: the two jobs share their generation), the scores, the
-perplexity (checked against llama.cpp evaluated one token at a time), a judge
+perplexity (checked against llama-cpp-python's own log-softmax), a judge
 GGUF asked both orders, the metrics, and the refusal of an item too long."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from overbrainer_prefect.evaluation.results import (
     read_job_results,
     score,
 )
+from overbrainer_prefect.evaluation.scorers import normalise
 from overbrainer_prefect.evaluation.spec import EvalItem, EvaluationPlan, EvaluationSpec
 from overbrainer_prefect.evaluation.verdict import markdown, verdict
 from overbrainer_prefect.runs import Runs
@@ -33,25 +34,25 @@ from tests.test_compare import MAX_TOKENS, QUESTIONS, Trained, trained  # noqa: 
 
 JOB_TIMEOUT_S = 300.0  # two tiny GGUFs, a dozen short answers, a judge: seconds alone
 
-# Perplexity the slow way: each answer token evaluated alone after its prefix,
-# its log-probability read from the last logits (no logits_all), in float64.
-PPL_BY_TOKEN = """
+# Perplexity by llama-cpp-python's own log-softmax (`Llama.logits_to_logprobs`), each
+# answer token's log-probability read from the row before it, the prompt tokenized
+# from its ChatML text without a BOS (as llama-cpp-python's chat formatter renders it).
+PPL_REFERENCE = """
 import json, math, sys
-import numpy as np
 import llama_cpp
 path, texts = sys.argv[1], json.loads(sys.argv[2])
-llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_threads=1, seed=0, verbose=False)
+llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_threads=1, seed=0, logits_all=True,
+                      verbose=False)
 nll, count = 0.0, 0
 for prompt_text, answer_text in texts:
-    prompt = llm.tokenize(prompt_text.encode(), add_bos=True, special=True)
-    answer = llm.tokenize(answer_text.encode(), add_bos=False, special=False)
+    prompt = llm.tokenize(prompt_text.encode(), add_bos=False, special=True)
+    tokens = prompt + llm.tokenize(answer_text.encode(), add_bos=False, special=False)
     llm.reset()
-    llm.eval(prompt)
-    for token in answer:
-        row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
-        nll += float(np.log(np.exp(row - row.max()).sum()) + row.max() - row[token])
+    llm.eval(tokens)
+    logprobs = llama_cpp.Llama.logits_to_logprobs(llm.scores[: len(tokens)])
+    for i in range(len(prompt), len(tokens)):
+        nll -= float(logprobs[i - 1][tokens[i]])
         count += 1
-        llm.eval([token])
 print(json.dumps({"perplexity": math.exp(nll / count), "tokens": count}))
 """
 
@@ -160,11 +161,12 @@ def test_the_evaluation_job_answers_every_item_with_both_models_as_the_compare_d
         (model, item.id) for model in ("base", "tuned") for item in plan.items
     ]
     for answer in job.answers:
-        assert answer.template and answer.prompt_tokens > 5 and answer.tokens >= 1
+        assert answer.template and answer.prompt_tokens > 5
     # the same generation as the compare's: the same answers, byte for byte
-    for question in QUESTIONS:
+    for n, question in enumerate(QUESTIONS, start=4):  # H1-H3: the eval file's rows
         for model in ("base", "tuned"):
-            (mine,) = [a for a in job.answers if a.question == question and a.model == model]
+            (mine,) = [a for a in job.answers if a.id == f"H{n}" and a.model == model]
+            assert mine.question == question
             assert mine.answer == evaluated.compare_answers[(question, model)]
     # the job loaded exactly the planned GGUFs and says what it ran with
     assert job.models["base"].sha256 == plan.base.sha256
@@ -182,9 +184,9 @@ def test_the_results_are_scored_item_by_item_into_rates_flips_and_a_verdict(
     by_id = {item.id: item for item in result.items}
     for n, question in enumerate(QUESTIONS, start=4):  # H1-H3: the eval file's rows
         item = by_id[f"H{n}"]
-        assert item.prompt == question and item.tuned_pass
-        same = evaluated.compare_answers[(question, "base")].strip().casefold()
-        assert item.base_pass == (same == item.expected.strip().casefold())
+        assert item.prompt == question and item.tuned_pass  # its own compare answer
+        base = evaluated.compare_answers[(question, "base")]
+        assert item.base_pass == (normalise(base) == normalise(item.expected))
     controls = result.controls
     assert controls is not None and controls.base.total == 2
     assert by_id["C1"].base_pass and by_id["C1"].tuned_pass  # `.*` passes anything
@@ -201,21 +203,23 @@ def test_perplexity_is_measured_on_the_same_held_out_answers_for_both_models(
 ) -> None:
     ppl = evaluated.job.perplexity
     assert ppl is not None and set(ppl) == {"base", "tuned"}
-    assert ppl["base"].tokens == ppl["tuned"].tokens and ppl["base"].texts == 3
+    held = evaluated.plan.group("heldout")  # 3 eval-file rows and the 2 compare questions
+    assert ppl["base"].tokens == ppl["tuned"].tokens and ppl["base"].texts == len(held) == 5
     assert ppl["base"].perplexity != ppl["tuned"].perplexity
-    # the same numbers, computed one token at a time by llama.cpp from the ChatML prompt
+    assert ppl["tuned"].perplexity < ppl["base"].perplexity  # it was trained on H1-H3
+    # the same numbers, computed by llama-cpp-python's log-softmax from the ChatML text
     texts = [
         (
-            "<|im_start|>user\n" + row["messages"][0]["content"] + "<|im_end|>\n"  # type: ignore[index]
-            "<|im_start|>assistant\n",
-            row["messages"][1]["content"],  # type: ignore[index]
+            "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in item.messages)
+            + "<|im_start|>assistant\n",
+            item.reference_text,
         )
-        for row in evaluated.eval_rows
+        for item in held
     ]
     runs_root = evaluated.trained.runs_dir.absolute()
     for model, ref in (("base", evaluated.plan.base), ("tuned", evaluated.plan.tuned)):
         done = subprocess.run(
-            [job_python, "-c", PPL_BY_TOKEN, str(runs_root / ref.path), json.dumps(texts)],
+            [job_python, "-c", PPL_REFERENCE, str(runs_root / ref.path), json.dumps(texts)],
             capture_output=True,
             text=True,
             timeout=JOB_TIMEOUT_S,
@@ -223,7 +227,7 @@ def test_perplexity_is_measured_on_the_same_held_out_answers_for_both_models(
         )
         slow = json.loads(done.stdout)
         assert slow["tokens"] == ppl[model].tokens
-        assert ppl[model].perplexity == pytest.approx(slow["perplexity"], rel=1e-4)
+        assert ppl[model].perplexity == pytest.approx(slow["perplexity"], rel=1e-5), model
     assert ppl["base"].perplexity > 1 and ppl["tuned"].perplexity > 1
 
 
