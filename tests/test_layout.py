@@ -33,6 +33,16 @@ CORE = [
     "overbrainer_prefect.targets.base",
     "overbrainer_prefect.targets.host",
     "overbrainer_prefect.targets.pod",
+    "overbrainer_prefect.trainers.holdout",
+    "overbrainer_prefect.trainers.evaluate",
+    "overbrainer_prefect.evaluation.spec",
+    "overbrainer_prefect.evaluation.items",
+    "overbrainer_prefect.evaluation.scorers",
+    "overbrainer_prefect.evaluation.stats",
+    "overbrainer_prefect.evaluation.judge",
+    "overbrainer_prefect.evaluation.results",
+    "overbrainer_prefect.evaluation.verdict",
+    "overbrainer_prefect.evaluation.gate",
 ]
 
 TARGET_CLASSES = ("RunpodTarget", "SshTarget", "LocalTarget", "PodTarget", "HostTarget")

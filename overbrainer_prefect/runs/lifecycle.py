@@ -50,6 +50,7 @@ from overbrainer_prefect.trainers.base import (
     Trainer,
     TrainError,
 )
+from overbrainer_prefect.trainers.holdout import HOLDOUT_DIR
 from overbrainer_prefect.trainers.probe import parse_probe, probe_command
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ LOCAL_ONLY = (
     ".ssh",
     "exports",
     "compares",
+    "evaluations",
+    HOLDOUT_DIR,  # the rows a run keeps out of its training
 )
 """Entries of a local run directory that never leave this machine."""
 

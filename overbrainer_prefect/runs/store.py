@@ -36,7 +36,7 @@ RUNS_ROOT_ENV = "OVERBRAINER_RUNS_DIR"
 machines attach to the same runs); default `./runs`."""
 
 
-CHILD_KINDS = ("export", "compare")
+CHILD_KINDS = ("export", "compare", "evaluation")
 """The kinds of record a run holds below it: `<run dir>/<kind>s/<id>/<kind>.json`."""
 
 BASES_DIR = ".bases"
@@ -186,7 +186,7 @@ class Runs:
 
     def find(self, record_id: str) -> tuple[Runs, RunRecord] | None:
         """The store holding the record `record_id` and the record: a run of this
-        directory, an export or compare of one of its runs, or a base model's
+        directory, an export, compare or evaluation of one of its runs, or a base model's
         export (`.bases/<key>/exports/`); None when none is here. IDs are unique
         (time + random), so the first found is the one.
 

@@ -37,6 +37,7 @@ from overbrainer_prefect.trainers.base import (
     TargetFacts,
     TrainError,
 )
+from overbrainer_prefect.trainers.holdout import split_heldout
 from overbrainer_prefect.trainers.preflight import BF16_CAPABILITY, sharding_label, target_problem
 from overbrainer_prefect.trainers.spec import DEEPSPEED_STAGES, DatasetSpec, TrainingSpec
 
@@ -174,12 +175,16 @@ class AxolotlTrainer:
         """Copies the local datasets into `data/` and the metrics plugin into `plugins/`
         of the local run directory, and writes `axolotl.yaml`.
 
-        Raises TrainError when a local dataset file is missing or the target cannot
-        run the spec (QLoRA without a GPU).
+        With `holdout` set, the held-out rows are taken out of the copies in `data/`
+        and kept in `heldout/` (local only: see trainers/holdout.py).
+
+        Raises TrainError when a local dataset file is missing, the held-out split
+        cannot be made, or the target cannot run the spec (QLoRA without a GPU).
         """
         self.spec.check_files_exist()
         self._check_target(ctx.facts)
         data_paths = self._copy_datasets(local_run_dir)
+        split_heldout(local_run_dir, data_paths, self.spec)  # held-out rows leave data/
         plugins = local_run_dir / PLUGINS_DIR
         plugins.mkdir(parents=True, exist_ok=True)
         source = resources.files("overbrainer_prefect.jobs").joinpath(f"{PLUGIN_MODULE}.py")

@@ -6,7 +6,8 @@ the target) holds what the job reads, with paths relative to it:
     models/base.gguf    the base model's GGUF, of the same quant type as the tuned one
     models/tuned.gguf   the run's GGUF, from its export
     questions.json      the questions
-    scripts/            the job script, `overbrainer_compare.py`
+    scripts/            the job script, `overbrainer_compare.py`, and the generation
+                        it shares with the evaluation, `overbrainer_generate.py`
 
 The job (see `overbrainer_prefect/jobs/overbrainer_compare.py`) answers every
 question with each model through its own chat template, greedily, with a fixed
@@ -57,6 +58,8 @@ ANSWERS_FILE = "answers.jsonl"
 QUESTIONS_FILE = "questions.json"
 MODELS_DIR = "models"
 COMPARE_MODULE = "overbrainer_compare"
+GENERATE_MODULE = "overbrainer_generate"
+"""The generation the compare and evaluation jobs share, a sibling of their scripts."""
 COMPARE_MODULES = ("llama_cpp",)
 """What the compare job imports."""
 
@@ -347,6 +350,7 @@ class CompareTrainer:
         (local_run_dir / QUESTIONS_FILE).write_text(
             json.dumps(self.spec.questions, ensure_ascii=False, indent=1) + "\n", encoding="utf-8"
         )
+        copy_job_script(local_run_dir, GENERATE_MODULE)
         copy_job_script(local_run_dir, COMPARE_MODULE)
 
     def commands(self, ctx: JobContext) -> list[list[str]]:

@@ -385,6 +385,24 @@ class TrainingSpec(BaseModel):
             )
         return warnings
 
+    # The held-out split for the evaluation (trainers/holdout.py).
+    holdout: float = Field(
+        default=0.0,
+        ge=0,
+        description="Rows of the local JSON-lines datasets kept out of training for the "
+        "evaluation: a share (below 1) or a number of rows; 0 keeps none. The split is fixed "
+        "by the seed and recorded with the run, and its rows are never uploaded.",
+    )
+
+    @field_validator("holdout")
+    @classmethod
+    def _holdout_share_or_rows(cls, size: float) -> float:
+        if size >= 1 and size != int(size):
+            raise ValueError(
+                f"holdout {size} is neither a share below 1 nor a whole number of rows"
+            )
+        return size
+
 
 def spec_problem(spec: TrainingSpec) -> str | None:
     """One line saying why a local dataset of `spec` cannot be found from this

@@ -1,0 +1,200 @@
+"""The gate of a nightly fine-tune: is tonight's model good enough to deliver?
+
+A `GateRule` says what a model must do, for instance "held-out pass rate at
+least the last delivered model's, no control regression"; `decide` applies it
+to an evaluation and says pass or fail in one line. A model that fails is kept
+and reported, not delivered.
+
+The last delivered model of a deployment is remembered under the runs
+directory, one small record per deployment:
+`<runs dir>/.delivered/<deployment>-<hash>.json` (a dot directory, so it is never
+taken for a run), written atomically when a model is delivered
+(`remember_delivered`) and read by the next night (`last_delivered`). When the
+evaluation measured the tuned model against that very GGUF (its SHA-256 is the
+plan's `base`), the comparison is on the same items; otherwise the tuned model's
+held-out pass rate is compared with the rate the delivered one had.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from overbrainer_prefect.evaluation.results import EvaluationResult
+from overbrainer_prefect.runs.records import RecordError, load_record, save_record
+from overbrainer_prefect.trainers.export import NAME_CHARS
+
+DELIVERED_DIR = ".delivered"
+"""Under the runs directory: the last delivered model of each deployment."""
+
+
+class GateError(Exception):
+    """The delivered-model record cannot be read or written. The message is one line."""
+
+
+class GateRule(BaseModel):
+    """What a fine-tune must do to be delivered (a flow parameter)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    heldout_at_least_last: bool = Field(
+        default=True,
+        description="Held-out pass rate at least the last delivered model's (none yet: passes).",
+    )
+    max_control_regressions: int = Field(
+        default=0, ge=0, description="Controls the tuned model may fail that the base passed."
+    )
+    min_heldout_rate: float | None = Field(
+        default=None, ge=0, le=1, description="The lowest held-out pass rate delivered."
+    )
+    must_beat_base: bool = Field(
+        default=False,
+        description="The tuned model must beat the base significantly (McNemar p < alpha).",
+    )
+
+    def describe(self) -> str:
+        """The rule in words, like `held-out pass rate at least the last delivered
+        model's, no control regression`."""
+        parts = []
+        if self.heldout_at_least_last:
+            parts.append("held-out pass rate at least the last delivered model's")
+        if self.min_heldout_rate is not None:
+            parts.append(f"held-out pass rate at least {self.min_heldout_rate:.0%}")
+        if self.must_beat_base:
+            parts.append("significantly better than base on held-out")
+        n = self.max_control_regressions
+        parts.append(
+            "no control regression" if n == 0 else f"at most {n} control regression{'s' * (n > 1)}"
+        )
+        return ", ".join(parts)
+
+
+class Delivered(BaseModel):
+    """The last model delivered for a deployment, and how it did on held-out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: str
+    run_id: str
+    evaluation_id: str | None = None
+    gguf_path: str = Field(description="The delivered GGUF, relative to the runs directory.")
+    gguf_sha256: str
+    heldout_passed: int = Field(ge=0)
+    heldout_total: int = Field(ge=0)
+    delivered: str = Field(description="When it was delivered, RFC 3339 UTC.")
+
+    @property
+    def heldout_rate(self) -> float:
+        """Its held-out pass rate (0 with no item)."""
+        return self.heldout_passed / self.heldout_total if self.heldout_total else 0.0
+
+
+class GateDecision(BaseModel):
+    """Whether a model passes the gate, and why, in one line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    passed: bool
+    reason: str
+
+
+def decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> GateDecision:
+    """Applies `rule` to `result`, `last` being the deployment's last delivered
+    model (None before the first delivery). The reason names the first criterion
+    failed, or what was checked when all pass."""
+    held = result.heldout
+    tuned = f"{held.tuned.passed}/{held.tuned.total}"
+    regressions = result.controls.pass_to_fail if result.controls is not None else []
+    checked = []
+    if len(regressions) > rule.max_control_regressions:
+        allowed = rule.max_control_regressions or "none"
+        return GateDecision(
+            passed=False,
+            reason=f"not delivered: {len(regressions)} control regression"
+            f"{'s' * (len(regressions) > 1)} ({', '.join(regressions)}), the rule allows "
+            f"{allowed}",
+        )
+    checked.append(
+        f"{len(regressions)} control regression{'s' * (len(regressions) != 1)}"
+        if regressions
+        else "no control regression"
+    )
+    if rule.min_heldout_rate is not None:
+        if held.tuned.rate < rule.min_heldout_rate:
+            return GateDecision(
+                passed=False,
+                reason=f"not delivered: held-out {tuned} = {held.tuned.rate:.0%}, below the "
+                f"rule's {rule.min_heldout_rate:.0%}",
+            )
+        checked.append(f"held-out {tuned} ≥ {rule.min_heldout_rate:.0%}")
+    if rule.must_beat_base:
+        if not (held.tuned.passed > held.base.passed and held.p_value < result.plan.alpha):
+            return GateDecision(
+                passed=False,
+                reason=f"not delivered: held-out {tuned} vs base {held.base.passed}/"
+                f"{held.base.total} (McNemar p = {held.p_value:.2g}) is not significantly better",
+            )
+        checked.append(f"beats base {held.base.passed}/{held.base.total}")
+    if rule.heldout_at_least_last:
+        if last is None:
+            checked.append("no model delivered before")
+        elif last.gguf_sha256 == result.plan.base.sha256:
+            # measured against the delivered GGUF itself: the same items, paired
+            if held.tuned.passed < held.base.passed:
+                return GateDecision(
+                    passed=False,
+                    reason=f"not delivered: held-out {tuned}, below the last delivered model's "
+                    f"{held.base.passed}/{held.base.total} on the same items (run {last.run_id})",
+                )
+            checked.append(
+                f"held-out {tuned} ≥ the last delivered model's {held.base.passed}/"
+                f"{held.base.total} on the same items (run {last.run_id})"
+            )
+        else:
+            was = f"{last.heldout_passed}/{last.heldout_total}"
+            if held.tuned.rate < last.heldout_rate:
+                return GateDecision(
+                    passed=False,
+                    reason=f"not delivered: held-out {tuned} = {held.tuned.rate:.0%}, below the "
+                    f"last delivered model's {was} = {last.heldout_rate:.0%} (run {last.run_id})",
+                )
+            checked.append(
+                f"held-out {tuned} ≥ the last delivered model's {was} (run {last.run_id})"
+            )
+    return GateDecision(passed=True, reason=f"delivered: {'; '.join(checked)}")
+
+
+def delivered_path(runs_root: Path, deployment: str) -> Path:
+    """The record of `deployment`'s last delivered model: its name in file-safe
+    characters and a hash of the exact name, so two names never share a file."""
+    stem = NAME_CHARS.sub("-", deployment).strip(".-")[:60] or "deployment"
+    digest = hashlib.sha256(deployment.encode()).hexdigest()[:12]
+    return runs_root / DELIVERED_DIR / f"{stem}-{digest}.json"
+
+
+def last_delivered(runs_root: Path, deployment: str) -> Delivered | None:
+    """The last model delivered for `deployment`, or None before the first.
+
+    Raises GateError with one line when the record is there but cannot be read."""
+    path = delivered_path(runs_root, deployment)
+    try:
+        record = load_record(path, Delivered, "delivered-model")
+    except FileNotFoundError:
+        return None
+    except RecordError as error:
+        raise GateError(f"{error}: remove it to gate the next model against none") from None
+    if record.deployment != deployment:
+        raise GateError(f"{path} is the record of another deployment: remove it")
+    return record
+
+
+def remember_delivered(runs_root: Path, record: Delivered) -> None:
+    """Records `record` as its deployment's last delivered model, atomically.
+    Raises GateError with one line when it cannot be written."""
+    path = delivered_path(runs_root, record.deployment)
+    try:
+        save_record(path.parent, path.name, record)
+    except RecordError as error:
+        raise GateError(str(error)) from None
