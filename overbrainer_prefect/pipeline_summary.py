@@ -144,6 +144,17 @@ def compare_step(compared: Any, flow_run_id: str | None) -> StepLine:
     )
 
 
+def evaluation_step(result: Any, flow_run_id: str | None) -> StepLine:
+    """The evaluation step: its verdict, and what the gate decided from it."""
+    facts = [("verdict", table_cell(str(result.verdict)))]
+    gate = getattr(result, "gate", None)
+    if gate is not None:
+        facts.append(
+            ("gate", table_cell(("passed: " if gate.passed else "failed: ") + gate.reason))
+        )
+    return StepLine("evaluate", "completed", flow_run_id, facts)
+
+
 def delivery_step(links: list[tuple[str, str]], flow_run_id: str | None) -> StepLine:
     """A delivery step: each place the model went to, as (name, URL) links."""
     facts = [(table_cell(name), f"[{table_cell(url)}]({url})") for name, url in links]
@@ -186,6 +197,8 @@ async def publish_pipeline_summary(
         steps.append(export_step(result.export, children.get("export")))
     if getattr(result, "compare", None) is not None:
         steps.append(compare_step(result.compare, children.get("compare")))
+    if getattr(result, "evaluation", None) is not None:
+        steps.append(evaluation_step(result, children.get("evaluate")))
     if deliveries:
         steps.append(delivery_step(deliveries, children.get("deliver")))
     await acreate_markdown_artifact(

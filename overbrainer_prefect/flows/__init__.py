@@ -3,6 +3,7 @@
 from overbrainer_prefect.flows.collect import Collected, collect
 from overbrainer_prefect.flows.compare import compare
 from overbrainer_prefect.flows.deliver import deliver
+from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
 from overbrainer_prefect.flows.pods import PodsResult, pods
@@ -26,6 +27,7 @@ __all__ = [
     "collect",
     "compare",
     "deliver",
+    "evaluate",
     "export",
     "fine_tune",
     "pods",

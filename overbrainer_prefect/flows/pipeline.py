@@ -14,15 +14,31 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import State
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from prefect.runtime import deployment
+from prefect.states import Completed
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from overbrainer_prefect.evaluation.gate import (
+    Delivered,
+    GateDecision,
+    GateRule,
+    decide,
+    last_delivered,
+    remember_delivered,
+)
+from overbrainer_prefect.evaluation.results import EvaluationResult
+from overbrainer_prefect.evaluation.spec import EvaluationSpec
+from overbrainer_prefect.evaluation.verdict import verdict
 from overbrainer_prefect.flows.compare import compare, running_compare
+from overbrainer_prefect.flows.deliver import DEFAULT_HF_BLOCK, DeliveryResult, deliver
 from overbrainer_prefect.flows.driver import HOOKS
+from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export, running
 from overbrainer_prefect.flows.train import RunResult, attach, train
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.reports.compare import CompareResult
 from overbrainer_prefect.reports.export import ExportResult
+from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.trainers.compare import (
@@ -58,6 +74,21 @@ class CompareSettings(BaseModel):
     )
 
 
+class DeliverSettings(BaseModel):
+    """Where a fine-tune that passes its gate is delivered (the `deliver` flow's
+    parameters): an `OllamaServer` block and/or a Hub repository."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ollama: str | None = Field(default=None, description="The OllamaServer block to push to.")
+    model_name: str | None = Field(default=None, description="The Ollama model's name.")
+    hub_repo: str | None = Field(default=None, description="The Hub repository (owner/name).")
+    huggingface: str = Field(
+        default=DEFAULT_HF_BLOCK, description="The HuggingFaceCredentials block of the push."
+    )
+    private: bool = Field(default=True, description="A new Hub repository is private.")
+
+
 class FineTuneSpec(BaseModel):
     """The whole fine-tune: where it runs, what it trains, what it exports and what
     it asks the base and tuned models (the `fine_tune` flow's one parameter)."""
@@ -68,6 +99,18 @@ class FineTuneSpec(BaseModel):
     training: TrainingSpec
     export: ExportSpec = Field(default_factory=ExportSpec)
     compare: CompareSettings = Field(default_factory=CompareSettings)
+    evaluation: EvaluationSpec | None = Field(
+        default=None,
+        description="Evaluate the tuned GGUF against its base on held-out items and controls.",
+    )
+    gate: GateRule | None = Field(
+        default=None,
+        description="What the evaluation must show for the model to be delivered (needs "
+        "`evaluation`); the last delivered model of this deployment is the reference.",
+    )
+    deliver: DeliverSettings | None = Field(
+        default=None, description="Where the model goes once it passed its gate (if any)."
+    )
     runs_dir: str | None = Field(
         default=None, description="The runs directory ($OVERBRAINER_RUNS_DIR, else ./runs)."
     )
@@ -78,6 +121,12 @@ class FineTuneSpec(BaseModel):
         if not target.strip():
             raise ValueError("name the target block the fine-tune runs on")
         return target
+
+    @model_validator(mode="after")
+    def _gate_needs_evaluation(self) -> FineTuneSpec:
+        if self.gate is not None and self.evaluation is None:
+            raise ValueError("a gate needs an evaluation: set evaluation, or unset gate")
+        return self
 
 
 class FineTuneResult(BaseModel):
@@ -90,6 +139,10 @@ class FineTuneResult(BaseModel):
     )
     export: ExportResult
     compare: CompareResult
+    evaluation: EvaluationResult | None = None
+    verdict: str | None = Field(default=None, description="The evaluation's verdict.")
+    gate: GateDecision | None = Field(default=None, description="What the gate decided.")
+    delivered: DeliveryResult | None = None
     reused: list[str] = Field(
         default_factory=list, description="The steps taken from their records, not done again."
     )
@@ -224,7 +277,7 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         reused.append(COMPARE)
 
     logger.info(
-        "fine-tune of run %s done%s: GGUF %s, answers in %s",
+        "fine-tune of run %s%s: GGUF %s, answers in %s",
         run_id,
         f" (reused: {', '.join(reused)})" if reused else "",
         exported.gguf_path,
@@ -238,5 +291,84 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         reused=reused,
         next=compared.next,
     )
-    await publish_pipeline_summary(result, runs)
+    kept = _kept(runs, run_id, exported.export_id)
+    if spec.evaluation is not None:
+        try:
+            evaluated = await evaluate(
+                run_id=run_id,
+                evaluation=spec.evaluation.model_copy(update={"quant": quant}),
+                target=spec.target,
+                runs_dir=spec.runs_dir,
+            )
+        except Exception as error:
+            raise PipelineFailed(
+                f"the fine-tune stopped at the evaluation: {error}; {kept}"
+            ) from None
+        if isinstance(evaluated, State):
+            return evaluated
+        result.evaluation, result.verdict = evaluated, verdict(evaluated)
+        logger.info("run %s: %s", run_id, result.verdict)
+    name = _deployment_name()
+    if spec.gate is not None and result.evaluation is not None:
+        result.gate = decide(spec.gate, result.evaluation, last_delivered(runs.root, name))
+        logger.info("the gate (%s): %s", spec.gate.describe(), result.gate.reason)
+    if spec.deliver is not None and (result.gate is None or result.gate.passed):
+        result.delivered = await _deliver(spec, run_id, quant, result, name, kept)
+    await publish_pipeline_summary(result, runs, _links(result.delivered))
+    if result.gate is not None and not result.gate.passed:
+        return Completed(
+            message=f"not delivered: {result.gate.reason}; run {run_id} and its GGUF are kept",
+            data=result,
+        )
     return result
+
+
+def _deployment_name() -> str:
+    """The name the gate keys the last delivered model by: this flow run's
+    deployment (`fine-tune/nightly`), or the flow's when it runs without one."""
+    name = deployment.name
+    return f"fine-tune/{name}" if name else "fine-tune"
+
+
+async def _deliver(
+    spec: FineTuneSpec, run_id: str, quant: str, result: FineTuneResult, name: str, kept: str
+) -> DeliveryResult:
+    """Delivers the run (the `deliver` flow, as a subflow) and, after an
+    evaluation, remembers it as the model the next fine-tune is measured against."""
+    settings = spec.deliver
+    assert settings is not None
+    try:
+        delivered = await deliver(
+            run_id=run_id,
+            ollama=settings.ollama,
+            model_name=settings.model_name,
+            hub_repo=settings.hub_repo,
+            huggingface=settings.huggingface,
+            private=settings.private,
+            quant=quant,
+            runs_dir=spec.runs_dir,
+        )
+    except Exception as error:
+        raise PipelineFailed(f"the fine-tune stopped at the delivery: {error}; {kept}") from None
+    evaluated = result.evaluation
+    if evaluated is not None:
+        heldout = evaluated.heldout.tuned
+        remember_delivered(
+            Runs(spec.runs_dir).root,
+            Delivered(
+                deployment=name,
+                run_id=run_id,
+                gguf_path=evaluated.plan.tuned.path,
+                gguf_sha256=evaluated.plan.tuned.sha256,
+                heldout_passed=heldout.passed,
+                heldout_total=heldout.total,
+                delivered=rfc3339(),
+            ),
+        )
+    return delivered
+
+
+def _links(delivered: DeliveryResult | None) -> list[tuple[str, str]] | None:
+    if delivered is None:
+        return None
+    return [(f"{d.destination}: {d.name}", d.url) for d in delivered.deliveries]

@@ -34,7 +34,9 @@ from overbrainer_prefect.runs.resume import resume_point, resumed_spec, stage_ch
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.targets.base import JobNeed, Logger, Target
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, launch_summary
+from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.export import ExportSpec
+from overbrainer_prefect.trainers.holdout import holdout_problem
 from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.rebuild import TRAINING, trainer_of
 from overbrainer_prefect.trainers.spec import TrainingSpec
@@ -190,6 +192,9 @@ async def check_before_anything(spec: TrainingSpec, place: Target, logger: Logge
         secrets=list(secrets),
         hub_token=hub.get_secret_value() if hub is not None else None,
     )
+    problem = holdout_problem(spec)
+    if problem is not None:
+        raise TrainError(problem)
     for warning in warnings:
         logger.warning("%s", warning)
     logger.info("the run will be %s on %s", launch_summary(spec, facts.gpus), place.ref)

@@ -3,12 +3,14 @@ follows a job again (attach, the collector, a hook) does the same way."""
 
 from __future__ import annotations
 
+from overbrainer_prefect.evaluation.spec import EvaluationPlan
 from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.resume import resume_path
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import Trainer
 from overbrainer_prefect.trainers.compare import BaseExportTrainer, CompareTrainer, spec_of
+from overbrainer_prefect.trainers.evaluate import EVALUATION, EvaluateTrainer
 from overbrainer_prefect.trainers.export import ExportSpec, ExportTrainer
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
@@ -24,6 +26,12 @@ def trainer_of(runs: Runs, record: RunRecord, cpu_threads: int | None = None) ->
     runs directory (the root store). Raises RunError with one line when the
     record holds no usable spec."""
     spec = record.spec
+    if record.trainer == EVALUATION:
+        if spec is None:
+            raise RunError(f"{subject(record)} has no evaluation plan in its record")
+        return EvaluateTrainer(
+            EvaluationPlan.model_validate(spec), runs.root, cpu_threads=cpu_threads
+        )
     if record.trainer == COMPARE:
         compare = spec_of(spec)
         if compare is None:

@@ -1,0 +1,160 @@
+"""The evaluate flow: did the fine-tune help, and what did it break.
+
+The shipped GGUFs of the run and of its base model (same quant) answer the
+run's held-out items and the controls on the target, as one more job of the
+driver (on a pod of its own on Runpod); the answers are retrieved and
+verified, scored here (so a scoring can be redone from the files), and shown
+in an artifact whose first line is the verdict. The result is recorded under
+the run (`runs/R/evaluations/E/`), with the SHA-256 of both models and
+everything needed to repeat it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import httpx
+from prefect import flow, get_run_logger
+from prefect.artifacts import acreate_markdown_artifact
+from prefect.client.schemas.objects import State
+from prefect.states import Cancelled
+
+from overbrainer_prefect.evaluation.items import plan_evaluation
+from overbrainer_prefect.evaluation.judge import OpenAIJudge, check_judge_endpoint
+from overbrainer_prefect.evaluation.results import (
+    RESULTS_FILE,
+    EvaluationResult,
+    judge_pairs,
+    read_job_results,
+    score,
+)
+from overbrainer_prefect.evaluation.spec import EvaluationPlan, EvaluationSpec
+from overbrainer_prefect.evaluation.verdict import markdown, verdict
+from overbrainer_prefect.flows.compare import check_comparable, export_base
+from overbrainer_prefect.flows.driver import HOOKS, NewJob, follow_again, run_new
+from overbrainer_prefect.flows.results import RunFailed
+from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.runs.lifecycle import Outcome
+from overbrainer_prefect.runs.records import write_atomic
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.targets.base import JobNeed
+from overbrainer_prefect.trainers.compare import MODELS_DIR
+from overbrainer_prefect.trainers.evaluate import EVALUATION, EvaluateTrainer
+from overbrainer_prefect.trainers.export import check_quant
+
+SCORED_FILE = "evaluation.json"
+"""The scored result of an evaluation, beside its retrieved files (local only)."""
+
+
+async def finish_evaluation(
+    runs: Runs, store: Runs, outcome: Outcome, *, cancelling: bool = False
+) -> EvaluationResult | State[Any]:
+    """Scores the retrieved answers of an ended evaluation (asking an endpoint
+    judge both orders here when there is one), records the result beside them,
+    publishes the artifact (verdict first) and logs the verdict. A failed
+    evaluation fails the flow with its job's cause; a cancelled one cancels it."""
+    record = outcome.record
+    if record.state == RunState.FAILED:
+        raise RunFailed(f"{subject(record)} failed: {record.message}")
+    if record.state == RunState.CANCELLED and not cancelling:
+        return Cancelled(message=f"{subject(record)} was cancelled")
+    plan = EvaluationPlan.model_validate(record.spec)
+    local = store.run_dir(record.id)
+    job = read_job_results(local / RESULTS_FILE)
+    calls = None
+    if plan.judge is not None and plan.judge.endpoint is not None:
+        with httpx.Client() as client:
+            calls = OpenAIJudge(plan.judge, client).judge(judge_pairs(plan, job), plan.seed)
+    result = score(plan, job, calls)
+    write_atomic(local, SCORED_FILE, result.model_dump_json(indent=2).encode() + b"\n")
+    line = verdict(result)
+    get_run_logger().info("%s: %s (in %s)", subject(record), line, local / SCORED_FILE)
+    await acreate_markdown_artifact(
+        markdown=markdown(result),
+        key=f"evaluation-{record.id}".lower(),
+        description=line[:500],
+    )
+    return result
+
+
+def evaluation_of(runs: Runs, record: RunRecord) -> EvaluationResult | None:
+    """The scored result of a succeeded evaluation, from its record's directory."""
+    path = runs.children(str(record.parent), EVALUATION).run_dir(record.id) / SCORED_FILE
+    try:
+        return EvaluationResult.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+@flow(name="evaluate", persist_result=True, **HOOKS)
+async def evaluate(
+    run_id: str,
+    evaluation: EvaluationSpec | None = None,
+    target: str | None = None,
+    runs_dir: str | None = None,
+    evaluation_id: str | None = None,
+    image: str | None = None,
+) -> EvaluationResult | State[Any]:
+    """Evaluates run `run_id`'s shipped GGUF against its base model's (same
+    quant, llama.cpp, temperature 0, fixed seed) on the run's target or on
+    `target`: the held-out rows the run kept out of training and/or an eval
+    file's items, and the controls (the shipped set and the user's), scored
+    exact / contains / regex / numeric, optionally judged pairwise in both
+    orders; pass rates with their intervals, the flips, McNemar's exact test
+    and held-out perplexity. With `evaluation_id`, follows that evaluation again.
+
+    Fails with one line, before anything runs, for an eval row missing its
+    expected answer, a regex that does not compile, a judge endpoint that does
+    not answer, no held-out item, or a run without a succeeded export of the
+    quant; with the evaluation's cause when its job fails.
+    """
+    runs = Runs(runs_dir)
+    logger = get_run_logger()
+    store = runs.children(run_id, EVALUATION)
+    if evaluation_id is not None:
+        finished = await follow_again(runs, store, store.load(evaluation_id), logger)
+        return await finish_evaluation(runs, store, finished.outcome)
+    spec = evaluation or EvaluationSpec()
+    if spec.judge is not None:
+        check_judge_endpoint(spec.judge)
+    quant = check_quant(spec.quant)
+    run, tuned, base = check_comparable(runs, run_id, quant)
+    run_dir = runs.run_dir(run_id)
+    # every input checked before anything runs (the base's GGUF stands in for now)
+    plan_evaluation(spec, run_dir=run_dir, base_model=base, tuned=tuned, base=tuned)
+    place = await target_named(target or run.target, logger)
+    need = JobNeed(
+        what=f"the evaluation of run {run_id}",
+        gguf_bytes=tuned.size,
+        disk_bytes=2 * tuned.size,
+        image=image,
+    )
+    place.check(need)
+    base_ref = await export_base(runs, base, quant, place, logger)
+    plan = plan_evaluation(spec, run_dir=run_dir, base_model=base, tuned=tuned, base=base_ref)
+    logger.info(
+        "run %s: %d items (%d held-out) to its base model and its fine-tune (%s) on %s",
+        run_id,
+        len(plan.items),
+        sum(1 for item in plan.items if item.group == "heldout"),
+        quant,
+        place.ref,
+    )
+    trainer = EvaluateTrainer(plan, runs.root, cpu_threads=place.cpu_threads)
+
+    def unstage(record: RunRecord) -> None:  # the staged GGUFs were copied (links here)
+        shutil.rmtree(store.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
+
+    job = NewJob(
+        store=store,
+        need=need,
+        kind=EVALUATION,
+        prepare=lambda _record: trainer,
+        spec=plan.model_dump(mode="json"),
+        parent=run_id,
+        subdir="evaluations",
+        started=unstage,
+    )
+    finished = await run_new(place, job, logger)
+    return await finish_evaluation(runs, store, finished.outcome)

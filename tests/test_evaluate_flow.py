@@ -1,0 +1,212 @@
+"""The evaluation as one more job of the driver, for real on the local target:
+the tiny model fine-tuned with rows held out of training, exported, then its
+shipped GGUF and its base model's GGUF asked the held-out items and the
+controls by llama.cpp; scored here into a verdict, recorded under the run,
+shown in an artifact whose first line is the verdict. Then the nightly gate:
+a model no better than the last delivered one is kept and reported but not
+delivered; one that passes is delivered to an Ollama stand-in and becomes
+the model the next night is measured against."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+from overbrainer_prefect.blocks import LocalTarget
+from overbrainer_prefect.evaluation.gate import (
+    Delivered,
+    GateRule,
+    last_delivered,
+    remember_delivered,
+)
+from overbrainer_prefect.evaluation.spec import BadEvaluationInput, EvalItem, EvaluationSpec
+from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, evaluate, fine_tune
+from overbrainer_prefect.flows.evaluate import SCORED_FILE
+from overbrainer_prefect.flows.pipeline import CompareSettings, DeliverSettings
+from overbrainer_prefect.runs import Runs
+from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.trainers.export import ExportSpec
+from tests.conftest import job_venv
+from tests.standins.ollama_server import OllamaStandIn
+from tests.test_train_flow import spec
+
+pytestmark = pytest.mark.slow
+
+NEVER = EvalItem.model_validate(
+    {
+        "messages": [{"role": "user", "content": "Say the secret word."}],
+        "expected": "^ZZZ never said$",
+        "scorer": "regex",
+    }
+)
+"""A held-out item no model passes: the gate's outcome does not hang on the tiny model."""
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
+
+
+@dataclass
+class Evaluated:
+    """The module's pipeline with an evaluation: its spec and its result."""
+
+    spec: FineTuneSpec
+    result: FineTuneResult
+    message: str | None
+
+
+@pytest.fixture(scope="module")
+def ollama() -> Iterator[OllamaStandIn]:
+    with OllamaStandIn() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def evaluated(
+    prefect_server: None,
+    tiny: tuple[Path, Path],
+    ollama: OllamaStandIn,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Evaluated:
+    """One `fine_tune` of the tiny model with 8 rows held out, an evaluation of
+    them and the controls, a gate, and a delivery to the Ollama stand-in; the
+    last delivered model says 1 of 1 held-out items passed, so this one fails."""
+    from overbrainer_prefect.blocks import OllamaServer
+
+    root = tmp_path_factory.mktemp("evaluate")
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(
+        job_venv=str(job_venv()), work_dir=str(root / "work"), poll_seconds=0.5, cpu_threads=1
+    ).save(name)
+    server = f"ollama-{uuid.uuid4().hex[:8]}"
+    OllamaServer(url=ollama.url).save(server)
+    runs_dir = root / "runs"
+    remember_delivered(
+        Runs(runs_dir).root,
+        Delivered(
+            deployment="fine-tune",
+            run_id="20260101-000000-last",
+            gguf_path="elsewhere.gguf",
+            gguf_sha256="0" * 64,
+            heldout_passed=1,
+            heldout_total=1,
+            delivered=rfc3339(),
+        ),
+    )
+    fine = FineTuneSpec(
+        target=name,
+        training=spec(*tiny, holdout=8),
+        export=ExportSpec(quant="q8_0"),
+        compare=CompareSettings(questions=["Hello?"], max_tokens=4),
+        evaluation=EvaluationSpec(items=[NEVER], max_tokens=8, quant="q8_0"),
+        gate=GateRule(),
+        deliver=DeliverSettings(ollama=server, model_name="tuned"),
+        runs_dir=str(runs_dir),
+    )
+    state = run(fine_tune(fine, return_state=True))
+    result = state.result()
+    assert isinstance(result, FineTuneResult), result
+    return Evaluated(spec=fine, result=result, message=state.message)
+
+
+def test_the_evaluation_scores_held_out_rows_never_trained_on_and_the_controls(
+    evaluated: Evaluated,
+) -> None:
+    result = evaluated.result.evaluation
+    assert result is not None
+    runs = Runs(evaluated.spec.runs_dir)
+    run_id = evaluated.result.run_id
+    heldout = [i for i in result.plan.items if i.group == "heldout"]
+    controls = [i for i in result.plan.items if i.group == "control"]
+    assert len(heldout) == 8 + 1 and len(controls) == 10  # the run's rows, the item, the set
+    uploaded = (Path(runs.load(run_id).remote_dir) / "data").rglob("*.jsonl")
+    trained = "".join(p.read_text() for p in uploaded)
+    for item in heldout[:8]:  # the held-out rows never reached the target
+        assert item.messages[-1].content not in trained
+    assert result.models["base"].sha256 == result.plan.base.sha256
+    assert result.models["tuned"].sha256 == evaluated.result.export.gguf.sha256  # type: ignore[union-attr]
+    assert result.heldout.tuned.total == 9 and result.heldout.base.total == 9
+    assert result.perplexity is not None and set(result.perplexity) == {"base", "tuned"}
+    (evaluation_dir,) = runs.children(run_id, "evaluation").root.iterdir()
+    scored = json.loads((evaluation_dir / SCORED_FILE).read_text())
+    assert scored["heldout"]["tuned"]["total"] == 9
+
+
+def test_the_verdict_leads_the_evaluation_artifact_and_the_pipeline_summary(
+    evaluated: Evaluated,
+) -> None:
+    verdict = evaluated.result.verdict
+    assert verdict is not None and "held-out" in verdict and "controls" in verdict
+
+    async def artifacts() -> dict[str, Any]:
+        async with get_client() as client:
+            found = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="%"))
+            )
+        return {a.key: a for a in found if a.key}
+
+    found = run(artifacts())
+    evaluation = next(a for k, a in found.items() if k.startswith("evaluation-"))
+    first = next(line for line in str(evaluation.data).splitlines() if line.strip())
+    assert verdict in first
+    pipeline = found[f"run-{evaluated.result.run_id}-pipeline".lower()]
+    assert "evaluate" in str(pipeline.data) and "failed:" in str(pipeline.data)
+
+
+def test_a_model_worse_than_the_last_delivered_is_kept_and_reported_but_not_delivered(
+    evaluated: Evaluated, ollama: OllamaStandIn
+) -> None:
+    gate = evaluated.result.gate
+    assert gate is not None and not gate.passed
+    assert "held-out" in gate.reason
+    assert evaluated.message is not None and evaluated.message.startswith("not delivered: ")
+    assert evaluated.result.delivered is None
+    assert ollama.count("POST", "/api/create") == 0
+    kept = Runs(evaluated.spec.runs_dir).load(evaluated.result.run_id)
+    assert kept.state == "succeeded"  # kept
+    last = last_delivered(Runs(evaluated.spec.runs_dir).root, "fine-tune")
+    assert last is not None and last.run_id == "20260101-000000-last"
+
+
+def test_a_model_that_passes_its_gate_is_delivered_and_measured_against_next(
+    evaluated: Evaluated, ollama: OllamaStandIn
+) -> None:
+    lenient = evaluated.spec.model_copy(
+        update={"gate": GateRule(heldout_at_least_last=False, max_control_regressions=10)}
+    )
+    result = run(fine_tune(lenient, run_id=evaluated.result.run_id))
+    assert isinstance(result, FineTuneResult) and result.gate is not None and result.gate.passed
+    assert result.delivered is not None and ollama.count("POST", "/api/create") == 1
+    assert "training" in result.reused and "export" in result.reused
+    last = last_delivered(Runs(evaluated.spec.runs_dir).root, "fine-tune")
+    assert last is not None and last.run_id == evaluated.result.run_id
+    assert last.gguf_sha256 == result.export.gguf.sha256  # type: ignore[union-attr]
+
+
+def test_an_eval_file_row_without_its_expected_answer_is_refused_before_anything_runs(
+    evaluated: Evaluated, tmp_path: Path
+) -> None:
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"prompt": "What is 2+2?", "expected": "4"}\n{"prompt": "Who?"}\n')
+    runs = Runs(evaluated.spec.runs_dir)
+    store = runs.children(evaluated.result.run_id, "evaluation").root
+    before = sorted(p.name for p in store.iterdir())
+    with pytest.raises(BadEvaluationInput, match=r"eval.jsonl line 2") as raised:
+        run(
+            evaluate(
+                run_id=evaluated.result.run_id,
+                evaluation=EvaluationSpec(eval_file=str(bad), quant="q8_0"),
+                runs_dir=evaluated.spec.runs_dir,
+            )
+        )
+    assert "\n" not in str(raised.value)
+    assert sorted(p.name for p in store.iterdir()) == before
