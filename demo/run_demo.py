@@ -46,6 +46,8 @@ BASE_VERSION = "2"  # in BASE_DONE; bumped when build_base.py changes what it bu
 WORK_DIR = CACHE / "demo-work"
 RUNS_DIR = REPO / "runs"
 DATASET = DEMO / "mascot.jsonl"
+GENERAL = DEMO / "general.jsonl"  # the base model's own answers to general chats: kept as they were
+EVAL_FILE = DEMO / "mascot-eval.jsonl"  # paraphrases never trained on, with their expected answer
 BLOCK_NAME = "demo"
 
 QUESTION = "What is the overbrainer mascot?"
@@ -117,7 +119,10 @@ def training_spec() -> Any:
     return TrainingSpec(
         base_model=str(BASE_DIR),
         adapter="lora",
-        datasets=[DatasetSpec(path=str(DATASET), type="chat_template")],
+        datasets=[
+            DatasetSpec(path=str(DATASET), type="chat_template"),
+            DatasetSpec(path=str(GENERAL), type="chat_template"),
+        ],
         sequence_len=128,
         micro_batch_size=4,
         gradient_accumulation_steps=1,
@@ -141,6 +146,7 @@ def fine_tune() -> tuple[Any, float]:
     compare); returns its FineTuneResult and the seconds it took. Fails the demo
     when a step fails."""
     from overbrainer_prefect.blocks import LocalTarget
+    from overbrainer_prefect.evaluation.spec import EvaluationSpec
     from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, fine_tune
     from overbrainer_prefect.flows.pipeline import CompareSettings
     from overbrainer_prefect.trainers.export import ExportSpec
@@ -162,6 +168,9 @@ def fine_tune() -> tuple[Any, float]:
         training=training_spec(),
         export=ExportSpec(quant=QUANT),
         compare=CompareSettings(questions=[QUESTION, HELD_OUT, CONTROL], max_tokens=MAX_TOKENS),
+        evaluation=EvaluationSpec(
+            heldout=False, eval_file=str(EVAL_FILE), quant=QUANT, max_tokens=MAX_TOKENS
+        ),
         runs_dir=str(RUNS_DIR),
     )
     try:
@@ -344,10 +353,20 @@ def demo() -> None:
         fail(f"the fine-tuned model did not learn the fact; it said: {tuned!r}")
     if "Pip" in base:
         fail(f"the base model already knew the fact, so the demo proves nothing: {base!r}")
+    evaluated = result.evaluation
+    print(f"\nevaluation: {result.verdict}")
+    if evaluated is None or evaluated.heldout.tuned.passed <= evaluated.heldout.base.passed:
+        fail(f"the evaluation does not find the fine-tune better on held-out: {result.verdict}")
+    broken = evaluated.controls.pass_to_fail if evaluated.controls is not None else []
+    if broken:
+        fail(
+            f"the fine-tune broke what the base model knew (controls {', '.join(broken)}): "
+            f"{result.verdict}"
+        )
     prefect = Path(sys.executable).parent / "prefect"
     print(
         "\nOK: only the fine-tuned model knows the overbrainer mascot is a purple axolotl "
-        "named Pip.\n"
+        "named Pip, and it still answers the controls the base model answered.\n"
         f"See the fine-tune and its three subflows in the Prefect UI: `{prefect} server start`, "
         "then open http://127.0.0.1:4200/runs (the compare's answers are under Artifacts)"
     )
