@@ -378,6 +378,10 @@ def summary_markdown(
         f"| first loss | {_fmt(summary.first_loss)} |",
         f"| final loss | {_fmt(summary.final_loss)} |",
     ]
+    if summary.final_eval_loss is not None:
+        lines.append(f"| final eval loss | {_fmt(summary.final_eval_loss)} |")
+    if summary.launch is not None:
+        lines.append(f"| trained by | {summary.launch} |")
     if record.resumed_from is not None:
         lines.append(
             f"| resumed from | run {record.resumed_from.run_id}, {record.resumed_from.checkpoint} |"

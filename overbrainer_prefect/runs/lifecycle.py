@@ -156,8 +156,9 @@ class JobReporter:
         self.name = name
 
     def metric(self, metric: Metric, summary: MetricsSummary) -> None:
-        """Logs a step."""
-        self.logger.info("%s: step %s", self.name, metric.step)
+        """Logs a step (a compare's or an evaluation's answer), of how many."""
+        of = f"/{summary.max_steps}" if summary.max_steps else ""
+        self.logger.info("%s: step %s%s", self.name, metric.step, of)
 
     def status(self, status: JobStatus) -> None:
         """Logs the job's new status."""
