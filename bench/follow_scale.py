@@ -47,22 +47,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from kit.lines import bench, note, run_main  # noqa: E402
+from kit.lines import bench, note, progress, run_main  # noqa: E402
 from kit.process import tree_cpu_seconds, tree_rss_bytes  # noqa: E402
 from kit.server import prefect_server  # noqa: E402
 
 COUNTS = (10, 50, 100)  # runs followed at once
 PACE_S = 1.5  # seconds between two metric lines (not a multiple of the poll: phases vary)
-LINES = 14  # metric lines a job writes
+LINES = 10  # metric lines a job writes
 LOCKS_TIMEOUT_S = 180.0  # for the collect to take every run's follow lock
 COLLECT_TIMEOUT_S = 300.0  # for it to follow every run to its end and retrieve it
-START_BATCH = 10  # runs started at once (each start probes the venv's Python)
+START_BATCH = 20  # runs started at once (each start probes the venv's Python)
 SPEC = {  # a valid training spec: the record's trainer is rebuilt from it (never run)
     "base_model": "/nonexistent/tiny",
     "datasets": ["/nonexistent/chat.jsonl"],
     "max_steps": LINES,
 }
 METRIC_LOG = re.compile(r"run (\S+): step (\d+)")
+FIRST_POLL_LOG = re.compile(r"run (\S+): job running$")  # a follow's first look at its job
 
 COLLECT = """
 import asyncio, sys
@@ -99,6 +100,8 @@ class Round:
     delays: list[float] = field(default_factory=list)
     first: list[float] = field(default_factory=list)
     wall: float = 0.0
+    later: list[float] = field(default_factory=list)  # lines 3 on: the follows under way
+    polls: list[float] = field(default_factory=list)  # go -> each follow's first look
     server_share: float = 0.0  # of one core, the Prefect server's, over the same window
     load: float = 0.0  # the machine's 1-minute load average at the window's end
 
@@ -112,6 +115,7 @@ async def start_runs(root: Path, target: str, count: int, go: Path) -> tuple[Pat
     from tests.shelljobs import ShellTrainer
 
     block = await LocalTarget.aload(target)
+    assert isinstance(block, LocalTarget)
     runs = Runs(root / f"runs-{count}")
     executor = block.executor(target)
     ctx = lifecycle.RunContext(runs=runs, executor=executor, python=block.python)
@@ -130,9 +134,12 @@ async def start_runs(root: Path, target: str, count: int, go: Path) -> tuple[Pat
     return runs.root, ids
 
 
-def log_delays(ids: list[str], runs_root: Path) -> tuple[list[float], list[float]]:
-    """(every line's delay, each run's first line's delay), from the metric
-    files and the flow run logs on the server."""
+def log_delays(
+    ids: list[str], runs_root: Path, go: float
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(every line's delay, each run's first line's delay, the delays of the
+    lines from the third on, each follow's first look at its job after `go`),
+    from the metric files and the flow run logs."""
     import json
 
     from prefect.client.orchestration import get_client
@@ -144,6 +151,8 @@ def log_delays(ids: list[str], runs_root: Path) -> tuple[list[float], list[float
             if event.get("event") == "log":
                 written[(run_id, int(event["step"]))] = float(event["time"])
 
+    polled: dict[str, float] = {}
+
     async def read() -> dict[tuple[str, int], float]:
         logged: dict[tuple[str, int], float] = {}
         async with get_client() as client:
@@ -154,6 +163,9 @@ def log_delays(ids: list[str], runs_root: Path) -> tuple[list[float], list[float
                     return logged
                 offset += len(page)
                 for log in page:
+                    polls = FIRST_POLL_LOG.search(log.message)
+                    if polls:
+                        polled.setdefault(polls[1], log.timestamp.timestamp())
                     found = METRIC_LOG.search(log.message)
                     if found:
                         key = (found[1], int(found[2]))
@@ -164,8 +176,9 @@ def log_delays(ids: list[str], runs_root: Path) -> tuple[list[float], list[float
     if missing:
         raise RuntimeError(f"{len(missing)} metric lines never reached the log, e.g. {missing[0]}")
     delays = [logged[key] - at for key, at in written.items()]
+    later = [logged[key] - at for key, at in written.items() if key[1] >= 3]
     first = [logged[(run_id, 1)] - written[(run_id, 1)] for run_id in ids]
-    return delays, first
+    return delays, first, later, [polled[run_id] - go for run_id in ids if run_id in polled]
 
 
 def one_round(root: Path, target: str, count: int, server_pid: int) -> Round:
@@ -174,7 +187,9 @@ def one_round(root: Path, target: str, count: int, server_pid: int) -> Round:
     os.mkfifo(go)
     from overbrainer_prefect.runs.lock import is_followed
 
+    progress(f"N={count}: starting the runs")
     runs_root, ids = asyncio.run(start_runs(root, target, count, go))
+    progress(f"N={count}: collect")
     result = Round(count)
     log = root / f"collect-{count}.log"
     began = time.monotonic()
@@ -194,7 +209,7 @@ def one_round(root: Path, target: str, count: int, server_pid: int) -> Round:
                 raise RuntimeError(f"the collect did not follow all {count} runs: {tail(log)}")
             time.sleep(0.1)
         with open(go, "wb"):  # every job blocked on the FIFO goes on at once
-            pass
+            went = time.time()
         time.sleep(2 * PACE_S)  # the follows are past their first lines
         server_start = tree_cpu_seconds(server_pid)
         cpu_start, clock_start = tree_cpu_seconds(child.pid), time.monotonic()
@@ -216,7 +231,8 @@ def one_round(root: Path, target: str, count: int, server_pid: int) -> Round:
             with suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
             child.wait()
-    result.delays, result.first = log_delays(ids, runs_root)
+    progress(f"N={count}: reading the log back")
+    result.delays, result.first, result.later, result.polls = log_delays(ids, runs_root, went)
     return result
 
 
@@ -262,9 +278,12 @@ def main() -> None:
             note(
                 f"N={r.count}: collect RSS {r.rss / 2**20:.0f} MiB, CPU {100 * r.cpu_share:.1f} % "
                 f"of a core; delay p50 {statistics.median(r.delays):.2f} s, p95 "
-                f"{percentile(r.delays, 0.95):.2f}, max {max(r.delays):.2f}; first line p50 "
+                f"{percentile(r.delays, 0.95):.2f}, max {max(r.delays):.2f} (from the third line "
+                f"on: p95 {percentile(r.later, 0.95):.2f}); first line p50 "
                 f"{statistics.median(r.first):.2f}, p95 {percentile(r.first, 0.95):.2f}, max "
-                f"{max(r.first):.2f}; {r.wall:.0f} s from start to end; meanwhile the Prefect "
+                f"{max(r.first):.2f} (written {PACE_S:g} s after the go); the follows' first "
+                f"looks at their jobs {statistics.median(r.polls):+.2f} s after the go (p50), "
+                f"{max(r.polls):+.2f} s (max); {r.wall:.0f} s from start to end; the Prefect "
                 f"server used {100 * r.server_share:.0f} % of a core, load average {r.load:.1f} "
                 f"on {os.cpu_count()} cores"
             )

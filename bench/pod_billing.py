@@ -40,11 +40,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from kit.lines import bench, note, run_main  # noqa: E402
+from kit.lines import bench, note, progress, run_main  # noqa: E402
 from kit.server import prefect_server  # noqa: E402
 
 BOOT_S = 5.0  # the simulated image's boot: billed by Runpod, not ours to shorten
-STEPS = 8  # steps of the happy path's fine-tune
+STEPS = 2  # steps of the happy path's fine-tune (the job's length is not what is measured)
 LONG_STEPS = 40  # steps of the recovered one: still training when its follower is killed
 TRAIN_TIMEOUT_S = 300.0
 GPU = "NVIDIA RTX A4000"
@@ -176,6 +176,7 @@ def recovered(target: str, spec: Any, runs_dir: Path, log: Path) -> str:
             os.killpg(child.pid, signal.SIGKILL)  # no hook: the job and its pod keep going
         child.wait(timeout=30)
     record = training_run(runs_dir)
+    progress(f"follower killed while run {record.id} trains: collect")
     rows = asyncio.run(collect(runs_dir=str(runs_dir)))
     done = [row for row in rows if row.run_id == record.id]
     if not done or done[0].state != "succeeded" or not done[0].retrieved:
@@ -197,12 +198,14 @@ def main() -> None:
             running_sim() as sim,
             SimPods(root / "pods", boot_delay_s=BOOT_S).attached(sim),
         ):
+            from pydantic import SecretStr
+
             from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 
             target = f"bench-pod-{uuid.uuid4().hex[:8]}"
             RunpodTarget(
                 credentials=RunpodCredentials(
-                    api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+                    api_key=SecretStr(sim.api_key), rest_url=sim.rest_url, graphql_url=sim.graphql_url
                 ),
                 job_venv=str(REPO / ".venv-job"),
                 gpu_types=[GPU],
@@ -211,10 +214,12 @@ def main() -> None:
                 cpu_threads=1,
             ).save(target)
             bills = {}
+            progress("happy path: train on a pod")
             runs_dir = root / "runs-happy"
             bills["happy"] = bill_of(
                 sim, runs_dir, happy(target, training(model, dataset, STEPS), runs_dir)
             )
+            progress("recovered: train in a child, killed mid-job, then collect")
             runs_dir = root / "runs-recovered"
             run_id = recovered(
                 target, training(model, dataset, LONG_STEPS), runs_dir, root / "child.log"

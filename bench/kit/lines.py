@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,19 @@ def note(text: str) -> None:
     """Prints a `#` line (what was measured, the raw numbers)."""
     for line in text.splitlines() or [""]:
         print(f"# {line}", flush=True)
+
+
+_STARTED = time.monotonic()
+
+
+def progress(text: str) -> None:
+    """Says on stderr what the script is doing, with the seconds since it began
+    (stdout keeps only the BENCH and # lines)."""
+    print(
+        f"[{Path(sys.argv[0]).name} +{time.monotonic() - _STARTED:.0f}s] {text}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def one_line(error: BaseException) -> str:

@@ -117,5 +117,9 @@ def prefect_server(root: Path) -> Iterator[Server]:
         os.environ.clear()
         os.environ.update(server_env(home, api_url))
         yield Server(api_url, server.pid)
+        if "prefect.logging.handlers" in sys.modules:  # the flows' last logs, sent first
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=10)
     finally:
         stop_group(server)
