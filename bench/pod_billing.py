@@ -205,7 +205,9 @@ def main() -> None:
             target = f"bench-pod-{uuid.uuid4().hex[:8]}"
             RunpodTarget(
                 credentials=RunpodCredentials(
-                    api_key=SecretStr(sim.api_key), rest_url=sim.rest_url, graphql_url=sim.graphql_url
+                    api_key=SecretStr(sim.api_key),
+                    rest_url=sim.rest_url,
+                    graphql_url=sim.graphql_url,
                 ),
                 job_venv=str(REPO / ".venv-job"),
                 gpu_types=[GPU],
