@@ -114,8 +114,9 @@ async def start_runs(root: Path, target: str, count: int, go: Path) -> tuple[Pat
     from overbrainer_prefect.runs.store import Runs
     from tests.shelljobs import ShellTrainer
 
-    block = await LocalTarget.aload(target)
-    assert isinstance(block, LocalTarget)
+    loaded: object = await LocalTarget.aload(target)
+    assert isinstance(loaded, LocalTarget)
+    block = loaded
     runs = Runs(root / f"runs-{count}")
     executor = block.executor(target)
     ctx = lifecycle.RunContext(runs=runs, executor=executor, python=block.python)
