@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from kit.lines import bench, note, progress, run_main  # noqa: E402
+from kit.process import started_unix  # noqa: E402
 from kit.server import prefect_server  # noqa: E402
 from kit.sides import median, side_by_side  # noqa: E402
 
@@ -83,12 +84,7 @@ def job_seconds(record: Any) -> float:
 
     if record.job is None or record.job.started is None:
         raise RuntimeError(f"{record.id} has no job")
-    boot = next(
-        int(line.split()[1])
-        for line in Path("/proc/stat").read_text().splitlines()
-        if line.startswith("btime ")
-    )
-    start = boot + int(record.job.started) / os.sysconf("SC_CLK_TCK")
+    start = started_unix(record.job.started)
     return Path(record.remote_dir, EXIT_FILE).stat().st_mtime - start
 
 

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from kit.lines import bench, note, progress, run_main  # noqa: E402
+from kit.process import started_unix  # noqa: E402
 from kit.server import prefect_server  # noqa: E402
 
 BOOT_S = 5.0  # the simulated image's boot: billed by Runpod, not ours to shorten
@@ -66,16 +67,6 @@ class Bill:
     after_retrieval: float
     job: float
     total: float
-
-
-def started_unix(kernel_start: str) -> float:
-    """A process start time from /proc/<pid>/stat (clock ticks since boot) as Unix time."""
-    boot = next(
-        int(line.split()[1])
-        for line in Path("/proc/stat").read_text().splitlines()
-        if line.startswith("btime ")
-    )
-    return boot + int(kernel_start) / os.sysconf("SC_CLK_TCK")
 
 
 def bill_of(sim: Any, runs_dir: Path, run_id: str) -> Bill:

@@ -83,6 +83,14 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def started_unix(kernel_start: str) -> float:
+    """A process's start time as /proc/<pid>/stat gives it (clock ticks since
+    boot, the `started` of a JobId) as Unix time, to 10 ms: the boot moment is
+    taken from /proc/uptime (`btime` in /proc/stat is whole seconds)."""
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + int(kernel_start) / TICK
+
+
 def own_cpu_seconds() -> float:
     """CPU seconds this process has used (all its threads)."""
     return time.process_time()
