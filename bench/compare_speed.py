@@ -40,17 +40,15 @@ from kit.sides import median  # noqa: E402
 
 JOB_PYTHON = REPO / ".venv-job" / "bin" / "python"
 COMPARE_SCRIPT = REPO / "overbrainer_prefect" / "jobs" / "overbrainer_compare.py"
-QUESTIONS = [  # enough answers that a round decodes for seconds, not a scheduler's tick
-    "Tell me a long story about a cat.",
-    "List many colours and animals.",
-    "What is the weather like?",
-    "Describe a house in detail.",
-    "Write a poem about the sea.",
-    "Explain how to bake bread.",
+TOPICS = ["a cat", "the sea", "a house", "bread", "a dragon", "the moon", "a garden", "a city"]
+QUESTIONS = [  # answers enough that a round decodes for a second or more, not a scheduler tick
+    template.format(topic)
+    for template in ("Tell me a long story about {}.", "Describe {} in detail.", "Write about {}.")
+    for topic in TOPICS
 ]
 MAX_TOKENS = 256  # long enough for the decoding to dominate
 THREADS = 1  # as the local target's cpu_threads in the other benches
-ROUNDS = 5
+ROUNDS = 9  # pairs of runs; the median of their ratios is the figure
 JOB_TIMEOUT_S = 600.0
 
 MAKE_GGUF = """

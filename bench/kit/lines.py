@@ -38,10 +38,13 @@ def bench(
 ) -> bool:
     """Prints `BENCH name value unit [goal op target]`; returns whether the goal
     is met (True without a goal). Raises KeyError for an unknown `op`."""
-    line = f"BENCH {name} {value:.{digits}f} {unit}"
     met = True
     if op is not None and target is not None:
         met = _OPS[op](value, target)
+        while digits < 4 and _OPS[op](round(value, digits), target) != met:
+            digits += 1  # never a rounded figure that seems to meet a goal it misses
+    line = f"BENCH {name} {value:.{digits}f} {unit}"
+    if op is not None and target is not None:
         line += f" goal {op} {target:g}" + ("" if met else "  MISSED")
     print(line, flush=True)
     return met
