@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import secrets as tokens
 import shutil
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import asyncssh
 import pytest
 from pydantic import SecretStr
 
@@ -154,6 +156,28 @@ def test_an_upload_then_download_round_trip_is_verified_and_leaves_skipped_names
     assert (back / "data" / "nested" / "weights.bin").read_bytes() == (
         local / "data" / "nested" / "weights.bin"
     ).read_bytes()
+
+
+def test_an_upload_sends_its_data_without_an_empty_ignore_packet_before_each_packet(
+    sshd: Sshd, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "local"
+    local.mkdir()
+    data = os.urandom(300_000)  # several SFTP writes, each several SSH packets
+    (local / "weights.bin").write_bytes(data)
+    remote = tmp_path / "work" / "r1"
+    asyncssh.set_debug_level(3)  # every packet sent is logged
+    try:
+        with caplog.at_level(logging.DEBUG, logger="asyncssh"):
+            with_executor(sshd, tmp_path / "work", lambda e: e.upload(local, str(remote)))
+    finally:
+        asyncssh.set_debug_level(1)
+    sent = [r.getMessage() for r in caplog.records if "Sent MSG_" in r.getMessage()]
+    opened = next(i for i, message in enumerate(sent) if "Sent MSG_CHANNEL_OPEN" in message)
+    # the handshake's ignores are asyncssh's own; from the first channel on, none
+    assert sum("Sent MSG_CHANNEL_DATA" in message for message in sent) >= 10, sent[:5]
+    assert not [message for message in sent[opened:] if "Sent MSG_IGNORE" in message]
+    assert (remote / "weights.bin").read_bytes() == data
 
 
 def test_a_spawned_job_exits_0_with_its_log_and_its_env(sshd: Sshd, tmp_path: Path) -> None:

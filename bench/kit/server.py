@@ -1,0 +1,125 @@
+"""A private `prefect server` for one bench script: its own PREFECT_HOME (a
+fresh SQLite database), 127.0.0.1 and a free port, its own session, stopped by
+its process group. The script's own environment is pointed at it before
+Prefect is imported."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+START_TIMEOUT_S = 180.0  # a fresh server migrates its SQLite database first, on a busy machine
+STOP_GRACE_S = 15.0  # between SIGTERM and SIGKILL of the server's process group
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def server_env(home: Path, api_url: str | None = None) -> dict[str, str]:
+    """This process's environment for Prefect with home `home` (and the server
+    at `api_url`): no analytics, no UI, quiet console, Hugging Face offline."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env |= {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    if api_url is not None:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def stop_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to the process group led by `process` (started in its own session),
+    SIGKILL after `grace_s`, then reaps it."""
+    if process.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace_s)
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # what the leader left behind, too
+    process.wait(timeout=30)
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:])
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running server: its API URL and the PID leading its process group."""
+
+    api_url: str
+    pid: int
+
+
+@contextmanager
+def prefect_server(root: Path) -> Iterator[Server]:
+    """Starts the server under `root`, waits for it to answer, points this
+    process's environment at it, yields it, then stops it.
+
+    Raises RuntimeError (with the end of its log) when it exits or does not
+    answer within START_TIMEOUT_S."""
+    home = root / "prefect-home"
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    log = root / "prefect-server.log"
+    prefect = Path(sys.executable).parent / "prefect"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=server_env(home),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"prefect server exited ({server.returncode}): {_tail(log)}")
+            try:
+                with urllib.request.urlopen(f"{api_url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server not healthy after {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.5)
+        os.environ.clear()
+        os.environ.update(server_env(home, api_url))
+        yield Server(api_url, server.pid)
+        if "prefect.logging.handlers" in sys.modules:  # the flows' last logs, sent first
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=10)
+    finally:
+        stop_group(server)
