@@ -24,6 +24,7 @@ from overbrainer_prefect.artifacts import (
     run_duration,
 )
 from overbrainer_prefect.cells import code_cell, sig, size_text, table_cell
+from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError
@@ -211,7 +212,6 @@ async def publish_pipeline_summary(
 def pod_spend(runs: Runs, record_id: str) -> float | None:
     """The estimated dollars a record's pod cost (`pod.json`: rate × uptime), or
     None when it ran on no pod or its rate is unknown."""
-    from overbrainer_prefect.runpod.pod import PodRecord
 
     try:
         pod = PodRecord.load(runs, record_id)

@@ -52,6 +52,7 @@ def adapted(code: str, tiny: tuple[Path, Path], work: Path) -> str:
         '"data/train.jsonl"': json.dumps(str(dataset)),
         '"/opt/venvs/axolotl"': json.dumps(str(job_venv())),
         '"~/.overbrainer/work"': json.dumps(str(work)),
+        "sequence_len=1024": "sequence_len=256",  # the tiny model's context
     }
     for old, new in replacements.items():
         if old in code:

@@ -296,7 +296,7 @@ def test_a_fine_tune_cancelled_while_its_run_trains_on_a_pod_cancels_the_job_and
     tiny: tuple[Path, Path],
     tmp_path: Path,
 ) -> None:
-    from overbrainer_prefect.flows.pipeline import on_fine_tune_cancelled
+    from overbrainer_prefect.flows.driver import on_cancelled
     from tests.test_runpod_flows import LONG, running_on_pod
 
     runs_dir = tmp_path / "runs"
@@ -330,7 +330,7 @@ def test_a_fine_tune_cancelled_while_its_run_trains_on_a_pod_cancels_the_job_and
 
         async with get_client() as client:
             flow_run = await client.read_flow_run(parent)
-            await on_fine_tune_cancelled(fine_tune_flow, flow_run, flow_run.state)
+            await on_cancelled(fine_tune_flow, flow_run, flow_run.state)
             return await client.read_flow_run(uuid.UUID(record.flow_run_id))
 
     train_run = run(hook())

@@ -96,7 +96,10 @@ def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its
     ui = deployed.server.url
     before = {p.name for p in deployed.runs.glob("*")}
     # sequence_len past the tiny model's 256 positions: axolotl warns it raised them
-    training = tiny_training(*tiny, max_steps=LIVE_STEPS, sequence_len=320)
+    # (rope_theta, the model's own, says the longer context is meant: pre-flight lets it by)
+    training = tiny_training(
+        *tiny, max_steps=LIVE_STEPS, sequence_len=320, extra={"rope_theta": 10000.0}
+    )
     flow_run_id = deployed.run_deployment("train/local", target=deployed.target, training=training)
     run_id: str = wait_until(lambda: new_run_id(deployed, before), 300, "the run's record")
     key = f"run-{run_id}-loss-curve"

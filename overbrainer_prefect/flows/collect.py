@@ -162,7 +162,9 @@ async def candidates(runs: Runs) -> list[tuple[Runs, RunRecord, Target | None]]:
     return found
 
 
-async def collect_job(runs: Runs, store: Runs, record: RunRecord) -> Collected | None:
+async def collect_job(
+    runs: Runs, store: Runs, record: RunRecord, target: Target | None = None
+) -> Collected | None:
     """Takes the follow lock of a job nobody follows and brings it to a final
     state (see `driver.finish`): a job never started has what its target holds
     deleted and is failed; a running one is followed to its end (its job
@@ -196,7 +198,9 @@ async def collect_job(runs: Runs, store: Runs, record: RunRecord) -> Collected |
             )
         else:
             logger.info("%s is %s, but its target still holds something: ending it", name, was)
-        finished: Finished = await follow_again(runs, store, record, logger, cancel=cancel)
+        finished: Finished = await follow_again(
+            runs, store, record, logger, cancel=cancel, target=target
+        )
     except RunError as error:
         if "already followed" in str(error):
             return None
@@ -294,7 +298,8 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
     runs = Runs(runs_dir)
     found = await candidates(runs)
     results = await asyncio.gather(
-        *(collect_job(runs, store, record) for store, record, _ in found), return_exceptions=True
+        *(collect_job(runs, store, record, target) for store, record, target in found),
+        return_exceptions=True,
     )
     rows: list[Collected] = []
     errors: list[BaseException] = []

@@ -266,7 +266,13 @@ async def _abandoned(target: Target, store: Runs, record: RunRecord) -> Finished
 
 
 async def follow_again(
-    runs: Runs, store: Runs, record: RunRecord, logger: Logger, *, cancel: bool = False
+    runs: Runs,
+    store: Runs,
+    record: RunRecord,
+    logger: Logger,
+    *,
+    cancel: bool = False,
+    target: Target | None = None,
 ) -> Finished:
     """`finish` under the job's follow lock, its target and trainer found from
     its record: what attach, an export or compare followed again, and the
@@ -274,8 +280,9 @@ async def follow_again(
 
     Raises RunError when another live process follows the job, or it cannot
     be followed to its end; UnknownTarget when its target block is gone.
+    `target` is the record's own, when the caller has it already.
     """
-    target = await target_named(record.target, logger)
+    target = target or await target_named(record.target, logger)
     try:
         with follow_lock(store.run_dir(record.id), flow_run.id):
             record = store.load(record.id)  # as its last follower left it

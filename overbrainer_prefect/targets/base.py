@@ -65,6 +65,8 @@ class Reservation:
 
     plan: object | None = None
     price_per_hour: float | None = None
+    need: JobNeed | None = None
+    """What it was reserved for (a pod is made with the job's own image)."""
 
 
 class Budget(Protocol):

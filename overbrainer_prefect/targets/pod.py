@@ -270,7 +270,7 @@ class PodTarget:
             await self._warn_orphans(ctx, store)
         plan = await self._within(plan, budget)
         async with budget.hold(plan_price(plan)):
-            yield Reservation(plan=plan, price_per_hour=plan_price(plan))
+            yield Reservation(plan=plan, price_per_hour=plan_price(plan), need=need)
 
     async def _vram_floor(self, settings: RunpodTargetSettings, need: JobNeed) -> float | None:
         """The VRAM per GPU the job needs, for `auto` types without `min_vram_gb`
@@ -365,7 +365,7 @@ class PodTarget:
         plan = reservation.plan
         if not isinstance(plan, LaunchPlan):
             raise PodError(f"{subject(record)} has no launch plan: reserve its pod first")
-        settings = self.settings
+        settings = self._settings(reservation.need) if reservation.need else self.settings
         async with self._account(store) as ctx:
             ready = await provision(
                 ctx, record, settings, plan, api_url=self._api_url, name=self.ref
