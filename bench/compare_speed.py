@@ -15,10 +15,15 @@ figure is the median of the rounds' ratios.
   greedily, MAX_TOKENS tokens at most, its decoding speed measured the same
   way (tokens after the first over the time since the first).
 
-Prints `BENCH compare-tokens-per-s`, `BENCH bare-llama-tokens-per-s` and
-`BENCH compare-vs-bare-tokens-per-s <ratio> ratio goal >= 0.95`. (The
-evaluation flow does not exist yet: nothing to measure for it.) About a
-minute on a 2-core machine.
+- the evaluation: the real evaluation job script (`overbrainer_evaluate.py`,
+  as the `evaluate` flow runs it), the same questions as held-out items, the
+  GGUF as both models, no perplexity and no judge (its decoding is what is
+  measured), its speed taken from its answers the same way.
+
+Prints `BENCH compare-tokens-per-s`, `BENCH bare-llama-tokens-per-s`,
+`BENCH compare-vs-bare-tokens-per-s <ratio> ratio goal >= 0.95` and
+`BENCH evaluate-vs-bare-tokens-per-s <ratio> ratio goal >= 0.95`. A couple of
+minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from kit.sides import median  # noqa: E402
 
 JOB_PYTHON = REPO / ".venv-job" / "bin" / "python"
 COMPARE_SCRIPT = REPO / "overbrainer_prefect" / "jobs" / "overbrainer_compare.py"
+EVALUATE_SCRIPT = REPO / "overbrainer_prefect" / "jobs" / "overbrainer_evaluate.py"
 TOPICS = ["a cat", "the sea", "a house", "bread", "a dragon", "the moon", "a garden", "a city"]
 QUESTIONS = [  # answers enough that a round decodes for a second or more, not a scheduler tick
     template.format(topic)
@@ -154,6 +160,34 @@ def compare_round(gguf: Path, scratch: Path) -> tuple[float, int]:
     return tokens / seconds, tokens
 
 
+def evaluate_round(gguf: Path, scratch: Path) -> tuple[float, int]:
+    """One run of the evaluation job on `gguf` (both models), the questions as
+    held-out items: its token-weighted decoding speed and the tokens it decoded."""
+    job = Path(tempfile.mkdtemp(prefix="evaluate-", dir=scratch))
+    (job / "models").mkdir()
+    for name in ("base", "tuned"):
+        (job / "models" / f"{name}.gguf").hardlink_to(gguf)
+    items = [
+        {"id": f"H{n}", "messages": [{"role": "user", "content": q}], "group": "heldout",
+         "expected": "-"}
+        for n, q in enumerate(QUESTIONS, start=1)
+    ]  # fmt: skip
+    inputs = {"items": items, "perplexity": [], "judge": None}
+    (job / "inputs.json").write_text(json.dumps(inputs), encoding="utf-8")
+    done = subprocess.run(
+        [str(JOB_PYTHON), str(EVALUATE_SCRIPT), "--max-tokens", str(MAX_TOKENS), "--seed", "0",
+         "--threads", str(THREADS)],
+        cwd=job, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env(), check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the evaluation job failed ({done.returncode}): {done.stderr[-200:]}")
+    answers = [json.loads(line) for line in (job / "answers.jsonl").read_text().splitlines()]
+    timed = [a for a in answers if a.get("tokens_per_s")]
+    tokens = sum(a["tokens"] for a in timed)
+    seconds = sum(a["tokens"] / a["tokens_per_s"] for a in timed)
+    return tokens / seconds, tokens
+
+
 def bare_round(gguf: Path) -> tuple[float, int]:
     """One bare llama-cpp-python run on the same questions: its speed and tokens."""
     done = subprocess.run(
@@ -169,30 +203,39 @@ def bare_round(gguf: Path) -> tuple[float, int]:
 
 
 def main() -> None:
-    """Makes the GGUF, measures both in rounds, prints the figures."""
+    """Makes the GGUF, measures the three in rounds, prints the figures."""
     root = Path(tempfile.mkdtemp(prefix="bench-compare-"))
     try:
         gguf = make_gguf(root)
-        ours: list[float] = []
-        bare: list[float] = []
-        tokens = {"ours": 0, "bare": 0}
+        speeds: dict[str, list[float]] = {"ours": [], "evaluate": [], "bare": []}
+        tokens = {"ours": 0, "evaluate": 0, "bare": 0}
+        rounds = {
+            "ours": lambda: compare_round(gguf, root),
+            "evaluate": lambda: evaluate_round(gguf, root),
+            "bare": lambda: bare_round(gguf),
+        }
         for number in range(ROUNDS):
-            sides = [("ours", ours), ("bare", bare)]
-            for side, speeds in sides if number % 2 == 0 else reversed(sides):
-                speed, count = compare_round(gguf, root) if side == "ours" else bare_round(gguf)
-                speeds.append(speed)
+            order = list(rounds)
+            order = order[number % 3 :] + order[: number % 3]  # each goes first in turn
+            for side in order:
+                speed, count = rounds[side]()
+                speeds[side].append(speed)
                 tokens[side] = count
-        ratios = [o / b for o, b in zip(ours, bare, strict=True)]
+        ours, evaluated, bare = speeds["ours"], speeds["evaluate"], speeds["bare"]
         note(
             f"{gguf.name} ({gguf.stat().st_size / 2**20:.1f} MiB), {THREADS} thread(s), "
-            f"{ROUNDS} rounds; tokens decoded a round: compare {tokens['ours']} "
-            f"({len(QUESTIONS)} questions x 2 models), bare {tokens['bare']}"
+            f"{ROUNDS} rounds; tokens decoded a round: compare {tokens['ours']}, evaluation "
+            f"{tokens['evaluate']} ({len(QUESTIONS)} questions x 2 models), bare {tokens['bare']}"
         )
-        note(f"compare tokens/s by round: {' '.join(f'{s:.0f}' for s in ours)}")
-        note(f"bare tokens/s by round: {' '.join(f'{s:.0f}' for s in bare)}")
+        for side, label in (("ours", "compare"), ("evaluate", "evaluation"), ("bare", "bare")):
+            note(f"{label} tokens/s by round: {' '.join(f'{v:.0f}' for v in speeds[side])}")
         bench("compare-tokens-per-s", median(ours), "tokens/s", digits=0)
+        bench("evaluate-tokens-per-s", median(evaluated), "tokens/s", digits=0)
         bench("bare-llama-tokens-per-s", median(bare), "tokens/s", digits=0)
+        ratios = [o / b for o, b in zip(ours, bare, strict=True)]
         bench("compare-vs-bare-tokens-per-s", median(ratios), "ratio", ">=", 0.95)
+        ratios = [e / b for e, b in zip(evaluated, bare, strict=True)]
+        bench("evaluate-vs-bare-tokens-per-s", median(ratios), "ratio", ">=", 0.95)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

