@@ -131,7 +131,7 @@ def training_spec() -> Any:
         micro_batch_size=4,
         gradient_accumulation_steps=1,
         max_steps=30,
-        learning_rate=1e-3,
+        learning_rate=7e-4,  # learns the fact by step 10; gentler on what the model knew
         lr_scheduler="linear",
         warmup_steps=2,
         lora_r=16,

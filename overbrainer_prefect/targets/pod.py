@@ -266,7 +266,8 @@ class PodTarget:
                 else None
             )
             plan = await plan_from_api(ctx.client, settings, vram_floor_gb=floor, job_launch=launch)
-            self._log.info("%s", plan.describe())
+            image = f" Its image: {settings.image}." if need.image else ""
+            self._log.info("%s%s", plan.describe(), image)
             await self._warn_orphans(ctx, store)
         plan = await self._within(plan, budget)
         async with budget.hold(plan_price(plan)):
