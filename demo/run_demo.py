@@ -131,7 +131,7 @@ def training_spec() -> Any:
         micro_batch_size=4,
         gradient_accumulation_steps=1,
         max_steps=30,
-        learning_rate=7e-4,  # learns the fact by step 10; gentler on what the model knew
+        learning_rate=5e-4,  # learns the fact in 30 steps; gentler on what the model knew
         lr_scheduler="linear",
         warmup_steps=2,
         lora_r=16,
@@ -371,7 +371,7 @@ def demo() -> None:
     print(
         "\nOK: only the fine-tuned model knows the overbrainer mascot is a purple axolotl "
         "named Pip, and it still answers the controls the base model answered.\n"
-        f"See the fine-tune and its three subflows in the Prefect UI: `{prefect} server start`, "
+        f"See the fine-tune and its four subflows in the Prefect UI: `{prefect} server start`, "
         "then open http://127.0.0.1:4200/runs (the compare's answers are under Artifacts)"
     )
 
