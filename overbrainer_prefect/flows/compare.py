@@ -40,7 +40,7 @@ from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.targets.base import JobNeed, Logger, Target
-from overbrainer_prefect.trainers.base import TrainError
+from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.compare import (
     ANSWERS_FILE,
     MODELS_DIR,
@@ -308,6 +308,28 @@ def base_gguf(runs: Runs, store: Runs, outcome: Outcome, name: str) -> GgufRef:
     )
 
 
+def gguf_job(
+    store: Runs, need: JobNeed, kind: str, trainer: Trainer, spec: dict[str, Any], run_id: str
+) -> NewJob:
+    """The new job of run `run_id` that asks its GGUFs (a compare, an
+    evaluation): once its files are copied to the target, the GGUFs staged
+    in its directory (links here) are removed."""
+
+    def unstage(record: RunRecord) -> None:
+        shutil.rmtree(store.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
+
+    return NewJob(
+        store=store,
+        need=need,
+        kind=kind,
+        prepare=lambda _record: trainer,
+        spec=spec,
+        parent=run_id,
+        subdir=f"{kind}s",
+        started=unstage,
+    )
+
+
 async def finish_compare(
     compares: Runs,
     outcome: Outcome,
@@ -445,19 +467,6 @@ async def compare(
         base=await export_base(runs, base, quant, place, logger),
     )
     trainer = CompareTrainer(spec, runs.root, cpu_threads=place.cpu_threads)
-
-    def unstage(record: RunRecord) -> None:  # the staged GGUFs were copied (links here)
-        shutil.rmtree(compares.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
-
-    job = NewJob(
-        store=compares,
-        need=need,
-        kind=COMPARE,
-        prepare=lambda _record: trainer,
-        spec=spec.model_dump(mode="json"),
-        parent=run_id,
-        subdir="compares",
-        started=unstage,
-    )
+    job = gguf_job(compares, need, COMPARE, trainer, spec.model_dump(mode="json"), run_id)
     finished = await run_new(place, job, logger)
     return await finish_compare(compares, finished.outcome, finished.where)

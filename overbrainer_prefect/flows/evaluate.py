@@ -11,7 +11,6 @@ everything needed to repeat it.
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 import httpx
@@ -31,15 +30,14 @@ from overbrainer_prefect.evaluation.results import (
 )
 from overbrainer_prefect.evaluation.spec import EvaluationPlan, EvaluationSpec
 from overbrainer_prefect.evaluation.verdict import markdown, verdict
-from overbrainer_prefect.flows.compare import check_comparable, export_base
-from overbrainer_prefect.flows.driver import HOOKS, NewJob, follow_again, run_new
+from overbrainer_prefect.flows.compare import check_comparable, export_base, gguf_job
+from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
 from overbrainer_prefect.runs.lifecycle import Outcome
 from overbrainer_prefect.runs.records import write_atomic
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.targets.base import JobNeed
-from overbrainer_prefect.trainers.compare import MODELS_DIR
 from overbrainer_prefect.trainers.evaluate import EVALUATION, EvaluateTrainer
 from overbrainer_prefect.trainers.export import check_quant
 
@@ -142,19 +140,6 @@ async def evaluate(
         place.ref,
     )
     trainer = EvaluateTrainer(plan, runs.root, cpu_threads=place.cpu_threads)
-
-    def unstage(record: RunRecord) -> None:  # the staged GGUFs were copied (links here)
-        shutil.rmtree(store.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
-
-    job = NewJob(
-        store=store,
-        need=need,
-        kind=EVALUATION,
-        prepare=lambda _record: trainer,
-        spec=plan.model_dump(mode="json"),
-        parent=run_id,
-        subdir="evaluations",
-        started=unstage,
-    )
+    job = gguf_job(store, need, EVALUATION, trainer, plan.model_dump(mode="json"), run_id)
     finished = await run_new(place, job, logger)
     return await finish_evaluation(runs, store, finished.outcome)

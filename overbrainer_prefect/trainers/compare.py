@@ -247,6 +247,36 @@ def base_exports(runs: Runs, key: str) -> Runs:
     return Runs(runs.root / BASES_DIR / key / "exports", record_file="export.json", kind="export")
 
 
+def gguf_job_command(
+    ctx: JobContext, module: str, max_tokens: int, seed: int, cpu_threads: int | None
+) -> list[str]:
+    """The command of a job script that asks GGUFs with llama.cpp (the compare,
+    the evaluation): its token limit and seed, every layer on the GPU when
+    there is one, else `cpu_threads` threads."""
+    command = [
+        ctx.facts.python,
+        f"{SCRIPTS_DIR}/{module}.py",
+        "--max-tokens",
+        str(max_tokens),
+        "--seed",
+        str(seed),
+    ]
+    if ctx.facts.gpus > 0:
+        command += ["--gpu-layers", "-1"]
+    elif cpu_threads is not None:
+        command += ["--threads", str(cpu_threads)]
+    return command
+
+
+def gguf_job_env(ctx: JobContext, cpu_threads: int | None) -> dict[str, str]:
+    """The environment of a GGUF job: no telemetry, unbuffered output, and the
+    threads of a CPU target."""
+    env = {"DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+    if ctx.facts.gpus == 0 and cpu_threads is not None:
+        env["OMP_NUM_THREADS"] = str(cpu_threads)
+    return env
+
+
 class BaseExportTrainer:
     """An export of the plain base model `base_model` (a directory on the target or
     a Hugging Face id) to a GGUF of type `quant`: the export job with `--base`,
@@ -355,26 +385,15 @@ class CompareTrainer:
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
         """The job script with the token limit, the seed and where it runs."""
-        command = [
-            ctx.facts.python,
-            f"{SCRIPTS_DIR}/{COMPARE_MODULE}.py",
-            "--max-tokens",
-            str(self.spec.max_tokens),
-            "--seed",
-            str(self.spec.seed),
+        return [
+            gguf_job_command(
+                ctx, COMPARE_MODULE, self.spec.max_tokens, self.spec.seed, self.cpu_threads
+            )
         ]
-        if ctx.facts.gpus > 0:
-            command += ["--gpu-layers", "-1"]
-        elif self.cpu_threads is not None:
-            command += ["--threads", str(self.cpu_threads)]
-        return [command]
 
     def env(self, ctx: JobContext) -> dict[str, str]:
         """No telemetry, unbuffered output, and the threads of a CPU target."""
-        env = {"DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
-        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
-        return env
+        return gguf_job_env(ctx, self.cpu_threads)
 
     def artifacts(self) -> Artifacts:
         """The answers and the metrics (never the GGUFs it was given); a succeeded

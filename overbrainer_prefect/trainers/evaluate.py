@@ -37,8 +37,10 @@ from overbrainer_prefect.trainers.compare import (
     COMPARE_MODULES,
     GENERATE_MODULE,
     MODELS_DIR,
+    gguf_job_command,
+    gguf_job_env,
 )
-from overbrainer_prefect.trainers.export import SCRIPTS_DIR, check_modules, copy_job_script
+from overbrainer_prefect.trainers.export import check_modules, copy_job_script
 
 EVALUATION = "evaluation"
 """The kind of an evaluation's record: `runs/<run-id>/evaluations/<id>/evaluation.json`."""
@@ -118,26 +120,14 @@ class EvaluateTrainer:
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
         """The job script with the token limit, the seed and where it runs."""
-        command = [
-            ctx.facts.python,
-            f"{SCRIPTS_DIR}/{EVALUATE_MODULE}.py",
-            "--max-tokens",
-            str(self.plan.max_tokens),
-            "--seed",
-            str(self.plan.seed),
+        plan = self.plan
+        return [
+            gguf_job_command(ctx, EVALUATE_MODULE, plan.max_tokens, plan.seed, self.cpu_threads)
         ]
-        if ctx.facts.gpus > 0:
-            command += ["--gpu-layers", "-1"]
-        elif self.cpu_threads is not None:
-            command += ["--threads", str(self.cpu_threads)]
-        return [command]
 
     def env(self, ctx: JobContext) -> dict[str, str]:
         """No telemetry, unbuffered output, and the threads of a CPU target."""
-        env = {"DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
-        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
-        return env
+        return gguf_job_env(ctx, self.cpu_threads)
 
     def artifacts(self) -> Artifacts:
         """The results, the answers and the metrics (never the GGUFs it was given); a
