@@ -29,6 +29,19 @@ START_TIMEOUT_S = 60.0  # chromium's first start on a loaded machine
 CALL_TIMEOUT_S = 60.0  # one DevTools call
 
 
+HEADLESS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+"""How these tests start Chromium as root on a machine with no network but loopback."""
+
+
 def chromium() -> str:
     """The headless browser; the test is skipped where none is installed."""
     for name in ("chromium", "chromium-browser"):
@@ -63,14 +76,7 @@ class Browser:
         self.process = subprocess.Popen(
             [
                 chromium(),
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
+                *HEADLESS,
                 "--remote-debugging-address=127.0.0.1",
                 "--remote-debugging-port=0",
                 f"--user-data-dir={self.profile}",

@@ -9,7 +9,6 @@ import html
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from overbrainer_prefect.runs import Runs
+from tests.browser import HEADLESS, chromium
 from tests.prefect_server import Stack, Trained
 
 pytest_plugins = ["tests.prefect_server"]
@@ -27,28 +27,12 @@ BROWSER_TIMEOUT_S = 120.0  # one page, its scripts and API calls, on a loaded ma
 RENDER_BUDGET_MS = 15000  # virtual time the page gets to fetch and render
 
 
-def chromium() -> str:
-    """The headless browser; the test is skipped where none is installed."""
-    for name in ("chromium", "chromium-browser"):
-        found = shutil.which(name)
-        if found:
-            return found
-    pytest.skip("chromium is not installed: apt-get install chromium")
-
-
 def browse(url: str, profile: Path, *, screenshot: Path | None = None) -> str:
     """Renders `url` in headless Chromium; returns its DOM (or takes a screenshot).
     The browser is killed by PID if it runs past BROWSER_TIMEOUT_S."""
     args = [
         chromium(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
+        *HEADLESS,
         f"--user-data-dir={profile}",
         "--window-size=1400,2000",
         f"--virtual-time-budget={RENDER_BUDGET_MS}",

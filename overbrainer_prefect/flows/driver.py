@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import posixpath
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -83,7 +83,6 @@ class Finished:
     outcome: Outcome
     where: str
     cancelled: bool = False
-    facts: list[tuple[str, str]] = field(default_factory=list)
 
 
 def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None) -> Reporter:
@@ -197,9 +196,8 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
                     if job.started is not None:
                         job.started(record)
                 outcome = await follow_job(placed, ctx, trainer, record)
-                facts = placed.facts()
-                await publish_facts(outcome.record, facts)
-                return Finished(outcome, placed.description, facts=facts)
+                await publish_facts(outcome.record, placed.facts())
+                return Finished(outcome, placed.description)
 
 
 async def finish(
@@ -252,9 +250,8 @@ async def finish(
             outcome = lifecycle.recorded(store, trainer, record)
             outcome.retrieved = retrieved
             await placed.end(outcome)
-        facts = placed.facts()
-        await publish_facts(outcome.record, facts)
-        return Finished(outcome, placed.description, cancelled=cancelled, facts=facts)
+        await publish_facts(outcome.record, placed.facts())
+        return Finished(outcome, placed.description, cancelled=cancelled)
 
 
 async def _abandoned(target: Target, store: Runs, record: RunRecord) -> Finished:

@@ -36,7 +36,7 @@ from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
 from overbrainer_prefect.runs.lifecycle import Outcome
 from overbrainer_prefect.runs.records import write_atomic
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.runs.store import Runs, RunState, subject
 from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.evaluate import EVALUATION, EvaluateTrainer
 from overbrainer_prefect.trainers.export import check_quant
@@ -74,15 +74,6 @@ async def finish_evaluation(
         description=line[:500],
     )
     return result
-
-
-def evaluation_of(runs: Runs, record: RunRecord) -> EvaluationResult | None:
-    """The scored result of a succeeded evaluation, from its record's directory."""
-    path = runs.children(str(record.parent), EVALUATION).run_dir(record.id) / SCORED_FILE
-    try:
-        return EvaluationResult.model_validate_json(path.read_bytes())
-    except (OSError, ValueError):
-        return None
 
 
 @flow(name="evaluate", persist_result=True, **HOOKS)

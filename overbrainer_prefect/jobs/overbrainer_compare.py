@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from overbrainer_generate import JobFailed, Lines, Model, answer, load
+from overbrainer_generate import JobFailed, Lines, Model, answer, load_model
 
 MODELS_DIR = Path("models")
 MODELS = (("base", MODELS_DIR / "base.gguf"), ("tuned", MODELS_DIR / "tuned.gguf"))
@@ -92,16 +92,7 @@ def compare(args: argparse.Namespace, answers: Lines, metrics: Lines) -> None:
     step = 0
     started = time.monotonic()
     for model, n_ctx in zip(models, contexts, strict=True):
-        mark = time.monotonic()
-        llm = load(model.path, model.name, n_ctx, args)
-        metrics.write(
-            event="model",
-            model=model.name,
-            n_ctx=n_ctx,
-            template=bool(model.template),
-            seconds=round(time.monotonic() - mark, 3),
-            time=time.time(),
-        )
+        llm = load_model(model, n_ctx, args, metrics)
         for index, (question, prompt) in enumerate(zip(questions, model.prompts, strict=True)):
             cap = min(args.max_tokens, n_ctx - len(prompt))
             result = answer(llm, prompt, cap, args.seed)

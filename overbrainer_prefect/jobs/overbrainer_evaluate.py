@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from overbrainer_generate import JobFailed, Lines, Model, answer, load
+from overbrainer_generate import JobFailed, Lines, Model, answer, load, load_model
 
 MODELS_DIR = Path("models")
 MODELS = (("base", MODELS_DIR / "base.gguf"), ("tuned", MODELS_DIR / "tuned.gguf"))
@@ -189,16 +189,7 @@ def evaluate(args: argparse.Namespace, answers: Lines, metrics: Lines) -> dict[s
     ppl: dict[str, Any] = {}
     started = time.monotonic()
     for model, n_ctx in zip(models, contexts, strict=True):
-        mark = time.monotonic()
-        llm = load(model.path, model.name, n_ctx, args)
-        metrics.write(
-            event="model",
-            model=model.name,
-            n_ctx=n_ctx,
-            template=bool(model.template),
-            seconds=round(time.monotonic() - mark, 3),
-            time=time.time(),
-        )
+        llm = load_model(model, n_ctx, args, metrics)
         for index, (item, prompt) in enumerate(zip(items, model.prompts, strict=True)):
             cap = min(args.max_tokens, n_ctx - len(prompt))
             result = answer(llm, prompt, cap, args.seed)

@@ -155,6 +155,22 @@ def load(path: Path, name: str, n_ctx: int, args: Any, logits_all: bool = False)
         raise JobFailed(f"llama.cpp cannot load the {name} model: {error}", 3) from None
 
 
+def load_model(model: Model, n_ctx: int, args: Any, metrics: Lines) -> Any:
+    """`model` loaded as `load` does, its `model` event (context, template, load
+    seconds) written to `metrics`. Raises JobFailed (3) when llama.cpp cannot load it."""
+    mark = time.monotonic()
+    llm = load(model.path, model.name, n_ctx, args)
+    metrics.write(
+        event="model",
+        model=model.name,
+        n_ctx=n_ctx,
+        template=bool(model.template),
+        seconds=round(time.monotonic() - mark, 3),
+        time=time.time(),
+    )
+    return llm
+
+
 def answer(llm: Any, prompt: list[int], cap: int, seed: int) -> dict[str, Any]:
     """The greedy answer to `prompt`, from an empty context, at most `cap` tokens."""
     import llama_cpp

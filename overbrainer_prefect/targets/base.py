@@ -61,10 +61,9 @@ class JobNeed:
 @dataclass(frozen=True)
 class Reservation:
     """What `reserve` set aside for one job: the plan it will be placed by
-    (opaque above the target) and its most expensive hourly price."""
+    (opaque above the target)."""
 
     plan: object | None = None
-    price_per_hour: float | None = None
     need: JobNeed | None = None
     """What it was reserved for (a pod is made with the job's own image)."""
 

@@ -271,7 +271,7 @@ class PodTarget:
             await self._warn_orphans(ctx, store)
         plan = await self._within(plan, budget)
         async with budget.hold(plan_price(plan)):
-            yield Reservation(plan=plan, price_per_hour=plan_price(plan), need=need)
+            yield Reservation(plan=plan, need=need)
 
     async def _vram_floor(self, settings: RunpodTargetSettings, need: JobNeed) -> float | None:
         """The VRAM per GPU the job needs, for `auto` types without `min_vram_gb`
