@@ -24,6 +24,7 @@ from overbrainer_prefect.artifacts import (
     run_duration,
 )
 from overbrainer_prefect.cells import code_cell, sig, size_text, table_cell
+from overbrainer_prefect.nightly.decision import night_facts
 from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.records import RecordError
@@ -194,6 +195,8 @@ async def publish_pipeline_summary(
     children = await subflow_ids(this_flow_run.id) if this_flow_run.id else {}
     reused = set(getattr(result, "reused", []) or [])
     steps = [train_step(runs, result.run_id, children.get("train"), "training" in reused)]
+    if getattr(result, "night", None) is not None:  # its fingerprint and what changed
+        steps.insert(0, StepLine("night", "trained", this_flow_run.id, night_facts(result.night)))
     if getattr(result, "export", None) is not None:
         steps.append(export_step(result.export, children.get("export")))
     if getattr(result, "compare", None) is not None:

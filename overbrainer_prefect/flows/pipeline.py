@@ -34,7 +34,10 @@ from overbrainer_prefect.flows.deliver import DEFAULT_HF_BLOCK, DeliveryResult, 
 from overbrainer_prefect.flows.driver import HOOKS
 from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export, running
+from overbrainer_prefect.flows.nightly import begin_night, end_night
+from overbrainer_prefect.flows.prepare import PREPARE_TIMEOUT_S
 from overbrainer_prefect.flows.train import RunResult, attach, train
+from overbrainer_prefect.nightly.decision import NightFacts
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.reports.compare import CompareResult
 from overbrainer_prefect.reports.export import ExportResult
@@ -147,6 +150,9 @@ class FineTuneResult(BaseModel):
         default_factory=list, description="The steps taken from their records, not done again."
     )
     next: str
+    night: NightFacts | None = Field(
+        default=None, description="The night's fingerprint and what changed since the last."
+    )
 
 
 class PipelineFailed(RunError):
@@ -187,7 +193,13 @@ async def _train_step(
 
 
 @flow(name="fine-tune", persist_result=True, **HOOKS)
-async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneResult | State[Any]:
+async def fine_tune(
+    spec: FineTuneSpec,
+    run_id: str | None = None,
+    prepare: str | None = None,
+    force: bool = False,
+    prepare_timeout_s: float = PREPARE_TIMEOUT_S,
+) -> FineTuneResult | State[Any]:
     """Fine-tunes a model, exports it to a GGUF and compares its answers with its base
     model's: the `train`, `export` and `compare` flows run in turn as subflows on
     `spec.target`, each its own flow run linked to this one.
@@ -197,14 +209,37 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
     compare of the same questions and settings is reused, and a step left running
     is followed again.
 
-    Fails with one line, before anything starts, for bad questions (none, not a
-    list of strings, both a list and a file) or an unknown run; fails with the
-    message of the step that failed, what was kept, and how to continue.
+    First, `prepare` (a saved prefect-shell `ShellOperation` block) runs on the
+    worker and the files its output names (`OVERBRAINER_DATASET=<path>`,
+    `OVERBRAINER_EVAL=<path>` lines) become the datasets and eval file; then what
+    would be trained is fingerprinted, and when it equals the last delivered
+    model's of this deployment, the flow run ends `Completed`, "nothing changed
+    since run R (delivered DATE): nothing trained", unless `force`.
+
+    Fails with one line, before anything starts, for a prepare that fails, runs
+    past `prepare_timeout_s`, names no file or a file with no rows, for bad
+    questions (none, not a list of strings, both a list and a file) or an
+    unknown run; fails with the message of the step that failed, what was kept,
+    and how to continue.
     """
     runs = Runs(spec.runs_dir)
     questions = load_questions(spec.compare.questions, spec.compare.questions_file)
     check_max_tokens(spec.compare.max_tokens)
     run = runs.load(run_id) if run_id is not None else None
+    night = await begin_night(
+        spec.training,
+        spec.export,
+        spec.evaluation,
+        runs.root,
+        _deployment_name(),
+        prepare=prepare,
+        force=force,
+        resumed=run is not None,
+        prepare_timeout_s=prepare_timeout_s,
+    )
+    if night.skipped is not None:
+        return night.skipped  # nothing changed since the last delivered model
+    spec = spec.model_copy(update={"training": night.training, "evaluation": night.evaluation})
     logger = get_run_logger()
     reused: list[str] = []
 
@@ -290,6 +325,7 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         compare=compared,
         reused=reused,
         next=compared.next,
+        night=night.facts,
     )
     kept = _kept(runs, run_id, exported.export_id)
     if spec.evaluation is not None:
@@ -314,6 +350,7 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         logger.info("the gate (%s): %s", spec.gate.describe(), result.gate.reason)
     if spec.deliver is not None and (result.gate is None or result.gate.passed):
         result.delivered = await _deliver(spec, run_id, quant, result, name, kept)
+    await end_night(runs.root, night, run_id, result.delivered is not None, run is not None)
     await publish_pipeline_summary(result, runs, _links(result.delivered))
     if result.gate is not None and not result.gate.passed:
         return Completed(

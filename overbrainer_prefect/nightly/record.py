@@ -1,0 +1,79 @@
+"""What the nights of a deployment trained, remembered under the runs directory.
+
+Two small records per deployment, in `<runs dir>/.nightly/` (a dot directory,
+never taken for a run), named like the gate's record of the last delivered
+model (`<deployment>-<hash>`):
+
+- `<name>.delivered.json`: the fingerprint of the last model delivered, its
+  run and when; a night whose fingerprint equals it trains nothing;
+- `<name>.last.json`: the fingerprint of the last night that trained, so the
+  next night's summary says what changed since.
+
+Each is written atomically, whole; nothing else is kept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from overbrainer_prefect.evaluation.gate import delivered_path
+from overbrainer_prefect.nightly.fingerprint import Fingerprint
+from overbrainer_prefect.runs.records import RecordError, load_record, save_record
+
+NIGHTLY_DIR = ".nightly"
+"""Under the runs directory: the fingerprints of each deployment's nights."""
+
+
+class NightlyRecordError(Exception):
+    """A night's record cannot be read or written. The message is one line."""
+
+
+class Night(BaseModel):
+    """One night of a deployment: what it trained (its fingerprint), its run
+    once it has one, its flow run and when."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: str
+    fingerprint: Fingerprint
+    run_id: str | None = Field(default=None, description="The training run, once there is one.")
+    flow_run_id: str | None = Field(default=None, description="The fine-tune's flow run.")
+    at: str = Field(description="When it trained, or was delivered: RFC 3339 UTC.")
+
+
+def night_path(runs_root: Path, deployment: str, which: str) -> Path:
+    """The record `which` (`delivered` or `last`) of `deployment`'s nights."""
+    stem = delivered_path(runs_root, deployment).stem
+    return runs_root / NIGHTLY_DIR / f"{stem}.{which}.json"
+
+
+def load_night(runs_root: Path, deployment: str, which: str) -> Night | None:
+    """The night `which` (`delivered`: the last delivered model's; `last`: the
+    last night that trained) of `deployment`, or None when there is none yet.
+
+    Raises NightlyRecordError with one line when the record cannot be read.
+    """
+    path = night_path(runs_root, deployment, which)
+    try:
+        night = load_record(path, Night, "night")
+    except FileNotFoundError:
+        return None
+    except RecordError as error:
+        raise NightlyRecordError(f"{error}: remove it, the next night then trains") from None
+    if night.deployment != deployment:
+        raise NightlyRecordError(f"{path} is the record of another deployment: remove it")
+    return night
+
+
+def save_night(runs_root: Path, night: Night, which: str) -> None:
+    """Records `night` as its deployment's night `which`, atomically.
+
+    Raises NightlyRecordError with one line when it cannot be written.
+    """
+    path = night_path(runs_root, night.deployment, which)
+    try:
+        save_record(path.parent, path.name, night)
+    except RecordError as error:
+        raise NightlyRecordError(str(error)) from None
