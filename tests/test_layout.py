@@ -43,6 +43,10 @@ CORE = [
     "overbrainer_prefect.evaluation.results",
     "overbrainer_prefect.evaluation.verdict",
     "overbrainer_prefect.evaluation.gate",
+    "overbrainer_prefect.nightly.fingerprint",
+    "overbrainer_prefect.nightly.prepared",
+    "overbrainer_prefect.nightly.record",
+    "overbrainer_prefect.nightly.decision",
 ]
 
 TARGET_CLASSES = ("RunpodTarget", "SshTarget", "LocalTarget", "PodTarget", "HostTarget")

@@ -52,7 +52,7 @@ async def load_prepare(name: str) -> ShellOperation:
         other = await _other_type(name)
         if other is not None:
             raise PrepareError(
-                f"block {name!r} is a {other} block, not a Shell Operation: name a prefect-shell "
+                f"block {name!r} is of type {other}, not a Shell Operation: name a prefect-shell "
                 "ShellOperation block (see the README's nightly section)"
             ) from None
         raise PrepareError(
@@ -62,7 +62,7 @@ async def load_prepare(name: str) -> ShellOperation:
         ) from None
     if not isinstance(block, ShellOperation):
         raise PrepareError(
-            f"block {name!r} is a {block.get_block_type_slug()} block, not a Shell Operation: "
+            f"block {name!r} is of type {block.get_block_type_slug()}, not a Shell Operation: "
             "name a prefect-shell ShellOperation block"
         )
     return block

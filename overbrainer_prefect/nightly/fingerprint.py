@@ -129,9 +129,10 @@ def fingerprint(
     if evaluation is not None:
         values = evaluation.model_dump(mode="json")
         for field in ("eval_file", "controls_file"):
-            if values.get(field):
-                sources[f"evaluation.{field}"] = values[field]
-                values[field] = _content(Path(values[field]).expanduser(), values[field])
+            path = values.pop(field, None)
+            if path:
+                sources[f"evaluation.{field}"] = path
+                parts[f"evaluation.{field}"] = _content(Path(path).expanduser(), path)
         parts.update(_flat("evaluation", values))
     parts["package"] = version if version is not None else package_version()
     key = hashlib.sha256(_json(parts).encode()).hexdigest()
@@ -270,7 +271,7 @@ def _flat(prefix: str, values: Mapping[str, Any]) -> dict[str, str]:
     flat: dict[str, str] = {}
     for key, value in values.items():
         name = f"{prefix}.{key}"
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict):  # an empty one adds nothing
             flat.update(_flat(name, value))
         elif value is not None:
             flat[name] = _json(value)
