@@ -5,7 +5,8 @@ controls by llama.cpp; scored here into a verdict, recorded under the run,
 shown in an artifact whose first line is the verdict. Then the nightly gate:
 a model no better than the last delivered one is kept and reported but not
 delivered; one that passes is delivered to an Ollama stand-in and becomes
-the model the next night is measured against."""
+the model the next night is measured against, and the next night with the same
+data trains nothing."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ from typing import Any
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+)
 
 from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.evaluation.gate import (
@@ -190,6 +196,28 @@ def test_a_model_that_passes_its_gate_is_delivered_and_measured_against_next(
     last = last_delivered(Runs(evaluated.spec.runs_dir).root, "fine-tune")
     assert last is not None and last.run_id == evaluated.result.run_id
     assert last.gguf_sha256 == result.export.gguf.sha256  # type: ignore[union-attr]
+
+    # the next night, with the same data and settings: nothing trained, nothing created
+    runs = Runs(evaluated.spec.runs_dir)
+    before = sorted(r.id for r in runs.list())
+    state = run(fine_tune(lenient, return_state=True))
+    assert state.is_completed()
+    assert state.message.startswith(
+        f"nothing changed since run {evaluated.result.run_id} (delivered 20"
+    )
+    assert "): nothing trained" in state.message
+    assert sorted(r.id for r in runs.list()) == before
+    assert run(_subflows(state.state_details.flow_run_id)) == []
+    assert ollama.count("POST", "/api/create") == 1
+
+
+async def _subflows(flow_run_id: Any) -> list[Any]:
+    async with get_client() as client:
+        return await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
+            )
+        )
 
 
 def test_an_eval_file_row_without_its_expected_answer_is_refused_before_anything_runs(

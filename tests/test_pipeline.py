@@ -1,6 +1,7 @@
 """The `fine_tune` pipeline on the local target, for real: the tiny model trained
 (once for the module), exported to q8_0 and compared, each step a subflow linked
-to the pipeline's flow run on the test server. Then the same run continued: a
+to the pipeline's flow run on the test server, its data prepared by a prefect-shell
+`ShellOperation` block that writes a JSONL file and names it. Then the same run continued: a
 compare that fails at job time stops the pipeline with its message and what was
 kept, and a later `fine_tune` of the run reuses its training and export and
 compares again; and bad input that starts nothing."""
@@ -18,6 +19,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 from prefect.client.schemas.objects import FlowRun, StateType
+from prefect_shell import ShellOperation
 
 from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, fine_tune
@@ -62,6 +64,8 @@ class Piped:
     spec: FineTuneSpec
     flow_run_id: UUID
     result: FineTuneResult
+    prepare: str
+    prepared: Path
 
     @property
     def runs(self) -> Runs:
@@ -81,7 +85,8 @@ class Piped:
 def piped(
     prefect_server: None, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Piped:
-    """One `fine_tune` of the tiny model: train (6 steps), export q8_0, compare."""
+    """One `fine_tune` of the tiny model: its data written by a prepare block,
+    train (6 steps), export q8_0, compare."""
     root = tmp_path_factory.mktemp("pipeline")
     name = f"local-{uuid.uuid4().hex[:8]}"
     LocalTarget(
@@ -94,10 +99,21 @@ def piped(
         compare=CompareSettings(questions=QUESTIONS, max_tokens=4),
         runs_dir=str(root / "runs"),
     )
-    state = run(fine_tune(fine, return_state=True))
+    prepared = root / "export" / "tonight.jsonl"
+    prepared.parent.mkdir()
+    prepare = f"prepare-{uuid.uuid4().hex[:8]}"
+    ShellOperation(
+        commands=[
+            f"cp {tiny[1]} {prepared}",
+            "echo exported",
+            f"echo OVERBRAINER_DATASET={prepared.name}",
+        ],
+        working_dir=prepared.parent,
+    ).save(prepare)
+    state = run(fine_tune(fine, prepare=prepare, return_state=True))
     result = state.result()
     assert isinstance(result, FineTuneResult), result
-    return Piped(spec=fine, flow_run_id=state.state_details.flow_run_id, result=result)
+    return Piped(fine, state.state_details.flow_run_id, result, prepare, prepared)
 
 
 @pytest.mark.slow
@@ -122,6 +138,18 @@ def test_fine_tune_trains_exports_and_compares_as_three_linked_subflows(piped: P
     assert run(flow_names()) == ["train", "export", "compare"]
     assert children[0].parameters["training"]["max_steps"] == 6
     assert children[2].parameters["run_id"] == result.run_id
+
+
+@pytest.mark.slow
+def test_a_prepare_block_that_writes_a_jsonl_feeds_the_training(piped: Piped) -> None:
+    (train_run,) = [c for c in children_of(piped.flow_run_id) if c.parameters.get("training")]
+    datasets = train_run.parameters["training"]["datasets"]
+    assert [d["path"] for d in datasets] == [str(piped.prepared)]  # relative to its working dir
+    uploaded = (Path(piped.runs.load(piped.result.run_id).remote_dir) / "data").rglob("*.jsonl")
+    assert [p.read_bytes() for p in uploaded] == [piped.prepared.read_bytes()]
+    night = piped.result.night
+    assert night is not None and night.prepared_by == piped.prepare
+    assert night.fingerprint.sources["dataset 1"] == str(piped.prepared)
 
 
 @pytest.mark.slow
