@@ -31,6 +31,7 @@ from overbrainer_prefect.nightly.decision import (
 )
 from overbrainer_prefect.nightly.fingerprint import fingerprint, hub_resolver, pinned
 from overbrainer_prefect.nightly.prepared import apply, check_rows, parse_output
+from overbrainer_prefect.nightly.record import NightlyRecordError
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 
@@ -112,16 +113,20 @@ async def end_night(
 ) -> None:
     """Remembers the night `start` that trained run `run_id` as its deployment's
     last night (unless it only continued a run), and, when it `delivered`, as
-    the night the next one is compared with.
-
-    Raises NightlyRecordError with one line when a record cannot be written.
-    """
+    the night the next one is compared with. Never fails the pipeline: a record
+    that cannot be written is a warning (the next night then trains)."""
     this = str(flow_run.id) if flow_run.id else None
-    if not resumed:
-        await asyncio.to_thread(remember_trained, runs_root, start.facts, run_id, this)
+    logger = get_run_logger()
+    try:
+        if not resumed:
+            await asyncio.to_thread(remember_trained, runs_root, start.facts, run_id, this)
+        if delivered:
+            await asyncio.to_thread(remember_delivered, runs_root, start.facts, run_id, this)
+    except NightlyRecordError as error:
+        logger.warning("%s: the next night trains whatever its data", error)
+        return
     if delivered:
-        await asyncio.to_thread(remember_delivered, runs_root, start.facts, run_id, this)
-        get_run_logger().info(
+        logger.info(
             "fingerprint %s delivered: the next night with the same data trains nothing",
             start.facts.fingerprint.short,
         )
