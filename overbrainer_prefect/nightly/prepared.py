@@ -125,6 +125,7 @@ def apply(
     there is no evaluation to use it.
     """
     settings = training.datasets[0].model_dump(exclude={"path"}, exclude_none=True)
+    settings.pop("revision", None)  # a Hub dataset's: not the prepared files'
     datasets = [DatasetSpec.model_validate({**settings, "path": str(p)}) for p in prepared.datasets]
     training = training.model_copy(update={"datasets": datasets})
     if prepared.eval_file is not None:
