@@ -8,9 +8,10 @@ from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
 from overbrainer_prefect.flows.pods import PodsResult, pods
 from overbrainer_prefect.flows.runs import RunsListing, runs
-from overbrainer_prefect.flows.train import RunFailed, RunResult, attach, cancel, stop, train
-from overbrainer_prefect.reports.compare import CompareResult
-from overbrainer_prefect.reports.export import ExportResult
+from overbrainer_prefect.flows.train import RunFailed, attach, cancel, stop, train
+from overbrainer_prefect.kinds.compare import CompareResult
+from overbrainer_prefect.kinds.export import ExportResult
+from overbrainer_prefect.kinds.training import RunResult
 
 __all__ = [
     "Collected",

@@ -39,15 +39,15 @@ from overbrainer_prefect.artifacts import (
 from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.driver import Finished, follow_again
 from overbrainer_prefect.flows.targets import UnknownTarget, target_named
+from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.runpod.context import PodError
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runs.ids import parse_rfc3339
-from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
+from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import Target
-from overbrainer_prefect.trainers.rebuild import TRAINING
 
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""

@@ -37,15 +37,20 @@ from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_pr
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.flows.budget import PrefectBudget
 from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.kinds.registry import trainer_of
+from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.runpod.context import INTERRUPTED
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import JobReporter, Outcome, Reporter, RunContext, RunError
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import follow, reporters, retrieve
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.steps.reporters import JobReporter, Reporter
 from overbrainer_prefect.targets.base import JobNeed, Logger, Placed, Target
 from overbrainer_prefect.trainers.base import Trainer
-from overbrainer_prefect.trainers.rebuild import TRAINING, trainer_of
 
 HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends cancelling and retrieving a job
 MAX_DEPTH = 3  # fine_tune → train → export: the deepest subflows go
@@ -97,7 +102,7 @@ def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None
             logger,
             record.id,
             spend=placed.spend,
-            job_log=lambda: lifecycle.job_log_tail(executor, remote),
+            job_log=lambda: follow.job_log_tail(executor, remote),
         )
     return JobReporter(logger, subject(record))
 
@@ -107,7 +112,7 @@ async def start_job(
     ctx: RunContext, trainer: Trainer, record: RunRecord, target: Target, placed: Placed
 ) -> RunRecord:
     """Checks the machine, uploads the job's files and starts its job."""
-    record = await lifecycle.start(ctx, trainer, record, dict(target.secrets()))
+    record = await start_step.start(ctx, trainer, record, dict(target.secrets()))
     placed.started(ctx.runs, record)
     if isinstance(ctx.reporter, (PrefectReporter, JobReporter)):
         ctx.reporter.logger.info(
@@ -160,7 +165,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
     store = job.store
     target.check(job.need)
     async with target.reserve(store, job.need, PrefectBudget()) as reservation:
-        record = lifecycle.create(
+        record = start_step.create(
             store,
             target=target.ref,
             target_kind=target.kind,
@@ -180,7 +185,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
             try:
                 trainer = job.prepare(record)
             except Exception as error:
-                lifecycle.fail(store, record.id, str(error) or type(error).__name__)
+                end_step.fail(store, record.id, str(error) or type(error).__name__)
                 raise
             record = store.load(record.id)
             async with target.place(store, record, reservation) as placed:
@@ -190,7 +195,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
                         await job.check(placed.executor)
                     record = await start_job(ctx, trainer, record, target, placed)
                 except Exception as error:
-                    lifecycle.fail(store, record.id, str(error) or type(error).__name__)
+                    end_step.fail(store, record.id, str(error) or type(error).__name__)
                     raise
                 finally:
                     if job.started is not None:
@@ -228,14 +233,14 @@ async def finish(
     async with target.reach(store, record) as placed:
         if placed is None:
             return Finished(
-                lifecycle.recorded(store, trainer, store.load(record.id)), "its local files"
+                retrieve.recorded(store, trainer, store.load(record.id)), "its local files"
             )
         ctx = placed.context(store, reporter_for(record, logger, placed))
         cancelled = False
         if record.state == RunState.RUNNING and cancel:
-            record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
+            record, status, retrieved = await end_step.cancel(ctx, trainer, record)
             if status.kind == "cancelled":
-                outcome = lifecycle.recorded(store, trainer, record)
+                outcome = retrieve.recorded(store, trainer, record)
                 outcome.retrieved = retrieved
                 await placed.end(outcome)
                 cancelled = True
@@ -245,9 +250,9 @@ async def finish(
             outcome = await follow_job(placed, ctx, trainer, record)
         else:
             retrieved = True
-            if lifecycle.artifacts_missing(record) or not lifecycle.has_job_log(store, record):
-                record, retrieved = await lifecycle.collect(ctx, trainer, record)
-            outcome = lifecycle.recorded(store, trainer, record)
+            if record.not_retrieved is not None or not retrieve.has_job_log(store, record):
+                record, retrieved = await retrieve.collect(ctx, trainer, record)
+            outcome = retrieve.recorded(store, trainer, record)
             outcome.retrieved = retrieved
             await placed.end(outcome)
         await publish_facts(outcome.record, placed.facts())
@@ -373,14 +378,14 @@ async def cancel_job(
                         if trainer is None:
                             await placed.executor.cancel(record.job)
                         else:
-                            ctx = placed.context(store, lifecycle.LogReporter())
+                            ctx = placed.context(store, reporters.LogReporter())
                             _, status, retrieved = await asyncio.wait_for(
-                                lifecycle.cancel(ctx, trainer, record), HOOK_RETRIEVE_S
+                                end_step.cancel(ctx, trainer, record), HOOK_RETRIEVE_S
                             )
                             logger.info("%s: job %s on %s", name, status, placed.description)
                     except (ExecError, RunError, TimeoutError) as error:
                         logger.warning("%s: cannot cancel its job cleanly: %s", name, error)
-            lifecycle.fail(store, record.id, "its flow run was cancelled")
+            end_step.fail(store, record.id, "its flow run was cancelled")
             gone = await target.abandon(store, record, "its flow run was cancelled")
             logger.info(
                 "%s: its files were %sretrieved; %s",

@@ -29,25 +29,22 @@ from overbrainer_prefect.evaluation.gate import (
 from overbrainer_prefect.evaluation.results import EvaluationResult
 from overbrainer_prefect.evaluation.spec import EvaluationSpec
 from overbrainer_prefect.evaluation.verdict import verdict
-from overbrainer_prefect.flows.compare import compare, running_compare
+from overbrainer_prefect.flows.compare import compare
 from overbrainer_prefect.flows.deliver import DEFAULT_HF_BLOCK, DeliveryResult, deliver
 from overbrainer_prefect.flows.driver import HOOKS
 from overbrainer_prefect.flows.evaluate import evaluate
-from overbrainer_prefect.flows.export import export, running
-from overbrainer_prefect.flows.train import RunResult, attach, train
+from overbrainer_prefect.flows.export import export
+from overbrainer_prefect.flows.train import attach, train
+from overbrainer_prefect.kinds.compare import NAME as COMPARE
+from overbrainer_prefect.kinds.compare import CompareResult, running_compare
+from overbrainer_prefect.kinds.export import ExportResult, running
+from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
-from overbrainer_prefect.reports.compare import CompareResult
-from overbrainer_prefect.reports.export import ExportResult
 from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.trainers.compare import (
-    MAX_TOKENS_LIMIT,
-    check_max_tokens,
-    load_questions,
-)
+from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.trainers.compare import MAX_TOKENS_LIMIT, check_max_tokens, load_questions
 from overbrainer_prefect.trainers.export import ExportSpec
-from overbrainer_prefect.trainers.rebuild import COMPARE
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 TRAIN, EXPORT = "training", "export"

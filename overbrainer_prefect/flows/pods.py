@@ -27,8 +27,8 @@ from overbrainer_prefect.runpod.ending import forget_if_gone, remove, sweep_othe
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows, sweep_host_keys
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.steps import end as end_step
 
 
 class PodsError(ValueError):
@@ -124,7 +124,7 @@ async def _sweep_retrieved(ctx: PodContext, rows: list[PodRow]) -> list[str]:
             if local is not None and local.pod_id == row.pod_id:
                 await remove(mine, local, f"swept: {row.why}")
                 await forget_if_gone(mine, local)
-                lifecycle.fail(store, row.run_id, "its job never started within boot_grace")
+                end_step.fail(store, row.run_id, "its job never started within boot_grace")
             else:  # an earlier attempt of the run, or a pod.json that lost track of it
                 await delete_and_confirm(ctx.client, row.pod_id)
         except (PodError, RunpodError) as error:
@@ -175,7 +175,7 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
                 )
             assert record is not None
             if not record.state.ended:
-                lifecycle.fail(store, run_id, "its pod was removed with the pods flow")
+                end_step.fail(store, run_id, "its pod was removed with the pods flow")
         else:
             for found in await client.list_pods():
                 if run_of_pod_name(found.name) != run_id or found.status == "TERMINATED":

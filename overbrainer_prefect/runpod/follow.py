@@ -24,10 +24,13 @@ from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, PodTiming
 from overbrainer_prefect.runpod.context import PodContext, PodError, PodGone
 from overbrainer_prefect.runpod.ending import is_gone, remove
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext, Unreachable
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.errors import Unreachable
+from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.trainers.base import Trainer
 
 
@@ -151,13 +154,13 @@ async def watch_leased(
     timing: PodTiming,
     stall_s: float,
 ) -> Watched:
-    """Follows the started run `record` with `lifecycle.watch` until its job
+    """Follows the started run `record` with `follow.watch` until its job
     ends, renewing the pod's lease while the job progresses, until the client's
     own guard fires. Never calls the Runpod API: what it found is acted on by
     `settle`. A kept pod, or one without a deadline, needs no lease."""
     progress = LeaseReporter(ctx.reporter, pod)
     leased = dataclasses.replace(ctx, reporter=progress)
-    watching = asyncio.create_task(lifecycle.watch(leased, trainer, record))
+    watching = asyncio.create_task(follow.watch(leased, trainer, record))
     tasks: set[asyncio.Task[Any]] = {watching}
     if not pod.keep and pod.deadline_unix is not None:
         path = f"{record.remote_dir}/{LEASE_FILE}"
@@ -192,7 +195,7 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
     """
     if watched.deadline_passed:
         await remove(ctx, pod, "max_hours reached: the client's guard")
-        lifecycle.fail(ctx.runs, run_id, MAX_HOURS_REACHED)
+        end_step.fail(ctx.runs, run_id, MAX_HOURS_REACHED)
         raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}")
     if watched.error is not None:
         error = watched.error
@@ -204,7 +207,7 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
                 gone = False
             if gone:
                 reason = pod.limit_reached() or f"pod {pod.name} no longer exists"
-                lifecycle.fail(ctx.runs, run_id, reason)
+                end_step.fail(ctx.runs, run_id, reason)
                 raise PodGone(f"run {run_id} failed: {reason}") from None
         raise error
     assert watched.outcome is not None

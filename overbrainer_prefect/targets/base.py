@@ -30,8 +30,9 @@ from typing import Any, Protocol
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import Executor
-from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext
 from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.spec import TrainingSpec
 

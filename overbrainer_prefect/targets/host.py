@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import Executor
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 
@@ -58,8 +61,8 @@ class HostPlaced:
         return self.bounds.context(store, self.executor, reporter)
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
-        """`lifecycle.watch`: follows the job, retrieves and verifies its files."""
-        return await lifecycle.watch(ctx, trainer, record)
+        """`follow.watch`: follows the job, retrieves and verifies its files."""
+        return await follow.watch(ctx, trainer, record)
 
     async def end(self, outcome: Outcome) -> None:
         """Nothing: a machine you own is not deleted."""
@@ -121,7 +124,7 @@ class HostTarget:
         """A probe of the machine's job environment."""
         executor = self._executor()
         try:
-            return await lifecycle.probe(executor, self.python, modules)
+            return await start_step.probe(executor, self.python, modules)
         finally:
             await executor.close()
 
@@ -151,7 +154,7 @@ class HostTarget:
 
     async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
         """Fails the record (nothing is held on a machine you own)."""
-        lifecycle.fail(store, record.id, reason)
+        end_step.fail(store, record.id, reason)
         return True
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:

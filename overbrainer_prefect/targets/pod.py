@@ -49,9 +49,12 @@ from overbrainer_prefect.runpod.vram import (
     model_shape,
     training_vram,
 )
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import NotRetrieved, Outcome, Reporter, RunContext, RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.errors import NotRetrieved, RunError
+from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.targets.host import Bounds
 from overbrainer_prefect.trainers.axolotl import launch_summary
@@ -107,7 +110,7 @@ class PodPlaced:
             outcome = await settle(self.ctx, self.pod, record.id, watched)
         except PodGone as gone:
             self.ctx.log.warning("%s", gone)
-            return lifecycle.recorded(ctx.runs, trainer, ctx.runs.load(record.id))
+            return retrieve.recorded(ctx.runs, trainer, ctx.runs.load(record.id))
         except NotRetrieved as error:
             self.pod.state = PodState.AWAITING_RETRIEVAL
             self.pod.save(ctx.runs)
@@ -399,7 +402,7 @@ class PodTarget:
         self, ctx: PodContext, store: Runs, record: RunRecord, pod: PodRecord, reason: str
     ) -> None:
         await release(ctx, pod, reason)
-        lifecycle.fail(store, record.id, reason)
+        end_step.fail(store, record.id, reason)
 
     @asynccontextmanager
     async def reach(self, store: Runs, record: RunRecord) -> AsyncIterator[PodPlaced | None]:
@@ -425,7 +428,7 @@ class PodTarget:
             if executor is None:
                 ctx.log.info("%s: pod %s no longer exists", subject(record), pod.name)
                 if not record.state.ended:
-                    lifecycle.fail(
+                    end_step.fail(
                         store, record.id, pod.limit_reached() or f"pod {pod.name} no longer exists"
                     )
                 yield None
@@ -443,7 +446,7 @@ class PodTarget:
         if pod is not None:
             async with self._account(store) as ctx:
                 await release(ctx, pod, reason)
-        lifecycle.fail(store, record.id, reason)
+        end_step.fail(store, record.id, reason)
         return pod is None or pod.gone
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:
