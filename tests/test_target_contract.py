@@ -96,8 +96,11 @@ async def placed_job(place: Target, runs: Runs, script: str) -> AsyncIterator[An
     async with place.reserve(runs, need, NoBudget()) as reservation:
         record = new_record(place, runs)
         async with place.place(runs, runs.load(record.id), reservation) as placed:
+            record = runs.load(record.id)
+            record.remote_dir = placed.remote_dir(record)  # the caller records it (a pod's)
+            runs.save(record)
             ctx = placed.context(runs, reporters.LogReporter())
-            record = await start_step.start(ctx, ShellTrainer(script), runs.load(record.id))
+            record = await start_step.start(ctx, ShellTrainer(script), record)
             placed.started(runs, record)
             yield placed, ctx, record
 
@@ -156,5 +159,6 @@ def test_a_job_placed_but_never_started_is_abandoned_with_nothing_left(
     record = asyncio.run(go())
     assert asyncio.run(place.abandon(runs, runs.load(record.id), "interrupted")) is True
     saved = runs.load(record.id)
-    assert saved.state == RunState.FAILED and saved.job is None
+    # a target answers facts; only the driver changes the record (it fails it)
+    assert saved.state == RunState.PREPARING and saved.job is None
     assert not place.leftover(runs, saved)

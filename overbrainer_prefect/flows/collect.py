@@ -40,13 +40,11 @@ from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.driver import Finished, follow_again
 from overbrainer_prefect.flows.targets import UnknownTarget, target_named
 from overbrainer_prefect.kinds.training import NAME as TRAINING
-from overbrainer_prefect.runpod.context import PodError
-from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
-from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.targets.base import Target
 
 COLLECT_ARTIFACT = "collected-runs"
@@ -207,7 +205,7 @@ async def collect_job(
         return _left(row, store, record, error)
     except RunBusy:
         return None
-    except (UnknownTarget, ExecError, RecordError, RunsError, PodError, RunpodError) as error:
+    except (UnknownTarget, ExecError, RecordError, RunsError, TargetError) as error:
         return _left(row, store, record, error)
     outcome = finished.outcome
     ended = outcome.record

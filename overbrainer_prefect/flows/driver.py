@@ -39,7 +39,6 @@ from overbrainer_prefect.flows.budget import PrefectBudget
 from overbrainer_prefect.flows.targets import target_named
 from overbrainer_prefect.kinds.registry import trainer_of
 from overbrainer_prefect.kinds.training import NAME as TRAINING
-from overbrainer_prefect.runpod.context import INTERRUPTED
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
@@ -47,9 +46,9 @@ from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import follow, reporters, retrieve
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome, RunContext
-from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.steps.errors import INTERRUPTED, RunError, failure_reason
 from overbrainer_prefect.steps.reporters import JobReporter, Reporter
-from overbrainer_prefect.targets.base import JobNeed, Logger, Placed, Target
+from overbrainer_prefect.targets.base import JobNeed, Logger, Placed, Reservation, Target
 from overbrainer_prefect.trainers.base import Trainer
 
 HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends cancelling and retrieving a job
@@ -130,9 +129,21 @@ async def follow_job(
     placed: Placed, ctx: RunContext, trainer: Trainer, record: RunRecord
 ) -> Outcome:
     """Follows the job to its end, retrieves and verifies its files, and ends
-    what it ran on by the outcome."""
+    what it ran on by the outcome; a job whose machine is gone under it has
+    its record failed with why."""
     async with live_progress(ctx.reporter):
-        return await placed.follow(ctx, trainer, record)
+        outcome = await placed.follow(ctx, trainer, record)
+    return _settle_lost(ctx.runs, outcome)
+
+
+def _settle_lost(store: Runs, outcome: Outcome) -> Outcome:
+    """`outcome`, its record failed with `outcome.lost` when what its job ran
+    on is gone (the target says why; the driver writes it)."""
+    if outcome.lost is not None:
+        failed = end_step.fail(store, outcome.record.id, outcome.lost)
+        if failed is not None:
+            outcome.record = failed
+    return outcome
 
 
 async def publish_facts(record: RunRecord, facts: list[tuple[str, str]]) -> None:
@@ -184,25 +195,43 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
             )
             try:
                 trainer = job.prepare(record)
-            except Exception as error:
-                end_step.fail(store, record.id, str(error) or type(error).__name__)
+                record = store.load(record.id)
+                return await _place_and_follow(
+                    target, job, store, record, trainer, reservation, logger
+                )
+            except BaseException as error:
+                if store.load(record.id).job is None:  # nothing runs: the record says why
+                    end_step.fail(store, record.id, failure_reason(error))
                 raise
-            record = store.load(record.id)
-            async with target.place(store, record, reservation) as placed:
-                ctx = placed.context(store, reporter_for(record, logger, placed))
-                try:
-                    if job.check is not None:
-                        await job.check(placed.executor)
-                    record = await start_job(ctx, trainer, record, target, placed)
-                except Exception as error:
-                    end_step.fail(store, record.id, str(error) or type(error).__name__)
-                    raise
-                finally:
-                    if job.started is not None:
-                        job.started(record)
-                outcome = await follow_job(placed, ctx, trainer, record)
-                await publish_facts(outcome.record, placed.facts())
-                return Finished(outcome, placed.description)
+
+
+async def _place_and_follow(
+    target: Target,
+    job: NewJob,
+    store: Runs,
+    record: RunRecord,
+    trainer: Trainer,
+    reservation: Reservation[Any],
+    logger: Logger,
+) -> Finished:
+    """Places the new job `record`, records where its directory is, starts
+    its job, follows it and ends what it ran on."""
+    async with target.place(store, record, reservation) as placed:
+        remote_dir = placed.remote_dir(record)
+        if remote_dir != record.remote_dir:
+            record.remote_dir = remote_dir
+            store.save(record)
+        ctx = placed.context(store, reporter_for(record, logger, placed))
+        try:
+            if job.check is not None:
+                await job.check(placed.executor)
+            record = await start_job(ctx, trainer, record, target, placed)
+        finally:
+            if job.started is not None:
+                job.started(record)
+        outcome = await follow_job(placed, ctx, trainer, record)
+        await publish_facts(outcome.record, placed.facts())
+        return Finished(outcome, placed.description)
 
 
 async def finish(
@@ -232,6 +261,8 @@ async def finish(
         return await _abandoned(target, store, record)
     async with target.reach(store, record) as placed:
         if placed is None:
+            if not record.state.ended:
+                end_step.fail(store, record.id, target.lost(store, record))
             return Finished(
                 retrieve.recorded(store, trainer, store.load(record.id)), "its local files"
             )
@@ -264,6 +295,7 @@ async def _abandoned(target: Target, store: Runs, record: RunRecord) -> Finished
     for it deleted, its record failed `interrupted before the job started`."""
     reason = (record.message or INTERRUPTED) if record.state.ended else INTERRUPTED
     await target.abandon(store, record, reason)
+    end_step.fail(store, record.id, reason)
     return Finished(Outcome(store.load(record.id), MetricsSummary(), retrieved=False), target.ref)
 
 
@@ -358,6 +390,7 @@ async def cancel_job(
                 return
             if record.job is None:
                 left = not await target.abandon(store, record, INTERRUPTED)
+                end_step.fail(store, record.id, INTERRUPTED)
                 logger.warning(
                     "%s: interrupted before its job started; %s",
                     name,
@@ -415,6 +448,7 @@ async def crashed_job(store: Runs, record: RunRecord, logger: Logger) -> None:
             logger.warning("%s", target.detached(store, record))
             return
         await target.abandon(store, record, INTERRUPTED)
+        end_step.fail(store, record.id, INTERRUPTED)
     except Exception as error:
         logger.warning(
             "%s: it may keep something billing (%s); remove it with the pods flow "

@@ -26,7 +26,6 @@ from overbrainer_prefect.runpod.ending import is_gone, remove
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord
-from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import Unreachable
@@ -186,17 +185,17 @@ async def watch_leased(
 
 async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched) -> Outcome:
     """Acts on what `watch_leased` found for the run `run_id`: past the client's
-    deadline, deletes the pod (confirmed) and fails the run on max_hours; after
-    a watch that lost the pod, fails the run with the reason its pod is gone
-    (max_hours or max_cost_usd when one passed: its watchdog deleted it).
+    deadline, deletes the pod (confirmed); after a watch that lost the pod,
+    finds why (max_hours or max_cost_usd when one passed: its watchdog
+    deleted it).
 
-    Raises PodGone in both cases; the watch's own error otherwise (the job may
-    keep running: attach again); PodError when the pod cannot be deleted.
+    Raises PodGone in both cases, `kept` the reason the run fails with; the
+    watch's own error otherwise (the job may keep running: attach again);
+    PodError when the pod cannot be deleted.
     """
     if watched.deadline_passed:
         await remove(ctx, pod, "max_hours reached: the client's guard")
-        end_step.fail(ctx.runs, run_id, MAX_HOURS_REACHED)
-        raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}")
+        raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}", kept=MAX_HOURS_REACHED)
     if watched.error is not None:
         error = watched.error
         if isinstance(error, Unreachable):
@@ -207,8 +206,7 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
                 gone = False
             if gone:
                 reason = pod.limit_reached() or f"pod {pod.name} no longer exists"
-                end_step.fail(ctx.runs, run_id, reason)
-                raise PodGone(f"run {run_id} failed: {reason}") from None
+                raise PodGone(f"run {run_id} failed: {reason}", kept=reason) from None
         raise error
     assert watched.outcome is not None
     return watched.outcome

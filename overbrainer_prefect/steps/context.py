@@ -47,3 +47,6 @@ class Outcome:
     summary: MetricsSummary
     retrieved: bool
     files: list[FileDigest] = field(default_factory=list)
+    lost: str | None = None
+    """Why what the job ran on is gone under its follower (a pod deleted at its
+    bound), when it is: the reason the caller fails its record with."""

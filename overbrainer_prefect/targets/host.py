@@ -12,7 +12,6 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
-from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome, RunContext
@@ -69,6 +68,10 @@ class HostPlaced:
 
     def started(self, store: Runs, record: RunRecord) -> None:
         """Nothing to record: the job's record says where it runs."""
+
+    def remote_dir(self, record: RunRecord) -> str:
+        """The job's run directory, as its record says."""
+        return record.remote_dir
 
     def facts(self) -> list[tuple[str, str]]:
         """None: a machine you own costs nothing here."""
@@ -131,13 +134,13 @@ class HostTarget:
     @asynccontextmanager
     async def reserve(
         self, store: Runs, need: JobNeed, budget: Budget
-    ) -> AsyncIterator[Reservation]:
+    ) -> AsyncIterator[Reservation[None]]:
         """Nothing to reserve on a machine you own."""
-        yield Reservation()
+        yield Reservation(plan=None)
 
     @asynccontextmanager
     async def place(
-        self, store: Runs, record: RunRecord, reservation: Reservation
+        self, store: Runs, record: RunRecord, reservation: Reservation[None]
     ) -> AsyncIterator[HostPlaced]:
         """The job's executor, closed on exit."""
         executor = self._executor()
@@ -149,13 +152,16 @@ class HostTarget:
     @asynccontextmanager
     async def reach(self, store: Runs, record: RunRecord) -> AsyncIterator[HostPlaced | None]:
         """The machine again (it is never gone: its job's status says the rest)."""
-        async with self.place(store, record, Reservation()) as placed:
+        async with self.place(store, record, Reservation(plan=None)) as placed:
             yield placed
 
     async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
-        """Fails the record (nothing is held on a machine you own)."""
-        end_step.fail(store, record.id, reason)
+        """Nothing to end: nothing is held on a machine you own."""
         return True
+
+    def lost(self, store: Runs, record: RunRecord) -> str:
+        """A machine you own is never gone; said for completeness."""
+        return f"{self.ref} no longer runs the job"
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:
         """Never: nothing on a machine you own bills."""
