@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from overbrainer_prefect.blocks import LocalTarget, SshTarget
-from overbrainer_prefect.flows.runs import age_text, runs
+from overbrainer_prefect.flows.runs import runs
 from overbrainer_prefect.flows.targets import AmbiguousTarget, load_target
+from overbrainer_prefect.kinds.listing import age_text
 from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import Runs, RunState

@@ -26,12 +26,12 @@ from overbrainer_prefect.flows.driver import HOOKS, Finished, NewJob, follow_aga
 from overbrainer_prefect.flows.export import export_job
 from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.kinds.base_export import base_gguf, reused_base
 from overbrainer_prefect.kinds.compare import NAME as COMPARE
 from overbrainer_prefect.kinds.compare import (
     CompareFailed,
     CompareResult,
     NotComparable,
-    _base_ref,
     answers_markdown,
     check_comparable,
     job_failure,
@@ -40,7 +40,7 @@ from overbrainer_prefect.kinds.compare import (
     reusable_compare,
     running_compare,
 )
-from overbrainer_prefect.kinds.export import gguf_entry, reusable, running
+from overbrainer_prefect.kinds.export import running
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.context import Outcome
@@ -82,7 +82,7 @@ async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: 
     retrieved (compare again: a started export is followed again).
     """
     store = base_exports(runs, base_key(base, place.ref))
-    ref = reused_base(runs, store, base, quant)
+    ref = reused_base(runs, store, base, quant, logger)
     if ref is not None:
         return ref
     again = "compare again: it follows this export again, or makes a new one"
@@ -111,56 +111,7 @@ async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: 
         raise CompareFailed(
             f"the base model's export could not be made: {error}; {again}"
         ) from None
-    return base_gguf(runs, store, finished.outcome, subject(finished.outcome.record))
-
-
-def reused_base(runs: Runs, store: Runs, base: str, quant: str) -> GgufRef | None:
-    """The GGUF of the latest succeeded export of the base model `base` to
-    `quant` in `store`, when it still matches its SHA-256 (a warning says when
-    it no longer does); None when there is none to reuse."""
-    logger = get_run_logger()
-    done = reusable(store, quant)
-    ref = _base_ref(store, done, runs) if done is not None else None
-    if done is not None and ref is not None:
-        logger.info(
-            "the base model's GGUF (%s) is reused from %s: %s",
-            quant,
-            subject(done),
-            ref.path,
-        )
-        return ref
-    if done is not None:
-        logger.warning(
-            "the GGUF of %s no longer matches its SHA-256: exporting the base again",
-            subject(done),
-        )
-    return None
-
-
-def base_gguf(runs: Runs, store: Runs, outcome: Outcome, name: str) -> GgufRef:
-    """The verified GGUF of the base export whose job ended with `outcome`.
-    Raises CompareFailed with one line (the job's own reason, where its log is)
-    when it did not succeed or brought back no GGUF."""
-    logger = get_run_logger()
-    record = outcome.record
-    local = store.run_dir(record.id)
-    if outcome.record.state != RunState.SUCCEEDED:
-        reason = outcome.record.message or str(outcome.record.state)
-        why = job_failure(local, "export failed: ")
-        raise CompareFailed(
-            f"{name} {outcome.record.state}: {reason.split(' (see ')[0]} (see {local}/job.log)"
-            + (f": {why}" if why else "")
-        )
-    entry = gguf_entry(outcome.files)
-    if entry is None:
-        raise CompareFailed(f"{name} brought back no GGUF (see {local}/job.log)")
-    logger.info("%s succeeded: %s (sha256 %s)", name, entry.path, entry.sha256)
-    return GgufRef(
-        path=(local / entry.path).relative_to(runs.root).as_posix(),
-        size=entry.size,
-        sha256=entry.sha256,
-        export_id=record.id,
-    )
+    return base_gguf(runs, store, finished.outcome, subject(finished.outcome.record), logger)
 
 
 def gguf_job(

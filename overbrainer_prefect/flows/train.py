@@ -8,12 +8,7 @@ from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
 from prefect.states import Cancelled
 
-from overbrainer_prefect.artifacts import (
-    next_step,
-    publish_metrics_table,
-    publish_summary,
-    summary_markdown,
-)
+from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
 from overbrainer_prefect.flows.driver import (
     HOOKS,
     NewJob,
@@ -31,6 +26,7 @@ from overbrainer_prefect.kinds.registry import trainer_of
 from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.kinds.training import (
     RunResult,
+    next_step,
     resume_point,
     resumed_spec,
     stage_checkpoint,

@@ -135,3 +135,14 @@ def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
 
 KIND = JobKind(name=NAME, child=False, rebuild=_rebuild)
 """A training run: `<runs dir>/<id>/run.json`."""
+
+
+def next_step(record: RunRecord) -> str:
+    """What to run next for a run, as the summary and messages say it."""
+    if record.state == RunState.STOPPED:
+        return f"Resume it: run the `train` flow with `resume_from={record.id}`."
+    if record.state in (RunState.RUNNING, RunState.PREPARING):
+        return f"Follow it again: run the `attach` flow with `run_id={record.id}`."
+    if record.state == RunState.SUCCEEDED:
+        return f"Its files are in `runs/{record.id}/`; export it with the `export` flow."
+    return f"See `runs/{record.id}/job.log`, fix the cause, and start a new run."

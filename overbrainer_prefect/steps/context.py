@@ -35,6 +35,9 @@ class RunContext:
     """How long a job may run before it is cancelled and the run failed."""
     stall_s: float = 900.0
     """How long without a new metric before the job is reported as stalled."""
+    local_only: tuple[str, ...] = ()
+    """The target's own records of a job in its run directory (a pod's record,
+    keys and watchdog log): never uploaded."""
 
 
 @dataclass

@@ -45,15 +45,13 @@ LOCAL_ONLY = (
     RECORD_FILE,
     MANIFEST_FILE,
     LOCK_FILE,
-    "pod.json",
-    ".pod",
-    ".ssh",
     "exports",
     "compares",
     "evaluations",
     HOLDOUT_DIR,  # the rows a run keeps out of its training
 )
-"""Entries of a local run directory that never leave this machine."""
+"""Entries of a local run directory that never leave this machine (with the
+target's own records of the job: `RunContext.local_only`)."""
 
 
 def create(
@@ -155,7 +153,9 @@ async def _launch(
         facts=facts,
     )
     trainer.prepare(local, job_ctx)
-    await ctx.executor.upload(local, record.remote_dir, (*LOCAL_ONLY, ctx.runs.record_file))
+    await ctx.executor.upload(
+        local, record.remote_dir, (*LOCAL_ONLY, *ctx.local_only, ctx.runs.record_file)
+    )
     spec = JobSpec(
         run_id=record.id,
         run_dir=record.remote_dir,

@@ -21,7 +21,7 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.ssh import SshExecutor
-from overbrainer_prefect.runpod.bootstrap import PodTiming
+from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
 from overbrainer_prefect.runpod.ending import (
@@ -36,8 +36,9 @@ from overbrainer_prefect.runpod.ending import (
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.follow import settle, watch_leased
 from overbrainer_prefect.runpod.gpus import LaunchPlan, plan_from_api
+from overbrainer_prefect.runpod.keys import SSH_DIR
 from overbrainer_prefect.runpod.orphans import orphan_warnings, pod_rows, sweep_host_keys
-from overbrainer_prefect.runpod.pod import PodRecord, PodState
+from overbrainer_prefect.runpod.pod import POD_RECORD, PodRecord, PodState
 from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, provision
 from overbrainer_prefect.runpod.reconnect import reconnect
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings, settings_from
@@ -59,6 +60,9 @@ from overbrainer_prefect.targets.host import Bounds
 from overbrainer_prefect.trainers.axolotl import launch_summary
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.compare import vram_floor
+
+LOCAL_RECORDS = (POD_RECORD, POD_DIR, SSH_DIR)
+"""What this machine keeps of a job's pod in its run directory: never uploaded."""
 
 
 def plan_price(plan: LaunchPlan) -> float:
@@ -102,8 +106,9 @@ class PodPlaced:
         return self.ssh.description
 
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
-        """The job's context on its pod."""
-        return self.bounds.context(store, self.ssh, reporter)
+        """The job's context on its pod (its pod record, keys and watchdog log
+        never uploaded)."""
+        return replace(self.bounds.context(store, self.ssh, reporter), local_only=LOCAL_RECORDS)
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
         """Follows the job with the pod's lease renewed while it progresses and
@@ -173,6 +178,16 @@ class PodPlaced:
     def spend(self) -> float | None:
         """What the pod has cost so far (its GPUs and its disk, by its uptime)."""
         return self.pod.estimated_spend()
+
+
+def pod_spent(store: Runs, record: RunRecord) -> float | None:
+    """The estimated dollars the pod of `record` cost (its rate × uptime), or
+    None when it had no pod, its record cannot be read or its rate is unknown."""
+    try:
+        pod = PodRecord.load(store, record.id)
+    except Exception:
+        return None
+    return None if pod is None else pod.estimated_spend()
 
 
 def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
