@@ -3,7 +3,7 @@ private `prefect server`) following N = 10, 50 and 100 runs at once, each a
 real shell job on a local target writing a metric line every PACE_S seconds
 (a training step's pace), LINES lines, then its output.
 
-The runs are written the way the lifecycle writes them (`start_step.create`,
+The runs are written the way the job steps write them (`start_step.create`,
 then `start_step.start` through a saved `LocalTarget`), with no flow run and no
 follower, so the collect picks every one up and follows it (`follow_job`, as
 after a crash). The jobs wait, blocked on a FIFO, until the collect holds the
@@ -107,7 +107,7 @@ class Round:
 
 
 async def start_runs(root: Path, target: str, count: int, go: Path) -> tuple[Path, list[str]]:
-    """Creates and starts `count` runs, as the lifecycle does; returns the runs
+    """Creates and starts `count` runs, as the job steps do; returns the runs
     directory and their IDs."""
     from overbrainer_prefect.blocks import LocalTarget
     from overbrainer_prefect.runs.store import Runs

@@ -47,7 +47,7 @@ Spend = float | Callable[[], float | None] | None
 """Dollars spent so far on a run's pod: a value, a function that tells it now, or none."""
 
 JobLog = Callable[[], Awaitable[str]]
-"""Reads (the end of) a job's log, as `lifecycle.job_log_tail` does."""
+"""Reads (the end of) a job's log, as `steps.follow.job_log_tail` does."""
 
 
 @dataclass(frozen=True)

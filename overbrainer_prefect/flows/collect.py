@@ -34,7 +34,7 @@ from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.driver import Finished, follow_again
 from overbrainer_prefect.flows.targets import UnknownTarget, target_named
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
-from overbrainer_prefect.kinds.training import NAME as TRAINING
+from overbrainer_prefect.kinds.registry import kind_of
 from overbrainer_prefect.kinds.training import next_step
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
@@ -154,7 +154,7 @@ async def collect_job(
     logger = get_run_logger()
     name = subject(record)
     was = record.state
-    kind = name if record.parent is not None or record.trainer != TRAINING else "run"
+    kind = "run" if kind_of(record).progress else name
     row = Collected(
         run_id=record.id, target=record.target, was=was, action="", state=was, kind=kind
     )
@@ -189,7 +189,7 @@ async def collect_job(
         return _left(row, store, record, error)
     outcome = finished.outcome
     ended = outcome.record
-    if ended.parent is None and ended.trainer == TRAINING and ended.job is not None:
+    if kind_of(ended).progress and ended.job is not None:
         await publish_metrics_table(ended.id, outcome.summary)
         await publish_summary(
             ended.id,

@@ -37,8 +37,7 @@ from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_pr
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.flows.budget import PrefectBudget
 from overbrainer_prefect.flows.targets import target_named
-from overbrainer_prefect.kinds.registry import trainer_of
-from overbrainer_prefect.kinds.training import NAME as TRAINING
+from overbrainer_prefect.kinds.registry import kind_of, trainer_of
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
@@ -93,7 +92,7 @@ def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None
     """Where a job's progress goes: a training run's live progress, loss curve
     (with what its pod has cost so far) and log, the job log's warnings that
     matter; or another job's status in the log."""
-    if record.parent is None and record.trainer == TRAINING:
+    if kind_of(record).progress:
         if placed is None:
             return PrefectReporter(logger, record.id)
         executor, remote = placed.executor, record.remote_dir

@@ -20,6 +20,7 @@ from prefect.artifacts import acreate_table_artifact
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.flows.targets import load_target
+from overbrainer_prefect.kinds.registry import KINDS
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import delete_and_confirm
 from overbrainer_prefect.runpod.ending import forget_if_gone, remove, sweep_others
@@ -184,8 +185,9 @@ async def _credentials(runs: Runs, name: str | None, target: str | None) -> Runp
     targets = [target] if target else []
     for record in runs.list(skipped=lambda *_: None):
         jobs = [record]
-        for kind in ("export", "compare"):
-            jobs += runs.children(record.id, kind).list(skipped=lambda *_: None)
+        for kind in KINDS:
+            if kind.child:
+                jobs += kind.store(runs, record.id).list(skipped=lambda *_: None)
         targets += [job.target for job in jobs if job.target_kind == "runpod"]
     for ref in dict.fromkeys(targets):
         try:

@@ -27,6 +27,9 @@ class JobKind:
     """Whether its records belong to a run (an export, a compare, an evaluation)."""
     rebuild: Rebuild
     """Makes its trainer from a record whose spec is there."""
+    progress: bool = False
+    """Whether its jobs show live progress, a loss curve and a run summary (a
+    training run); other kinds log their steps."""
 
     def holds(self, record: RunRecord) -> bool:
         """Whether `record` is a job of this kind."""

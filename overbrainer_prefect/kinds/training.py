@@ -133,7 +133,7 @@ def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
     )
 
 
-KIND = JobKind(name=NAME, child=False, rebuild=_rebuild)
+KIND = JobKind(name=NAME, child=False, rebuild=_rebuild, progress=True)
 """A training run: `<runs dir>/<id>/run.json`."""
 
 
