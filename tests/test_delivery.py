@@ -37,7 +37,7 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.delivery.gguf_metadata import GgufError, read_header
 from overbrainer_prefect.delivery.hub import HubError, HubFile, commit_to_hub
-from overbrainer_prefect.delivery.modelcard import CardFacts, front_matter, model_card
+from overbrainer_prefect.delivery.modelcard import CardFacts, card_data, model_card
 from overbrainer_prefect.delivery.ollama import (
     CHATML_TEMPLATE,
     OllamaClient,
@@ -385,10 +385,12 @@ def test_a_model_card_names_a_hub_base_model_only_and_never_a_secret_looking_set
         adapter="lora",
         settings={"lora_r": 8},
     )
-    meta = front_matter(facts)
+    meta = card_data(facts).to_dict()  # huggingface_hub's ModelCardData: None fields left out
     assert "base_model" not in meta and meta["library_name"] == "peft"
     assert meta["tags"] == ["overbrainer", "axolotl", "lora"]
-    assert "`local-smollm`" in model_card(facts)
+    card = model_card(facts)
+    assert "`local-smollm`" in card.text
+    assert card.data.to_dict() == meta  # the card parses back to the metadata it was given
 
 
 # the deliver flow

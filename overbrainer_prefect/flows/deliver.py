@@ -229,7 +229,7 @@ async def deliver_to_hub(
         commit_to_hub,
         repo,
         files,
-        model_card(facts),
+        model_card(facts).content,
         token=credentials.token,
         endpoint=credentials.endpoint,
         private=private,
