@@ -11,20 +11,20 @@ The create goes through the official client (`ollama.AsyncClient.create`): its
 request shape is the one that moves between Ollama versions. The blob stays
 ours, over httpx, although the official `create_blob` streams too. Measured
 pushing a 1,000 MiB GGUF (the stand-in server of tests/standins on 127.0.0.1
-in its own process, 2 shared cores), each client in a fresh process: the
-official `create_blob` then `create` peaked at 60 MiB RSS, what it held after
-its imports; ours at 61 MiB (1 MiB pieces): neither holds the file, so memory
-is no reason; but `create_blob`
+in its own process, 2 shared cores; `bench/ollama_blob.py` repeats it), each
+client in a fresh process: the official `create_blob` then `create` peaked at
+60 MiB RSS, what it held after its imports; ours at 61 to 63 MiB (1 MiB
+pieces): neither holds the file, so memory is no reason; but `create_blob`
 
-- has no existence check and sends the whole file every time: 30 s to deliver
-  the same 1,000 MiB again where our `HEAD` answers in 0.07 s and sends nothing
+- has no existence check and sends the whole file every time: 30 to 33 s to send
+  the same 1,000 MiB again where ours takes 0.07 to 0.4 s and sends nothing
   (a nightly that delivers an unchanged GGUF, or a second destination);
 - hashes the file itself before sending it, a second full read of a GGUF whose
   SHA-256 the retrieval already verified, and names the blob by whatever is on
   disk now, where ours names it by the verified SHA-256 so that the server
   refuses a file changed since;
-- reads in 32 KiB pieces, one thread hop each: 15 to 22 s for the 1,000 MiB
-  against 4 to 5 s for ours;
+- reads in 32 KiB pieces, one thread hop each: 15 to 25 s for the 1,000 MiB
+  against 4 to 6 s for ours;
 - has no timeout by default and turns only a refused connection into an error
   of its own (a timeout comes out as httpx's).
 """
