@@ -167,9 +167,7 @@ def evaluation_step(result: PipelineOutcome, flow_run_id: str | None) -> StepLin
     facts = [("verdict", table_cell(str(result.verdict)))]
     gate = result.gate
     if gate is not None:
-        facts.append(
-            ("gate", table_cell(("passed: " if gate.passed else "failed: ") + gate.reason))
-        )
+        facts.append(("gate", table_cell(gate.line)))
     return StepLine("evaluate", "completed", flow_run_id, facts)
 
 

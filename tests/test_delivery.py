@@ -37,14 +37,22 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.delivery.gguf_metadata import GgufError, read_header
 from overbrainer_prefect.delivery.hub import HubError, HubFile, commit_to_hub
-from overbrainer_prefect.delivery.modelcard import CardFacts, front_matter, model_card
+from overbrainer_prefect.delivery.modelcard import CardFacts, card_data, model_card
 from overbrainer_prefect.delivery.ollama import (
     CHATML_TEMPLATE,
     OllamaClient,
     OllamaRejected,
     chat_settings,
 )
-from overbrainer_prefect.delivery.record import DELIVERIES_FILE, load_deliveries
+from overbrainer_prefect.delivery.record import (
+    DELIVERIES_FILE,
+    DeliveredFile,
+    Delivery,
+    NotDelivered,
+    add_delivery,
+    add_not_delivered,
+    load_deliveries,
+)
 from overbrainer_prefect.delivery.sources import LocalFile, SourceError, find_gguf
 from overbrainer_prefect.executors.base import JOB_LOG
 from overbrainer_prefect.executors.local import LocalExecutor
@@ -385,10 +393,49 @@ def test_a_model_card_names_a_hub_base_model_only_and_never_a_secret_looking_set
         adapter="lora",
         settings={"lora_r": 8},
     )
-    meta = front_matter(facts)
+    meta = card_data(facts).to_dict()  # huggingface_hub's ModelCardData: None fields left out
     assert "base_model" not in meta and meta["library_name"] == "peft"
     assert meta["tags"] == ["overbrainer", "axolotl", "lora"]
-    assert "`local-smollm`" in model_card(facts)
+    card = model_card(facts)
+    assert "`local-smollm`" in card.text
+    assert card.data.to_dict() == meta  # the card parses back to the metadata it was given
+
+
+# the record of what became of a run
+
+
+def test_the_record_says_what_became_of_a_run_last_delivered_or_kept_back(
+    tmp_path: Path,
+) -> None:
+    file = DeliveredFile(path="m.gguf", size=1, sha256="0" * 64)
+
+    def delivery(destination: str, name: str, when: str, flow_run: str) -> Delivery:
+        return Delivery(
+            destination=destination,  # type: ignore[arg-type]
+            name=name,
+            url="http://127.0.0.1:11434",
+            files=[file],
+            evaluation_id="20260101-000000-ev01",
+            delivered=when,
+            flow_run_id=flow_run,
+        )
+
+    assert load_deliveries(tmp_path).latest is None
+    refused = NotDelivered(
+        reason="held-out 0/9 = 0%, below the last delivered model's 1/1 = 100% (run r)",
+        evaluation_id="20260101-000000-ev00",
+        decided="2026-01-01T01:00:00Z",
+    )
+    add_not_delivered(tmp_path, refused)
+    assert load_deliveries(tmp_path).latest == f"not delivered: {refused.reason}"
+    add_delivery(tmp_path, delivery("ollama", "tuned:q8_0", "2026-01-02T01:00:00Z", "f1"))
+    add_delivery(tmp_path, delivery("hub", "org/tuned", "2026-01-02T01:00:05Z", "f1"))
+    record = load_deliveries(tmp_path)
+    assert record.latest == "delivered: ollama tuned:q8_0, hub org/tuned"
+    assert [d.evaluation_id for d in record.deliveries] == ["20260101-000000-ev01"] * 2
+    assert record.not_delivered == [refused]
+    later = refused.model_copy(update={"decided": "2026-01-03T01:00:00Z"})
+    assert add_not_delivered(tmp_path, later).latest == f"not delivered: {refused.reason}"
 
 
 # the deliver flow
@@ -452,10 +499,19 @@ def test_the_deliver_flow_creates_the_ollama_model_records_and_links_it(
     artifacts = read_artifacts(run_id)
     [link] = [a for k, a in artifacts.items() if k.startswith(f"run-{run_id}-ollama-")]
     assert link.data == f"[{name} on {ollama_server.url}]({ollama_server.url})"
-    run(deliver(run_id=run_id, ollama=block, runs_dir=str(fake.runs.root)))
+    evaluation_id = "20260101-000000-eval"  # the evaluation a gate let it through on
+    run(
+        deliver(
+            run_id=run_id,
+            ollama=block,
+            runs_dir=str(fake.runs.root),
+            evaluation_id=evaluation_id,
+        )
+    )
     assert ollama_server.count("POST", "/api/blobs/") == 1
     assert ollama_server.count("HEAD", "/api/blobs/") == 2
-    assert len(load_deliveries(fake.run_dir).deliveries) == 2
+    first, again = load_deliveries(fake.run_dir).deliveries
+    assert first.evaluation_id is None and again.evaluation_id == evaluation_id
 
 
 async def _get(url: str) -> str:

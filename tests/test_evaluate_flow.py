@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -28,6 +30,7 @@ from prefect.client.schemas.filters import (
 )
 
 from overbrainer_prefect.blocks import LocalTarget
+from overbrainer_prefect.delivery.record import load_deliveries
 from overbrainer_prefect.evaluation.gate import (
     Delivered,
     GateRule,
@@ -38,11 +41,13 @@ from overbrainer_prefect.evaluation.spec import BadEvaluationInput, EvalItem, Ev
 from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, evaluate, fine_tune
 from overbrainer_prefect.flows.evaluate import SCORED_FILE
 from overbrainer_prefect.flows.pipeline import CompareSettings, DeliverSettings
+from overbrainer_prefect.flows.runs import runs as runs_flow
 from overbrainer_prefect.runs import Runs
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.trainers.export import ExportSpec
 from tests.conftest import job_venv
 from tests.standins.ollama_server import OllamaStandIn
+from tests.test_runpod_flows import flow_logs
 from tests.test_train_flow import spec
 
 pytestmark = pytest.mark.slow
@@ -63,11 +68,15 @@ def run(coroutine: Any) -> Any:
 
 @dataclass
 class Evaluated:
-    """The module's pipeline with an evaluation: its spec and its result."""
+    """The module's pipeline with an evaluation: its spec, its result, and its
+    flow run's final state (name and message) and ID."""
 
     spec: FineTuneSpec
     result: FineTuneResult
     message: str | None
+    state_name: str | None
+    flow_run_id: UUID
+    ollama_block: str
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +130,14 @@ def evaluated(
     state = run(fine_tune(fine, return_state=True))
     result = state.result()
     assert isinstance(result, FineTuneResult), result
-    return Evaluated(spec=fine, result=result, message=state.message)
+    return Evaluated(
+        spec=fine,
+        result=result,
+        message=state.message,
+        state_name=state.name,
+        flow_run_id=state.state_details.flow_run_id,
+        ollama_block=server,
+    )
 
 
 def test_the_evaluation_scores_held_out_rows_never_trained_on_and_the_controls(
@@ -165,22 +181,65 @@ def test_the_verdict_leads_the_evaluation_artifact_and_the_pipeline_summary(
     first = next(line for line in str(evaluation.data).splitlines() if line.strip())
     assert verdict in first
     pipeline = found[f"run-{evaluated.result.run_id}-pipeline".lower()]
-    assert "evaluate" in str(pipeline.data) and "failed:" in str(pipeline.data)
+    assert "evaluate" in str(pipeline.data) and "failed: held-out " in str(pipeline.data)
+    assert "not delivered: " not in str(pipeline.data)  # the gate's line says what it measured
+
+
+def flow_run_state(flow_run_id: UUID) -> tuple[str, str | None]:
+    """The type and name of a flow run's state, as the server keeps it."""
+
+    async def go() -> tuple[str, str | None]:
+        async with get_client() as client:
+            state = (await client.read_flow_run(flow_run_id)).state
+            assert state is not None
+            return str(state.type.value), state.name
+
+    found: tuple[str, str | None] = run(go())
+    return found
+
+
+def listed_delivery(runs_dir: str | None, run_id: str) -> str | None:
+    """What the `runs` flow lists as run `run_id`'s delivery."""
+    listing = run(runs_flow(runs_dir=runs_dir))
+    [row] = [r for r in listing.rows if r.id == run_id]
+    delivery: str | None = row.delivery
+    return delivery
 
 
 def test_a_model_worse_than_the_last_delivered_is_kept_and_reported_but_not_delivered(
     evaluated: Evaluated, ollama: OllamaStandIn
 ) -> None:
     gate = evaluated.result.gate
+    run_id = evaluated.result.run_id
     assert gate is not None and not gate.passed
-    assert "held-out" in gate.reason
-    assert evaluated.message is not None and evaluated.message.startswith("not delivered: ")
+    assert re.fullmatch(
+        r"held-out \d/9 = \d+%, below the last delivered model's 1/1 = 100% "
+        r"\(run 20260101-000000-last\)",
+        gate.reason,
+    ), gate.reason
+    (evaluation_dir,) = Runs(evaluated.spec.runs_dir).children(run_id, "evaluation").root.iterdir()
+    assert gate.evaluation_id == evaluation_dir.name
+    assert evaluated.message == (
+        f"not delivered: {gate.reason} (evaluation {gate.evaluation_id}); run {run_id} and its "
+        f"GGUF are kept: deliver it anyway with the deliver flow (run_id={run_id}, "
+        f"ollama={evaluated.ollama_block}, quant=q8_0)"
+    )
+    assert evaluated.message.count("delivered:") == 1  # said once, not "not delivered: not ..."
+    # told apart at a glance: a Completed state of its own name, on the server
+    assert evaluated.state_name == "Not delivered"
+    assert flow_run_state(evaluated.flow_run_id) == ("COMPLETED", "Not delivered")
     assert evaluated.result.delivered is None
     assert ollama.count("POST", "/api/create") == 0
-    kept = Runs(evaluated.spec.runs_dir).load(evaluated.result.run_id)
+    kept = Runs(evaluated.spec.runs_dir).load(run_id)
     assert kept.state == "succeeded"  # kept
     last = last_delivered(Runs(evaluated.spec.runs_dir).root, "fine-tune")
     assert last is not None and last.run_id == "20260101-000000-last"
+    record = load_deliveries(Runs(evaluated.spec.runs_dir).run_dir(run_id))
+    assert record.deliveries == []
+    [refused] = record.not_delivered
+    assert refused.reason == gate.reason and refused.evaluation_id == gate.evaluation_id
+    assert refused.flow_run_id == str(evaluated.flow_run_id)
+    assert listed_delivery(evaluated.spec.runs_dir, run_id) == f"not delivered: {gate.reason}"
 
 
 def test_a_model_that_passes_its_gate_is_delivered_and_measured_against_next(
@@ -189,13 +248,30 @@ def test_a_model_that_passes_its_gate_is_delivered_and_measured_against_next(
     lenient = evaluated.spec.model_copy(
         update={"gate": GateRule(heldout_at_least_last=False, max_control_regressions=10)}
     )
-    result = run(fine_tune(lenient, run_id=evaluated.result.run_id))
+    run_id = evaluated.result.run_id
+    state = run(fine_tune(lenient, run_id=run_id, return_state=True))
+    result = state.result()
     assert isinstance(result, FineTuneResult) and result.gate is not None and result.gate.passed
+    assert state.name == "Completed"
     assert result.delivered is not None and ollama.count("POST", "/api/create") == 1
     assert "training" in result.reused and "export" in result.reused
+    assert result.evaluation is not None and result.evaluation.evaluation_id is not None
+    evaluation_id = result.evaluation.evaluation_id
+    assert result.gate.evaluation_id == evaluation_id
+    assert result.gate.line.startswith("passed: ") and "delivered:" not in result.gate.line
     last = last_delivered(Runs(evaluated.spec.runs_dir).root, "fine-tune")
-    assert last is not None and last.run_id == evaluated.result.run_id
+    assert last is not None and last.run_id == run_id
+    assert last.evaluation_id == evaluation_id  # the record names the evaluation that let it in
     assert last.gguf_sha256 == result.export.gguf.sha256  # type: ignore[union-attr]
+    [delivery] = load_deliveries(Runs(evaluated.spec.runs_dir).run_dir(run_id)).deliveries
+    assert delivery.evaluation_id == evaluation_id and delivery.name == "tuned:q8_0"
+    # the gate's line says it passed, before the delivery; the delivery is said once made
+    lines = flow_logs(str(state.state_details.flow_run_id))
+    gate_line = next(i for i, m in enumerate(lines) if m.startswith("the gate ("))
+    assert lines[gate_line].endswith(f") {result.gate.line}")
+    assert gate_line < lines.index(f"run {run_id} delivered: ollama tuned:q8_0")
+    assert not any("passed: delivered" in m for m in lines)
+    assert listed_delivery(evaluated.spec.runs_dir, run_id) == "delivered: ollama tuned:q8_0"
 
     # the next night, with the same data and settings: nothing trained, nothing created
     runs = Runs(evaluated.spec.runs_dir)

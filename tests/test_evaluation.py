@@ -340,9 +340,14 @@ def test_the_gate_refuses_a_model_that_breaks_a_control_and_names_it(tmp_path: P
     )
     decision = decide(rule, mascot_result(tmp_path), None)
     assert not decision.passed
-    assert decision.reason == "not delivered: 1 control regression (C1), the rule allows none"
+    # the gate says what it measured; what became of the model is said once, by the flow
+    assert decision.reason == "1 control regression (C1), the rule allows none"
+    assert decision.line == "failed: 1 control regression (C1), the rule allows none"
     lenient = decide(GateRule(max_control_regressions=1), mascot_result(tmp_path), None)
-    assert lenient.passed and lenient.reason.startswith("delivered: 1 control regression")
+    assert lenient.passed and lenient.line.startswith("passed: 1 control regression")
+    assert lenient.reason == "1 control regression; no model delivered before"
+    evaluated = mascot_result(tmp_path).model_copy(update={"evaluation_id": "20260101-000000-eval"})
+    assert decide(rule, evaluated, None).evaluation_id == "20260101-000000-eval"
 
 
 def clean_result(tmp_path: Path, tuned_up: int) -> EvaluationResult:
@@ -359,13 +364,13 @@ def test_the_gate_refuses_a_model_worse_than_the_last_delivered_and_passes_a_bet
     worse = decide(rule, clean_result(tmp_path, tuned_up=12), delivered(15))
     assert not worse.passed
     assert worse.reason == (
-        "not delivered: held-out 12/20 = 60%, below the last delivered model's 15/20 = 75% "
+        "held-out 12/20 = 60%, below the last delivered model's 15/20 = 75% "
         "(run 20250101-000000-abcd)"
     )
     better = decide(rule, clean_result(tmp_path, tuned_up=18), delivered(15))
     assert better.passed
     assert better.reason == (
-        "delivered: no control regression; held-out 18/20 ≥ the last delivered model's 15/20 "
+        "no control regression; held-out 18/20 ≥ the last delivered model's 15/20 "
         "(run 20250101-000000-abcd)"
     )
     first = decide(rule, clean_result(tmp_path, tuned_up=1), None)

@@ -136,6 +136,13 @@ def test_fine_tune_trains_exports_and_compares_as_three_linked_subflows(piped: P
             return [(await client.read_flow(c.flow_id)).name for c in children]
 
     assert run(flow_names()) == ["train", "export", "compare"]
+
+    async def state_name() -> str | None:
+        async with get_client() as client:
+            state = (await client.read_flow_run(piped.flow_run_id)).state
+            return state.name if state is not None else None
+
+    assert run(state_name()) == "Completed"  # no gate: not a "Not delivered" night
     assert children[0].parameters["training"]["max_steps"] == 6
     assert children[2].parameters["run_id"] == result.run_id
 

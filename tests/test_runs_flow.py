@@ -25,10 +25,17 @@ from overbrainer_prefect.steps import start as start_step
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
 
-def made(root: Path, state: RunState, *, losses: list[float] = (), kind: str = "training") -> str:
+def made(
+    root: Path,
+    state: RunState,
+    *,
+    losses: list[float] = (),
+    kind: str = "training",
+    target_kind: str = "local",
+) -> str:
     """A run recorded in `root` in `state`, with a metrics file of `losses`."""
     store = Runs(root)
-    record = start_step.create(store, target="local/box", target_kind="local", workdir="/w")
+    record = start_step.create(store, target="local/box", target_kind=target_kind, workdir="/w")
     record.state = state
     store.save(record)
     lines = [json.dumps({"event": "begin", "step": 0, "max_steps": len(losses)})]
@@ -45,7 +52,7 @@ def test_the_runs_flow_lists_runs_and_their_exports_newest_first_filtered_by_sta
 ) -> None:
     done = made(tmp_path, RunState.SUCCEEDED, losses=[2.0, 1.23456])
     time.sleep(1.1)  # IDs and creation times are to the second
-    stopped = made(tmp_path, RunState.STOPPED, losses=[3.0])
+    stopped = made(tmp_path, RunState.STOPPED, losses=[3.0], target_kind="runpod")
     store = Runs(tmp_path)
     exports = store.children(done, "export")
     export = start_step.create(

@@ -4,7 +4,8 @@
   SHA-256 and creates the model with its chat template and parameters;
 - `hub`: creates a Hugging Face Hub repository (private by default) and
   commits the adapter and/or the GGUF with a model card, in one commit;
-- `modelcard`: writes that card (base model, dataset files, settings, loss);
+- `modelcard`: writes that card with huggingface_hub's `ModelCard` (base
+  model, dataset files, settings, loss);
 - `sources`: finds what a run delivers (the GGUF of its export, its adapter)
   and checks each file against the SHA-256 manifest it was retrieved with;
 - `gguf_metadata`: reads a GGUF's header (its chat template) without loading it;

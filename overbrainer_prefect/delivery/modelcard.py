@@ -1,5 +1,6 @@
-"""The model card (`README.md`) a run's Hub repository gets: YAML front matter
-the Hub reads (base model, library, tags) and a body naming the base model,
+"""The model card (`README.md`) a run's Hub repository gets, made with
+huggingface_hub's `ModelCard` and `ModelCardData`: the metadata the Hub reads
+(base model, library, tags, Hub datasets) and a body naming the base model,
 the dataset files (by name and SHA-256, never their content), the training
 settings, the final loss and each delivered file with its SHA-256."""
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from huggingface_hub import ModelCard, ModelCardData
 
 from overbrainer_prefect.delivery.sources import ExportedGguf, LocalFile
 from overbrainer_prefect.executors.manifest import sha256_file
@@ -126,31 +127,84 @@ def facts_of_run(
     )
 
 
-def front_matter(facts: CardFacts) -> dict[str, Any]:
-    """The card's metadata: `base_model` (when it is a Hub id), `library_name`
-    (`peft` for an adapter, `transformers` for full weights), the tags, and the
-    Hub datasets."""
-    meta: dict[str, Any] = {}
-    if HUB_ID.match(facts.base_model):
-        meta["base_model"] = facts.base_model
+AXOLOTL = "[axolotl](https://github.com/axolotl-ai-cloud/axolotl)"
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ title }}
+
+{{ summary }} of {{ base }}, fine-tuned with {{ axolotl }} by {{ by }} (run `{{ run_id }}`).
+
+## Files
+
+| file | size | SHA-256 |
+|---|---:|---|
+{% for path, size, sha256 in files -%}
+| `{{ path }}` | {{ size }} | `{{ sha256 }}` |
+{% endfor %}
+## Training data
+
+{% if dataset_files -%}
+| file | size | SHA-256 |
+|---|---:|---|
+{% for name, size, sha256 in dataset_files -%}
+| `{{ name }}` | {{ size }} | `{{ sha256 }}` |
+{% endfor %}{% if hub_datasets %}
+{% endif %}{% endif -%}
+{% for name in hub_datasets -%}
+- Hub dataset `{{ name }}`
+{% endfor -%}
+{% if not dataset_files and not hub_datasets -%}
+No dataset file was found in the run directory.
+{% endif %}
+## Training settings
+
+| setting | value |
+|---|---|
+{% for key, value in settings -%}
+| {{ key }} | `{{ value }}` |
+{% endfor %}
+## Results
+
+- steps: {{ steps }}
+- final training loss: {{ final_loss }}
+{% if gguf %}
+## GGUF
+
+- file: `{{ gguf.name }}`
+- quant: `{{ gguf.quant }}`
+- SHA-256: `{{ gguf.sha256 }}`
+- export: `{{ gguf.export_id }}` of run `{{ gguf.run_id }}`
+{% endif %}"""
+"""The card's Markdown, a Jinja template `ModelCard.from_template` renders: the
+metadata block, then the body. Every value it is given is already one line with
+no `|` or backtick (`_text`), so it is safe in a table cell or a code span."""
+
+
+def card_data(facts: CardFacts) -> ModelCardData:
+    """The card's metadata, as the Hub reads it: `base_model` (when it is a Hub
+    id), `library_name` (`peft` for an adapter, `transformers` for full
+    weights), the tags, and the Hub datasets. Never fails."""
     lora = facts.adapter in ("lora", "qlora")
-    if facts.includes_adapter:
-        meta["library_name"] = "peft" if lora else "transformers"
     tags = list(TAGS)
     if facts.gguf is not None:
         tags.append("gguf")
     if lora and facts.includes_adapter:
         tags.append("lora")
-    meta["tags"] = tags
-    if facts.hub_datasets:
-        meta["datasets"] = list(facts.hub_datasets)
-    return meta
+    library = ("peft" if lora else "transformers") if facts.includes_adapter else None
+    return ModelCardData(
+        base_model=facts.base_model if HUB_ID.match(facts.base_model) else None,
+        library_name=library,
+        tags=tags,
+        datasets=list(facts.hub_datasets) or None,
+    )
 
 
-def model_card(facts: CardFacts) -> str:
-    """The card's text: front matter, then the body in Markdown. Never fails."""
-    meta = yaml.safe_dump(front_matter(facts), sort_keys=False, allow_unicode=True)
-    base = _base_link(facts.base_model)
+def model_card(facts: CardFacts) -> ModelCard:
+    """The card (`README.md` of the repository): `card_data`'s metadata, then
+    the body in Markdown (`CARD_TEMPLATE`); its text is `card.content`. Never fails."""
     what = []
     if facts.includes_adapter:
         what.append(
@@ -158,54 +212,33 @@ def model_card(facts: CardFacts) -> str:
         )
     if facts.gguf is not None:
         what.append(f"a GGUF ({facts.gguf.quant}) of the merged model")
-    lines = [
-        "---",
-        meta.rstrip("\n"),
-        "---",
-        "",
-        f"# {_text(facts.title)}",
-        "",
-        f"{_sentence(' and '.join(what))} of {base}, fine-tuned with "
-        f"[axolotl](https://github.com/axolotl-ai-cloud/axolotl) by overbrainer-prefect "
-        f"(run `{facts.run_id}`).",
-        "",
-        "## Files",
-        "",
-        "| file | size | SHA-256 |",
-        "|---|---:|---|",
-    ]
-    lines += [f"| `{_text(path)}` | {f.size} | `{f.sha256}` |" for path, f in facts.files]
-    lines += ["", "## Training data", ""]
-    if facts.dataset_files:
-        lines += ["| file | size | SHA-256 |", "|---|---:|---|"]
-        lines += [f"| `{_text(d.name)}` | {d.size} | `{d.sha256}` |" for d in facts.dataset_files]
-    if facts.hub_datasets:
-        lines += [""] if facts.dataset_files else []
-        lines += [f"- Hub dataset `{_text(name)}`" for name in facts.hub_datasets]
-    if not facts.dataset_files and not facts.hub_datasets:
-        lines.append("No dataset file was found in the run directory.")
-    lines += ["", "## Training settings", "", "| setting | value |", "|---|---|"]
-    lines += [f"| {_text(k)} | `{_text(_value(v))}` |" for k, v in facts.settings.items()]
-    lines += [
-        "",
-        "## Results",
-        "",
-        f"- steps: {facts.steps}",
-        f"- final training loss: {_loss(facts.final_loss)}",
-    ]
-    if facts.gguf is not None:
-        gguf = facts.gguf
-        lines += [
-            "",
-            "## GGUF",
-            "",
-            f"- file: `{_text(gguf.file.name)}`",
-            f"- quant: `{gguf.quant}`",
-            f"- SHA-256: `{gguf.file.sha256}`",
-            f"- export: `{gguf.export_id}` of run `{gguf.run_id}`",
-        ]
-    lines.append("")
-    return "\n".join(lines)
+    gguf = facts.gguf
+    card: ModelCard = ModelCard.from_template(
+        card_data(facts),
+        template_str=CARD_TEMPLATE,
+        title=_text(facts.title),
+        summary=_sentence(" and ".join(what)),
+        base=_base_link(facts.base_model),
+        axolotl=AXOLOTL,
+        by="overbrainer-prefect",
+        run_id=facts.run_id,
+        files=[(_text(path), f.size, f.sha256) for path, f in facts.files],
+        dataset_files=[(_text(d.name), d.size, d.sha256) for d in facts.dataset_files],
+        hub_datasets=[_text(name) for name in facts.hub_datasets],
+        settings=[(_text(k), _text(_value(v))) for k, v in facts.settings.items()],
+        steps=facts.steps,
+        final_loss=_loss(facts.final_loss),
+        gguf=None
+        if gguf is None
+        else {
+            "name": _text(gguf.file.name),
+            "quant": gguf.quant,
+            "sha256": gguf.file.sha256,
+            "export_id": gguf.export_id,
+            "run_id": gguf.run_id,
+        },
+    )
+    return card
 
 
 def _dataset_files(data_dir: Path) -> list[DatasetFile]:

@@ -1,7 +1,9 @@
 """`runs/<run-id>/deliveries.json`: every delivery of a run, appended once
-made, with what was sent and its SHA-256. Written atomically, under a lock so
-that two flows delivering the same run at once both stay recorded. It never
-holds a secret (URLs are kept without user or password)."""
+made, with what was sent and its SHA-256 (and the evaluation whose gate let it
+through), and every time a gate kept the run from being delivered, with why.
+Written atomically, under a lock so that two flows delivering the same run at
+once both stay recorded. It never holds a secret (URLs are kept without user
+or password)."""
 
 from __future__ import annotations
 
@@ -43,16 +45,45 @@ class Delivery(BaseModel):
     files: list[DeliveredFile] = Field(default_factory=list)
     commit: str | None = Field(default=None, description="The Hub commit that added the files.")
     private: bool | None = Field(default=None, description="Whether the Hub repository is private.")
+    evaluation_id: str | None = Field(
+        default=None, description="The evaluation whose gate let it through (none: no gate)."
+    )
     delivered: str = Field(description="When, RFC 3339 UTC.")
     flow_run_id: str | None = None
 
 
+class NotDelivered(BaseModel):
+    """A gate's refusal: the run was trained, evaluated and kept, not delivered."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(description="The criterion the evaluation failed, in one line.")
+    evaluation_id: str | None = None
+    decided: str = Field(description="When, RFC 3339 UTC.")
+    flow_run_id: str | None = None
+
+
 class Deliveries(BaseModel):
-    """The record: deliveries oldest first."""
+    """The record: deliveries and refusals, each oldest first."""
 
     model_config = ConfigDict(extra="forbid")
 
     deliveries: list[Delivery] = Field(default_factory=list)
+    not_delivered: list[NotDelivered] = Field(default_factory=list)
+
+    @property
+    def latest(self) -> str | None:
+        """What became of the run last, in a few words: `delivered: ollama
+        tuned:q8_0, hub org/name` (the deliveries of its last flow run) or
+        `not delivered: <reason>`; None when nothing was delivered or refused."""
+        last = self.deliveries[-1] if self.deliveries else None
+        refused = self.not_delivered[-1] if self.not_delivered else None
+        if refused is not None and (last is None or refused.decided > last.delivered):
+            return f"not delivered: {refused.reason}"
+        if last is None:
+            return None
+        made = [d for d in self.deliveries if d.flow_run_id == last.flow_run_id] or [last]
+        return "delivered: " + ", ".join(f"{d.destination} {d.name}" for d in made)
 
 
 def load_deliveries(run_dir: Path) -> Deliveries:
@@ -75,6 +106,19 @@ def add_delivery(run_dir: Path, delivery: Delivery) -> Deliveries:
     with _locked(run_dir):
         record = load_deliveries(run_dir)
         record.deliveries.append(delivery)
+        save_record(run_dir, DELIVERIES_FILE, record)
+        return record
+
+
+def add_not_delivered(run_dir: Path, refused: NotDelivered) -> Deliveries:
+    """Appends the gate's refusal `refused` to the record of `run_dir` and
+    returns the record.
+
+    Raises RecordIoError or InvalidRecord when the record cannot be read or written.
+    """
+    with _locked(run_dir):
+        record = load_deliveries(run_dir)
+        record.not_delivered.append(refused)
         save_record(run_dir, DELIVERIES_FILE, record)
         return record
 

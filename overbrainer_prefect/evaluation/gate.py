@@ -92,18 +92,34 @@ class Delivered(BaseModel):
 
 
 class GateDecision(BaseModel):
-    """Whether a model passes the gate, and why, in one line."""
+    """Whether a model passes the gate, and why, in one line. The reason says
+    what was measured, never what became of the model: the gate decides before
+    anything is delivered."""
 
     model_config = ConfigDict(extra="forbid")
 
     passed: bool
-    reason: str
+    reason: str = Field(
+        description="The first criterion failed, or what was checked when all passed."
+    )
+    evaluation_id: str | None = Field(default=None, description="The evaluation it decided on.")
+
+    @property
+    def line(self) -> str:
+        """`passed: <what was checked>` or `failed: <the criterion failed>`."""
+        return f"{'passed' if self.passed else 'failed'}: {self.reason}"
 
 
 def decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> GateDecision:
     """Applies `rule` to `result`, `last` being the deployment's last delivered
     model (None before the first delivery). The reason names the first criterion
-    failed, or what was checked when all pass."""
+    failed, or what was checked when all pass; the decision names the
+    evaluation (`result.evaluation_id`). Never fails."""
+    decision = _decide(rule, result, last)
+    return decision.model_copy(update={"evaluation_id": result.evaluation_id})
+
+
+def _decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> GateDecision:
     held = result.heldout
     tuned = f"{held.tuned.passed}/{held.tuned.total}"
     regressions = result.controls.pass_to_fail if result.controls is not None else []
@@ -112,7 +128,7 @@ def decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> 
         allowed = rule.max_control_regressions or "none"
         return GateDecision(
             passed=False,
-            reason=f"not delivered: {len(regressions)} control regression"
+            reason=f"{len(regressions)} control regression"
             f"{'s' * (len(regressions) > 1)} ({', '.join(regressions)}), the rule allows "
             f"{allowed}",
         )
@@ -125,7 +141,7 @@ def decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> 
         if held.tuned.rate < rule.min_heldout_rate:
             return GateDecision(
                 passed=False,
-                reason=f"not delivered: held-out {tuned} = {held.tuned.rate:.0%}, below the "
+                reason=f"held-out {tuned} = {held.tuned.rate:.0%}, below the "
                 f"rule's {rule.min_heldout_rate:.0%}",
             )
         checked.append(f"held-out {tuned} ≥ {rule.min_heldout_rate:.0%}")
@@ -133,7 +149,7 @@ def decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> 
         if not (held.tuned.passed > held.base.passed and held.p_value < result.plan.alpha):
             return GateDecision(
                 passed=False,
-                reason=f"not delivered: held-out {tuned} vs base {held.base.passed}/"
+                reason=f"held-out {tuned} vs base {held.base.passed}/"
                 f"{held.base.total} (McNemar p = {held.p_value:.2g}) is not significantly better",
             )
         checked.append(f"beats base {held.base.passed}/{held.base.total}")
@@ -145,7 +161,7 @@ def decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> 
             if held.tuned.passed < held.base.passed:
                 return GateDecision(
                     passed=False,
-                    reason=f"not delivered: held-out {tuned}, below the last delivered model's "
+                    reason=f"held-out {tuned}, below the last delivered model's "
                     f"{held.base.passed}/{held.base.total} on the same items (run {last.run_id})",
                 )
             checked.append(
@@ -157,13 +173,13 @@ def decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> 
             if held.tuned.rate < last.heldout_rate:
                 return GateDecision(
                     passed=False,
-                    reason=f"not delivered: held-out {tuned} = {held.tuned.rate:.0%}, below the "
+                    reason=f"held-out {tuned} = {held.tuned.rate:.0%}, below the "
                     f"last delivered model's {was} = {last.heldout_rate:.0%} (run {last.run_id})",
                 )
             checked.append(
                 f"held-out {tuned} ≥ the last delivered model's {was} (run {last.run_id})"
             )
-    return GateDecision(passed=True, reason=f"delivered: {'; '.join(checked)}")
+    return GateDecision(passed=True, reason="; ".join(checked))
 
 
 def delivered_path(runs_root: Path, deployment: str) -> Path:

@@ -149,6 +149,9 @@ class EvaluationResult(BaseModel):
     judge: JudgeOutcome | None = None
     models: dict[str, ModelFile] = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=dict)
+    evaluation_id: str | None = Field(
+        default=None, description="The evaluation's record under its run (`evaluations/<id>/`)."
+    )
 
 
 def _rate(passed: int, total: int, confidence: float) -> PassRate:

@@ -71,6 +71,7 @@ async def deliver(
     quant: str = "q4_k_m",
     what: What = "both",
     runs_dir: str | None = None,
+    evaluation_id: str | None = None,
 ) -> DeliveryResult:
     """Delivers the succeeded run `run_id`: to the Ollama server of the
     `OllamaServer` block `ollama` (its GGUF of type `quant`, as the model
@@ -78,7 +79,8 @@ async def deliver(
     prefix), and/or to the Hub repository `hub_repo` with the token of the
     `HuggingFaceCredentials` block `huggingface` (`what`: the adapter, the
     GGUF or both, and a model card, in one commit; a new repository is
-    `private` by default).
+    `private` by default). `evaluation_id`, the evaluation whose gate let the
+    run through, is recorded with each delivery.
 
     Fails before anything is sent, with one line, when no destination is
     given, the run has not succeeded, it has no export of `quant` when a GGUF
@@ -137,7 +139,8 @@ async def deliver(
                 f"with {again}"
             )
         else:
-            deliveries.append(await _recorded(runs, run_id, _ollama_delivery(server, pushed, gguf)))
+            made = _ollama_delivery(server, pushed, gguf, evaluation_id)
+            deliveries.append(await _recorded(runs, run_id, made))
     if credentials is not None and hub_repo is not None:
         again = _again(
             run_id,
@@ -159,7 +162,8 @@ async def deliver(
             )
             failures.append(f"{error}; no commit was made and {kept}: deliver again with {again}")
         else:
-            deliveries.append(await _recorded(runs, run_id, _hub_delivery(committed, gguf)))
+            made = _hub_delivery(committed, gguf, evaluation_id)
+            deliveries.append(await _recorded(runs, run_id, made))
             if private and committed.private is False:
                 logger.warning(
                     "%s already existed and is public: the Hub keeps an existing repository's "
@@ -229,7 +233,7 @@ async def deliver_to_hub(
         commit_to_hub,
         repo,
         files,
-        model_card(facts),
+        model_card(facts).content,
         token=credentials.token,
         endpoint=credentials.endpoint,
         private=private,
@@ -279,7 +283,9 @@ def _again(run_id: str, quant: str, **params: str | None) -> str:
     return f"the deliver flow (run_id={run_id}, {', '.join(given)}, quant={quant})"
 
 
-def _ollama_delivery(server: OllamaServer, pushed: Pushed, gguf: ExportedGguf) -> Delivery:
+def _ollama_delivery(
+    server: OllamaServer, pushed: Pushed, gguf: ExportedGguf, evaluation_id: str | None
+) -> Delivery:
     return Delivery(
         destination="ollama",
         name=pushed.model,
@@ -287,12 +293,15 @@ def _ollama_delivery(server: OllamaServer, pushed: Pushed, gguf: ExportedGguf) -
         export_id=gguf.export_id,
         quant=gguf.quant,
         files=[DeliveredFile(path=pushed.file_name, size=gguf.file.size, sha256=gguf.file.sha256)],
+        evaluation_id=evaluation_id,
         delivered=rfc3339(),
         flow_run_id=flow_run.id,
     )
 
 
-def _hub_delivery(committed: Committed, gguf: ExportedGguf | None) -> Delivery:
+def _hub_delivery(
+    committed: Committed, gguf: ExportedGguf | None, evaluation_id: str | None
+) -> Delivery:
     return Delivery(
         destination="hub",
         name=committed.repo_id,
@@ -305,6 +314,7 @@ def _hub_delivery(committed: Committed, gguf: ExportedGguf | None) -> Delivery:
         ],
         commit=committed.commit,
         private=committed.private,
+        evaluation_id=evaluation_id,
         delivered=rfc3339(),
         flow_run_id=flow_run.id,
     )

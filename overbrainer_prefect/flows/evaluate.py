@@ -66,7 +66,7 @@ async def finish_evaluation(
     if plan.judge is not None and plan.judge.endpoint is not None:
         with httpx.Client() as client:
             calls = OpenAIJudge(plan.judge, client).judge(judge_pairs(plan, job), plan.seed)
-    result = score(plan, job, calls)
+    result = score(plan, job, calls).model_copy(update={"evaluation_id": record.id})
     write_atomic(local, SCORED_FILE, result.model_dump_json(indent=2).encode() + b"\n")
     line = verdict(result)
     get_run_logger().info("%s: %s (in %s)", subject(record), line, local / SCORED_FILE)

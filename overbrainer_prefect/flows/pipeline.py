@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import State
 from prefect.runtime import deployment
-from prefect.states import Completed
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from overbrainer_prefect.evaluation.gate import (
@@ -35,6 +34,7 @@ from overbrainer_prefect.flows.deliver import DEFAULT_HF_BLOCK, DeliveryResult, 
 from overbrainer_prefect.flows.driver import HOOKS
 from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
+from overbrainer_prefect.flows.gate import not_delivered
 from overbrainer_prefect.flows.nightly import begin_night, end_night
 from overbrainer_prefect.flows.prepare import PREPARE_TIMEOUT_S
 from overbrainer_prefect.flows.train import attach, train
@@ -371,18 +371,17 @@ async def _fine_tune(
     name = _deployment_name()
     if spec.gate is not None and result.evaluation is not None:
         result.gate = decide(spec.gate, result.evaluation, last_delivered(runs.root, name))
-        logger.info("the gate (%s): %s", spec.gate.describe(), result.gate.reason)
+        logger.info("the gate (%s) %s", spec.gate.describe(), result.gate.line)
     if spec.deliver is not None and (result.gate is None or result.gate.passed):
         result.delivered = await _deliver(spec, run_id, quant, result, name, kept)
+        made = ", ".join(f"{d.destination} {d.name}" for d in result.delivered.deliveries)
+        logger.info("run %s delivered: %s", run_id, made)
     await end_night(runs.root, night, run_id, result.delivered is not None, run is not None)
     await publish_pipeline_summary(
         result, runs, _links(result.delivered), spent(runs, runs.load(run_id))
     )
     if result.gate is not None and not result.gate.passed:
-        return Completed(
-            message=f"not delivered: {result.gate.reason}; run {run_id} and its GGUF are kept",
-            data=result,
-        )
+        return await not_delivered(runs, run_id, result.gate, _deliver_again(spec, run_id), result)
     return result
 
 
@@ -400,6 +399,7 @@ async def _deliver(
     evaluation, remembers it as the model the next fine-tune is measured against."""
     settings = spec.deliver
     assert settings is not None
+    evaluated = result.evaluation
     try:
         delivered = await deliver(
             run_id=run_id,
@@ -410,10 +410,10 @@ async def _deliver(
             private=settings.private,
             quant=quant,
             runs_dir=spec.runs_dir,
+            evaluation_id=evaluated.evaluation_id if evaluated is not None else None,
         )
     except Exception as error:
         raise PipelineFailed(f"the fine-tune stopped at the delivery: {error}; {kept}") from None
-    evaluated = result.evaluation
     if evaluated is not None:
         heldout = evaluated.heldout.tuned
         remember_delivered(
@@ -421,6 +421,7 @@ async def _deliver(
             Delivered(
                 deployment=name,
                 run_id=run_id,
+                evaluation_id=evaluated.evaluation_id,
                 gguf_path=evaluated.plan.tuned.path,
                 gguf_sha256=evaluated.plan.tuned.sha256,
                 heldout_passed=heldout.passed,
@@ -429,6 +430,14 @@ async def _deliver(
             ),
         )
     return delivered
+
+
+def _deliver_again(spec: FineTuneSpec, run_id: str) -> str:
+    """The deliver flow's command that delivers run `run_id` where `spec` would have."""
+    settings = spec.deliver or DeliverSettings()
+    given = {"ollama": settings.ollama, "hub_repo": settings.hub_repo, "quant": spec.export.quant}
+    params = ", ".join(f"{key}={value}" for key, value in given.items() if value is not None)
+    return f"the deliver flow (run_id={run_id}, {params})"
 
 
 def _links(delivered: DeliveryResult | None) -> list[tuple[str, str]] | None:

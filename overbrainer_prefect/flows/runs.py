@@ -1,6 +1,7 @@
 """The `runs` flow: the runs of a runs directory (their exports and compares
 too), newest first, with their kind, state, target, steps, final loss, spend,
-age and what to run next, as a table artifact and the flow's result."""
+age, what to run next and what became of their model (delivered where, or kept
+back by a gate, and why), as a table artifact and the flow's result."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ async def runs(
 ) -> RunsListing:
     """Lists the runs of the runs directory (`runs_dir`, $OVERBRAINER_RUNS_DIR or
     ./runs) with their exports and compares, newest first: kind, state, target,
-    steps, final loss, spend, age and what to run next, as a table artifact
+    steps, final loss, spend, age, what to run next and delivery, as a table artifact
     (`runs`). `state` keeps only the rows in those states. Unreadable records
     are left out and logged; fails only when the runs directory cannot be read."""
     if limit < 1:

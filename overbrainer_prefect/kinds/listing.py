@@ -1,6 +1,7 @@
 """The jobs of a runs directory as rows: every run and the jobs below it
 (exports, compares, evaluations), newest first, with their kind, state,
-target, steps, final loss, spend, age and what to run next."""
+target, steps, final loss, spend, age, what to run next, and what became of
+a run's model (delivered where, or kept back by a gate, and why)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from pydantic import BaseModel, Field
 
 from overbrainer_prefect.cells import sig
+from overbrainer_prefect.delivery.record import load_deliveries
 from overbrainer_prefect.kinds.registry import KINDS
 from overbrainer_prefect.kinds.training import next_step
 from overbrainer_prefect.runs.ids import parse_rfc3339
@@ -30,6 +32,11 @@ class RunRow(BaseModel):
     steps: int | None = None
     final_loss: float | None = None
     spend_usd: float | None = Field(default=None, description="A pod's estimated cost.")
+    delivery: str | None = Field(
+        default=None,
+        description="A run's last delivery (`delivered: ollama tuned:q8_0`) or its gate's "
+        "refusal (`not delivered: held-out 0/9 ...`); none when neither happened.",
+    )
     created: str
     age: str
     next: str
@@ -71,9 +78,14 @@ def next_of(record: RunRecord) -> str:
 
 def row_of(store: Runs, record: RunRecord, now: float) -> RunRow:
     """The row of one record: its steps and final loss from its metrics file, its
-    spend from its pod record."""
-    steps = final = None
+    spend from its pod record, what became of its model from its deliveries
+    record (an unreadable one shows as such)."""
+    steps = final = delivery = None
     if record.parent is None:
+        try:
+            delivery = load_deliveries(store.run_dir(record.id)).latest
+        except RecordError as error:
+            delivery = f"deliveries unreadable: {error}"
         try:
             text = (store.run_dir(record.id) / METRICS_FILE).read_text(encoding="utf-8")
         except OSError:
@@ -90,6 +102,7 @@ def row_of(store: Runs, record: RunRecord, now: float) -> RunRow:
         steps=steps,
         final_loss=final,
         spend_usd=spent(store, record),
+        delivery=delivery,
         created=record.created,
         age=age_text(record.created, now),
         next=next_of(record),
@@ -135,6 +148,7 @@ def table_rows(rows: list[RunRow]) -> list[dict[str, object]]:
             "spend": None if row.spend_usd is None else f"${row.spend_usd:.2f}",
             "age": row.age,
             "next": row.next,
+            "delivery": row.delivery,
         }
         for row in rows
     ]

@@ -1,0 +1,57 @@
+"""What Prefect shows of a fine-tune's gate: a night whose model the gate kept
+back ends in a `Completed` state of its own name, `Not delivered`, so that it
+is told apart at a glance in the flow runs list and the run's page, and can be
+filtered on by state name; its message says
+why once, and the refusal is kept in the run's `deliveries.json`, where the
+`runs` flow reads it.
+
+A state name rather than a tag: in Prefect a state's type drives the
+orchestration and its name is for people to read, so a
+`Completed` named `Not delivered` stays a success for automations, retries and
+the parent flow, shows in the state badge where people look, and is set by
+the same return that ends the flow run, where a tag would need a second call
+to the API after the run is created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prefect.client.schemas.objects import State
+from prefect.runtime import flow_run
+from prefect.states import Completed
+
+from overbrainer_prefect.delivery.record import NotDelivered, add_not_delivered
+from overbrainer_prefect.evaluation.gate import GateDecision
+from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.runs.store import Runs
+
+NOT_DELIVERED = "Not delivered"
+"""The name of the `Completed` state of a fine-tune whose model the gate kept back."""
+
+
+async def not_delivered(
+    runs: Runs, run_id: str, gate: GateDecision, again: str, data: Any
+) -> State[Any]:
+    """Records the gate's refusal in run `run_id`'s `deliveries.json` and returns
+    the flow run's final state: `Completed`, named `Not delivered`, its message
+    `not delivered: <reason>; ...` with what was kept and `again`, the command
+    that delivers it anyway, and `data` its result.
+
+    Raises RecordError when the refusal cannot be recorded.
+    """
+    refused = NotDelivered(
+        reason=gate.reason,
+        evaluation_id=gate.evaluation_id,
+        decided=rfc3339(),
+        flow_run_id=flow_run.id,
+    )
+    await asyncio.to_thread(add_not_delivered, runs.run_dir(run_id), refused)
+    evaluation = f" (evaluation {gate.evaluation_id})" if gate.evaluation_id else ""
+    return Completed(
+        name=NOT_DELIVERED,
+        message=f"not delivered: {gate.reason}{evaluation}; run {run_id} and its GGUF are "
+        f"kept: deliver it anyway with {again}",
+        data=data,
+    )
