@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect_server import free_port, wait_until
+from tests.ports import free_port
+from tests.prefect_server import wait_until
 
 START_TIMEOUT_S = 60.0
 

@@ -19,7 +19,6 @@ import json
 import logging
 import secrets
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import METRICS_FILE, Artifacts
 from overbrainer_prefect.trainers.spec import TrainingSpec
+from tests.ports import free_port
 from tests.standins.hub_server import HubStandIn
 from tests.standins.ollama_server import OllamaStandIn
 
@@ -133,12 +133,6 @@ def hub_client(monkeypatch: pytest.MonkeyPatch) -> None:
     (conftest), and the stand-in speaks the LFS protocol, not Xet."""
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def safetensors(values: list[float]) -> bytes:

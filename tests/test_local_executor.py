@@ -34,6 +34,7 @@ from overbrainer_prefect.executors import (
     verify,
 )
 from overbrainer_prefect.executors.jobscript import JOB_SCRIPT, parse_launch
+from tests.procs import alive
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -65,15 +66,6 @@ def finished(executor: LocalExecutor, job: JobId) -> JobStatus:
 
     wait_until(ended, "the job to end")
     return statuses[-1]
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` is a running process (a zombie is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def wait_for_go(seconds: int = 15) -> str:

@@ -46,6 +46,7 @@ from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, Provisioned, p
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.lifecycle import RunContext
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from tests.procs import alive
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, descendants
 from tests.shelljobs import ShellTrainer
@@ -162,14 +163,6 @@ def log_of(bed: Bed, pod: PodRecord) -> str:
 def deleted(bed: Bed, pod: PodRecord) -> bool:
     assert pod.pod_id is not None
     return bed.sim.pod(pod.pod_id).deleted
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 # -- the script itself ----------------------------------------------------------------
