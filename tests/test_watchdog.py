@@ -161,8 +161,10 @@ def log_of(bed: Bed, pod: PodRecord) -> str:
 
 
 def deleted(bed: Bed, pod: PodRecord) -> bool:
+    """Whether the pod was deleted and its processes are gone (the simulator marks
+    it deleted first, then kills them)."""
     assert pod.pod_id is not None
-    return bed.sim.pod(pod.pod_id).deleted
+    return bed.sim.pod(pod.pod_id).deleted and not bed.pods.running(pod.pod_id)
 
 
 # -- the script itself ----------------------------------------------------------------

@@ -119,7 +119,8 @@ class SimPods:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def running(self, pod_id: str) -> bool:
-        """Whether the pod's root process is alive."""
+        """Whether the pod's root process is alive (a deleted pod's, until all of
+        its processes are killed)."""
         with self._lock:
             proc = self._procs.get(pod_id)
         return proc is not None and proc.poll() is None
@@ -168,11 +169,14 @@ class SimPods:
         pod.extra["dir"] = str(directory)
 
     def delete(self, pod: SimPod) -> None:
-        """The simulator's delete hook: kills every process of the pod by PID."""
+        """The simulator's delete hook: kills every process of the pod by PID;
+        `running` says True until they are all gone."""
         with self._lock:
-            proc = self._procs.pop(pod.id, None)
+            proc = self._procs.get(pod.id)
         if proc is not None:
             kill_tree(proc)
+        with self._lock:
+            self._procs.pop(pod.id, None)
 
     def stop_all(self) -> None:
         """Kills every pod still running, by PID."""
