@@ -25,8 +25,10 @@ lint: $(VENV)/.ok
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# The system packages the tests need (sshd, PostgreSQL, Chromium) are installed when missing.
 test: setup lint
-	$(VENV)/bin/pytest -ra
+	scripts/test-deps.sh
+	$(VENV)/bin/pytest -ra --durations=15
 
 demo: setup
 	$(VENV)/bin/python demo/run_demo.py

@@ -1,5 +1,7 @@
 """Shared fixtures: a real Prefect server for the session (the ephemeral test
-harness on a temporary SQLite database), the job venv, and the tiny model."""
+harness on a temporary SQLite database), the job venv, the tiny model, and its
+fine-tune with a q8_0 export and a first compare, each made once for the session
+(see tests/tiny_runs.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,12 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.tiny_runs import TinyCompared, TinyRun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,3 +63,23 @@ def tiny(job_python: str) -> tuple[Path, Path]:
 
     cache = REPO / ".cache"
     return tiny_model(cache), tiny_dataset(cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(
+    prefect_server: None, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> TinyRun:
+    """The session's fine-tune of the tiny model (6 steps, the `train` flow on a
+    local target) with its q8_0 export. Read it, or change a copy (`copied`)."""
+    from tests.tiny_runs import train_tiny
+
+    return train_tiny(*tiny, tmp_path_factory.mktemp("tiny-run"))
+
+
+@pytest.fixture(scope="session")
+def tiny_compared(tiny_run: TinyRun, tmp_path_factory: pytest.TempPathFactory) -> TinyCompared:
+    """A copy of `tiny_run` and its first compare, made once for the session: the
+    compare and evaluation tests share it."""
+    from tests.tiny_runs import compare_tiny
+
+    return compare_tiny(tiny_run.copied(tmp_path_factory.mktemp("tiny-compared")))

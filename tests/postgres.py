@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect_server import free_port, wait_until
+from tests.ports import free_port
+from tests.prefect_server import wait_until
+from tests.procs import alive
 
 START_TIMEOUT_S = 60.0
 
@@ -143,7 +145,7 @@ class Postgres:
         if self.pid is not None:
             try:
                 os.kill(self.pid, signal.SIGINT)
-                wait_until(lambda: not Path(f"/proc/{self.pid}").exists(), 30, "postgres to stop")
+                wait_until(lambda: not alive(self.pid), 30, "postgres to stop")
             except ProcessLookupError:
                 pass
             except AssertionError:

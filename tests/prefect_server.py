@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,20 +29,16 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import procs
+from tests.ports import free_port
+from tests.procs import alive, descendants, kill_pids
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 POOL = "overbrainer"
 START_TIMEOUT_S = 120.0  # a server's first start migrates its database
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 RUN_TIMEOUT_S = 300.0  # a deployment run of the tiny model takes about 30 s alone
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -58,50 +53,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
-
-
-def process_table() -> dict[int, tuple[int, int]]:
-    """Every process: pid -> (parent pid, session id), from /proc."""
-    table = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rpartition(")")[2].split()
-        table[int(entry.name)] = (int(fields[1]), int(fields[3]))
-    return table
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid` (children, their children...), now."""
-    table = process_table()
-    found: list[int] = []
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [p for p, (ppid, _) in table.items() if ppid == parent]
-        found += children
-        frontier += children
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
-    """Sends `sig` to each of `pids` that still exists."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
 
 
 def stop(process: subprocess.Popen[bytes], grace: float = STOP_GRACE_S) -> None:
@@ -305,11 +256,11 @@ class Worker:
         those in `spare_sessions` (detached jobs, which must outlive it)."""
         if self.process is None:
             return []
-        table = process_table()
+        table = procs.table()
         return [
             pid
             for pid in descendants(self.process.pid)
-            if table.get(pid, (0, 0))[1] not in spare_sessions
+            if pid in table and table[pid].session not in spare_sessions
         ]
 
     def kill(self, spare_sessions: set[int]) -> list[int]:

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from tests import procs
+from tests.ports import free_port
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 SSH_KEYGEN = shutil.which("ssh-keygen") or "/usr/bin/ssh-keygen"
 PRIVSEP_DIR = Path("/run/sshd")  # sshd refuses to start without its privilege-separation dir
@@ -34,14 +37,6 @@ STOP_TIMEOUT_S = 5.0  # time for sshd to exit after SIGTERM before it is killed
 
 class SshdError(RuntimeError):
     """The test sshd could not be set up, started or stopped."""
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def banner_ready(port: int, timeout: float = 0.5) -> bool:
@@ -95,6 +90,7 @@ class Sshd:
             )
         shutil.copyfile(sshd.client_key_path.with_suffix(".pub"), sshd.authorized_keys_path)
         sshd.authorized_keys_path.chmod(0o600)
+        own_home(sshd.home)
         sshd.config_path.write_text(sshd._config())
         return sshd
 
@@ -112,6 +108,12 @@ class Sshd:
     def authorized_keys_path(self) -> Path:
         """The keys this sshd accepts, for every user."""
         return self.root / "authorized_keys"
+
+    @property
+    def home(self) -> Path:
+        """The home of this sshd's sessions (their `HOME` and working directory),
+        so that nothing they run reads or writes this machine's home."""
+        return self.root / "home"
 
     @property
     def config_path(self) -> Path:
@@ -161,6 +163,9 @@ class Sshd:
                 "LogLevel VERBOSE",  # logs every authentication attempt, failed ones too
                 "MaxStartups 100",
                 "MaxSessions 100",
+                # the sessions' shells get a home of their own, as on a box of their own:
+                # bash started by sshd reads $HOME/.bashrc, never this machine's
+                f"SetEnv HOME={self.home}",
                 "",
             ]
         )
@@ -238,33 +243,26 @@ class Sshd:
         self.stop()
 
 
+def own_home(home: Path) -> None:
+    """Makes `home` a home of its own for the shells sshd starts with
+    `SetEnv HOME=<home>`: sshd still starts them in the user's home of
+    /etc/passwd, and bash (started by sshd) reads `$HOME/.bashrc`, which moves
+    them to `home`. Nothing of this machine's home is read (its profile
+    would run `pyenv rehash`, whose lock a killed session leaves behind)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / ".bashrc").write_text('cd "$HOME" 2>/dev/null\n')
+
+
 def session_pids(sshd_pid: int) -> list[int]:
     """PIDs of the sshd processes below the daemon `sshd_pid`: one or two per
     open connection. Other descendants (a session's shell and the commands it
     runs) are not listed."""
+    table = procs.table()
     found: list[int] = []
     pending = [sshd_pid]
     while pending:
-        parent = pending.pop()
-        for child, name in _children(parent):
-            if name == "sshd":
-                found.append(child)
-                pending.append(child)
+        for child in procs.children(pending.pop(), table):
+            if child.name == "sshd":
+                found.append(child.pid)
+                pending.append(child.pid)
     return found
-
-
-def _children(parent: int) -> list[tuple[int, str]]:
-    """(PID, command name) of the processes whose parent is `parent`, from /proc."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        head, _, tail = stat.rpartition(")")
-        fields = tail.split()
-        if len(fields) > 1 and fields[1] == str(parent):
-            children.append((int(entry.name), head.partition("(")[2]))
-    return children

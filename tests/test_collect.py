@@ -28,6 +28,7 @@ from overbrainer_prefect.runs.lock import follow_lock
 from overbrainer_prefect.runs.store import RunRecord
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.spec import TrainingSpec
+from tests.procs import alive
 from tests.shelljobs import WRITE_OUTPUT, wait_for
 
 LOOKS_TRAINED = (
@@ -154,9 +155,7 @@ def test_collect_cancels_the_job_of_a_run_whose_flow_run_was_cancelled(
     assert [(r.action, r.state) for r in rows] == [("job cancelled", RunState.CANCELLED)]
     assert runs.load(record.id).state == RunState.CANCELLED
     assert record.job is not None
-    assert not Path(f"/proc/{record.job.pid}").exists() or (
-        "Z" in Path(f"/proc/{record.job.pid}/stat").read_text().rpartition(")")[2][:3]
-    )
+    assert not alive(record.job.pid)
     assert flow_run_state(cancelling).type == StateType.CANCELLED
 
 

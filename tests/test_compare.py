@@ -1,5 +1,5 @@
-"""Compares: a real fine-tune of the tiny model (trained once for the module and
-exported to q8_0 by the `train` flow) and its base model, both as q8_0 GGUFs,
+"""Compares: a real fine-tune of the tiny model (trained once for the session and
+exported to q8_0 by the `train` flow, tests/tiny_runs.py) and its base model, both as q8_0 GGUFs,
 asked the same questions by real llama.cpp on the local target through the
 `compare` flow; the answers retrieved, verified and shown side by side. Also: the
 base GGUF made once and reused, a compare reused, runaway generation cut and
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from overbrainer_prefect.blocks import LocalTarget
-from overbrainer_prefect.flows import CompareResult, RunResult, compare, train
+from overbrainer_prefect.flows import CompareResult, compare
 from overbrainer_prefect.flows.compare import answers_markdown
 from overbrainer_prefect.kinds.compare import NotComparable
 from overbrainer_prefect.runs import Runs, RunState
@@ -37,12 +35,10 @@ from overbrainer_prefect.trainers.compare import (
     read_answers,
     vram_floor,
 )
-from overbrainer_prefect.trainers.export import ExportSpec, UnknownQuant
-from tests.conftest import job_venv
-from tests.test_train_flow import spec
+from overbrainer_prefect.trainers.export import UnknownQuant
+from tests.tiny_runs import COMPARE_MAX_TOKENS, QUESTIONS, TinyCompared
 
-QUESTIONS = ["What colour is the sky?", "What is two plus two?"]
-MAX_TOKENS = 6  # the tiny model never ends its answers: every one is cut at the limit
+MAX_TOKENS = COMPARE_MAX_TOKENS  # the tiny model never ends its answers: every one is cut
 
 
 def run(coroutine: Any) -> Any:
@@ -71,36 +67,11 @@ class Trained:
 
 
 @pytest.fixture(scope="module")
-def trained(
-    prefect_server: None, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Trained:
-    """Trains the tiny model once (6 steps), exports it to q8_0, and compares it."""
-    root = tmp_path_factory.mktemp("compare")
-    name = f"local-{uuid.uuid4().hex[:8]}"
-    LocalTarget(
-        job_venv=str(job_venv()), work_dir=str(root / "work"), poll_seconds=0.5, cpu_threads=1
-    ).save(name)
-    runs_dir = root / "runs"
-    result = run(
-        train(
-            target=name,
-            training=spec(*tiny),
-            runs_dir=str(runs_dir),
-            export=ExportSpec(quant="q8_0"),
-        )
-    )
-    assert isinstance(result, RunResult) and result.state == RunState.SUCCEEDED, result
-    first = run(
-        compare(
-            run_id=result.run_id,
-            questions=QUESTIONS,
-            quant="q8_0",
-            max_tokens=MAX_TOKENS,
-            runs_dir=str(runs_dir),
-        )
-    )
-    assert isinstance(first, CompareResult)
-    return Trained(name, runs_dir, root / "work", result.run_id, first)
+def trained(tiny_compared: TinyCompared) -> Trained:
+    """The session's fine-tune of the tiny model (6 steps, exported to q8_0) and
+    its first compare, shared with the evaluation tests (tests/tiny_runs.py)."""
+    run = tiny_compared.run
+    return Trained(run.target, run.runs_dir, run.work, run.run_id, tiny_compared.first)
 
 
 def read_artifact(key: str) -> Any:

@@ -19,7 +19,6 @@ import json
 import logging
 import secrets
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import METRICS_FILE, Artifacts
 from overbrainer_prefect.trainers.spec import TrainingSpec
+from tests.ports import free_port
 from tests.standins.hub_server import HubStandIn
 from tests.standins.ollama_server import OllamaStandIn
 
@@ -142,12 +142,6 @@ def hub_client(monkeypatch: pytest.MonkeyPatch) -> None:
     (conftest), and the stand-in speaks the LFS protocol, not Xet."""
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def safetensors(values: list[float]) -> bytes:

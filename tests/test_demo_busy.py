@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, job_venv
-from tests.prefect_server import clean_env, kill_pids
+from tests.prefect_server import clean_env
+from tests.procs import kill_pids
 
 pytestmark = pytest.mark.slow
 

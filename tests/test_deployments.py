@@ -34,13 +34,12 @@ from tests.prefect_server import (
     Stack,
     Trained,
     Worker,
-    alive,
     clone,
-    process_table,
     start_stack,
     tiny_training,
     wait_until,
 )
+from tests.procs import alive, group_alive
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.test_runpod_flows import A4000, FAST
@@ -78,18 +77,6 @@ def training_now(stack: Stack, known: set[str]) -> Any:
 
 def run_ids(stack: Stack) -> set[str]:
     return {p.name for p in stack.runs.glob("*")}
-
-
-def job_group_alive(pgid: int) -> bool:
-    """Whether any live process is in the process group `pgid`."""
-    for pid in process_table():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(stat[2]) == pgid and stat[0] != "Z":
-            return True
-    return False
 
 
 def test_prefect_deploy_creates_every_deployment_of_the_yaml(deployed: Stack) -> None:
@@ -131,7 +118,7 @@ def test_cancelling_a_deployment_run_cancels_its_job_through_the_hook(
         "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=100000)
     )
     record = wait_until(lambda: training_now(deployed, known), 240, "the job to train")
-    assert record.job is not None and job_group_alive(record.job.pid)
+    assert record.job is not None and group_alive(record.job.pid)
     deployed.server.cli("flow-run", "cancel", str(flow_run_id))
     flow_run = deployed.wait_final(flow_run_id, timeout=180)
     assert flow_run.state.is_cancelled(), flow_run.state
@@ -139,7 +126,7 @@ def test_cancelling_a_deployment_run_cancels_its_job_through_the_hook(
     assert saved.state == RunState.CANCELLED, saved
     local = Runs(deployed.runs).run_dir(record.id)
     assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
-    wait_until(lambda: not job_group_alive(record.job.pid), 30, "the job's process group to go")
+    wait_until(lambda: not group_alive(record.job.pid), 30, "the job's process group to go")
 
 
 def test_a_run_whose_worker_was_killed_is_finished_by_the_collector_on_a_second_worker(
@@ -155,7 +142,7 @@ def test_a_run_whose_worker_was_killed_is_finished_by_the_collector_on_a_second_
     # the job runs in its own session, which must outlive its follower
     killed = first.kill(spare_sessions={record.job.pid})
     assert len(killed) >= 2, "the worker and its flow-run process"
-    assert job_group_alive(record.job.pid)
+    assert group_alive(record.job.pid)
     assert Runs(deployed.runs).load(record.id).state == RunState.RUNNING
     assert not deployed.flow_run(flow_run_id).state.is_final()  # nobody is left to say
 
@@ -266,7 +253,7 @@ def test_cancelling_a_deployment_run_on_a_simulated_pod_cancels_its_job_and_dele
     record = wait_until(lambda: training_now(deployed, known), 300, "the job to train on its pod")
     assert record.target_kind == "runpod" and record.job is not None
     pod_id = pod_of(deployed, record.id).pod_id
-    assert on_sim.pods.running(pod_id) and job_group_alive(record.job.pid)
+    assert on_sim.pods.running(pod_id) and group_alive(record.job.pid)
 
     deployed.server.cli("flow-run", "cancel", str(flow_run_id))
     flow_run = deployed.wait_final(flow_run_id, timeout=240)
@@ -280,7 +267,7 @@ def test_cancelling_a_deployment_run_on_a_simulated_pod_cancels_its_job_and_dele
     assert on_sim.sim.pod(pod_id).deleted
     assert on_sim.sim.pods() == [] and on_sim.sim.secret_names() == []
     assert not on_sim.pods.running(pod_id)  # its sshd and its job went with it
-    assert not job_group_alive(record.job.pid)
+    assert not group_alive(record.job.pid)
 
 
 def test_a_run_on_a_simulated_pod_whose_worker_was_killed_is_finished_by_the_collector(
@@ -296,7 +283,7 @@ def test_a_run_on_a_simulated_pod_whose_worker_was_killed_is_finished_by_the_col
     # the pod's processes are the simulator's, in this process: they outlive the worker
     killed = on_sim.worker.kill(spare_sessions={record.job.pid})
     assert len(killed) >= 2, "the worker and its flow-run process"
-    assert on_sim.pods.running(pod_id) and job_group_alive(record.job.pid)
+    assert on_sim.pods.running(pod_id) and group_alive(record.job.pid)
     assert not on_sim.sim.pod(pod_id).deleted
     assert Runs(deployed.runs).load(record.id).state == RunState.RUNNING
     assert not deployed.flow_run(flow_run_id).state.is_final()  # nobody is left to say

@@ -5,7 +5,6 @@ anything runs."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from overbrainer_prefect.evaluation.judge import (
 )
 from overbrainer_prefect.evaluation.results import JobResults, judge_pairs, score
 from overbrainer_prefect.evaluation.spec import BadEvaluationInput, EvaluationPlan, JudgeSpec
+from tests.ports import free_port
 from tests.standins.openai_server import OpenAIStandIn, first_always, prefers
 from tests.test_evaluation import job_of, plan_of
 
@@ -115,12 +115,6 @@ def test_an_unreadable_order_leaves_the_item_to_the_readable_one() -> None:
     outcome = summarise(calls, "j")
     assert outcome.scores == {"H1": 1.0, "H2": 0.25}
     assert outcome.unreadable == 1 and outcome.judged == 2 and outcome.ties == 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_judge_endpoint_that_does_not_answer_is_refused_in_one_line(

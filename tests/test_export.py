@@ -1,5 +1,5 @@
-"""Exports: a real fine-tune of the tiny model (trained once for the module, with
-the `train` flow's export option) merged, converted and quantized by real
+"""Exports: a real fine-tune of the tiny model (trained once for the session, with
+the `train` flow's export option, tests/tiny_runs.py) merged, converted and quantized by real
 llama.cpp on the local target and on an SSH target; the GGUFs retrieved,
 verified, loaded by llama-cpp-python and asked a question. Also: reuse,
 following an export again, a failing export job, the refusals that start
@@ -12,7 +12,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from overbrainer_prefect.blocks import LocalTarget
-from overbrainer_prefect.flows import ExportResult, RunResult, export, train
+from overbrainer_prefect.flows import ExportResult, RunResult, export
 from overbrainer_prefect.kinds.export import NotExportable
 from overbrainer_prefect.runs import InvalidRunId, Runs, RunState
 from overbrainer_prefect.runs.ids import new_run_id
@@ -40,7 +38,7 @@ from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import job_venv
 from tests.sshd import Sshd
 from tests.test_ssh_flows import saved, ssh_target
-from tests.test_train_flow import spec
+from tests.tiny_runs import TinyRun
 
 ASK_TIMEOUT_S = 120  # loading a tiny GGUF and 8 tokens take about a second
 MAX_TOKENS = 8  # generation is capped by the caller: llama-cpp-python's own cap can be skipped
@@ -108,27 +106,11 @@ class Trained:
 
 
 @pytest.fixture(scope="module")
-def trained(
-    prefect_server: None, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Trained:
-    """Trains the tiny model once (6 steps) with the train flow, exporting it to q8_0."""
-    root = tmp_path_factory.mktemp("export")
-    name = f"local-{uuid.uuid4().hex[:8]}"
-    LocalTarget(
-        job_venv=str(job_venv()), work_dir=str(root / "work"), poll_seconds=0.5, cpu_threads=1
-    ).save(name)
-    runs_dir = root / "runs"
-    result = run(
-        train(
-            target=name,
-            training=spec(*tiny),
-            runs_dir=str(runs_dir),
-            export=ExportSpec(quant="q8_0"),
-        )
-    )
-    assert isinstance(result, RunResult)
-    assert result.state == RunState.SUCCEEDED, result.message
-    return Trained(target=name, runs_dir=runs_dir, work=root / "work", result=result)
+def trained(tiny_run: TinyRun, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """A copy of the session's fine-tune of the tiny model (6 steps, exported to
+    q8_0 by the train flow), for this module's exports."""
+    copy = tiny_run.copied(tmp_path_factory.mktemp("export"))
+    return Trained(target=copy.target, runs_dir=copy.runs_dir, work=copy.work, result=copy.result)
 
 
 def read_artifact(key: str) -> Any:

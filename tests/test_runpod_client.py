@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -31,6 +30,7 @@ from overbrainer_prefect.runpod import (
     look_up,
     secret_ref,
 )
+from tests.ports import free_port
 from tests.runpod_sim import RunpodSim, SimPod, running_sim
 
 T = TypeVar("T")
@@ -178,9 +178,7 @@ def test_an_invalid_api_key_fails_with_one_line(sim: RunpodSim) -> None:
 
 
 def test_runpod_unreachable_fails_with_one_line() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]  # closed once the block ends: nothing listens
+    port = free_port()  # nothing listens there
 
     async def main() -> None:
         async with RunpodClient(

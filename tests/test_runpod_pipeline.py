@@ -25,7 +25,6 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.states import Cancelling
 
-from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.flows import (
     FineTuneResult,
     FineTuneSpec,
@@ -33,7 +32,6 @@ from overbrainer_prefect.flows import (
     export,
     fine_tune,
     pods,
-    train,
 )
 from overbrainer_prefect.flows.pipeline import CompareSettings
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
@@ -43,7 +41,6 @@ from overbrainer_prefect.runs.ids import new_run_id
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.trainers.compare import BASES_DIR
 from overbrainer_prefect.trainers.export import ExportSpec
-from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.test_runpod_flows import (
@@ -56,6 +53,7 @@ from tests.test_runpod_flows import (
     target,
 )
 from tests.test_train_flow import kill, python_in_child, spec, wait_until
+from tests.tiny_runs import TinyRun
 
 pytestmark = pytest.mark.slow
 
@@ -167,20 +165,10 @@ def test_fine_tune_on_a_pod_target_runs_each_step_on_its_own_pod_deleted_after_v
 
 
 @pytest.fixture(scope="module")
-def trained_here(
-    prefect_server: None, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, str]:
-    """A succeeded run of the tiny model on a local target, trained once for
-    the module: its runs directory and its ID."""
-    root = tmp_path_factory.mktemp("trained")
-    local = f"local-{uuid.uuid4().hex[:8]}"
-    LocalTarget(
-        job_venv=str(job_venv()), work_dir=str(root / "work"), poll_seconds=0.5, cpu_threads=1
-    ).save(local)
-    runs_dir = root / "runs"
-    result = run(train(target=local, training=spec(*tiny), runs_dir=str(runs_dir)))
-    assert result.state == RunState.SUCCEEDED, result.message
-    return runs_dir, str(result.run_id)
+def trained_here(tiny_run: TinyRun) -> tuple[Path, str]:
+    """A succeeded run of the tiny model on a local target (the session's,
+    tests/tiny_runs.py, only read here): its runs directory and its ID."""
+    return tiny_run.runs_dir, tiny_run.run_id
 
 
 def trained_locally(trained_here: tuple[Path, str], runs_dir: Path) -> str:

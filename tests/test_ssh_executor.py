@@ -7,7 +7,6 @@ a pinned host key, and what happens when the sshd goes away and comes back."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -39,6 +38,8 @@ from overbrainer_prefect.executors import (
 )
 from overbrainer_prefect.executors.jobscript import JOB_SCRIPT
 from overbrainer_prefect.executors.ssh import SshExecutor
+from tests import procs
+from tests.procs import alive
 from tests.sshd import SSH_KEYGEN, Sshd
 
 T = TypeVar("T")
@@ -110,15 +111,6 @@ def shell_job(run_dir: Path, script: str, **secrets: str) -> JobSpec:
         env={"GREETING": "hello"},
         secrets={name: SecretStr(value) for name, value in secrets.items()},
     )
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def test_an_upload_then_download_round_trip_is_verified_and_leaves_skipped_names_out(
@@ -249,7 +241,7 @@ def test_secrets_reach_the_job_and_appear_in_no_file_log_or_process_argument(
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:  # the job runs for 2 s: look at every process
             for secret in (token, marker):
-                seen_in_argv.extend(processes_whose_argv_holds(secret.encode()))
+                seen_in_argv.extend(procs.with_argv(secret.encode()))
             await asyncio.sleep(0.1)
         assert await executor.status(job) == JobStatus.running()
         return await finished(executor, job)
@@ -263,17 +255,6 @@ def test_secrets_reach_the_job_and_appear_in_no_file_log_or_process_argument(
         if path.is_file():
             for secret in (token, marker):
                 assert secret.encode() not in path.read_bytes(), path
-
-
-def processes_whose_argv_holds(needle: bytes) -> list[int]:
-    """PIDs of the processes whose command line holds `needle`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return found
 
 
 def test_read_from_returns_the_bytes_after_an_offset_and_nothing_for_a_missing_file(

@@ -27,6 +27,7 @@ from overbrainer_prefect.flows.targets import UnknownTarget
 from overbrainer_prefect.runs import InvalidRunId, RunNotFound, Runs, RunState
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import REPO, job_venv
+from tests.procs import alive
 
 pytestmark = pytest.mark.slow
 
@@ -218,10 +219,7 @@ def test_cancel_stops_a_training_job_and_retrieves_what_it_left(
     assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
     # the whole process group is gone
     assert record.job is not None
-    assert (
-        not Path(f"/proc/{record.job.pid}").exists()
-        or "Z" in Path(f"/proc/{record.job.pid}/stat").read_text().rpartition(")")[2][:3]
-    )
+    assert not alive(record.job.pid)
 
 
 def test_stop_saves_a_checkpoint_and_a_new_run_resumes_from_it(

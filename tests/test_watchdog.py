@@ -47,6 +47,7 @@ from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import RunContext
+from tests.procs import alive
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, descendants
 from tests.shelljobs import ShellTrainer
@@ -163,16 +164,10 @@ def log_of(bed: Bed, pod: PodRecord) -> str:
 
 
 def deleted(bed: Bed, pod: PodRecord) -> bool:
+    """Whether the pod was deleted and its processes are gone (the simulator marks
+    it deleted first, then kills them)."""
     assert pod.pod_id is not None
-    return bed.sim.pod(pod.pod_id).deleted
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
+    return bed.sim.pod(pod.pod_id).deleted and not bed.pods.running(pod.pod_id)
 
 
 # -- the script itself ----------------------------------------------------------------

@@ -8,6 +8,8 @@ import resource
 import time
 from pathlib import Path
 
+from tests import procs
+
 TICK = os.sysconf("SC_CLK_TCK")  # clock ticks per second in /proc/<pid>/stat
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -36,27 +38,9 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def children(pid: int) -> list[int]:
-    """The PIDs whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int(_stat_fields(int(entry.name))[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
 def tree(pid: int) -> list[int]:
-    """`pid` and every live process below it."""
-    found, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        found.append(current)
-        pending += children(current)
-    return found
+    """`pid` and every process below it."""
+    return [pid, *procs.descendants(pid)]
 
 
 def tree_cpu_seconds(pid: int) -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.ports import free_port
+
 START_TIMEOUT_S = 180.0  # a fresh server migrates its SQLite database first, on a busy machine
 STOP_GRACE_S = 15.0  # between SIGTERM and SIGKILL of the server's process group
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def server_env(home: Path, api_url: str | None = None) -> dict[str, str]:

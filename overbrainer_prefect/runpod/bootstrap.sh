@@ -213,6 +213,7 @@ start_sshd() {
             || log "sshd: openssh-server could not be installed"
     fi
     [ -d /run/sshd ] || mkdir -p /run/sshd 2>/dev/null
+    # HOME: the sessions' home is the pod's /root (under ROOT when simulated), never the host's
     cat > "$SSHD_CONFIG" <<EOF
 Port $SSH_PORT
 ListenAddress $SSH_ADDRESS
@@ -226,7 +227,7 @@ UsePAM no
 PermitRootLogin prohibit-password
 StrictModes no
 Subsystem sftp internal-sftp
-SetEnv OVERBRAINER_WORKSPACE=$WORKSPACE
+SetEnv OVERBRAINER_WORKSPACE=$WORKSPACE HOME=$ROOT/root
 ClientAliveInterval 30
 MaxStartups 100
 MaxSessions 100

@@ -12,9 +12,10 @@ included (a deleted pod's job dies with it).
 The pod's root process is made a child subreaper, as a container's PID 1 is
 for the processes of the container: a job started detached over SSH (its own
 session) is reparented to it, so the pod's processes are exactly the root
-process and its descendants. They get SIGTERM, then SIGKILL: unlike a
-container's, the login shells of its SSH sessions share this machine's home
-directory, whose locks (`pyenv rehash`) must not be left behind.
+process and its descendants. They get SIGTERM, then SIGKILL. As in a
+container, the pod's SSH sessions have a home of their own, the pod's `/root`
+(the bootstrap's sshd sets `HOME`): nothing they run reads this machine's
+profile or leaves a file or a lock in its home.
 
 Knobs: `boot_delay_s` (the image takes that long to start), `never_ssh`
 (the pod's sshd never starts: the watchdog still runs, and its boot grace
@@ -37,8 +38,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.ports import free_port
+from tests.procs import descendants as _descendants
+from tests.procs import kill_pids
 from tests.runpod_sim.api import RunpodSim, SimPod
-from tests.sshd import SSHD, free_port
+from tests.sshd import SSHD, own_home
 
 KILL_ROUNDS = 20  # passes over the pod's process tree, until nothing of it is left
 TERM_GRACE_S = 3.0  # how long the pod's processes get to end on SIGTERM before SIGKILL
@@ -96,6 +100,10 @@ class SimPods:
         """The pod's directory: its root."""
         return self.root / pod_id
 
+    def home_of(self, pod_id: str) -> Path:
+        """The pod's `/root`: the home of its processes and of its SSH sessions."""
+        return self.dir_of(pod_id) / "root"
+
     def workspace_of(self, pod_id: str) -> Path:
         """The pod's `/workspace`."""
         return self.dir_of(pod_id) / "workspace"
@@ -111,7 +119,8 @@ class SimPods:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def running(self, pod_id: str) -> bool:
-        """Whether the pod's root process is alive."""
+        """Whether the pod's root process is alive (a deleted pod's, until all of
+        its processes are killed)."""
         with self._lock:
             proc = self._procs.get(pod_id)
         return proc is not None and proc.poll() is None
@@ -124,6 +133,7 @@ class SimPods:
         directory = self.dir_of(pod.id)
         workspace = self.workspace_of(pod.id)
         workspace.mkdir(parents=True, exist_ok=True)
+        own_home(self.home_of(pod.id))
         port = free_port()
         pod.public_ip = "127.0.0.1"
         pod.ssh_port = port
@@ -133,7 +143,7 @@ class SimPods:
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "LANG": "C.UTF-8",
-            "HOME": str(directory / "root"),
+            "HOME": str(self.home_of(pod.id)),
             **pod.env,
             "RUNPOD_PUBLIC_IP": "127.0.0.1",
             "RUNPOD_TCP_PORT_22": str(port),
@@ -159,11 +169,14 @@ class SimPods:
         pod.extra["dir"] = str(directory)
 
     def delete(self, pod: SimPod) -> None:
-        """The simulator's delete hook: kills every process of the pod by PID."""
+        """The simulator's delete hook: kills every process of the pod by PID;
+        `running` says True until they are all gone."""
         with self._lock:
-            proc = self._procs.pop(pod.id, None)
+            proc = self._procs.get(pod.id)
         if proc is not None:
             kill_tree(proc)
+        with self._lock:
+            self._procs.pop(pod.id, None)
 
     def stop_all(self) -> None:
         """Kills every pod still running, by PID."""
@@ -177,14 +190,12 @@ class SimPods:
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
     """Stops `proc` and every process below it, by PID. `proc` (the pod's
     root, its child subreaper) is frozen first, so that it starts nothing
-    more and what it holds stays below it; the others get SIGTERM, so that a
-    process of this machine's own (a login shell's `pyenv rehash`, holding a
-    lock in root's home) can release what it holds; after `TERM_GRACE_S`,
+    more and what it holds stays below it; the others get SIGTERM; after `TERM_GRACE_S`,
     what is left gets SIGKILL, `proc` last; then `proc` is reaped."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGSTOP)
-    _signal_all(descendants(proc.pid), signal.SIGTERM)
+    kill_pids(descendants(proc.pid), signal.SIGTERM)
     deadline = time.monotonic() + TERM_GRACE_S
     while time.monotonic() < deadline and descendants(proc.pid):
         time.sleep(0.05)
@@ -192,7 +203,7 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
         left = descendants(proc.pid)
         if not left:
             break
-        _signal_all(left, signal.SIGKILL)
+        kill_pids(left, signal.SIGKILL)
         time.sleep(0.05)
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -201,31 +212,6 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=WAIT_S)
 
 
-def _signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signum)
-
-
 def descendants(root: int) -> list[int]:
     """The PIDs below `root` (children first), from /proc; zombies left out."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rpartition(")")[2].split()
-        if len(fields) < 2 or fields[0] == "Z":
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found: list[int] = []
-    pending = [root]
-    while pending:
-        parent = pending.pop()
-        for child in children.get(parent, []):
-            found.append(child)
-            pending.append(child)
-    return found
+    return _descendants(root, zombies=False)
