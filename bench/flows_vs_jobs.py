@@ -194,8 +194,8 @@ def main() -> None:
             from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
             from overbrainer_prefect.blocks import LocalTarget
+            from overbrainer_prefect.finetune import CompareSettings, FineTuneSpec
             from overbrainer_prefect.flows import FineTuneResult, RunResult, fine_tune, train
-            from overbrainer_prefect.flows.pipeline import CompareSettings, FineTuneSpec
             from overbrainer_prefect.runs.store import Runs
             from overbrainer_prefect.trainers.export import ExportSpec
 

@@ -151,8 +151,8 @@ def fine_tune() -> tuple[Any, float]:
     when a step fails."""
     from overbrainer_prefect.blocks import LocalTarget
     from overbrainer_prefect.evaluation.spec import EvaluationSpec
+    from overbrainer_prefect.finetune import CompareSettings
     from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, fine_tune
-    from overbrainer_prefect.flows.pipeline import CompareSettings
     from overbrainer_prefect.trainers.export import ExportSpec
 
     print(

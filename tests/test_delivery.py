@@ -518,7 +518,8 @@ async def _get(url: str) -> str:
 def test_an_ollama_server_that_is_down_leaves_the_gguf_verified_and_says_how_to_deliver_again(
     prefect_server: None, gguf_file: Path, tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.flows.deliver import DeliveryFailed, deliver
+    from overbrainer_prefect.delivery.result import DeliveryFailed
+    from overbrainer_prefect.flows.deliver import deliver
 
     fake = make_run(tmp_path, gguf_file)
     block = save_ollama_block(f"http://127.0.0.1:{free_port()}")
@@ -539,7 +540,8 @@ def test_an_ollama_server_that_is_down_leaves_the_gguf_verified_and_says_how_to_
 def test_a_model_the_ollama_server_rejects_leaves_the_gguf_verified_and_says_how_to_deliver_again(
     prefect_server: None, ollama_server: OllamaStandIn, gguf_file: Path, tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.flows.deliver import DeliveryFailed, deliver
+    from overbrainer_prefect.delivery.result import DeliveryFailed
+    from overbrainer_prefect.flows.deliver import deliver
 
     fake = make_run(tmp_path, gguf_file)
     block = save_ollama_block(ollama_server.url)
@@ -562,7 +564,8 @@ def test_a_model_the_ollama_server_rejects_leaves_the_gguf_verified_and_says_how
 def test_delivering_to_ollama_without_an_export_says_to_run_the_export_flow_first(
     prefect_server: None, ollama_server: OllamaStandIn, gguf_file: Path, tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.flows.deliver import DeliveryFailed, deliver
+    from overbrainer_prefect.delivery.result import DeliveryFailed
+    from overbrainer_prefect.flows.deliver import deliver
 
     fake = make_run(tmp_path, gguf_file, export=False)
     block = save_ollama_block(ollama_server.url)
@@ -664,7 +667,8 @@ def test_a_wrong_hub_token_fails_in_one_line_that_never_holds_it(
     caplog: pytest.LogCaptureFixture,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    from overbrainer_prefect.flows.deliver import DeliveryFailed, deliver
+    from overbrainer_prefect.delivery.result import DeliveryFailed
+    from overbrainer_prefect.flows.deliver import deliver
 
     caplog.set_level(logging.DEBUG)
     wrong = "hf_" + secrets.token_hex(16)

@@ -25,12 +25,15 @@ CORE_PACKAGES = (
 )
 """The packages that never import Prefect: every module of each."""
 
+CORE_MODULES = ("overbrainer_prefect.finetune", "overbrainer_prefect.cells")
+"""The top-level modules that never import Prefect."""
+
 CORE = sorted(
     ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     for package in CORE_PACKAGES
     for path in (PACKAGE / package).glob("*.py")
     if path.name != "__init__.py"
-)
+) + list(CORE_MODULES)
 
 TARGET_CLASSES = ("RunpodTarget", "SshTarget", "LocalTarget", "PodTarget", "HostTarget")
 

@@ -28,8 +28,8 @@ from prefect_shell import ShellOperation
 
 from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.evaluation.spec import EvaluationSpec
+from overbrainer_prefect.finetune import CompareSettings, PipelineFailed
 from overbrainer_prefect.flows import FineTuneSpec, fine_tune
-from overbrainer_prefect.flows.pipeline import CompareSettings, PipelineFailed
 from overbrainer_prefect.nightly.decision import (
     night_facts,
     plan_night,

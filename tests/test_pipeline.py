@@ -22,8 +22,8 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect_shell import ShellOperation
 
 from overbrainer_prefect.blocks import LocalTarget
+from overbrainer_prefect.finetune import CompareSettings, PipelineFailed
 from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, fine_tune
-from overbrainer_prefect.flows.pipeline import CompareSettings, PipelineFailed
 from overbrainer_prefect.runs import RunNotFound, Runs, RunState
 from overbrainer_prefect.trainers.compare import BadQuestions
 from overbrainer_prefect.trainers.export import ExportSpec

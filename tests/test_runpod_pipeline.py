@@ -25,6 +25,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.states import Cancelling
 
+from overbrainer_prefect.finetune import CompareSettings
 from overbrainer_prefect.flows import (
     FineTuneResult,
     FineTuneSpec,
@@ -33,7 +34,6 @@ from overbrainer_prefect.flows import (
     fine_tune,
     pods,
 )
-from overbrainer_prefect.flows.pipeline import CompareSettings
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.settings import SettingsError

@@ -1,11 +1,12 @@
 """The Prefect flows of overbrainer-prefect."""
 
+from overbrainer_prefect.finetune import FineTuneResult, FineTuneSpec
 from overbrainer_prefect.flows.collect import collect
 from overbrainer_prefect.flows.compare import compare
 from overbrainer_prefect.flows.deliver import deliver
 from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
-from overbrainer_prefect.flows.pipeline import FineTuneResult, FineTuneSpec, fine_tune
+from overbrainer_prefect.flows.pipeline import fine_tune
 from overbrainer_prefect.flows.pods import pods
 from overbrainer_prefect.flows.runs import runs
 from overbrainer_prefect.flows.train import RunFailed, attach, cancel, stop, train

@@ -16,7 +16,6 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import acreate_link_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
 
 from overbrainer_prefect.artifacts import artifact_key
 from overbrainer_prefect.blocks import HuggingFaceCredentials, OllamaServer
@@ -32,6 +31,13 @@ from overbrainer_prefect.delivery.hub import (
 from overbrainer_prefect.delivery.modelcard import facts_of_run, model_card
 from overbrainer_prefect.delivery.ollama import OllamaClient, Pushed, chat_settings
 from overbrainer_prefect.delivery.record import DeliveredFile, Delivery, add_delivery
+from overbrainer_prefect.delivery.result import (
+    DEFAULT_HF_BLOCK,
+    DeliveryFailed,
+    DeliveryResult,
+    deliver_again,
+    ollama_model_name,
+)
 from overbrainer_prefect.delivery.sources import (
     ExportedGguf,
     LocalFile,
@@ -42,22 +48,7 @@ from overbrainer_prefect.delivery.sources import (
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 
-DEFAULT_HF_BLOCK = "huggingface"
-"""The Hugging Face credentials block a Hub delivery uses unless told otherwise."""
-
 What = Literal["adapter", "gguf", "both"]
-
-
-class DeliveryFailed(Exception):
-    """A delivery was refused before anything was sent, or a destination failed.
-    The message is one line saying what to do next."""
-
-
-class DeliveryResult(BaseModel):
-    """What the deliver flow returns (and Prefect persists): each delivery made."""
-
-    run_id: str
-    deliveries: list[Delivery] = Field(default_factory=list)
 
 
 @flow(name="deliver", persist_result=True)
@@ -130,7 +121,7 @@ async def deliver(
     failures: list[str] = []
     if server is not None and gguf is not None and ollama is not None:
         name = ollama_model_name(record, quant, model_name, server.model_prefix)
-        again = _again(run_id, quant, ollama=ollama, model_name=model_name)
+        again = deliver_again(run_id, quant, ollama=ollama, model_name=model_name)
         try:
             pushed = await deliver_to_ollama(server, record, gguf, name)
         except DeliveryError as error:
@@ -142,7 +133,7 @@ async def deliver(
             made = _ollama_delivery(server, pushed, gguf, evaluation_id)
             deliveries.append(await _recorded(runs, run_id, made))
     if credentials is not None and hub_repo is not None:
-        again = _again(
+        again = deliver_again(
             run_id,
             quant,
             hub_repo=hub_repo,
@@ -250,24 +241,6 @@ async def deliver_to_hub(
     return committed
 
 
-def ollama_model_name(
-    record: RunRecord, quant: str, model_name: str | None, prefix: str | None
-) -> str:
-    """The Ollama model a run is created as: `model_name`, else `<base>-<run-id>`
-    (`<base>`: the base model's last name, lowercase), after `prefix`, tagged
-    `:<quant>` unless it has a tag."""
-    if model_name:
-        name = model_name.strip()
-    else:
-        base = str((record.spec or {}).get("base_model") or "model").rstrip("/")
-        slug = re.sub(r"[^a-z0-9._-]+", "-", base.rsplit("/", 1)[-1].lower()).strip("-.")
-        name = f"{slug or 'model'}-{record.id}"
-    name = f"{prefix or ''}{name}"
-    if ":" not in name.rsplit("/", 1)[-1]:
-        name = f"{name}:{quant}"
-    return name
-
-
 async def _load_block(kind: type[Any], name: str) -> Any:
     try:
         return await kind.aload(name)
@@ -276,11 +249,6 @@ async def _load_block(kind: type[Any], name: str) -> Any:
             f"no {kind.get_block_type_name()!r} block named {name!r}: create it with "
             "`python blocks/create_blocks.py` or in the Prefect UI under Blocks"
         ) from None
-
-
-def _again(run_id: str, quant: str, **params: str | None) -> str:
-    given = [f"{k}={v}" for k, v in params.items() if v is not None]
-    return f"the deliver flow (run_id={run_id}, {', '.join(given)}, quant={quant})"
 
 
 def _ollama_delivery(

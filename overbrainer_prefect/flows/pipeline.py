@@ -16,21 +16,24 @@ from typing import Any, TypeVar
 from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import State
 from prefect.runtime import deployment
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from overbrainer_prefect.delivery.result import DeliveryResult
 from overbrainer_prefect.evaluation.gate import (
     Delivered,
-    GateDecision,
-    GateRule,
     decide,
     last_delivered,
     remember_delivered,
 )
-from overbrainer_prefect.evaluation.results import EvaluationResult
-from overbrainer_prefect.evaluation.spec import EvaluationSpec
 from overbrainer_prefect.evaluation.verdict import verdict
+from overbrainer_prefect.finetune import (
+    DeliverSettings,
+    FineTuneResult,
+    FineTuneSpec,
+    PipelineFailed,
+    kept_text,
+)
 from overbrainer_prefect.flows.compare import compare
-from overbrainer_prefect.flows.deliver import DEFAULT_HF_BLOCK, DeliveryResult, deliver
+from overbrainer_prefect.flows.deliver import deliver
 from overbrainer_prefect.flows.driver import HOOKS
 from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
@@ -41,133 +44,16 @@ from overbrainer_prefect.flows.train import attach, train
 from overbrainer_prefect.kinds import compare as compare_kind
 from overbrainer_prefect.kinds import export as export_kind
 from overbrainer_prefect.kinds import training as training_kind
-from overbrainer_prefect.kinds.compare import CompareResult, running_compare
-from overbrainer_prefect.kinds.export import ExportResult, running
+from overbrainer_prefect.kinds.compare import running_compare
+from overbrainer_prefect.kinds.export import running
 from overbrainer_prefect.kinds.training import RunResult
-from overbrainer_prefect.nightly.decision import NightFacts
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.spend import spent
-from overbrainer_prefect.trainers.compare import MAX_TOKENS_LIMIT, check_max_tokens, load_questions
-from overbrainer_prefect.trainers.export import ExportSpec
-from overbrainer_prefect.trainers.spec import TrainingSpec
+from overbrainer_prefect.trainers.compare import check_max_tokens, load_questions
 
 T = TypeVar("T")
-
-
-class CompareSettings(BaseModel):
-    """What the compare step asks: the questions (a list, or a file holding a JSON or
-    YAML list of strings), how long an answer may be, and the seed."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    questions: list[str] = Field(default_factory=list, description="The questions to ask.")
-    questions_file: str | None = Field(
-        default=None, description="A file holding a JSON or YAML list of questions."
-    )
-    max_tokens: int = Field(
-        default=128, ge=1, le=MAX_TOKENS_LIMIT, description="The most tokens of an answer."
-    )
-    seed: int = Field(default=0, description="The seed (answers are greedy, temperature 0).")
-    image: str | None = Field(
-        default=None,
-        description="On a Runpod target: the Docker image of the compare's pod (default: the "
-        "target's image).",
-    )
-
-
-class DeliverSettings(BaseModel):
-    """Where a fine-tune that passes its gate is delivered (the `deliver` flow's
-    parameters): an `OllamaServer` block and/or a Hub repository."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    ollama: str | None = Field(default=None, description="The OllamaServer block to push to.")
-    model_name: str | None = Field(default=None, description="The Ollama model's name.")
-    hub_repo: str | None = Field(default=None, description="The Hub repository (owner/name).")
-    huggingface: str = Field(
-        default=DEFAULT_HF_BLOCK, description="The HuggingFaceCredentials block of the push."
-    )
-    private: bool = Field(default=True, description="A new Hub repository is private.")
-
-
-class FineTuneSpec(BaseModel):
-    """The whole fine-tune: where it runs, what it trains, what it exports and what
-    it asks the base and tuned models (the `fine_tune` flow's one parameter)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    target: str = Field(description="The target block every step runs on.")
-    training: TrainingSpec
-    export: ExportSpec = Field(default_factory=ExportSpec)
-    compare: CompareSettings = Field(default_factory=CompareSettings)
-    evaluation: EvaluationSpec | None = Field(
-        default=None,
-        description="Evaluate the tuned GGUF against its base on held-out items and controls.",
-    )
-    gate: GateRule | None = Field(
-        default=None,
-        description="What the evaluation must show for the model to be delivered (needs "
-        "`evaluation`); the last delivered model of this deployment is the reference.",
-    )
-    deliver: DeliverSettings | None = Field(
-        default=None, description="Where the model goes once it passed its gate (if any)."
-    )
-    runs_dir: str | None = Field(
-        default=None, description="The runs directory ($OVERBRAINER_RUNS_DIR, else ./runs)."
-    )
-
-    @field_validator("target")
-    @classmethod
-    def _target_named(cls, target: str) -> str:
-        if not target.strip():
-            raise ValueError("name the target block the fine-tune runs on")
-        return target
-
-    @model_validator(mode="after")
-    def _gate_needs_evaluation(self) -> FineTuneSpec:
-        if self.gate is not None and self.evaluation is None:
-            raise ValueError("a gate needs an evaluation: set evaluation, or unset gate")
-        return self
-
-
-class FineTuneResult(BaseModel):
-    """What the `fine_tune` flow returns (and Prefect persists): the run, its export
-    and its compare, and which steps were reused from an earlier pipeline."""
-
-    run_id: str
-    run: RunResult | None = Field(
-        default=None, description="The training step's result (None when the run was reused)."
-    )
-    export: ExportResult
-    compare: CompareResult
-    evaluation: EvaluationResult | None = None
-    verdict: str | None = Field(default=None, description="The evaluation's verdict.")
-    gate: GateDecision | None = Field(default=None, description="What the gate decided.")
-    delivered: DeliveryResult | None = None
-    reused: list[str] = Field(
-        default_factory=list, description="The steps taken from their records, not done again."
-    )
-    next: str
-    night: NightFacts | None = Field(
-        default=None, description="The night's fingerprint and what changed since the last."
-    )
-
-
-class PipelineFailed(RunError):
-    """A step of the pipeline failed; the message names the step, what was kept
-    and how to continue."""
-
-
-def _kept(runs: Runs, run_id: str | None, export_id: str | None) -> str:
-    if run_id is None:
-        return "nothing was kept: start a new fine_tune"
-    kept = f"run {run_id} (succeeded, in {runs.run_dir(run_id)})"
-    if export_id is not None:
-        kept += f" and its export {export_id}"
-    return f"kept {kept}; continue with the fine_tune flow (run_id={run_id})"
 
 
 async def _train_step(
@@ -291,14 +177,15 @@ async def _fine_tune(
     if run_id is None or (run_result is not None and run_result.state != RunState.SUCCEEDED):
         state = run_result.state if run_result else "unknown"
         raise PipelineFailed(
-            f"the fine-tune stopped at training: run {run_id} is {state}; {_kept(runs, None, None)}"
+            f"the fine-tune stopped at training: run {run_id} is {state}; "
+            f"{kept_text(runs, None, None)}"
         )
 
     quant = spec.export.quant
     left = running(export_kind.KIND.store(runs, run_id), quant)
     exported = await _step(
         "the export",
-        _kept(runs, run_id, None),
+        kept_text(runs, run_id, None),
         export(
             run_id=run_id,
             quant=quant,
@@ -312,7 +199,7 @@ async def _fine_tune(
         reused.append(export_kind.NAME)
 
     settings = spec.compare
-    kept = _kept(runs, run_id, exported.export_id)
+    kept = kept_text(runs, run_id, exported.export_id)
     left_compare = running_compare(
         compare_kind.KIND.store(runs, run_id),
         questions,
