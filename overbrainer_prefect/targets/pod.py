@@ -16,6 +16,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from datetime import datetime
 
 from pydantic import SecretStr
 
@@ -307,6 +308,12 @@ class PodTarget:
             plan = capped(plan, admitted.cap_usd if admitted is not None else None)
             async with budget.hold(plan_price(plan)):
                 yield Reservation(plan=plan, need=need, admission=admitted)
+
+    async def billed(self, since: datetime) -> dict[str, float]:
+        """What Runpod billed each pod of the account since `since`, by pod id
+        (see `RunpodClient.pod_billing`). Raises RunpodError."""
+        async with self._client() as client:
+            return await client.pod_billing(since)
 
     async def _vram_floor(self, settings: RunpodTargetSettings, need: JobNeed) -> float | None:
         """The VRAM per GPU the job needs, for `auto` types without `min_vram_gb`
