@@ -30,9 +30,9 @@ from overbrainer_prefect.money.store import LedgerFile
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.targets.base import JobNeed
+from tests import test_runpod_flows as on_pods
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
-from tests import test_runpod_flows as on_pods
 from tests.test_runpod_flows import follower_killed_while_training, target
 from tests.test_train_flow import spec
 
