@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import importlib.util
 import logging
 import re
 import xml.etree.ElementTree as ET
@@ -195,3 +196,23 @@ def test_a_day_that_fits_one_pod_caps_it_at_what_is_left_refuses_the_second_and_
     assert by_target == {record.target: pytest.approx(billed, abs=1e-5)}
     assert sum(by_deployment.values()) == pytest.approx(billed, abs=1e-5)
     assert "| day: $0.10 |" in markdown
+
+
+def test_create_blocks_sets_the_day_and_month_budgets_and_a_targets_own(
+    prefect_server: None,
+) -> None:
+    spec_ = importlib.util.spec_from_file_location(
+        "create_blocks", Path(__file__).resolve().parents[1] / "blocks" / "create_blocks.py"
+    )
+    assert spec_ is not None and spec_.loader is not None
+    create_blocks = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(create_blocks)
+    try:
+        assert create_blocks.main(["--budget-day-usd", "2", "--budget-month-usd", "30"]) == 0
+        ref = "overbrainer-runpod-target/nightly"
+        assert create_blocks.main(["--budget-day-usd", "0.5", "--budget-target", ref]) == 0
+        budgets = run(read_budgets())
+        assert budgets is not None and (budgets.day_usd, budgets.month_usd) == (2.0, 30.0)
+        assert budgets.targets[ref].day_usd == 0.5 and budgets.targets[ref].month_usd is None
+    finally:
+        run(clear_budgets_quietly())

@@ -295,3 +295,31 @@ def test_a_dead_holder_does_not_keep_the_ledger(tmp_path: Path) -> None:
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_a_run_and_a_fine_tune_summary_say_what_their_pods_cost(tmp_path: Path) -> None:
+    from overbrainer_prefect.artifacts import summary_markdown
+    from overbrainer_prefect.pipeline_summary import pipeline_markdown
+    from overbrainer_prefect.runpod.pod import PodRecord
+    from overbrainer_prefect.runs.metrics import MetricsSummary
+    from overbrainer_prefect.steps.start import create
+    from overbrainer_prefect.targets.spend import run_spent, spent
+
+    runs = Runs(tmp_path / "runs")
+    record = create(runs, target="t/a", target_kind="runpod", workdir="/w")
+    exports = runs.children(record.id, "export")
+    export = create(exports, target="t/a", target_kind="runpod", workdir="/w", trainer="export")
+    for store, run_id, hours in ((runs, record.id, 1.0), (exports, export.id, 0.5)):
+        PodRecord(
+            run_id=run_id,
+            host_key="ssh-ed25519 AAAA",
+            cost_per_hour=0.25,
+            created_unix=1_000_000,
+            deleted_unix=1_000_000 + int(hours * 3600),
+        ).save(store)
+    assert spent(runs, runs.load(record.id)) == pytest.approx(0.25)
+    assert run_spent(runs, record.id) == pytest.approx(0.375)
+    summary = summary_markdown(record, "t/a", MetricsSummary(), [], "next", 0.25)
+    assert "| dollars | $0.2500 (its pod: rate × uptime) |" in summary
+    assert "Dollars: **$0.3750**" in pipeline_markdown(record.id, [], "", 0.375)
+    assert "dollars" not in summary_markdown(record, "t/a", MetricsSummary(), [], "next")
