@@ -97,6 +97,9 @@ def test_budgets_read_from_text_numbers() -> None:
     assert budgets.day_usd == 2.5 and budgets.month_usd is None
     assert budgets.applying_to("t/a") == [("day", None, 2.5), ("month", "t/a", 9.0)]
     assert budgets.applying_to("t/b") == [("day", None, 2.5)]
+    assert budgets_from({"targets": {"a": {"day_usd": 1}}}).applying_to("t/a") == [
+        ("day", "t/a", 1.0)
+    ]
 
 
 def test_an_alive_pod_counts_at_its_most_and_an_ended_one_at_what_it_cost() -> None:

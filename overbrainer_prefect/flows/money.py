@@ -20,7 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import deployment, flow_run
 from prefect.variables import Variable
 
-from overbrainer_prefect.money.budgets import Budgets, Limits, budgets_from
+from overbrainer_prefect.money.budgets import Budgets, budgets_from
 from overbrainer_prefect.money.ledger import Ask, Left, Who, now_utc, usd, when
 from overbrainer_prefect.money.store import Admission, Facts, LedgerFile, admit_into
 from overbrainer_prefect.runs.store import Runs
@@ -76,10 +76,10 @@ async def who_asks() -> Who:
 
 
 def left_text(left: list[Left]) -> str:
-    """`$0.40 of the day's $1.00 left (resets ...), $9.40 of the month's $10.00 left`."""
+    """`$0.40 left of the day's budget ($1.00) until 2026-12-03 00:00 UTC, ...`."""
     return ", ".join(
-        f"{usd(bound.left_usd)} of {bound.name().removeprefix('the ')} "
-        f"({usd(bound.budget_usd)}) left until {when(bound.resets)}"
+        f"{usd(bound.left_usd)} left of {bound.name()} ({usd(bound.budget_usd)}) "
+        f"until {when(bound.resets)}"
         for bound in left
     )
 
@@ -126,10 +126,3 @@ async def admission(
                     usd(entry.cost_usd),
                     usd(entry.max_usd),
                 )
-
-
-def limits_of(budgets: Budgets | None, target: str | None = None) -> Limits | None:
-    """The budgets of `target` (None: every target's together)."""
-    if budgets is None:
-        return None
-    return budgets if target is None else budgets.targets.get(target)

@@ -51,7 +51,7 @@ class Limits(BaseModel):
 
 class Budgets(Limits):
     """Every pod's day and month together, and (in `targets`, by target block
-    name like `overbrainer-runpod-target/runpod`) one target's own."""
+    name like `overbrainer-runpod-target/runpod`, or its bare name) one target's own."""
 
     targets: dict[str, Limits] = Field(default_factory=dict)
 
@@ -59,7 +59,8 @@ class Budgets(Limits):
         """The bounds a pod of `target` must fit in: (period, target or None
         for every target, dollars), periods `day` then `month`."""
         found: list[tuple[str, str | None, float]] = []
-        for scope, limits in ((None, self), (target, self.targets.get(target))):
+        own = self.targets.get(target) or self.targets.get(target.rpartition("/")[2])
+        for scope, limits in ((None, self), (target, own)):
             if limits is None:
                 continue
             if limits.day_usd is not None:
