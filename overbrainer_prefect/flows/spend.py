@@ -195,9 +195,11 @@ def spend_markdown(view: SpendView) -> str:
         lines += [f"- differs: {d}" for d in view.differences]
         lines += [f"- not read: {n}" for n in view.not_reconciled]
         lines.append("")
+    lines += ["## Pods", ""]
+    if not view.pods:
+        lines.append(f"No pod in the last {view.days} days.")
+        return "\n".join(lines) + "\n"
     lines += [
-        "## Pods",
-        "",
         "| admitted (UTC) | run | pod | deployment | target | state | dollars | admitted at |",
         "|---|---|---|---|---|---|---:|---:|",
     ]
