@@ -36,7 +36,7 @@ from overbrainer_prefect.money.ledger import (
     usd,
     when,
 )
-from overbrainer_prefect.money.pods import pod_spent
+from overbrainer_prefect.money.pods import cost_facts
 from overbrainer_prefect.money.reconcile import Billing, reconcile
 from overbrainer_prefect.money.store import LedgerFile, refresh
 from overbrainer_prefect.runs.store import Runs
@@ -230,7 +230,7 @@ async def spend(
     ledger_file = LedgerFile(runs.root)
     now = now_utc()
     with ledger_file.locked() as ledger:
-        refresh(ledger, pod_spent)
+        refresh(ledger, cost_facts)
     recent = since(ledger, days, now)
     differences: list[str] = []
     read: list[str] = []

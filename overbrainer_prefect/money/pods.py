@@ -62,7 +62,7 @@ def settings_capped(settings: RunpodTargetSettings, plan: LaunchPlan) -> RunpodT
     return settings.model_copy(update={"max_cost_usd": plan.max_cost_usd})
 
 
-def pod_spent(entry: Entry) -> Spent | None:
+def cost_facts(entry: Entry) -> Spent | None:
     """What the pod of `entry`'s job cost, from its `pod.json` (None when the
     records are not here or cannot be read, or the job is still before its
     pod). A job that ended without a pod cost nothing."""

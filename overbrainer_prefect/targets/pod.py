@@ -22,8 +22,7 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.ssh import SshExecutor
-from overbrainer_prefect.money.pods import ask_of, capped, settings_capped
-from overbrainer_prefect.money.pods import pod_spent as cost_facts
+from overbrainer_prefect.money.pods import ask_of, capped, cost_facts, settings_capped
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
