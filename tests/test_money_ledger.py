@@ -326,3 +326,16 @@ def test_a_run_and_a_fine_tune_summary_say_what_their_pods_cost(tmp_path: Path) 
     assert "| dollars | $0.2500 (its pod: rate × uptime) |" in summary
     assert "Dollars: **$0.3750**" in pipeline_markdown(record.id, [], "", 0.375)
     assert "dollars" not in summary_markdown(record, "t/a", MetricsSummary(), [], "next")
+
+
+def test_a_bill_that_differs_from_the_ledger_is_reported_and_counts() -> None:
+    from overbrainer_prefect.money.reconcile import reconcile
+
+    same = entry(0.100, pod_id="p1")
+    off = entry(0.100, pod_id="p2", run_id="20261202-100000-bbbb")
+    alive = entry(0.05, ended=False, max_usd=0.5, pod_id="p3")
+    differences = reconcile([same, off, alive], {"p1": 0.104, "p2": 0.25, "p3": 0.3})
+    assert [d.line() for d in differences] == [
+        "pod p2 of run 20261202-100000-bbbb: the ledger says $0.10, the provider billed $0.25"
+    ]
+    assert (same.charged, off.charged, alive.charged) == (0.104, 0.25, 0.5)
