@@ -14,8 +14,10 @@ Targets come from flags:
     --ssh-host HOST --ssh-host-key KEY --job-venv PATH [--ssh-port --ssh-user
     --ssh-key-file --ssh-work-dir]             -> an SSH target (--ssh-name)
 
-and the GPU budget (global concurrency limits) from
-`--budget-pods N --budget-dollars-per-hour X`.
+the GPU budget (global concurrency limits) from
+`--budget-pods N --budget-dollars-per-hour X`, and the day's and month's
+dollars (the `overbrainer_budget` variable) from `--budget-day-usd X
+--budget-month-usd Y` (with `--budget-target NAME`, for that target alone).
 
 It prints the name and type of each block it saves, never a secret:
 
@@ -35,6 +37,8 @@ from pydantic import SecretStr, ValidationError
 
 from overbrainer_prefect import blocks
 from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, BudgetError, set_budget
+from overbrainer_prefect.flows.money import BUDGET_VARIABLE, read_budgets, set_budgets
+from overbrainer_prefect.money.budgets import BudgetSettingError, budgets_from
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -69,7 +73,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     budget.add_argument(
         "--budget-dollars-per-hour", type=float, metavar="X", help="their $/h together, at most"
     )
+    money = parser.add_argument_group("day and month budgets (dollars, UTC days and months)")
+    money.add_argument("--budget-day-usd", metavar="X", help="dollars a day, every pod together")
+    money.add_argument("--budget-month-usd", metavar="Y", help="dollars a month, every pod")
+    money.add_argument(
+        "--budget-target",
+        metavar="NAME",
+        help="the day and month budgets are this target block's own (`<type>/<name>`)",
+    )
     args = parser.parse_args(argv)
+    args.money = args.budget_day_usd is not None or args.budget_month_usd is not None
+    if args.money:
+        try:  # checked before anything is saved
+            budgets_from({"day_usd": args.budget_day_usd, "month_usd": args.budget_month_usd})
+        except BudgetSettingError as error:
+            parser.error(str(error))
+    elif args.budget_target:
+        parser.error("--budget-target needs --budget-day-usd or --budget-month-usd")
     if args.ssh_host:
         if not args.ssh_host_key:
             parser.error(
@@ -86,11 +106,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         or args.local_job_venv
         or args.ssh_host
         or args.budget_pods is not None
+        or args.money
     )
     if nothing:
         parser.error(
             "nothing to create: set HF_TOKEN or RUNPOD_API_KEY, or give --local-job-venv, "
-            "--ssh-host or --budget-pods"
+            "--ssh-host, --budget-pods or --budget-day-usd"
         )
     return args
 
@@ -138,6 +159,25 @@ async def create(args: argparse.Namespace) -> None:
             f"GPU budget: {POD_LIMIT} = {sizes[POD_LIMIT]} pods, "
             f"{SPEND_LIMIT} = {sizes[SPEND_LIMIT]} cents/h"
         )
+    if args.money:
+        await save_money(args.budget_day_usd, args.budget_month_usd, args.budget_target)
+
+
+async def save_money(day: str | None, month: str | None, target: str | None) -> None:
+    """Saves the day's and month's budgets (every target's, or `target`'s own,
+    keeping the others) and says what they are."""
+    saved = await read_budgets()
+    limits = {"day_usd": day, "month_usd": month}
+    if target is None:
+        kept = saved.targets if saved is not None else {}
+        budgets = await set_budgets(day, month, {k: v.model_dump() for k, v in kept.items()})
+    else:
+        targets = {k: v.model_dump() for k, v in (saved.targets if saved else {}).items()}
+        targets[target] = limits
+        budgets = await set_budgets(
+            saved.day_usd if saved else None, saved.month_usd if saved else None, targets
+        )
+    print(f"budget: {BUDGET_VARIABLE} = {budgets.model_dump_json(exclude_none=True)}")
 
 
 def main(argv: list[str] | None = None) -> int:

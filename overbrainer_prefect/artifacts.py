@@ -367,9 +367,11 @@ def summary_markdown(
     summary: MetricsSummary,
     files: Sequence[FileDigest],
     next_step: str,
+    dollars: float | None = None,
 ) -> str:
-    """The run summary: ID, target, state, duration, losses, each verified file
-    with its size and SHA-256, and the command to run next."""
+    """The run summary: ID, target, state, duration, what its pod cost
+    (`dollars`, when it ran on one), losses, each verified file with its size
+    and SHA-256, and the command to run next."""
     lines = [
         f"# Run {record.id}",
         "",
@@ -379,6 +381,11 @@ def summary_markdown(
         f"| target | {table_cell(target_description)} |",
         f"| created | {record.created} |",
         f"| duration | {run_duration(record)} |",
+        *(
+            [f"| dollars | ${dollars:.4f} (its pod: rate × uptime) |"]
+            if dollars is not None
+            else []
+        ),
         f"| steps | {summary.last.step if summary.last else 0}"
         + (f" / {summary.max_steps}" if summary.max_steps else "")
         + " |",

@@ -78,12 +78,20 @@ def flow_run_link(flow_run_id: str | UUID | None, text: str) -> str:
     return f"[{text}](/runs/flow-run/{flow_run_id})"
 
 
-def pipeline_markdown(run_id: str, steps: list[StepLine], next_step: str = "") -> str:
-    """The summary: a table of the steps (state, reused or not, link to its flow
-    run), then a section for each with what it gave."""
+def pipeline_markdown(
+    run_id: str, steps: list[StepLine], next_step: str = "", dollars: float | None = None
+) -> str:
+    """The summary: what its places cost (`dollars`, when any bills), a table
+    of the steps (state, reused or not, link to its flow run), then a section
+    for each with what it gave."""
     lines = [
         f"# Fine-tune of run {run_id}",
         "",
+        *(
+            [f"Dollars: **${dollars:.4f}** (every pod of this fine-tune: rate × uptime)", ""]
+            if dollars is not None
+            else []
+        ),
         "| step | state | flow run |",
         "|---|---|---|",
     ]
@@ -204,13 +212,15 @@ async def publish_pipeline_summary(
     runs: Runs,
     deliveries: list[tuple[str, str]] | None = None,
     spent: float | None = None,
+    dollars: float | None = None,
 ) -> None:
     """Publishes the summary of the `fine_tune` flow run that is running now, from
-    its result and what the run's place cost (`spent`, None on a machine you
-    own): a markdown artifact keyed `run-<run id>-pipeline`. A subflow run that
-    cannot be found leaves its step without a link; the summary never fails the
-    pipeline's result (what cannot be published is raised as the Prefect API's
-    error)."""
+    its result, what the run's place cost (`spent`, None on a machine you
+    own) and what every place of the fine-tune cost (`dollars`): a markdown
+    artifact keyed `run-<run id>-pipeline`. A subflow run that cannot be
+    found leaves its step without a link; the summary never fails the
+    pipeline's result (what cannot be published is raised as the Prefect
+    API's error)."""
     children = await subflow_ids(this_flow_run.id) if this_flow_run.id else {}
     reused = set(result.reused)
     steps = [train_step(runs, result.run_id, children.get("train"), "training" in reused, spent)]
@@ -225,7 +235,7 @@ async def publish_pipeline_summary(
     if deliveries:
         steps.append(delivery_step(deliveries, children.get("deliver")))
     await acreate_markdown_artifact(
-        markdown=pipeline_markdown(result.run_id, steps, result.next),
+        markdown=pipeline_markdown(result.run_id, steps, result.next, dollars),
         key=artifact_key(result.run_id, "pipeline"),
         description=f"The fine-tune of run {result.run_id}: each step, linked to its flow run",
     )

@@ -22,6 +22,7 @@ CORE_PACKAGES = (
     "evaluation",
     "delivery",
     "nightly",
+    "money",
 )
 """The packages that never import Prefect: every module of each."""
 

@@ -294,3 +294,47 @@ def test_table_cells_show_what_they_hold_in_the_ui(deployed: Stack, tmp_path: Pa
         browser.screenshot(tmp_path / "cells.png")
     assert [row[0] for row in rows] == NASTY
     assert [row[1] for row in rows] == [" ".join(t.splitlines()) for t in NASTY]
+
+
+SPEND_IMAGES = """(() => {
+  const imgs = [...document.querySelectorAll('.markdown-renderer img')]
+    .filter(i => i.src.startsWith('data:image/svg+xml;base64,'));
+  if (imgs.length !== 3 || !imgs.every(i => i.complete && i.naturalWidth > 0)) return null;
+  return imgs.map(i => [i.alt, i.naturalWidth]);
+})()"""
+
+
+def test_the_spend_flow_shows_its_charts_and_what_is_left_of_the_budgets(
+    deployed: Stack, tmp_path: Path
+) -> None:
+    from prefect.client.schemas.actions import VariableCreate
+
+    from overbrainer_prefect.flows.money import BUDGET_VARIABLE
+
+    async def set_budget(client: Any) -> None:
+        await client.create_variable(
+            VariableCreate(name=BUDGET_VARIABLE, value={"day_usd": 20, "month_usd": 300})
+        )
+
+    async def unset_budget(client: Any) -> None:
+        await client.delete_variable_by_name(BUDGET_VARIABLE)
+
+    deployed.server.call(set_budget)
+    try:
+        flow_run_id = deployed.run_deployment("spend/default")
+        final = deployed.wait_final(flow_run_id)
+    finally:
+        deployed.server.call(unset_budget)
+    assert final.state.is_completed(), final.state
+    with Browser(tmp_path / "profile") as browser:
+        open_artifact(browser, deployed.server.url, flow_run_id, "spend")
+        images = browser.wait_for(SPEND_IMAGES, PAGE_TIMEOUT_S, "the three spend charts")
+        text = browser.text()
+        browser.screenshot(tmp_path / "spend.png")
+    assert [alt for alt, _ in images] == [
+        "dollars by day",
+        "dollars by deployment",
+        "dollars by target",
+    ]
+    assert all(width == 720 for _, width in images)
+    assert "day: $20.00" in text and "month: $300.00" in text and "left" in text

@@ -9,6 +9,7 @@ from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.pipeline import fine_tune
 from overbrainer_prefect.flows.pods import pods
 from overbrainer_prefect.flows.runs import runs
+from overbrainer_prefect.flows.spend import SpendView, spend
 from overbrainer_prefect.flows.train import RunFailed, attach, cancel, stop, train
 from overbrainer_prefect.kinds.collected import Collected
 from overbrainer_prefect.kinds.compare import CompareResult
@@ -27,6 +28,7 @@ __all__ = [
     "RunFailed",
     "RunResult",
     "RunsListing",
+    "SpendView",
     "attach",
     "cancel",
     "collect",
@@ -37,6 +39,7 @@ __all__ = [
     "fine_tune",
     "pods",
     "runs",
+    "spend",
     "stop",
     "train",
 ]

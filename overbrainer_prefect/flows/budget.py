@@ -28,6 +28,11 @@ from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectNotFound
 from prefect.logging.loggers import get_logger, get_run_logger
 
+from overbrainer_prefect.flows.money import admission
+from overbrainer_prefect.money.ledger import Ask
+from overbrainer_prefect.money.store import Admission, Facts
+from overbrainer_prefect.runs.store import Runs
+
 POD_LIMIT = "overbrainer-gpu-pods"
 """The global concurrency limit counting pods (one slot a pod)."""
 
@@ -190,3 +195,9 @@ class PrefectBudget:
     def hold(self, price_per_hour: float) -> AbstractAsyncContextManager[None]:
         """`gpu_budget(price_per_hour)`."""
         return gpu_budget(price_per_hour)
+
+    def admit(
+        self, store: Runs, ask: Ask, facts: Facts
+    ) -> AbstractAsyncContextManager[Admission | None]:
+        """The day's and month's budgets of this server (`flows.money.admission`)."""
+        return admission(store, ask, facts, _logger())

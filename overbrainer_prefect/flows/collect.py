@@ -42,6 +42,7 @@ from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.targets.base import Target
+from overbrainer_prefect.targets.spend import spent
 
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""
@@ -194,7 +195,12 @@ async def collect_job(
         await publish_summary(
             ended.id,
             summary_markdown(
-                ended, finished.where, outcome.summary, outcome.files, next_step(ended)
+                ended,
+                finished.where,
+                outcome.summary,
+                outcome.files,
+                next_step(ended),
+                spent(store, ended),  # what its place cost (issue 20)
             ),
         )
     files = f"{len(outcome.files)} files " + ("verified" if outcome.retrieved else "not retrieved")

@@ -50,7 +50,7 @@ from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.targets.spend import spent
+from overbrainer_prefect.targets.spend import run_spent, spent
 from overbrainer_prefect.trainers.compare import check_max_tokens, load_questions
 
 T = TypeVar("T")
@@ -265,7 +265,11 @@ async def _fine_tune(
         logger.info("run %s delivered: %s", run_id, made)
     await end_night(runs.root, night, run_id, result.delivered is not None, run is not None)
     await publish_pipeline_summary(
-        result, runs, _links(result.delivered), spent(runs, runs.load(run_id))
+        result,
+        runs,
+        _links(result.delivered),
+        spent(runs, runs.load(run_id)),
+        run_spent(runs, run_id),  # what every pod of the fine-tune cost (issue 20)
     )
     if result.gate is not None and not result.gate.passed:
         return await not_delivered(runs, run_id, result.gate, _deliver_again(spec, run_id), result)

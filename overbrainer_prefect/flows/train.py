@@ -38,6 +38,7 @@ from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed, Logger, Target
+from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, launch_summary
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.export import ExportSpec
@@ -65,7 +66,8 @@ async def run_result(
     logger = get_run_logger()
     await publish_metrics_table(record.id, outcome.summary)
     step = next_step(record)
-    markdown = summary_markdown(record, where, outcome.summary, outcome.files, step)
+    dollars = spent(runs, record)  # what its place cost (issue 20)
+    markdown = summary_markdown(record, where, outcome.summary, outcome.files, step, dollars)
     if isinstance(exported, str):
         markdown += f"\n## GGUF\n\nThe export failed: {exported}\n"
     elif exported is not None:

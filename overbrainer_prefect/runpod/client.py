@@ -27,6 +27,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote
@@ -267,6 +268,35 @@ class RunpodClient:
             log.info("pod %s was already gone", pod_id)
             return False
         raise self._error(response)
+
+    # Billing
+
+    async def pod_billing(self, start: datetime, end: datetime | None = None) -> dict[str, float]:
+        """What Runpod billed each pod (by id) from `start` to `end` (default
+        now): REST v2's `/billing/pods`, day buckets grouped by pod, their
+        `totalAmount` (GPU, CPU and disk) summed. Raises RunpodError when the
+        account does not answer it (404, 405 or 410 included)."""
+        params = {
+            "bucketSize": "day",
+            "grouping": "podId",
+            "startTime": start.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        if end is not None:
+            params["endTime"] = end.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        response = await self._request("GET", self._url("/billing/pods"), params=params)
+        if response.status_code != 200:
+            raise self._error(response)
+        data = self._json(response)
+        rows = data.get("records", []) if isinstance(data, Mapping) else data
+        billed: dict[str, float] = {}
+        for row in rows if isinstance(rows, list) else []:
+            if not isinstance(row, Mapping) or not row.get("podId"):
+                continue
+            amount = row.get("totalAmount", row.get("amount", 0.0))
+            if isinstance(amount, int | float):
+                pod_id = str(row["podId"])
+                billed[pod_id] = billed.get(pod_id, 0.0) + float(amount)
+        return billed
 
     # Catalog
 

@@ -30,6 +30,8 @@ from typing import Any, Generic, Protocol, TypeVar
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import Executor
+from overbrainer_prefect.money.ledger import Ask
+from overbrainer_prefect.money.store import Admission, Facts
 from overbrainer_prefect.runs.store import RunRecord, Runs
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.reporters import Reporter
@@ -71,6 +73,8 @@ class Reservation(Generic[PlanT]):
     plan: PlanT
     need: JobNeed | None = None
     """What it was reserved for (a pod is made with the job's own image)."""
+    admission: Admission | None = None
+    """Its place's entry in the day's and month's ledger (issue 20), bound to its record."""
 
 
 class Budget(Protocol):
@@ -85,6 +89,15 @@ class Budget(Protocol):
         waiting until it fits. Raises BudgetError when it never can."""
         ...
 
+    def admit(
+        self, store: Runs, ask: Ask, facts: Facts
+    ) -> AbstractAsyncContextManager[Admission | None]:
+        """Admits a pod's most into the day's and month's ledger for the
+        length of the block (its cap: what is left, when lower), then brings
+        its entry up to date with `facts`. Yields None where nothing is
+        recorded. Raises BudgetRefused with one line (nothing created)."""
+        ...
+
 
 class NoBudget:
     """A `Budget` that bounds nothing (no server, or a machine you own)."""
@@ -95,6 +108,12 @@ class NoBudget:
 
     def hold(self, price_per_hour: float) -> AbstractAsyncContextManager[None]:
         """A block that holds nothing."""
+        return _Nothing()
+
+    def admit(
+        self, store: Runs, ask: Ask, facts: Facts
+    ) -> AbstractAsyncContextManager[Admission | None]:
+        """A block that records nothing (yields None)."""
         return _Nothing()
 
 

@@ -16,11 +16,13 @@ import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from datetime import datetime
 
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.ssh import SshExecutor
+from overbrainer_prefect.money.pods import ask_of, capped, cost_facts, settings_capped
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
@@ -279,10 +281,12 @@ class PodTarget:
         job needs it), plans the pod (the VRAM floor from the job's kind for
         `auto` types), logs the plan and its price, leaves out the types
         dearer than the whole budget, warns of the account's leftover pods,
-        and holds the budget for the pod's price for the length of the block.
+        admits the pod's most into the day's and month's ledger (its cost cap
+        lowered to what is left), and holds the budget for the pod's price
+        for the length of the block.
 
-        Raises SettingsError, GpuChoiceError, VolumeError, RunpodError or
-        BudgetError with one line; nothing is created.
+        Raises SettingsError, GpuChoiceError, VolumeError, RunpodError,
+        BudgetRefused or BudgetError with one line; nothing is created.
         """
         settings = self._settings(need)
         async with self._account(store) as ctx:
@@ -298,8 +302,17 @@ class PodTarget:
             self._log.info("%s%s", plan.describe(), image)
             await self._warn_orphans(ctx, store)
         plan = await self._within(plan, budget)
-        async with budget.hold(plan_price(plan)):
-            yield Reservation(plan=plan, need=need)
+        # issue 20: the day's and month's dollars admit the plan's most; its cap is what is left
+        async with budget.admit(store, ask_of(plan, need.what, self.ref), cost_facts) as admitted:
+            plan = capped(plan, admitted.cap_usd if admitted is not None else None)
+            async with budget.hold(plan_price(plan)):
+                yield Reservation(plan=plan, need=need, admission=admitted)
+
+    async def billed(self, since: datetime) -> dict[str, float]:
+        """What Runpod billed each pod of the account since `since`, by pod id
+        (see `RunpodClient.pod_billing`). Raises RunpodError."""
+        async with self._client() as client:
+            return await client.pod_billing(since)
 
     async def _vram_floor(self, settings: RunpodTargetSettings, need: JobNeed) -> float | None:
         """The VRAM per GPU the job needs, for `auto` types without `min_vram_gb`
@@ -393,6 +406,9 @@ class PodTarget:
         when the pod cannot be had or readied."""
         plan = reservation.plan
         settings = self._settings(reservation.need) if reservation.need else self.settings
+        settings = settings_capped(settings, plan)  # issue 20: the cost cap the budget admitted
+        if reservation.admission is not None:  # issue 20: the ledger's entry names this record
+            reservation.admission.bind(store, record.id)
         async with self._account(store) as ctx:
             ready = await provision(
                 ctx, record, settings, plan, api_url=self._api_url, name=self.ref

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.runs.store import CHILD_KINDS, RunRecord, Runs
 from overbrainer_prefect.targets.pod import PodTarget, pod_spent
 
 SPENT: dict[str, Callable[[Runs, RunRecord], float | None]] = {PodTarget.kind: pod_spent}
@@ -18,3 +18,15 @@ def spent(store: Runs, record: RunRecord) -> float | None:
     by its target; None on a machine you own, or when its target cannot tell."""
     reader = SPENT.get(record.target_kind)
     return reader(store, record) if reader is not None else None
+
+
+def run_spent(runs: Runs, run_id: str) -> float | None:
+    """What every place of a run cost: its training's and each of its exports',
+    compares' and evaluations' (issue 20: a fine-tune's summary says its own
+    dollars); None when none of them ran where it bills."""
+    found = []
+    for store in (runs, *(runs.children(run_id, kind) for kind in CHILD_KINDS)):
+        records = [runs.load(run_id)] if store is runs else store.list(lambda *_: None)
+        found += [spent(store, record) for record in records]
+    known = [dollars for dollars in found if dollars is not None]
+    return sum(known) if known else None

@@ -1,5 +1,5 @@
 """A simulator of Runpod's API on 127.0.0.1, for tests: REST v2 pods, account
-secrets and the catalog (GPU types, data centers), GraphQL's `gpuTypes` and
+secrets, the catalog (GPU types, data centers) and pod billing, GraphQL's `gpuTypes` and
 `dataCenters`, and REST v1 answering 410 as it does since 2026-11-15.
 
 Pods are records with a billing clock (`cost` × time from create to delete),
@@ -163,6 +163,13 @@ class SimPod:
         end = self.deleted_at if self.deleted_at is not None else now
         disk_per_hr = float(self.request.get("disk", 50)) * DISK_USD_PER_GB_MONTH / (30 * 24)
         return (self.cost_per_hr + disk_per_hr) * max(0.0, end - self.created_at) / 3600.0
+
+    def billed(self, start: float, end: float, now: float) -> tuple[float, float]:
+        """What the pod billed between `start` and `end`: its GPUs, its disk."""
+        stop = min(end, self.deleted_at if self.deleted_at is not None else now)
+        hours = max(0.0, stop - max(start, self.created_at)) / 3600.0
+        disk_per_hr = float(self.request.get("disk", 50)) * DISK_USD_PER_GB_MONTH / (30 * 24)
+        return self.cost_per_hr * hours, disk_per_hr * hours
 
     def to_api(self, now: float) -> dict[str, Any]:
         """The pod as REST v2 shows it."""
@@ -496,6 +503,7 @@ class RunpodSim:
             Route(
                 "/v2/network-volumes/{volume_id}", self._volume_endpoint, methods=["GET", "PATCH"]
             ),
+            Route("/v2/billing/pods", self._billing_pods, methods=["GET"]),
             Route("/graphql", self._graphql, methods=["POST"]),
             Route("/v1/{rest:path}", self._retired, methods=["GET", "POST", "DELETE", "PATCH"]),
             Route("/_sim/knobs", self._knobs, methods=["POST"]),
@@ -916,6 +924,52 @@ class RunpodSim:
             self.set_catalog(bool(body["catalog"]))
         return JSONResponse({"ok": True})
 
+    async def _billing_pods(self, request: Request) -> Response:
+        """`GET /v2/billing/pods`: what each pod billed in each `bucketSize`
+        (hour or day) bucket from `startTime` to `endTime` (default: the last
+        30 days), `podId` narrowing it to one pod, answered from the
+        simulator's own billing clock: GPU and container disk (`cpuAmount` 0)."""
+        scope, answer = self._account_only(request)
+        if answer is not None:
+            return self._done(request, answer, scope)
+        params = request.query_params
+        size = {"hour": 3600, "day": 86400}.get(params.get("bucketSize", "day"))
+        try:
+            end = _parse_iso(params["endTime"]) if "endTime" in params else self.now()
+            start = _parse_iso(params["startTime"]) if "startTime" in params else end - 30 * 86400
+        except ValueError:
+            return self._done(request, _problem(400, "startTime and endTime are RFC 3339"), scope)
+        if size is None:
+            return self._done(request, _problem(400, "bucketSize is hour or day here"), scope)
+        start -= start % size
+        now = self.now()
+        with self._lock:
+            pods = [p for p in self._pods.values() if params.get("podId") in (None, p.id)]
+            records = []
+            for pod in pods:
+                bucket = start
+                while bucket < end:
+                    amounts = pod.billed(bucket, min(bucket + size, end), now)
+                    if amounts[0] + amounts[1] > 0:
+                        records.append(
+                            {
+                                "podId": pod.id,
+                                "time": _iso(bucket),
+                                "gpuAmount": amounts[0],
+                                "cpuAmount": 0.0,
+                                "diskAmount": amounts[1],
+                                "totalAmount": amounts[0] + amounts[1],
+                            }
+                        )
+                    bucket += size
+        metadata = {
+            "bucketSize": params.get("bucketSize", "day"),
+            "startTime": _iso(start),
+            "endTime": _iso(end),
+            "totalAmount": sum(r["totalAmount"] for r in records),
+        }
+        return self._done(request, JSONResponse({"records": records, "metadata": metadata}), scope)
+
     async def _state(self, request: Request) -> Response:
         now = self.now()
         with self._lock:
@@ -1013,6 +1067,10 @@ def _token(length: int) -> str:
 
 def _pod_id() -> str:
     return _token(14)
+
+
+def _parse_iso(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def _iso(at: float) -> str:

@@ -1,0 +1,298 @@
+"""The ledger: one entry a pod, from the moment it is admitted (before it is
+asked for) to what it cost once it ended; its totals by day, month,
+deployment and target; what is left of a budget; the admission of a pod's
+most and the one line that refuses it.
+
+A pod alive counts at the most it can cost (what it was admitted for: its
+watchdog's cost cap), an ended one at what it cost (Runpod's bill once the
+ledger was reconciled with it, else rate × uptime). An entry counts in the
+UTC day and month it was admitted in. Pure arithmetic on records: no
+Prefect, no file (see `store`), no provider (see `pods`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from overbrainer_prefect.money.budgets import HOW_TO_SET, Budgets
+
+SHOWN_ENTRIES = 4  # entries named in a refusal line; the rest are counted
+KEPT_DAYS = 100  # ended entries older than this leave the ledger (the view shows 30 days)
+
+
+class BudgetRefused(Exception):
+    """A pod does not fit in what is left of a budget; the message is one
+    line: what was spent, by which runs, what is left, when it resets."""
+
+
+class BudgetTooSmall(BudgetRefused):
+    """A budget smaller than the least one pod costs: no pod ever fits."""
+
+
+class Entry(BaseModel):
+    """One pod in the ledger."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    opened: datetime = Field(description="When the pod was admitted (UTC).")
+    target: str
+    deployment: str = Field(description="`flow/deployment`, or the flow's name without one.")
+    flow_run_id: str | None = None
+    what: str = Field(description="The job, as messages name it.")
+    max_usd: float = Field(description="The most it was admitted for: its cost cap.")
+    run_id: str | None = Field(default=None, description="The job's record, once created.")
+    store_dir: str | None = Field(default=None, description="Where that record is.")
+    pod_id: str | None = None
+    cost_usd: float | None = Field(default=None, description="Rate × uptime, as last seen.")
+    billed_usd: float | None = Field(default=None, description="What Runpod billed, reconciled.")
+    ended: bool = False
+
+    @property
+    def charged(self) -> float:
+        """What the entry counts for: an ended pod's cost (Runpod's bill when
+        known), an alive one's most (or its cost so far, when higher)."""
+        cost = self.billed_usd if self.billed_usd is not None else self.cost_usd
+        if self.ended:
+            return cost or 0.0
+        return max(self.max_usd, cost or 0.0)
+
+    @property
+    def who(self) -> str:
+        """`run R` once bound to its record, else `a job of flow run F being prepared`."""
+        if self.run_id is not None:
+            return f"run {self.run_id}"
+        return f"{self.what} of flow run {self.flow_run_id or '?'} (being prepared)"
+
+
+class Ledger(BaseModel):
+    """Every entry, oldest first."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    entries: list[Entry] = Field(default_factory=list)
+
+    def entry(self, entry_id: str) -> Entry | None:
+        """The entry `entry_id`, or None."""
+        return next((e for e in self.entries if e.id == entry_id), None)
+
+    def prune(self, now: datetime) -> None:
+        """Drops the ended entries older than KEPT_DAYS."""
+        oldest = now - timedelta(days=KEPT_DAYS)
+        self.entries = [e for e in self.entries if not e.ended or e.opened >= oldest]
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a pod asks of the budget, from its launch plan: the most it can
+    cost (None when nothing bounds it: a kept pod), the least one costs, and
+    that least in words (`ten minutes of NVIDIA RTX A4000 at $0.26/h`)."""
+
+    most_usd: float | None
+    least_usd: float
+    least_text: str
+    what: str
+    target: str
+    kind: str = "pod"
+
+
+@dataclass(frozen=True)
+class Who:
+    """Who asks: the deployment (`flow/deployment`, or the flow's name) and flow run."""
+
+    deployment: str
+    flow_run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Left:
+    """What is left of one bound: its period, its scope (a target, or None
+    for every target), its dollars, what is charged in it, and when it resets."""
+
+    period: str
+    target: str | None
+    budget_usd: float
+    charged_usd: float
+    resets: datetime
+
+    @property
+    def left_usd(self) -> float:
+        """Dollars left (never below 0)."""
+        return max(0.0, self.budget_usd - self.charged_usd)
+
+    def name(self) -> str:
+        """`the day's budget` or `target T's month budget`."""
+        if self.target is None:
+            return f"the {self.period}'s budget"
+        return f"the {self.period}'s budget of target {self.target}"
+
+
+def day_start(moment: datetime) -> datetime:
+    """00:00 UTC of `moment`'s day."""
+    moment = moment.astimezone(UTC)
+    return datetime(moment.year, moment.month, moment.day, tzinfo=UTC)
+
+
+def month_start(moment: datetime) -> datetime:
+    """00:00 UTC of the 1st of `moment`'s month."""
+    moment = moment.astimezone(UTC)
+    return datetime(moment.year, moment.month, 1, tzinfo=UTC)
+
+
+def period_bounds(period: str, now: datetime) -> tuple[datetime, datetime]:
+    """The start of `period` (`day` or `month`) holding `now`, and when it resets."""
+    if period == "day":
+        start = day_start(now)
+        return start, start + timedelta(days=1)
+    start = month_start(now)
+    following = (start + timedelta(days=32)).replace(day=1)
+    return start, following
+
+
+def in_period(entry: Entry, period: str, now: datetime, target: str | None = None) -> bool:
+    """Whether `entry` counts in the `period` holding `now` (and for `target`)."""
+    start, end = period_bounds(period, now)
+    return start <= entry.opened < end and (target is None or entry.target == target)
+
+
+def left_of(ledger: Ledger, budgets: Budgets, target: str, now: datetime) -> list[Left]:
+    """What is left of each bound a pod of `target` must fit in, at `now`."""
+    found = []
+    for period, scope, dollars in budgets.applying_to(target):
+        charged = sum(e.charged for e in ledger.entries if in_period(e, period, now, scope))
+        found.append(Left(period, scope, dollars, charged, period_bounds(period, now)[1]))
+    return found
+
+
+def usd(amount: float) -> str:
+    """`$0.44`, or `$0.0042` below a cent."""
+    return f"${amount:.2f}" if amount >= 0.01 or amount == 0 else f"${amount:.2g}"
+
+
+def when(moment: datetime) -> str:
+    """`2026-12-03 00:00 UTC`."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def spenders(entries: Iterable[Entry]) -> str:
+    """The entries that charged a bound, dearest first: `run R ($0.40, alive), ...`."""
+    ranked = sorted((e for e in entries if e.charged > 0), key=lambda e: -e.charged)
+    shown = [
+        f"{e.who} ({usd(e.charged)}{', alive: at its most' if not e.ended else ''})"
+        for e in ranked[:SHOWN_ENTRIES]
+    ]
+    if len(ranked) > SHOWN_ENTRIES:
+        shown.append(f"{len(ranked) - SHOWN_ENTRIES} more")
+    return ", ".join(shown) if shown else "nothing"
+
+
+def refusal(bound: Left, ledger: Ledger, ask: Ask, now: datetime) -> str:
+    """The one line refusing a pod that does not fit in `bound`."""
+    counted = [e for e in ledger.entries if in_period(e, bound.period, now, bound.target)]
+    return (
+        f"budget: {ask.what} is refused before anything is created: {bound.name()} "
+        f"({usd(bound.budget_usd)}) has {usd(bound.left_usd)} left, "
+        f"{usd(bound.charged_usd)} spent or held by {spenders(counted)}; a pod needs at "
+        f"least {usd(ask.least_usd)} ({ask.least_text}). It resets at {when(bound.resets)}: "
+        f"run it again then, or raise the budget with {HOW_TO_SET}"
+    )
+
+
+def too_small(bound: Left, ask: Ask) -> str:
+    """The one line for a budget below the least one pod costs."""
+    return (
+        f"budget: {bound.name()} ({usd(bound.budget_usd)}) is below the least one pod of "
+        f"target {ask.target} costs ({usd(ask.least_usd)}: {ask.least_text}), so no pod can "
+        f"ever run; nothing was created. Raise it with {HOW_TO_SET}"
+    )
+
+
+def admit(
+    ledger: Ledger, budgets: Budgets | None, ask: Ask, who: Who, now: datetime
+) -> tuple[Entry, list[Left]]:
+    """Admits a pod into `ledger` (the new entry is appended) and returns its
+    entry and what is left of each bound once it is counted. Its most
+    (`entry.max_usd`, the cost cap to arm) is the ask's most, lowered to what
+    is left of the tightest bound.
+
+    Without budgets, the pod is only recorded at its most (for the spend
+    view). Raises BudgetTooSmall when a bound is below the least one pod
+    costs, BudgetRefused when what is left of a bound is, or when a pod
+    nothing bounds (`keep_pod`) meets a budget; nothing is added then.
+    """
+    bounds = left_of(ledger, budgets, ask.target, now) if budgets is not None else []
+    for bound in bounds:
+        if bound.budget_usd < ask.least_usd:
+            raise BudgetTooSmall(too_small(bound, ask))
+    if bounds and ask.most_usd is None:
+        raise BudgetRefused(
+            f"budget: {ask.what} is refused before anything is created: keep_pod is on, so "
+            "nothing bounds what its pod costs, and a day or month budget is set; turn keep_pod "
+            "off on the target, or remove the budget with `prefect variable unset "
+            "overbrainer_budget`"
+        )
+    for bound in bounds:
+        if bound.left_usd < ask.least_usd:
+            raise BudgetRefused(refusal(bound, ledger, ask, now))
+    most = ask.most_usd
+    if bounds:
+        tightest = min(bound.left_usd for bound in bounds)
+        most = tightest if most is None else min(most, tightest)
+    entry = Entry(
+        id=secrets.token_hex(6),
+        opened=now,
+        target=ask.target,
+        deployment=who.deployment,
+        flow_run_id=who.flow_run_id,
+        what=ask.what,
+        max_usd=most if most is not None else 0.0,
+        ended=False,
+    )
+    ledger.prune(now)
+    ledger.entries.append(entry)
+    return entry, left_of(ledger, budgets, ask.target, now) if budgets is not None else []
+
+
+# -- where the money went ---------------------------------------------------------------
+
+
+def since(ledger: Ledger, days: int, now: datetime) -> list[Entry]:
+    """The entries of the last `days` UTC days (today included)."""
+    first = day_start(now) - timedelta(days=days - 1)
+    return [e for e in ledger.entries if e.opened >= first]
+
+
+def by_day(entries: Iterable[Entry], days: int, now: datetime) -> dict[date, float]:
+    """Dollars charged each UTC day of the last `days` (every day, 0 when nothing)."""
+    first = day_start(now) - timedelta(days=days - 1)
+    totals = {(first + timedelta(days=i)).date(): 0.0 for i in range(days)}
+    for entry in entries:
+        day = entry.opened.astimezone(UTC).date()
+        if day in totals:
+            totals[day] += entry.charged
+    return totals
+
+
+def by_key(entries: Iterable[Entry], key: Literal["deployment", "target"]) -> dict[str, float]:
+    """Dollars charged by `deployment` or `target`, dearest first."""
+    totals: dict[str, float] = defaultdict(float)
+    for entry in entries:
+        totals[entry.deployment if key == "deployment" else entry.target] += entry.charged
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def total(entries: Iterable[Entry]) -> float:
+    """Dollars charged by `entries`."""
+    return sum(entry.charged for entry in entries)
+
+
+def now_utc() -> datetime:
+    """Now, in UTC."""
+    return datetime.now(UTC)
