@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from overbrainer_prefect.flows.spend import LeftRow, SpendView, spend_markdown
+from overbrainer_prefect.money.view import LeftRow, SpendView, spend_markdown
 from tests.browser import Browser
 
 SVG = "{http://www.w3.org/2000/svg}"

@@ -24,10 +24,11 @@ from overbrainer_prefect.blocks import RunpodTarget
 from overbrainer_prefect.flows import cancel, spend, train
 from overbrainer_prefect.flows.budget import PrefectBudget
 from overbrainer_prefect.flows.money import clear_budgets, read_budgets, set_budgets
-from overbrainer_prefect.flows.spend import SPEND_ARTIFACT, SpendError
+from overbrainer_prefect.flows.spend import SPEND_ARTIFACT
 from overbrainer_prefect.money.budgets import BudgetSettingError
 from overbrainer_prefect.money.ledger import BudgetRefused, BudgetTooSmall
 from overbrainer_prefect.money.store import LedgerFile
+from overbrainer_prefect.money.view import SpendError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.targets.base import JobNeed

@@ -9,13 +9,14 @@ from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.pipeline import fine_tune
 from overbrainer_prefect.flows.pods import pods
 from overbrainer_prefect.flows.runs import runs
-from overbrainer_prefect.flows.spend import SpendView, spend
+from overbrainer_prefect.flows.spend import spend
 from overbrainer_prefect.flows.train import RunFailed, attach, cancel, stop, train
 from overbrainer_prefect.kinds.collected import Collected
 from overbrainer_prefect.kinds.compare import CompareResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.listing import RunsListing
 from overbrainer_prefect.kinds.training import RunResult
+from overbrainer_prefect.money.view import SpendView
 from overbrainer_prefect.runpod.listing import PodsResult
 
 __all__ = [

@@ -21,8 +21,9 @@ from prefect.runtime import deployment, flow_run
 from prefect.variables import Variable
 
 from overbrainer_prefect.money.budgets import Budgets, budgets_from
-from overbrainer_prefect.money.ledger import Ask, Left, Who, now_utc, usd, when
+from overbrainer_prefect.money.ledger import Ask, Who, now_utc, usd
 from overbrainer_prefect.money.store import Admission, Facts, LedgerFile, admit_into
+from overbrainer_prefect.money.view import left_text
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.targets.base import Logger
 
@@ -73,15 +74,6 @@ async def who_asks() -> Who:
         except Exception:  # the deployment was deleted: the flow's name will do
             pass
     return Who(deployment=name, flow_run_id=str(run_id) if run_id else None)
-
-
-def left_text(left: list[Left]) -> str:
-    """`$0.40 left of the day's budget ($1.00) until 2026-12-03 00:00 UTC, ...`."""
-    return ", ".join(
-        f"{usd(bound.left_usd)} left of {bound.name()} ({usd(bound.budget_usd)}) "
-        f"until {when(bound.resets)}"
-        for bound in left
-    )
 
 
 @asynccontextmanager
