@@ -22,10 +22,11 @@ from prefect.artifacts import acreate_markdown_artifact
 from prefect.client.schemas.objects import State
 from prefect.states import Cancelled
 
-from overbrainer_prefect.flows.driver import HOOKS, Finished, NewJob, follow_again, run_new
+from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.export import export_job
 from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.base_export import base_gguf, reused_base
 from overbrainer_prefect.kinds.compare import NAME as COMPARE
 from overbrainer_prefect.kinds.compare import (

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -34,9 +32,11 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Crashed
 
 from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_progress
-from overbrainer_prefect.executors.base import ExecError, Executor
+from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.budget import PrefectBudget
 from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.kinds.base import Finished, NewJob
+from overbrainer_prefect.kinds.listing import unfinished_of
 from overbrainer_prefect.kinds.registry import kind_of, trainer_of
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
 from overbrainer_prefect.runs.metrics import MetricsSummary
@@ -47,45 +47,11 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import INTERRUPTED, RunError, failure_reason
 from overbrainer_prefect.steps.reporters import JobReporter, Reporter
-from overbrainer_prefect.targets.base import JobNeed, Logger, Placed, Reservation, Target
+from overbrainer_prefect.targets.base import Logger, Placed, Reservation, Target
 from overbrainer_prefect.trainers.base import Trainer
 
 HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends cancelling and retrieving a job
 MAX_DEPTH = 3  # fine_tune → train → export: the deepest subflows go
-
-Check = Callable[[Executor], Awaitable[None]]
-"""A check of the job's machine before its job starts (raises TrainError with one line)."""
-
-
-@dataclass
-class NewJob:
-    """A job to run: where its record goes, what it needs, its record's
-    contents, and how its trainer is made once its record exists."""
-
-    store: Runs
-    need: JobNeed
-    kind: str
-    """The record's `trainer`: training, export or compare."""
-    prepare: Callable[[RunRecord], Trainer]
-    """Makes the job's trainer once its record exists and is locked (stages a
-    checkpoint, logs what is asked)."""
-    spec: dict[str, Any] | None = None
-    parent: str | None = None
-    subdir: str = ""
-    """Where its directory is under the target's work directory (`exports`)."""
-    check: Check | None = None
-    started: Callable[[RunRecord], None] | None = None
-    """Called once the job's files were copied (whether or not it started)."""
-
-
-@dataclass
-class Finished:
-    """How a job ended: its outcome, where it ran, and whether this process
-    cancelled it."""
-
-    outcome: Outcome
-    where: str
-    cancelled: bool = False
 
 
 def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None) -> Reporter:
@@ -341,18 +307,6 @@ def runs_of(flow_run: FlowRun) -> Runs:
     if runs_dir is None and isinstance(spec, dict):
         runs_dir = spec.get("runs_dir")
     return Runs(runs_dir)
-
-
-def unfinished_of(runs: Runs, flow_run_ids: Iterable[str]) -> list[tuple[Runs, RunRecord]]:
-    """The jobs (in every store of `runs`) created by one of `flow_run_ids`
-    that have not ended, each with its store."""
-    ids = set(flow_run_ids)
-    found = []
-    for store in runs.stores():
-        for record in store.list(skipped=lambda _name, _error: None):
-            if record.flow_run_id in ids and not record.state.ended:
-                found.append((store, record))
-    return found
 
 
 async def subflow_runs(flow_run_id: UUID) -> list[FlowRun]:

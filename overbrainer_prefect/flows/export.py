@@ -21,9 +21,10 @@ from prefect.states import Cancelled
 
 from overbrainer_prefect.cells import size_text
 from overbrainer_prefect.executors.base import Executor
-from overbrainer_prefect.flows.driver import HOOKS, Check, NewJob, follow_again, run_new
+from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.kinds.base import Check, NewJob
 from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import (
     ExportResult,

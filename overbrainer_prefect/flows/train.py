@@ -9,17 +9,11 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled
 
 from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
-from overbrainer_prefect.flows.driver import (
-    HOOKS,
-    NewJob,
-    finish,
-    follow_again,
-    reporter_for,
-    run_new,
-)
+from overbrainer_prefect.flows.driver import HOOKS, finish, follow_again, reporter_for, run_new
 from overbrainer_prefect.flows.export import export as export_flow
 from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.kinds.base import NewJob
 from overbrainer_prefect.kinds.export import ExportResult, gguf_markdown
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.kinds.registry import trainer_of

@@ -3,11 +3,15 @@ live, and how its trainer is made again from its record alone."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
+from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.base import Trainer
 
 Rebuild = Callable[[Runs, RunRecord, int | None], Trainer]
@@ -49,3 +53,38 @@ class JobKind:
                 f"{subject(record)} has no {self.name} spec in its record: it cannot be followed"
             )
         return self.rebuild(runs, record, cpu_threads)
+
+
+Check = Callable[[Executor], Awaitable[None]]
+"""A check of the job's machine before its job starts (raises TrainError with one line)."""
+
+
+@dataclass
+class NewJob:
+    """A job to run: where its record goes, what it needs, its record's
+    contents, and how its trainer is made once its record exists."""
+
+    store: Runs
+    need: JobNeed
+    kind: str
+    """The record's `trainer`: training, export or compare."""
+    prepare: Callable[[RunRecord], Trainer]
+    """Makes the job's trainer once its record exists and is locked (stages a
+    checkpoint, logs what is asked)."""
+    spec: dict[str, Any] | None = None
+    parent: str | None = None
+    subdir: str = ""
+    """Where its directory is under the target's work directory (`exports`)."""
+    check: Check | None = None
+    started: Callable[[RunRecord], None] | None = None
+    """Called once the job's files were copied (whether or not it started)."""
+
+
+@dataclass
+class Finished:
+    """How a job ended: its outcome, where it ran, and whether this process
+    cancelled it."""
+
+    outcome: Outcome
+    where: str
+    cancelled: bool = False

@@ -6,6 +6,7 @@ a run's model (delivered where, or kept back by a gate, and why)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from pydantic import BaseModel, Field
 
@@ -16,7 +17,13 @@ from overbrainer_prefect.kinds.training import next_step
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.records import RecordError
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, follow_again, local_path
+from overbrainer_prefect.runs.store import (
+    RunRecord,
+    Runs,
+    RunState,
+    follow_again,
+    local_path,
+)
 from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.base import METRICS_FILE
 
@@ -152,3 +159,15 @@ def table_rows(rows: list[RunRow]) -> list[dict[str, object]]:
         }
         for row in rows
     ]
+
+
+def unfinished_of(runs: Runs, flow_run_ids: Iterable[str]) -> list[tuple[Runs, RunRecord]]:
+    """The jobs (in every store of `runs`) created by one of `flow_run_ids`
+    that have not ended, each with its store."""
+    ids = set(flow_run_ids)
+    found = []
+    for store in runs.stores():
+        for record in store.list(skipped=lambda _name, _error: None):
+            if record.flow_run_id in ids and not record.state.ended:
+                found.append((store, record))
+    return found
