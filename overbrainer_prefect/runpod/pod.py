@@ -79,6 +79,11 @@ class PodRecord(BaseModel):
     state: PodState = PodState.CREATING
     keep: bool = False
     gpu_count: int = 1
+    billed_gpus: int | None = Field(
+        default=None,
+        description="The GPUs Runpod shows for the pod (`gpu.count`, 0 without GPUs): what "
+        "it bills for, and what its job must see.",
+    )
     attempts: list[Attempt] = Field(default_factory=list)
     strays: list[str] = Field(
         default_factory=list,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -185,6 +185,9 @@ class RunContext:
     """How long a job may run before it is cancelled and the run failed."""
     stall_s: float = 900.0
     """How long without a new metric before the job is reported as stalled."""
+    check_facts: Callable[[TargetFacts], None] | None = None
+    """The target's own check of the probe before the job starts (a pod: the
+    GPUs it bills for); raises TrainError."""
 
 
 @dataclass
@@ -289,6 +292,8 @@ async def _launch(
     ctx: RunContext, trainer: Trainer, record: RunRecord, secrets: Mapping[str, SecretStr]
 ) -> JobId:
     facts = await probe(ctx.executor, ctx.python, trainer.probe_modules)
+    if ctx.check_facts is not None:
+        ctx.check_facts(facts)
     trainer.check(facts)
     local = ctx.runs.run_dir(record.id)
     job_ctx = JobContext(

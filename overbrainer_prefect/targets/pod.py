@@ -35,6 +35,7 @@ from overbrainer_prefect.runpod.ending import (
 )
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.follow import settle, watch_leased
+from overbrainer_prefect.runpod.gpucheck import check_gpus
 from overbrainer_prefect.runpod.gpus import LaunchPlan, plan_from_api
 from overbrainer_prefect.runpod.orphans import orphan_warnings, pod_rows, sweep_host_keys
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
@@ -92,8 +93,13 @@ class PodPlaced:
         return self.ssh.description
 
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
-        """The job's context on its pod."""
-        return self.bounds.context(store, self.ssh, reporter)
+        """The job's context on its pod: its probe must see the GPUs the pod
+        bills for (`runpod.gpucheck`)."""
+        pod = self.pod
+        return replace(
+            self.bounds.context(store, self.ssh, reporter),
+            check_facts=lambda facts: check_gpus(pod, facts),
+        )
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
         """Follows the job with the pod's lease renewed while it progresses and
