@@ -21,7 +21,8 @@
 #     pod's rate, its GPUs and its container disk, and the cap): the time since
 #     the pod was created times its rate, less one look of this watchdog and
 #     the time a delete takes, so that the spend at deletion stays under the
-#     cap; a hard cap, which no lease holds off.
+#     cap; a hard cap, which no lease holds off; the job is asked for a
+#     checkpoint OVERBRAINER_CHECKPOINT_LEAD seconds before, as for max_hours.
 # With OVERBRAINER_KEEP_POD=1 only the boot grace applies.
 #
 # Every decision is logged with its reason to <run dir>/.pod/watchdog.log,
@@ -78,6 +79,7 @@ MAX_SSHD_STARTS=5   # sshd restarts before the watchdog stops trying (the pod st
 mkdir -p "$STATE" "$SSH_DIR" "$ETC" "$ROOT/var/log" 2>/dev/null
 
 now() { date +%s; }
+precise() { date +%s.%N 2>/dev/null | grep -E '^[0-9]+\.[0-9]+$' || date +%s; }
 log() { printf '%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >> "$LOG"; }
 iso() { date -u -d "@$1" +%Y-%m-%dT%H:%M:%SZ 2>/dev/null || printf '@%s' "$1"; }
 whole() { awk -v v="$1" 'BEGIN { printf "%d", v + 0 }'; }
@@ -155,11 +157,11 @@ delete_pod() {
         code=$(api DELETE "/pods/$POD_ID")
         case $code in
             2??)
-                log "deleted: Runpod answered $code to the delete of pod $POD_ID"
+                log "deleted: Runpod answered $code to the delete of pod $POD_ID [at=$(precise)]"
                 break
                 ;;
             404)
-                log "deleted: pod $POD_ID was already gone (Runpod answered 404)"
+                log "deleted: pod $POD_ID was already gone (Runpod answered 404) [at=$(precise)]"
                 break
                 ;;
             *) log "delete failed: Runpod answered $code for pod $POD_ID; trying again in ${INTERVAL}s" ;;
@@ -317,6 +319,7 @@ ask_checkpoint() {
 JOB_SEEN=0
 ENDED_AT=
 ASKED_HOURS=0
+ASKED_COST=0
 HOLD_NOTED=0
 LEASE_NOTED=
 
@@ -404,7 +407,13 @@ while :; do
             fi
         fi
 
-        # A hard cap: no lease holds it off, and no checkpoint is asked (max_hours asks for one).
+        # A hard cap: no lease holds it off; the job is asked for a checkpoint before it,
+        # as before max_hours, so that a follower retrieves what it saved.
+        if [ "$COST_DEADLINE" != none ] && [ "$running" = 1 ] && [ "$ASKED_COST" != 1 ] \
+            && [ "$t" -ge $((COST_DEADLINE - LEAD)) ]; then
+            ASKED_COST=1
+            ask_checkpoint "max_cost_usd (\$$MAX_COST at \$$RATE/h) is reached at $(iso "$COST_DEADLINE")"
+        fi
         if [ "$COST_DEADLINE" != none ] && [ "$t" -ge "$COST_DEADLINE" ]; then
             delete_pod "max_cost_usd reached: \$$MAX_COST at \$$RATE/h since $(iso "$START")"
         fi

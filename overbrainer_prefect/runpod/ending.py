@@ -17,10 +17,11 @@ from enum import StrEnum
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.runpod.bootstrap import RETRIEVED_MARKER, WATCHDOG_LOG
 from overbrainer_prefect.runpod.context import PodContext, PodError
-from overbrainer_prefect.runpod.deletion import delete_and_confirm, look_up
+from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_and_confirm, look_up
 from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.fate import Fate, found_gone
 from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
-from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name
+from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name, usd
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
 
@@ -60,7 +61,9 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client
     pod.state = PodState.DELETING
     pod.save(ctx.runs)
     try:
-        deleted = await delete_and_confirm(
+        deleted = await ctx.client.delete_pod(pod.pod_id)
+        taken_at = time.time()  # it bills until Runpod took the delete, not until confirmed
+        await confirm_deleted(
             ctx.client,
             pod.pod_id,
             interval_s=ctx.timing.gone_interval_s,
@@ -71,15 +74,19 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client
             f"pod {pod.pod_id} of run {pod.run_id}{pod.rate_text()} may still exist ({error}); "
             f"{remove_hint(pod.run_id)}"
         ) from None
-    pod.mark_deleted(by if deleted else _gone_by(pod), reason)
+    fate = Fate(by, reason, taken_at) if deleted else found_gone(ctx.runs, pod)
+    pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
+    reason = fate.reason
     ctx.log.info(
-        "pod %s of run %s deleted and its deletion confirmed (%s); up %s, about $%.2f spent",
+        "pod %s of run %s deleted (by %s) and its deletion confirmed (%s); up %s, %s spent%s",
         pod.pod_id,
         pod.run_id,
+        pod.deleted_by,
         reason,
         _duration(pod.uptime_s()),
-        pod.estimated_spend() or 0.0,
+        usd(pod.estimated_spend() or 0.0),
+        f" at {usd(pod.rate)}/h (GPUs and container disk)" if pod.rate is not None else "",
     )
 
 
@@ -183,17 +190,11 @@ async def is_gone(ctx: PodContext, pod: PodRecord) -> bool:
         raise PodError(f"cannot look pod {pod.pod_id} up: {error}") from None
     if found is not None and found.status != "TERMINATED":
         return False
-    by = _gone_by(pod)
-    pod.mark_deleted(by, pod.limit_reached() or "found gone")
+    fate = found_gone(ctx.runs, pod)
+    pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
     await forget_if_gone(ctx, pod)
     return True
-
-
-def _gone_by(pod: PodRecord) -> str:
-    """Who deleted a pod found gone without this client deleting it: its
-    watchdog once one of its bounds passed, else nobody known."""
-    return "watchdog" if pod.limit_reached() is not None else "unknown"
 
 
 async def end_pod(
@@ -220,6 +221,8 @@ async def end_pod(
         return Ending.KEPT if pod.keep else Ending.AWAITING_RETRIEVAL
     try:
         await executor.touch(f"{record.remote_dir}/{RETRIEVED_MARKER}")
+        pod.retrieved_marked = True
+        pod.save(ctx.runs)
     except ExecError as error:
         ctx.log.warning(
             "cannot mark the files of run %s retrieved on its pod: %s", record.id, error

@@ -175,7 +175,7 @@ def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
     rows = [
         ("Pod", pod.name),
         ("GPU", gpu),
-        ("Rate", f"${pod.cost_per_hour:.2f}/h" if pod.cost_per_hour is not None else "unknown"),
+        ("Rate", f"${pod.rate:.2f}/h (GPUs and disk)" if pod.rate is not None else "unknown"),
         ("Uptime", f"{pod.uptime_s() / 60:.1f} min"),
         ("Estimated spend", f"${spend:.4f}" if spend is not None else "unknown"),
         ("Watchdog deadline (max_hours)", pod.deadline or "none"),

@@ -1,0 +1,76 @@
+"""Who ended a pod that this process did not delete, and when: told from
+what the pod left here (the copy of its watchdog's log in
+`runs/<id>/.pod/watchdog.log`, the `retrieved` marker this client wrote on
+it) and from the bounds its watchdog armed, so that `pod.json`'s
+`deleted_by`, `delete_reason` and uptime say what happened, not "unknown".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from overbrainer_prefect.runpod.bootstrap import WATCHDOG_LOG
+from overbrainer_prefect.runpod.pod import PodRecord
+from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.store import Runs
+
+RETRIEVED_REASON = "the client retrieved and verified the run's files (.pod/retrieved)"
+"""Why the watchdog deletes a pod at once once the client marked its files retrieved."""
+
+_DECISION = re.compile(r"^(\S+) decision: delete pod \S+: (.*)$")
+_DELETED = re.compile(r"^(\S+) deleted: .*?(?:\[at=([0-9.]+)\])?$")
+
+
+@dataclass(frozen=True)
+class Fate:
+    """Who deleted a pod (`client`, `watchdog`, or `unknown`), why, and when
+    (Unix seconds, None when not known)."""
+
+    by: str
+    reason: str
+    at: float | None = None
+
+
+def watchdog_deletion(runs: Runs, run_id: str) -> Fate | None:
+    """The deletion the pod's watchdog logged, from the local copy of its log:
+    its reason and the time Runpod answered its delete; None when the copy
+    shows no decision to delete."""
+    path = runs.run_dir(run_id) / WATCHDOG_LOG
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    reason: str | None = None
+    at: float | None = None
+    for line in text.splitlines():
+        decided = _DECISION.match(line)
+        if decided:
+            reason, at = decided[2], _unix(decided[1])
+            continue
+        done = _DELETED.match(line)
+        if done and reason is not None:
+            at = float(done[2]) if done[2] else _unix(done[1])
+    return Fate("watchdog", reason, at) if reason is not None else None
+
+
+def found_gone(runs: Runs, pod: PodRecord) -> Fate:
+    """Who deleted a pod found gone without this process deleting it: its
+    watchdog as its log says, else its watchdog when the client had marked
+    its files retrieved or one of its bounds passed, else nobody known."""
+    logged = watchdog_deletion(runs, pod.run_id)
+    if logged is not None:
+        return logged
+    if pod.retrieved_marked:
+        return Fate("watchdog", RETRIEVED_REASON)
+    limit = pod.limit_reached()
+    if limit is not None:
+        return Fate("watchdog", limit)
+    return Fate("unknown", "found gone")
+
+
+def _unix(stamp: str) -> float | None:
+    try:
+        return parse_rfc3339(stamp).timestamp()
+    except ValueError:
+        return None
