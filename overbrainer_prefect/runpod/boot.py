@@ -36,10 +36,12 @@ class ContainerWatch:
         """Records a look at the pod; True when its container started again
         since the last look (`startedAt` moved, or its uptime went back)."""
         again = False
-        if pod.started_at is not None and self.started_at is not None:
-            again = pod.started_at != self.started_at
+        if pod.started_at is not None or self.started_at is not None:
+            again = None not in (pod.started_at, self.started_at) and (
+                pod.started_at != self.started_at
+            )
         elif pod.uptime_s is not None and self.uptime_s is not None:
-            again = pod.uptime_s < self.uptime_s
+            again = pod.uptime_s < self.uptime_s  # Runpod shows no start time: its uptime
         if again:
             self.restarts += 1
         if pod.started_at is not None:

@@ -10,6 +10,7 @@ hold files not retrieved yet.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from enum import StrEnum
@@ -21,9 +22,19 @@ from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_and_conf
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.fate import Fate, found_gone
 from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
+from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name, usd
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
+
+
+class DeleteRefused(PodError):
+    """A pod's delete was refused, or its deletion not confirmed; `why` says
+    how Runpod answered (its status, never its body)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 class Ending(StrEnum):
@@ -70,9 +81,10 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client
             timeout_s=ctx.timing.confirm_timeout_s,
         )
     except RunpodError as error:
-        raise PodError(
+        raise DeleteRefused(
             f"pod {pod.pod_id} of run {pod.run_id}{pod.rate_text()} may still exist ({error}); "
-            f"{remove_hint(pod.run_id)}"
+            f"{remove_hint(pod.run_id)}",
+            str(error),
         ) from None
     fate = Fate(by, reason, taken_at) if deleted else found_gone(ctx.runs, pod)
     pod.mark_deleted(fate.by, fate.reason, fate.at)
@@ -232,10 +244,69 @@ async def end_pod(
         pod.save(ctx.runs)
         ctx.log.warning("%s", kept_message(ctx.runs, pod, record.id))
         return Ending.KEPT
-    await remove(ctx, pod, "its run's files were retrieved and verified")
+    try:
+        await remove(ctx, pod, "its run's files were retrieved and verified")
+    except DeleteRefused as refused:
+        if not pod.retrieved_marked:
+            raise
+        await watchdog_deletes(ctx, pod, refused.why)
     await sweep_others(ctx, pod)
     await forget_if_gone(ctx, pod)
     return Ending.DELETED
+
+
+WATCHDOG_LOOKS = 3  # looks of the watchdog a pod marked retrieved is given to delete itself
+
+
+async def watchdog_deletes(ctx: PodContext, pod: PodRecord, refused: str) -> None:
+    """Checks that the pod's watchdog deletes a pod whose own delete was
+    refused (an API outage, a key refused) once the `retrieved` marker is on
+    it (`refused`: how Runpod answered): the watchdog deletes it at its next
+    look, with the pod's own key.
+    The pod is looked up until it is gone, for `WATCHDOG_LOOKS` looks of the
+    watchdog plus the deletion confirm timeout; `pod.json` then says its
+    watchdog deleted it.
+
+    Raises PodError (the pod may still bill, stays `deleting`) when it is
+    still there past that bound.
+    """
+    assert pod.pod_id is not None
+    bound = WATCHDOG_LOOKS * ctx.timing.watch_interval_s + ctx.timing.confirm_timeout_s
+    ctx.log.warning(
+        "the delete of pod %s of run %s was refused (%s); its watchdog saw the `retrieved` "
+        "marker and deletes it itself: checking that it is gone within %.0f s",
+        pod.pod_id,
+        pod.run_id,
+        refused,
+        bound,
+    )
+    deadline = time.monotonic() + bound
+    while True:
+        try:
+            found = await look_up(ctx.client, pod.pod_id, interval_s=ctx.timing.gone_interval_s)
+        except RunpodError:
+            found = Pod(id=pod.pod_id)  # Runpod does not answer: not known gone
+        if found is None or found.status == "TERMINATED":
+            fate = found_gone(ctx.runs, pod)
+            pod.mark_deleted(fate.by, fate.reason, fate.at)
+            pod.save(ctx.runs)
+            ctx.log.info(
+                "pod %s of run %s is gone: deleted by its %s (%s); up %s, about %s spent",
+                pod.pod_id,
+                pod.run_id,
+                fate.by,
+                fate.reason,
+                _duration(pod.uptime_s()),
+                usd(pod.estimated_spend() or 0.0),
+            )
+            return
+        if time.monotonic() >= deadline:
+            raise PodError(
+                f"pod {pod.pod_id} of run {pod.run_id}{pod.rate_text()} may still exist: its "
+                f"delete was refused ({refused}) and its watchdog did not delete it within "
+                f"{bound:.0f} s; {remove_hint(pod.run_id)}"
+            )
+        await asyncio.sleep(ctx.timing.gone_interval_s)
 
 
 async def fetch_watchdog_log(runs: Runs, executor: Executor, record: RunRecord) -> None:

@@ -169,15 +169,16 @@ class SimPod:
     shows_gpus: bool = True
     """Whether `gpu.count` shows the GPUs it bills for (else 0: a CPU machine)."""
 
-    def container(self) -> tuple[float, int]:
-        """When its container last started (Unix seconds) and how often it restarted."""
-        if self.container_file is not None:
-            try:
-                data = json.loads(self.container_file.read_text())
-                return float(data["started_at"]), int(data["restarts"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-        return self.created_at, 0
+    def container(self) -> tuple[float | None, int]:
+        """When its container last started (Unix seconds; None while a hook
+        keeps it and it has not started yet) and how often it restarted."""
+        if self.container_file is None:
+            return self.created_at, 0
+        try:
+            data = json.loads(self.container_file.read_text())
+            return float(data["started_at"]), int(data["restarts"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, 0
 
     def log_lines(self, source: str, tail: int) -> list[str]:
         """The last `tail` lines of its log `source` (none when it has none)."""
@@ -243,11 +244,11 @@ class SimPod:
             "cost": 0.0 if not running else self.cost_per_hr,
             "locked": False,
             "globalNetworking": {"enabled": False},
-            "runtime": {"uptime": int(max(0.0, now - started_at)), "ports": ports}
+            "runtime": {"uptime": int(max(0.0, now - (started_at or now))), "ports": ports}
             if running
             else None,
             "createdAt": _iso(self.created_at),
-            "startedAt": _iso(started_at, millis=True) if running else None,
+            "startedAt": _iso(started_at, millis=True) if running and started_at else None,
         }
 
 
@@ -292,10 +293,13 @@ class _Fault:
     path: str | None
     retry_after: float | None = None
     detail: str = "upstream failure"
+    account_only: bool = False
 
-    def matches(self, method: str, path: str) -> bool:
-        return (self.method is None or self.method == method) and (
-            self.path is None or path.startswith(self.path)
+    def matches(self, method: str, path: str, scope: str) -> bool:
+        return (
+            (self.method is None or self.method == method)
+            and (self.path is None or path.startswith(self.path))
+            and (not self.account_only or scope == "account")
         )
 
 
@@ -431,11 +435,15 @@ class RunpodSim:
         method: str | None = None,
         path: str | None = None,
         detail: str = "upstream failure",
+        account_only: bool = False,
     ) -> None:
         """The next `times` requests (of `method`, on a path starting with
-        `path`) answer `status` with `detail` without doing anything."""
+        `path`; with `account_only`, only those made with the account's key,
+        not a pod's own) answer `status` with `detail` without doing anything."""
         with self._lock:
-            self._faults.append(_Fault(status, times, method, path, detail=detail))
+            self._faults.append(
+                _Fault(status, times, method, path, detail=detail, account_only=account_only)
+            )
 
     def clear_faults(self) -> None:
         """Forgets the faults `fail` set that have not run out."""
@@ -573,12 +581,12 @@ class RunpodSim:
                     else:
                         scope = f"pod:{owner.id}"
             if answer is None:
-                answer = self._armed_fault(request.method, request.url.path)
+                answer = self._armed_fault(request.method, request.url.path, scope)
         return scope, answer
 
-    def _armed_fault(self, method: str, path: str) -> Response | None:
+    def _armed_fault(self, method: str, path: str, scope: str) -> Response | None:
         for fault in self._faults:
-            if fault.remaining > 0 and fault.matches(method, path):
+            if fault.remaining > 0 and fault.matches(method, path, scope):
                 fault.remaining -= 1
                 if fault.status == 429:
                     return _problem(

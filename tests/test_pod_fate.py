@@ -1,0 +1,235 @@
+"""What becomes of a pod, told as it happened, against the Runpod simulator
+whose pods are real process trees (the package's real bootstrap + watchdog,
+a real sshd on 127.0.0.1): a start command that exits is found out while
+the client waits for SSH, with its log; a pod whose job does not see the
+GPUs it bills for runs no job; a delete refused once the files are verified
+leaves the run succeeded and the pod to its watchdog; uptime, spend and who
+deleted the pod match the simulator's ledger. Only the core: no Prefect
+server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.runpod import PodRequest, RunpodClient
+from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
+from overbrainer_prefect.runpod.context import PodContext, PodError
+from overbrainer_prefect.runpod.fate import RETRIEVED_REASON
+from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
+from overbrainer_prefect.trainers.base import TargetFacts, TrainError
+from tests.conftest import job_venv
+from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_sim.pods import SimPods
+from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
+from tests.test_watchdog import A4000, FAST, Bed, ready_pod, settings
+
+LOG = logging.getLogger("pod-fate")
+TRAINS = f"{WRITE_METRICS}; {WRITE_OUTPUT}"
+"""A job that writes its metrics and its output, then ends."""
+
+CRASHES = ["sh", "-c", "echo 'bootstrap: gzip: not found' >&2; exit 2"]
+"""A start command that cannot run: it prints why and exits with code 2."""
+
+
+@pytest.fixture
+def bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bed]:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as pods:
+        yield Bed(sim, pods, Runs(tmp_path / "runs"))
+
+
+def pod_target(sim: RunpodSim, **changes: Any) -> Target:
+    """A Runpod target on the simulator (its block not saved: no Prefect)."""
+    values: dict[str, Any] = {
+        "credentials": RunpodCredentials(
+            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+        ),
+        "job_venv": str(job_venv()),
+        "gpu_types": [A4000],
+        "image": "overbrainer/test:1",
+        "max_hours": 1.0,
+        "boot_grace_s": 60.0,
+        "retrieve_grace_s": 120.0,
+        "poll_seconds": 0.3,
+    }
+    values.update(changes)
+    return RunpodTarget(**values).target("overbrainer-runpod-target/fate", LOG)
+
+
+async def train_on(place: Target, runs: Runs, script: str) -> lifecycle.Outcome:
+    """Reserves, places, starts and follows a shell job on `place`."""
+    need = JobNeed(what="the job")
+    async with place.reserve(runs, need, NoBudget()) as reservation:
+        record = lifecycle.create(
+            runs, target=place.ref, target_kind=place.kind, workdir=place.workdir, trainer="shell"
+        )
+        async with place.place(runs, runs.load(record.id), reservation) as placed:
+            ctx = placed.context(runs, lifecycle.LogReporter())
+            started = await lifecycle.start(ctx, ShellTrainer(script), runs.load(record.id))
+            placed.started(runs, started)
+            return await placed.follow(ctx, ShellTrainer(script), started)
+
+
+def the_pod(runs: Runs) -> PodRecord:
+    (record,) = runs.list()
+    pod = PodRecord.load(runs, record.id)
+    assert pod is not None and pod.pod_id is not None
+    return pod
+
+
+def assert_ledger(pod: PodRecord, sim: RunpodSim, slack_s: float) -> None:
+    """The pod's uptime and spend in `pod.json` are the simulator's bill,
+    within `slack_s` seconds (of uptime, and of the bill's rate)."""
+    billed = sim.pod(pod.pod_id or "")
+    assert billed.deleted_at is not None
+    up = billed.deleted_at - billed.created_at
+    assert abs(pod.uptime_s() - up) <= slack_s, (pod.uptime_s(), up)
+    rate = billed.spend(billed.deleted_at) / up * 3600
+    spend = pod.estimated_spend()
+    assert spend is not None and abs(spend - billed.spend(sim.now())) <= rate * slack_s / 3600
+    assert pod.rate == pytest.approx(rate, rel=1e-6)
+
+
+# -- a pod that cannot start ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_start_command_that_exits_ends_the_boot_wait_with_its_log_and_the_pod_is_deleted(
+    bed: Bed,
+) -> None:
+    bed.pods.start_command = CRASHES
+    bed.pods.restart_delay_s = (0.3, 0.6)
+
+    async def body(ctx: PodContext) -> PodError:
+        try:
+            await ready_pod(ctx, bed, settings(boot_grace_s=900.0))
+        except PodError as error:
+            return error
+        raise AssertionError("a pod whose start command exits was made ready")
+
+    async def main() -> PodError:
+        client = RunpodClient(SecretStr(bed.sim.api_key), bed.sim.rest_url, bed.sim.graphql_url)
+        async with client:
+            return await body(PodContext(client=client, runs=bed.runs))
+
+    error = asyncio.run(main())
+    assert "start command exited" in str(error) and "gzip: not found" in str(error)
+    assert "Runpod restarted its container" in str(error)
+    (record,) = bed.runs.list()
+    assert record.state == RunState.FAILED and "gzip: not found" in (record.message or "")
+    (billed,) = bed.sim.pods(include_deleted=True)
+    assert billed.deleted and bed.pods.restarts(billed.id) >= 1
+    # ended at its first restarts, not at the end of its 900 s boot grace
+    assert billed.deleted_at is not None and billed.deleted_at - billed.created_at < 120
+    pod = the_pod(bed.runs)
+    assert pod.state == PodState.DELETED and pod.deleted_by == "client"
+
+
+def test_the_pod_log_is_served_as_runpod_streams_it(bed: Bed) -> None:
+    bed.pods.start_command = CRASHES
+    bed.pods.restart_delay_s = (0.1, 0.2)
+
+    async def main() -> tuple[list[str], list[str]]:
+        client = RunpodClient(SecretStr(bed.sim.api_key), bed.sim.rest_url, bed.sim.graphql_url)
+        async with client:
+            pod = await client.create_pod(
+                PodRequest(name="ob-x-a1", image="x:1", gpu_type_id=A4000)
+            )
+            while bed.pods.restarts(pod.id) < 2:
+                await asyncio.sleep(0.1)
+            return (
+                await client.pod_logs(pod.id, "container", tail=2),
+                await client.pod_logs(pod.id, "system", tail=50),
+            )
+
+    container, system = asyncio.run(main())
+    assert container == ["bootstrap: gzip: not found"] * 2
+    assert any("container exited with code 2" in line for line in system)
+
+
+# -- a pod has what it bills for ----------------------------------------------------------
+
+
+def test_a_job_must_see_the_gpus_its_pod_bills_for() -> None:
+    pod = PodRecord(run_id="r", host_key="k", pod_id="p1", gpu_type_id=A4000, billed_gpus=2)
+    pod.cost_per_hour = 0.5
+    assert gpu_mismatch(pod, TargetFacts(python="/v/bin/python", gpus=2)) is None
+    problem = gpu_mismatch(pod, TargetFacts(python="/v/bin/python", gpus=0))
+    assert problem is not None and "bills for 2 GPUs" in problem and "sees 0" in problem
+    cpu = pod.model_copy(update={"billed_gpus": 0})
+    assert gpu_mismatch(cpu, TargetFacts(python="/v/bin/python", gpus=0)) is None
+
+
+@pytest.mark.slow
+def test_a_pod_whose_job_sees_fewer_gpus_than_it_bills_for_is_deleted_with_both_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim(gpu_pods=True) as sim, SimPods(tmp_path / "pods").attached(sim):
+        place = pod_target(sim, gpu_count=2)
+        with pytest.raises(TrainError) as raised:
+            asyncio.run(train_on(place, runs, TRAINS))
+        (billed,) = sim.pods(include_deleted=True)
+        assert billed.deleted and billed.gpu_count == 2
+    assert "bills for 2 GPUs" in str(raised.value) and "sees 0" in str(raised.value)
+    (record,) = runs.list()
+    assert record.state == RunState.FAILED and record.job is None
+    assert "bills for 2 GPUs" in (record.message or "")
+    pod = the_pod(runs)
+    assert pod.state == PodState.DELETED and pod.billed_gpus == 2
+
+
+# -- the end of a pod, and its bill ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_uptime_spend_and_who_deleted_the_pod_match_the_simulators_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim):
+        sim.lag_after_delete(gets=10)  # its deletion takes seconds to confirm: not billed
+        outcome = asyncio.run(train_on(pod_target(sim), runs, TRAINS))
+        assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved
+        pod = the_pod(runs)
+        assert pod.deleted_by == "client" and pod.state == PodState.DELETED
+        assert_ledger(pod, sim, slack_s=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("status", [502, 401])
+def test_a_verified_run_whose_delete_is_refused_succeeds_and_its_watchdog_deletes_the_pod(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim):
+        # the account's deletes are refused (an outage, a key turned off); the pod's own key works
+        sim.fail(status, times=1000, method="DELETE", account_only=True)
+        outcome = asyncio.run(train_on(pod_target(sim), runs, TRAINS))
+        assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved
+        (billed,) = sim.pods(include_deleted=True)
+        assert billed.deleted
+        deletes = sim.requests_to("DELETE", f"/v2/pods/{billed.id}")
+        assert {r.scope for r in deletes if r.status == 204} == {f"pod:{billed.id}"}
+        pod = the_pod(runs)
+        assert pod.state == PodState.DELETED
+        assert pod.deleted_by == "watchdog" and pod.delete_reason == RETRIEVED_REASON
+        # its watchdog's delete is seen when this client looks, after its own delete's
+        # retries (about 3.5 s on a 502): the uptime recorded is the bill's upper bound
+        assert_ledger(pod, sim, slack_s=6.0 if status == 502 else 3.0)
