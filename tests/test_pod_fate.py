@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.fate import RETRIEVED_REASON
 from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
+from overbrainer_prefect.runpod.reaper import BY, REAPER_LOG
 from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
@@ -39,6 +43,29 @@ from tests.test_watchdog import A4000, FAST, Bed, ready_pod, settings
 LOG = logging.getLogger("pod-fate")
 TRAINS = f"{WRITE_METRICS}; {WRITE_OUTPUT}"
 """A job that writes its metrics and its output, then ends."""
+
+FOLLOWER = """
+import asyncio, sys
+from pydantic import SecretStr
+from overbrainer_prefect.runpod import RunpodClient, RunpodTargetSettings, plan_from_api
+from overbrainer_prefect.runpod.context import PodContext
+from overbrainer_prefect.runpod.provision import provision
+from overbrainer_prefect.runs import lifecycle
+from overbrainer_prefect.runs.store import Runs
+runs_dir, rest, graphql, grace = sys.argv[1:5]
+key = sys.stdin.read().strip()
+async def main():
+    async with RunpodClient(SecretStr(key), rest, graphql) as client:
+        ctx = PodContext(client=client, runs=Runs(runs_dir))
+        wanted = RunpodTargetSettings(
+            gpu_types=["NVIDIA RTX A4000"], image="x:1", max_hours=1.0, boot_grace_s=float(grace)
+        )
+        plan = await plan_from_api(client, wanted)
+        record = lifecycle.create(ctx.runs, target="sim", target_kind="runpod", workdir="/w")
+        await provision(ctx, record, wanted, plan, api_url=rest, name="sim")
+asyncio.run(main())
+"""
+"""A follower in a process of its own: provisions a pod (and is killed)."""
 
 CRASHES = ["sh", "-c", "echo 'bootstrap: gzip: not found' >&2; exit 2"]
 """A start command that cannot run: it prints why and exits with code 2."""
@@ -233,3 +260,56 @@ def test_a_verified_run_whose_delete_is_refused_succeeds_and_its_watchdog_delete
         # its watchdog's delete is seen when this client looks, after its own delete's
         # retries (about 3.5 s on a 502): the uptime recorded is the bill's upper bound
         assert_ledger(pod, sim, slack_s=6.0 if status == 502 else 3.0)
+
+
+# -- a pod bounded whatever dies here -------------------------------------------------------
+
+
+def wait_for(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_pod_that_never_boots_with_its_follower_killed_is_deleted_at_its_boot_bound(
+    bed: Bed,
+) -> None:
+    bed.pods.boot_delay_s = 3600.0  # its start command never runs: no watchdog bounds it
+    grace = 6.0
+    argv = [str(bed.runs.root), bed.sim.rest_url, bed.sim.graphql_url, str(grace)]
+    follower = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER, *argv],
+        stdin=subprocess.PIPE,
+    )
+    assert follower.stdin is not None
+    follower.stdin.write(bed.sim.api_key.encode())
+    follower.stdin.close()
+    try:
+        wait_for(lambda: bed.sim.pods(), 60, "the pod's create")
+    finally:
+        follower.kill()  # no hook, no collect: nothing on this side but the reaper
+        follower.wait()
+    (billed,) = bed.sim.pods(include_deleted=True)
+    wait_for(lambda: billed.deleted, 90, "the pod's delete")
+    (record,) = bed.runs.list()
+    wait_for(
+        lambda: (
+            (PodRecord.load(bed.runs, record.id) or the_pod(bed.runs)).state == PodState.DELETED
+        ),
+        30,
+        "pod.json to say the pod is deleted",
+    )
+    pod = the_pod(bed.runs)
+    assert pod.deleted_by == BY and "boot_grace" in (pod.delete_reason or "")
+    assert billed.deleted_at is not None and billed.deleted_at - billed.created_at >= grace
+    wait_for(
+        lambda: (
+            "deleted at its boot bound" in (bed.runs.run_dir(record.id) / REAPER_LOG).read_text()
+        ),
+        30,
+        "the reaper to end",
+    )
+    assert bed.sim.secret_names() == []  # its host key secret went with it

@@ -129,6 +129,7 @@ class RunpodClient:
             )
         self.rest_url = rest_url.rstrip("/")
         self.graphql_url = graphql_url
+        self._key = SecretStr(key)
         self.retry = retry or RetryPolicy()
         self._secrets: set[str] = {key, api_key.get_secret_value()}
         self._http = httpx.AsyncClient(
@@ -141,6 +142,11 @@ class RunpodClient:
             transport=transport,
             follow_redirects=False,
         )
+
+    def credentials(self) -> tuple[SecretStr, str, str]:
+        """The account key and the REST and GraphQL URLs this client uses: for
+        a process of its own that must reach the same account (the reaper)."""
+        return self._key, self.rest_url, self.graphql_url
 
     async def __aenter__(self) -> RunpodClient:
         return self

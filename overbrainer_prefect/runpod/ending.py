@@ -175,12 +175,13 @@ async def forget_if_gone(ctx: PodContext, pod: PodRecord) -> None:
     forget_client_key(ctx.runs, pod.run_id)
 
 
-async def release(ctx: PodContext, pod: PodRecord, reason: str) -> None:
+async def release(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client") -> None:
     """Ends every pod of a run that will not run a job (or no longer needs its
-    pod): deletes its pod (confirmed), sweeps the others, then forgets its
-    keys. A failure is logged with how to remove what may be left; never raised."""
+    pod): deletes its pod (confirmed; `by` in `pod.json`), sweeps the others,
+    then forgets its keys. A failure is logged with how to remove what may be
+    left; never raised."""
     try:
-        await remove(ctx, pod, reason)
+        await remove(ctx, pod, reason, by)
     except PodError as error:
         ctx.log.warning("%s", error)
     await sweep_others(ctx, pod)

@@ -59,6 +59,7 @@ from overbrainer_prefect.runpod.keys import (
 )
 from overbrainer_prefect.runpod.models import PodRequest, secret_ref
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, SshAddress, pod_name
+from overbrainer_prefect.runpod.reaper import start_reaper
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, RunState
@@ -110,6 +111,7 @@ async def provision(
             boot_grace_s=settings.boot_grace_s,
         )
         pod.save(ctx.runs)
+        start_reaper(ctx.runs, run.id, ctx.client)  # bounds the pod until its watchdog runs
     except Exception as error:  # nothing was asked of Runpod yet
         run.state = RunState.FAILED
         run.message = f"cannot prepare the keys and pod record of the run: {error}"
