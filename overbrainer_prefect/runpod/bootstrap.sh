@@ -22,7 +22,8 @@
 #     the pod was created times its rate, less one look of this watchdog and
 #     the time a delete takes, so that the spend at deletion stays under the
 #     cap; a hard cap, which no lease holds off; the job is asked for a
-#     checkpoint OVERBRAINER_CHECKPOINT_LEAD seconds before, as for max_hours.
+#     checkpoint a tenth of the budget before (at most
+#     OVERBRAINER_CHECKPOINT_LEAD seconds), as before max_hours.
 # With OVERBRAINER_KEEP_POD=1 only the boot grace applies.
 #
 # Every decision is logged with its reason to <run dir>/.pod/watchdog.log,
@@ -268,6 +269,7 @@ check_api
 
 ARMED_CAP=
 COST_DEADLINE=none
+COST_LEAD=0
 RATE=
 MAX_COST=none
 
@@ -307,6 +309,8 @@ arm() {
         return 0
     fi
     COST_DEADLINE=$((START + seconds))
+    COST_LEAD=$((seconds / 10))   # the checkpoint is asked a tenth of the budget early, at most LEAD
+    [ "$COST_LEAD" -gt "$LEAD" ] && COST_LEAD=$LEAD
     log "cost cap armed: max_cost_usd \$$MAX_COST at \$$RATE/h (GPUs and container disk) is reached at $(iso "$COST_DEADLINE") (one look and a delete early); max_hours deletes the pod at $(iso "$DEADLINE") [deadline_unix=$DEADLINE cost_deadline_unix=$COST_DEADLINE]"
 }
 
@@ -410,7 +414,7 @@ while :; do
         # A hard cap: no lease holds it off; the job is asked for a checkpoint before it,
         # as before max_hours, so that a follower retrieves what it saved.
         if [ "$COST_DEADLINE" != none ] && [ "$running" = 1 ] && [ "$ASKED_COST" != 1 ] \
-            && [ "$t" -ge $((COST_DEADLINE - LEAD)) ]; then
+            && [ "$t" -ge $((COST_DEADLINE - COST_LEAD)) ]; then
             ASKED_COST=1
             ask_checkpoint "max_cost_usd (\$$MAX_COST at \$$RATE/h) is reached at $(iso "$COST_DEADLINE")"
         fi

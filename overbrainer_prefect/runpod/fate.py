@@ -56,17 +56,30 @@ def watchdog_deletion(runs: Runs, run_id: str) -> Fate | None:
 
 def found_gone(runs: Runs, pod: PodRecord) -> Fate:
     """Who deleted a pod found gone without this process deleting it: its
-    watchdog as its log says, else its watchdog when the client had marked
-    its files retrieved or one of its bounds passed, else nobody known."""
+    watchdog when the client had marked its files retrieved, when one of its
+    bounds passed, or when its log (the local copy) says so, at the time its
+    log gives; else nobody known (Runpod, or someone in the console)."""
     logged = watchdog_deletion(runs, pod.run_id)
-    if logged is not None:
-        return logged
+    at = logged.at if logged is not None else None
     if pod.retrieved_marked:
-        return Fate("watchdog", RETRIEVED_REASON)
+        return Fate("watchdog", RETRIEVED_REASON, at)
     limit = pod.limit_reached()
     if limit is not None:
-        return Fate("watchdog", limit)
-    return Fate("unknown", "found gone")
+        return Fate("watchdog", limit, at)
+    if logged is not None:
+        return logged
+    return Fate("unknown", terminated_reason(pod))
+
+
+def terminated_reason(pod: PodRecord) -> str:
+    """Why a pod is gone that neither this client nor its watchdog deleted
+    (none of its bounds had passed): Runpod terminated it, or someone did."""
+    return (
+        f"pod {pod.name} is gone, deleted neither by this client nor by its watchdog (none of "
+        "its bounds had passed): Runpod terminated it (the account's balance ran out, its host "
+        "was lost) or someone deleted it in the console; what was on it is lost. Check the "
+        "account's balance, then start the run again"
+    )
 
 
 def _unix(stamp: str) -> float | None:

@@ -203,7 +203,7 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
                 ctx.log.warning("%s", look_error)
                 gone = False
             if gone:
-                reason = pod.limit_reached() or f"pod {pod.name} no longer exists"
+                reason = pod.delete_reason or f"pod {pod.name} no longer exists"
                 lifecycle.fail(ctx.runs, run_id, reason)
                 raise PodGone(f"run {run_id} failed: {reason}") from None
         raise error

@@ -432,7 +432,7 @@ class PodTarget:
                 ctx.log.info("%s: pod %s no longer exists", subject(record), pod.name)
                 if not record.state.ended:
                     lifecycle.fail(
-                        store, record.id, pod.limit_reached() or f"pod {pod.name} no longer exists"
+                        store, record.id, pod.delete_reason or f"pod {pod.name} no longer exists"
                     )
                 yield None
                 return
