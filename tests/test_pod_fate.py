@@ -26,7 +26,7 @@ from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.runpod import PodRequest, RunpodClient
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.context import PodContext, PodError
-from overbrainer_prefect.runpod.fate import RETRIEVED_REASON
+from overbrainer_prefect.runpod.fate import RESTART_REASON, RETRIEVED_REASON
 from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.reaper import BY, REAPER_LOG
@@ -38,7 +38,7 @@ from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
-from tests.test_watchdog import A4000, FAST, Bed, ready_pod, settings
+from tests.test_watchdog import A4000, FAST, STALLED, Bed, ready_pod, settings
 
 LOG = logging.getLogger("pod-fate")
 TRAINS = f"{WRITE_METRICS}; {WRITE_OUTPUT}"
@@ -96,8 +96,11 @@ def pod_target(sim: RunpodSim, **changes: Any) -> Target:
     return RunpodTarget(**values).target("overbrainer-runpod-target/fate", LOG)
 
 
-async def train_on(place: Target, runs: Runs, script: str) -> lifecycle.Outcome:
-    """Reserves, places, starts and follows a shell job on `place`."""
+async def train_on(
+    place: Target, runs: Runs, script: str, meanwhile: Any = None
+) -> lifecycle.Outcome:
+    """Reserves, places, starts and follows a shell job on `place`; with
+    `meanwhile(pod)`, that is run in a thread once the job started."""
     need = JobNeed(what="the job")
     async with place.reserve(runs, need, NoBudget()) as reservation:
         record = lifecycle.create(
@@ -107,6 +110,8 @@ async def train_on(place: Target, runs: Runs, script: str) -> lifecycle.Outcome:
             ctx = placed.context(runs, lifecycle.LogReporter())
             started = await lifecycle.start(ctx, ShellTrainer(script), runs.load(record.id))
             placed.started(runs, started)
+            if meanwhile is not None:
+                await asyncio.to_thread(meanwhile, PodRecord.load(runs, record.id))
             return await placed.follow(ctx, ShellTrainer(script), started)
 
 
@@ -313,3 +318,58 @@ def test_a_pod_that_never_boots_with_its_follower_killed_is_deleted_at_its_boot_
         "the reaper to end",
     )
     assert bed.sim.secret_names() == []  # its host key secret went with it
+
+
+# -- a pod's end, told as it happened ---------------------------------------------------
+
+
+def metrics_written(sim_pods: SimPods, pod: PodRecord) -> bool:
+    run_dir = sim_pods.workspace_of(pod.pod_id or "") / "overbrainer" / pod.run_id
+    return (run_dir / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_a_container_restarted_mid_job_is_told_and_what_its_job_left_is_retrieved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as sim_pods:
+        sim_pods.restart_delay_s = (0.2, 0.4)
+
+        def restart(pod: PodRecord) -> None:
+            wait_for(lambda: metrics_written(sim_pods, pod), 30, "the job's first metric")
+            sim_pods.restart(sim.pod(pod.pod_id or ""))  # its host restarts the container
+
+        with caplog.at_level(logging.WARNING, logger=LOG.name):
+            outcome = asyncio.run(train_on(pod_target(sim), runs, STALLED, restart))
+        (billed,) = sim.pods(include_deleted=True)
+        assert billed.deleted and sim_pods.restarts(billed.id) == 1
+    assert outcome.record.state == RunState.FAILED and outcome.retrieved
+    assert "metrics.jsonl" in {f.path for f in outcome.files}
+    pod = the_pod(runs)
+    assert pod.state == PodState.DELETED and pod.delete_reason == RESTART_REASON
+    assert any("restarted at" in r.getMessage() for r in caplog.records), caplog.text
+    log = (runs.run_dir(pod.run_id) / ".pod" / "watchdog.log").read_text()
+    assert "container: restarted; the job it ran was lost with it" in log
+    assert "job: ended (lost: the container restarted)" in log
+
+
+@pytest.mark.slow
+def test_a_pod_terminated_by_runpod_mid_job_fails_its_run_with_that_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as sim_pods:
+
+        def terminate(pod: PodRecord) -> None:
+            wait_for(lambda: metrics_written(sim_pods, pod), 30, "the job's first metric")
+            sim.terminate(pod.pod_id or "")  # the account's balance ran out
+
+        outcome = asyncio.run(train_on(pod_target(sim), runs, STALLED, terminate))
+    assert outcome.record.state == RunState.FAILED
+    assert "Runpod terminated it" in (outcome.record.message or "")
+    pod = the_pod(runs)
+    assert pod.state == PodState.DELETED and pod.deleted_by == "unknown"
+    assert "Runpod terminated it" in (pod.delete_reason or "")

@@ -182,6 +182,7 @@ claim() {
     fi
     found=$(cat "$STATE/owner" 2>/dev/null)
     if [ "$found" = "$owner" ]; then
+        RESTARTED=1
         log "claim: the run directory $RUN_DIR is already this pod's (its container restarted)"
     else
         log "claim: the run directory $RUN_DIR belongs to another pod ($found): this pod starts no job, and is deleted at boot_grace"
@@ -247,7 +248,20 @@ EOF
 
 # -- the bounds ---------------------------------------------------------------
 
+RESTARTED=0
+LOST_JOB=0
 claim
+if [ "$RESTARTED" = 1 ]; then
+    # A container restarted (its host, Runpod's restart action) ends every process of
+    # the pod: a job it ran without an exit code is lost, not running.
+    now > "$STATE/restarted"
+    if [ -e "$RUN_DIR/job.sh" ] && [ ! -e "$RUN_DIR/job.exit" ] && [ ! -e "$RUN_DIR/job.cancelled" ]; then
+        LOST_JOB=1
+        log "container: restarted; the job it ran was lost with it (job.sh, no exit code)"
+    else
+        log "container: restarted"
+    fi
+fi
 BOOTED_FILE=$STATE/booted
 if [ -s "$BOOTED_FILE" ]; then
     START=$(cat "$BOOTED_FILE")
@@ -355,6 +369,8 @@ while :; do
                 how="exit code $(cat "$RUN_DIR/job.exit" 2>/dev/null)"
             elif [ -e "$RUN_DIR/job.cancelled" ]; then
                 how="cancelled"
+            elif [ "$LOST_JOB" = 1 ]; then
+                how="lost: the container restarted"
             fi
             if [ -n "$how" ]; then
                 ENDED_AT=$t

@@ -20,7 +20,13 @@ from overbrainer_prefect.runpod.bootstrap import RETRIEVED_MARKER, WATCHDOG_LOG
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_and_confirm, look_up
 from overbrainer_prefect.runpod.errors import RunpodError
-from overbrainer_prefect.runpod.fate import Fate, found_gone
+from overbrainer_prefect.runpod.fate import (
+    RESTART_REASON,
+    Fate,
+    container_restart,
+    found_gone,
+    restart_message,
+)
 from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name, usd
@@ -227,6 +233,9 @@ async def end_pod(
     stays `deleting` in `pod.json`.
     """
     await fetch_watchdog_log(ctx.runs, executor, record)
+    restart = container_restart(ctx.runs, record.id)
+    if restart is not None and restart.lost_job:
+        ctx.log.warning("%s", restart_message(pod, subject(record), restart))
     if not retrieved:
         pod.state = PodState.KEPT if pod.keep else PodState.AWAITING_RETRIEVAL
         pod.save(ctx.runs)
@@ -246,7 +255,13 @@ async def end_pod(
         ctx.log.warning("%s", kept_message(ctx.runs, pod, record.id))
         return Ending.KEPT
     try:
-        await remove(ctx, pod, "its run's files were retrieved and verified")
+        await remove(
+            ctx,
+            pod,
+            RESTART_REASON
+            if restart is not None and restart.lost_job
+            else "its run's files were retrieved and verified",
+        )
     except DeleteRefused as refused:
         if not pod.retrieved_marked:
             raise

@@ -18,6 +18,7 @@ from overbrainer_prefect.runs.store import Runs
 RETRIEVED_REASON = "the client retrieved and verified the run's files (.pod/retrieved)"
 """Why the watchdog deletes a pod at once once the client marked its files retrieved."""
 
+_RESTARTED = re.compile(r"^(\S+) container: restarted(; the job it ran was lost)?")
 _DECISION = re.compile(r"^(\S+) decision: delete pod \S+: (.*)$")
 _DELETED = re.compile(r"^(\S+) deleted: .*?(?:\[at=([0-9.]+)\])?$")
 
@@ -87,3 +88,43 @@ def _unix(stamp: str) -> float | None:
         return parse_rfc3339(stamp).timestamp()
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The pod's container restarted at `at` (RFC 3339, as its watchdog logged
+    it); `lost_job`: a job was running, and was lost with it."""
+
+    at: str
+    lost_job: bool
+
+
+def container_restart(runs: Runs, run_id: str) -> Restart | None:
+    """The last restart of the pod's container its watchdog logged (the local
+    copy of its log), or None."""
+    path = runs.run_dir(run_id) / WATCHDOG_LOG
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    found: Restart | None = None
+    for line in text.splitlines():
+        match = _RESTARTED.match(line)
+        if match:
+            found = Restart(match[1], bool(match[2]))
+    return found
+
+
+def restart_message(pod: PodRecord, what: str, restart: Restart) -> str:
+    """The warning of a pod whose container restarted under a job (`what`:
+    the job's subject)."""
+    lost = "the job it ran was lost with it" if restart.lost_job else "no job ran then"
+    return (
+        f"the container of pod {pod.name} restarted at {restart.at} (its host, or Runpod's "
+        f"restart action): {lost}, and {what} ended without an exit code; what it left was "
+        "retrieved. Start the run again (or resume it from its last checkpoint)"
+    )
+
+
+RESTART_REASON = "its container restarted and lost its job; what the job left was retrieved"
+"""Why a pod is deleted after its container restarted under its job."""

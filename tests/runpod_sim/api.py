@@ -24,7 +24,7 @@ simulator is made with `gpu_pods=True`, where it shows the GPUs it bills for.
         client = RunpodClient(SecretStr(sim.api_key), sim.rest_url, sim.graphql_url)
         sim.set_capacity("NVIDIA A40", 0)
 
-`on_pod_create(pod)` and `on_pod_delete(pod)` are called (in a worker thread,
+`on_pod_create(pod)`, `on_pod_delete(pod)` and `on_pod_restart(pod)` are called (in a worker thread,
 before the API answers) when a pod is created or deleted: the place to make
 each pod a real process (see `pods.SimPods`). A create hook may set
 `pod.public_ip`, `pod.ssh_port` and `pod.ssh_user` (the pod then shows
@@ -321,6 +321,7 @@ class RunpodSim:
         data_centers: Sequence[str] = DEFAULT_DATA_CENTERS,
         on_pod_create: PodHook | None = None,
         on_pod_delete: PodHook | None = None,
+        on_pod_restart: PodHook | None = None,
         clock: Callable[[], float] = time.time,
         gpu_pods: bool = False,
     ) -> None:
@@ -329,6 +330,7 @@ class RunpodSim:
         self.data_centers = list(data_centers)
         self.on_pod_create = on_pod_create
         self.on_pod_delete = on_pod_delete
+        self.on_pod_restart = on_pod_restart
         self._clock = clock
         self.gpu_pods = gpu_pods
         self._offset = 0.0
@@ -479,6 +481,13 @@ class RunpodSim:
         """With False, REST's catalog answers 404 (GraphQL still serves it)."""
         with self._lock:
             self._catalog_enabled = enabled
+
+    def terminate(self, pod_id: str) -> None:
+        """Terminates the pod as Runpod does on its own (the account's balance
+        ran out, its host was lost): deleted, its processes ended, nobody asked."""
+        pod = self._delete(pod_id)
+        if pod is not None and self.on_pod_delete is not None:
+            self.on_pod_delete(pod)
 
     def advance_clock(self, seconds: float) -> None:
         """Moves the billing clock forward by `seconds`."""
@@ -811,9 +820,11 @@ class RunpodSim:
                 pod.status = "EXITED"
             elif action == "start":
                 pod.status = "RUNNING"
-            else:
+            elif action != "restart":
                 return self._done(request, _problem(422, "$.action: unknown"), scope)
-            return self._done(request, JSONResponse(pod.to_api(self.now())), scope)
+        if action == "restart" and self.on_pod_restart is not None:
+            await anyio.to_thread.run_sync(self.on_pod_restart, pod)
+        return self._done(request, JSONResponse(pod.to_api(self.now())), scope)
 
     async def _pod_logs(self, request: Request) -> Response:
         """`GET /v2/pods/{id}/logs?source=container|system&tail=N`: the last

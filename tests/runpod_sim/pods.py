@@ -92,14 +92,17 @@ _WRAPPER = (
     "    time.sleep(delay)\n"
     "restarts = 0\n"
     "while True:\n"
-    "    with open(state + '.tmp', 'w') as out:\n"
-    "        json.dump({'started_at': time.time(), 'restarts': restarts}, out)\n"
-    "    os.replace(state + '.tmp', state)\n"
-    "    event('container started')\n"
+    "    started, main = time.time(), None\n"
     "    try:\n"
     "        main = subprocess.Popen(argv)\n"
     "    except OSError as error:  # the image has no such command\n"
     "        print(f'exec {argv[0]}: {error.strerror}', file=sys.stderr, flush=True)\n"
+    "    with open(state + '.tmp', 'w') as out:\n"
+    "        pid = main.pid if main else None\n"
+    "        json.dump({'started_at': started, 'restarts': restarts, 'main': pid}, out)\n"
+    "    os.replace(state + '.tmp', state)\n"
+    "    event('container started')\n"
+    "    if main is None:\n"
     "        code = 127\n"
     "    else:\n"
     "        while True:\n"
@@ -151,11 +154,13 @@ class SimPods:
         """Makes every pod `sim` creates from now on a real process tree."""
         sim.on_pod_create = self.create
         sim.on_pod_delete = self.delete
+        sim.on_pod_restart = self.restart
         try:
             yield self
         finally:
             sim.on_pod_create = None
             sim.on_pod_delete = None
+            sim.on_pod_restart = None
             self.stop_all()
 
     def dir_of(self, pod_id: str) -> Path:
@@ -175,6 +180,18 @@ class SimPods:
         """What the pod's start command printed."""
         path = self.dir_of(pod_id) / "console.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def restart(self, pod: SimPod) -> None:
+        """The simulator's restart hook (Runpod's `restart` action, or a host
+        that restarts the container): kills the pod's start command, so its
+        container ends its processes and starts it again."""
+        path = self.dir_of(pod.id) / "container.json"
+        try:
+            main = int(json.loads(path.read_text())["main"])
+        except (OSError, ValueError, KeyError):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(main, signal.SIGKILL)
 
     def restarts(self, pod_id: str) -> int:
         """How often the pod's container was restarted (its start command exited)."""
