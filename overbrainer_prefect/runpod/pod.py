@@ -132,7 +132,12 @@ class PodRecord(BaseModel):
         description="When Runpod took its delete (Unix seconds): it bills until there, not "
         "until the deletion was confirmed.",
     )
-    deleted_by: str | None = Field(default=None, description="client, watchdog, or unknown.")
+    deleted_by: str | None = Field(
+        default=None,
+        description="Who deleted it: `client` (the flow that followed it, a collector), "
+        "`watchdog` (its reason in delete_reason), `reaper` (its boot bound, nothing else "
+        "alive), `pods flow`, or `unknown` (Runpod terminated it, or the console).",
+    )
     delete_reason: str | None = None
     retrieved_marked: bool = Field(
         default=False,
