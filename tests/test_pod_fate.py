@@ -23,10 +23,11 @@ import pytest
 from pydantic import SecretStr
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
-from overbrainer_prefect.runpod import PodRequest, RunpodClient
-from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
+from overbrainer_prefect.runpod import Pod, PodRequest, RunpodClient
+from overbrainer_prefect.runpod.boot import ContainerWatch
+from overbrainer_prefect.runpod.bootstrap import TIMING_ENV, WATCHDOG_LOG
 from overbrainer_prefect.runpod.context import PodContext, PodError
-from overbrainer_prefect.runpod.fate import RESTART_REASON, RETRIEVED_REASON
+from overbrainer_prefect.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
 from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.reaper import BY, REAPER_LOG
@@ -136,6 +137,40 @@ def assert_ledger(pod: PodRecord, sim: RunpodSim, slack_s: float) -> None:
 
 
 # -- a pod that cannot start ------------------------------------------------------------
+
+
+def test_a_container_counts_as_restarted_when_its_start_moves_not_when_it_first_shows() -> None:
+    watch = ContainerWatch()
+    assert not watch.look(Pod.model_validate({"id": "p", "status": "RUNNING", "startedAt": None}))
+    first = {"id": "p", "status": "RUNNING", "startedAt": "2026-12-02T06:00:00.100Z"}
+    assert not watch.look(Pod.model_validate({**first, "runtime": {"uptime": 0}}))
+    assert not watch.look(Pod.model_validate({**first, "runtime": {"uptime": 3}}))
+    again = {**first, "startedAt": "2026-12-02T06:00:03.400Z", "runtime": {"uptime": 0}}
+    assert watch.look(Pod.model_validate(again)) and watch.restarts == 1
+    by_uptime = ContainerWatch()  # an answer without startedAt: its uptime going back
+    assert not by_uptime.look(Pod.model_validate({"id": "p", "runtime": {"uptime": 5}}))
+    assert by_uptime.look(Pod.model_validate({"id": "p", "runtime": {"uptime": 1}}))
+
+
+def test_who_deleted_a_pod_is_read_from_its_watchdogs_log(tmp_path: Path) -> None:
+    runs = Runs(tmp_path / "runs")
+    pod = PodRecord(run_id="20261202-060000-abcd", host_key="k", pod_id="p1", created_unix=1.0)
+    assert found_gone(runs, pod).by == "unknown"
+    assert "Runpod terminated it" in found_gone(runs, pod).reason
+    log = runs.run_dir(pod.run_id) / WATCHDOG_LOG
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        "2026-12-02T06:00:01Z job: ended (exit code 0)\n"
+        "2026-12-02T06:00:09Z decision: delete pod p1: the job ended 120s ago and its files were "
+        "not retrieved (retrieve_grace)\n"
+        "2026-12-02T06:00:10Z deleted: Runpod answered 204 to the delete of pod p1 "
+        "[at=1796191210.25]\n"
+    )
+    fate = found_gone(runs, pod)
+    assert fate.by == "watchdog" and fate.reason.startswith("the job ended 120s ago")
+    assert fate.at == 1796191210.25
+    pod.retrieved_marked = True
+    assert found_gone(runs, pod).reason == RETRIEVED_REASON
 
 
 @pytest.mark.slow
