@@ -3,8 +3,8 @@ private `prefect server`) following N = 10, 50 and 100 runs at once, each a
 real shell job on a local target writing a metric line every PACE_S seconds
 (a training step's pace), LINES lines, then its output.
 
-The runs are written the way the lifecycle writes them (`lifecycle.create`,
-then `lifecycle.start` through a saved `LocalTarget`), with no flow run and no
+The runs are written the way the job steps write them (`start_step.create`,
+then `start_step.start` through a saved `LocalTarget`), with no flow run and no
 follower, so the collect picks every one up and follows it (`follow_job`, as
 after a crash). The jobs wait, blocked on a FIFO, until the collect holds the
 follow lock of every run, then all write their metrics at the same pace.
@@ -107,11 +107,12 @@ class Round:
 
 
 async def start_runs(root: Path, target: str, count: int, go: Path) -> tuple[Path, list[str]]:
-    """Creates and starts `count` runs, as the lifecycle does; returns the runs
+    """Creates and starts `count` runs, as the job steps do; returns the runs
     directory and their IDs."""
     from overbrainer_prefect.blocks import LocalTarget
-    from overbrainer_prefect.runs import lifecycle
     from overbrainer_prefect.runs.store import Runs
+    from overbrainer_prefect.steps import context
+    from overbrainer_prefect.steps import start as start_step
     from tests.shelljobs import ShellTrainer
 
     loaded: object = await LocalTarget.aload(target)
@@ -119,15 +120,15 @@ async def start_runs(root: Path, target: str, count: int, go: Path) -> tuple[Pat
     block = loaded
     runs = Runs(root / f"runs-{count}")
     executor = block.executor(target)
-    ctx = lifecycle.RunContext(runs=runs, executor=executor, python=block.python)
+    ctx = context.RunContext(runs=runs, executor=executor, python=block.python)
     trainer = ShellTrainer(job_script(go))
     ids: list[str] = []
 
     async def one() -> None:
-        record = lifecycle.create(
+        record = start_step.create(
             runs, target=target, target_kind=block.kind, workdir=executor.workdir, spec=SPEC
         )
-        await lifecycle.start(ctx, trainer, record)
+        await start_step.start(ctx, trainer, record)
         ids.append(record.id)
 
     for first in range(0, count, START_BATCH):

@@ -73,8 +73,8 @@ def bill_of(sim: Any, runs_dir: Path, run_id: str) -> Bill:
     """The billed seconds of the pod of run `run_id`, from the simulator and the files."""
     from overbrainer_prefect.executors.base import EXIT_FILE
     from overbrainer_prefect.runpod.pod import PodRecord
-    from overbrainer_prefect.runs.lifecycle import MANIFEST_FILE
     from overbrainer_prefect.runs.store import Runs
+    from overbrainer_prefect.steps.retrieve import MANIFEST_FILE
 
     runs = Runs(runs_dir)
     record = runs.load(run_id)

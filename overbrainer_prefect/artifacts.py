@@ -23,12 +23,19 @@ from prefect.artifacts import (
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from overbrainer_prefect.cells import code_cell, sci, sig, size_text, table_cell
+from overbrainer_prefect.cells import (
+    _duration,
+    code_cell,
+    run_duration,
+    sci,
+    sig,
+    size_text,
+    table_cell,
+)
 from overbrainer_prefect.executors.base import FileDigest, JobStatus
 from overbrainer_prefect.losscurve import data_uri, loss_svg
-from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
-from overbrainer_prefect.runs.store import RunRecord, RunState
+from overbrainer_prefect.runs.store import RunRecord
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often
 CURVE_EVERY_S = 10.0  # the loss curve artifact is redrawn at most this often
@@ -40,7 +47,7 @@ Spend = float | Callable[[], float | None] | None
 """Dollars spent so far on a run's pod: a value, a function that tells it now, or none."""
 
 JobLog = Callable[[], Awaitable[str]]
-"""Reads (the end of) a job's log, as `lifecycle.job_log_tail` does."""
+"""Reads (the end of) a job's log, as `steps.follow.job_log_tail` does."""
 
 
 @dataclass(frozen=True)
@@ -405,33 +412,6 @@ async def publish_summary(run_id: str, markdown: str) -> None:
         key=artifact_key(run_id, "summary"),
         description=f"Summary of run {run_id}",
     )
-
-
-def next_step(record: RunRecord) -> str:
-    """What to run next for a run, as the summary and messages say it."""
-    if record.state == RunState.STOPPED:
-        return f"Resume it: run the `train` flow with `resume_from={record.id}`."
-    if record.state in (RunState.RUNNING, RunState.PREPARING):
-        return f"Follow it again: run the `attach` flow with `run_id={record.id}`."
-    if record.state == RunState.SUCCEEDED:
-        return f"Its files are in `runs/{record.id}/`; export it with the `export` flow."
-    return f"See `runs/{record.id}/job.log`, fix the cause, and start a new run."
-
-
-def run_duration(record: RunRecord) -> str:
-    """How long a record's job ran (`1:02:03`, `4:05`), `running`, or `-` before it started."""
-    if not record.started:
-        return "-"
-    start = parse_rfc3339(record.started)
-    end = parse_rfc3339(record.ended) if record.ended else None
-    return _duration((end - start).total_seconds()) if end else "running"
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def _fmt(value: float | None) -> str:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import re
 
+from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.store import RunRecord
+
 
 def table_cell(text: str) -> str:
     """`text` as one markdown table cell that shows it as written: backslashes,
@@ -47,3 +50,19 @@ def size_text(size: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{size} B"
+
+
+def run_duration(record: RunRecord) -> str:
+    """How long a record's job ran (`1:02:03`, `4:05`), `running`, or `-` before it started."""
+    if not record.started:
+        return "-"
+    start = parse_rfc3339(record.started)
+    end = parse_rfc3339(record.ended) if record.ended else None
+    return _duration((end - start).total_seconds()) if end else "running"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -3,15 +3,17 @@ result (train: steps, losses, duration, spend; export: quant, size, SHA-256;
 compare: the answers, and the evaluation's verdict when there is one; delivery:
 its links), each step linking to the flow run that did it in the Prefect UI.
 
-`publish_pipeline_summary(result, runs)` is the one call the pipeline makes,
-once its steps are done. The steps are read from the result, the records
-(`run.json`, `metrics.jsonl`, `pod.json`) and the subflow runs of this flow run.
+`publish_pipeline_summary(result, runs, spent)` is the one call the pipeline
+makes, once its steps are done. The steps are read from the result, the
+records (`run.json`, `metrics.jsonl`), what the run's place cost (asked of its
+target) and the subflow runs of this flow run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
+from typing import Protocol
 from uuid import UUID
 
 from prefect.artifacts import acreate_markdown_artifact
@@ -19,18 +21,37 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 from prefect.runtime import flow_run as this_flow_run
 
-from overbrainer_prefect.artifacts import (
-    artifact_key,
-    run_duration,
-)
-from overbrainer_prefect.cells import code_cell, sig, size_text, table_cell
-from overbrainer_prefect.runpod.pod import PodRecord
+from overbrainer_prefect.artifacts import artifact_key
+from overbrainer_prefect.cells import code_cell, run_duration, sig, size_text, table_cell
+from overbrainer_prefect.evaluation.gate import GateDecision
+from overbrainer_prefect.evaluation.results import EvaluationResult
+from overbrainer_prefect.kinds.compare import CompareResult
+from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError
+from overbrainer_prefect.trainers.base import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
-POD_FILE = "pod.json"
+
+class PipelineOutcome(Protocol):
+    """What the summary reads of the `fine_tune` flow's result."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def export(self) -> ExportResult | None: ...
+    @property
+    def compare(self) -> CompareResult | None: ...
+    @property
+    def evaluation(self) -> EvaluationResult | None: ...
+    @property
+    def verdict(self) -> str | None: ...
+    @property
+    def gate(self) -> GateDecision | None: ...
+    @property
+    def reused(self) -> list[str]: ...
+    @property
+    def next(self) -> str: ...
 
 
 @dataclass
@@ -80,9 +101,11 @@ def pipeline_markdown(run_id: str, steps: list[StepLine], next_step: str = "") -
     return "\n".join(lines)
 
 
-def train_step(runs: Runs, run_id: str, flow_run_id: str | None, reused: bool) -> StepLine:
+def train_step(
+    runs: Runs, run_id: str, flow_run_id: str | None, reused: bool, spent: float | None = None
+) -> StepLine:
     """The training step from the run's record and files: steps, first and final
-    loss, duration and, on a pod, the estimated spend."""
+    loss, duration and, on a pod, what it cost (`spent`, asked of its target)."""
     try:
         record = runs.load(run_id)
     except (RunsError, RecordError) as error:
@@ -98,7 +121,6 @@ def train_step(runs: Runs, run_id: str, flow_run_id: str | None, reused: bool) -
         ("final loss", _loss(summary.final_loss)),
         ("duration", run_duration(record)),
     ]
-    spent = pod_spend(runs, record.id)
     if spent is not None:
         facts.append(("spend", f"${spent:.2f} (estimated: rate × uptime)"))
     return StepLine(
@@ -106,49 +128,41 @@ def train_step(runs: Runs, run_id: str, flow_run_id: str | None, reused: bool) -
     )
 
 
-def export_step(exported: Any, flow_run_id: str | None) -> StepLine:
+def export_step(exported: ExportResult, flow_run_id: str | None) -> StepLine:
     """The export step from the export flow's result: quant, the GGUF's name,
     size and SHA-256, and how long each phase took."""
     facts = [("export", code_cell(exported.export_id)), ("quant", code_cell(exported.quant))]
-    gguf = getattr(exported, "gguf", None)
+    gguf = exported.gguf
     if gguf is not None:
         facts += [
             ("GGUF", code_cell(gguf.path)),
             ("size", size_text(gguf.size)),
             ("SHA-256", code_cell(gguf.sha256)),
         ]
-    phases = getattr(exported, "phases", None) or {}
+    phases = exported.phases
     if phases:
         facts.append(("phases", ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())))
     return StepLine("export", str(exported.state), flow_run_id, facts, reused=bool(exported.reused))
 
 
-def compare_step(compared: Any, flow_run_id: str | None) -> StepLine:
+def compare_step(compared: CompareResult, flow_run_id: str | None) -> StepLine:
     """The compare step from the compare flow's result: how many questions were
-    answered, where the answers are and, when the result has an evaluation, its
-    verdict."""
-    answers = getattr(compared, "answers", []) or []
+    answered and where the answers are."""
     facts = [
         ("compare", code_cell(compared.compare_id)),
-        ("questions", str(len(answers))),
+        ("questions", str(len(compared.answers))),
     ]
-    path = getattr(compared, "answers_path", None)
-    if path:
-        facts.append(("answers", code_cell(str(path))))
-    verdict = getattr(compared, "verdict", None) or getattr(
-        getattr(compared, "evaluation", None), "verdict", None
-    )
-    if verdict:
-        facts.append(("verdict", table_cell(str(verdict))))
+    if compared.answers_path:
+        facts.append(("answers", code_cell(str(compared.answers_path))))
     return StepLine(
         "compare", str(compared.state), flow_run_id, facts, reused=bool(compared.reused)
     )
 
 
-def evaluation_step(result: Any, flow_run_id: str | None) -> StepLine:
+def evaluation_step(result: PipelineOutcome, flow_run_id: str | None) -> StepLine:
     """The evaluation step: its verdict, and what the gate decided from it."""
     facts = [("verdict", table_cell(str(result.verdict)))]
-    gate = getattr(result, "gate", None)
+    gate = result.gate
     if gate is not None:
         facts.append(
             ("gate", table_cell(("passed: " if gate.passed else "failed: ") + gate.reason))
@@ -165,7 +179,7 @@ def delivery_step(links: list[tuple[str, str]], flow_run_id: str | None) -> Step
 async def subflow_ids(parent: UUID | str) -> dict[str, str]:
     """The newest subflow run of each flow below the flow run `parent` (one
     level), by flow name: `{"train": "<flow run id>", ...}`."""
-    found: dict[str, tuple[Any, str]] = {}
+    found: dict[str, tuple[datetime | None, str]] = {}
     async with get_client() as client:
         children = await client.read_flow_runs(
             flow_run_filter=FlowRunFilter(
@@ -178,46 +192,40 @@ async def subflow_ids(parent: UUID | str) -> dict[str, str]:
                 names[child.flow_id] = (await client.read_flow(child.flow_id)).name
             name = names[child.flow_id]
             created = child.created
-            if name not in found or (created is not None and created > found[name][0]):
+            newest = found[name][0] if name in found else None
+            if name not in found or (created is not None and (newest is None or created > newest)):
                 found[name] = (created, str(child.id))
     return {name: flow_run_id for name, (_, flow_run_id) in found.items()}
 
 
 async def publish_pipeline_summary(
-    result: Any, runs: Runs, deliveries: list[tuple[str, str]] | None = None
+    result: PipelineOutcome,
+    runs: Runs,
+    deliveries: list[tuple[str, str]] | None = None,
+    spent: float | None = None,
 ) -> None:
     """Publishes the summary of the `fine_tune` flow run that is running now, from
-    its result (`run_id`, `run`, `export`, `compare`, `reused`, `next`): a markdown
-    artifact keyed `run-<run id>-pipeline`. A subflow run that cannot be found
-    leaves its step without a link; the summary never fails the pipeline's result
-    (what cannot be published is raised as the Prefect API's error)."""
+    its result and what the run's place cost (`spent`, None on a machine you
+    own): a markdown artifact keyed `run-<run id>-pipeline`. A subflow run that
+    cannot be found leaves its step without a link; the summary never fails the
+    pipeline's result (what cannot be published is raised as the Prefect API's
+    error)."""
     children = await subflow_ids(this_flow_run.id) if this_flow_run.id else {}
-    reused = set(getattr(result, "reused", []) or [])
-    steps = [train_step(runs, result.run_id, children.get("train"), "training" in reused)]
-    if getattr(result, "export", None) is not None:
+    reused = set(result.reused)
+    steps = [train_step(runs, result.run_id, children.get("train"), "training" in reused, spent)]
+    if result.export is not None:
         steps.append(export_step(result.export, children.get("export")))
-    if getattr(result, "compare", None) is not None:
+    if result.compare is not None:
         steps.append(compare_step(result.compare, children.get("compare")))
-    if getattr(result, "evaluation", None) is not None:
+    if result.evaluation is not None:
         steps.append(evaluation_step(result, children.get("evaluate")))
     if deliveries:
         steps.append(delivery_step(deliveries, children.get("deliver")))
     await acreate_markdown_artifact(
-        markdown=pipeline_markdown(result.run_id, steps, getattr(result, "next", "") or ""),
+        markdown=pipeline_markdown(result.run_id, steps, result.next),
         key=artifact_key(result.run_id, "pipeline"),
         description=f"The fine-tune of run {result.run_id}: each step, linked to its flow run",
     )
-
-
-def pod_spend(runs: Runs, record_id: str) -> float | None:
-    """The estimated dollars a record's pod cost (`pod.json`: rate × uptime), or
-    None when it ran on no pod or its rate is unknown."""
-
-    try:
-        pod = PodRecord.load(runs, record_id)
-    except (RunsError, RecordError):
-        return None
-    return None if pod is None else pod.estimated_spend()
 
 
 def _metrics(runs: Runs, record: RunRecord) -> MetricsSummary:

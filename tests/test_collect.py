@@ -22,10 +22,11 @@ from prefect.states import State
 from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.executors.base import JobSpec
 from overbrainer_prefect.flows.collect import CREATE_GRACE_S, collect
-from overbrainer_prefect.runs import Runs, RunState, lifecycle
+from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.lock import follow_lock
 from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.shelljobs import WRITE_OUTPUT, wait_for
 
@@ -78,7 +79,7 @@ def started_run(
     ref, block = target
     executor = block.executor(ref)
     spec = TrainingSpec(base_model="org/model", datasets=["org/data"])
-    record = lifecycle.create(
+    record = start_step.create(
         runs,
         target=ref,
         target_kind="local",
@@ -179,7 +180,7 @@ def test_collect_fails_a_run_whose_flow_run_ended_before_its_job_started(
     runs = Runs(tmp_path / "runs")
     ref, block = target
     crashed = flow_run_in(StateType.CRASHED)
-    record = lifecycle.create(
+    record = start_step.create(
         runs, target=ref, target_kind="local", workdir=block.work_dir, flow_run_id=crashed
     )
     assert asyncio.run(collect(runs_dir=str(runs.root))) == []  # its creator may lock it yet
@@ -202,7 +203,7 @@ def test_collect_leaves_a_run_its_live_creator_is_still_preparing(
     runs = Runs(tmp_path / "runs")
     ref, block = target
     running = flow_run_in(StateType.RUNNING)
-    record = lifecycle.create(
+    record = start_step.create(
         runs, target=ref, target_kind="local", workdir=block.work_dir, flow_run_id=running
     )
     backdate(runs, record.id, CREATE_GRACE_S + 1)
@@ -218,7 +219,7 @@ def test_collect_fails_a_preparing_run_whose_flow_run_still_says_running_but_nob
     runs = Runs(tmp_path / "runs")
     ref, block = target
     left = flow_run_in(StateType.RUNNING)  # what a killed process leaves forever
-    record = lifecycle.create(
+    record = start_step.create(
         runs, target=ref, target_kind="local", workdir=block.work_dir, flow_run_id=left
     )
     backdate(runs, record.id, CREATE_GRACE_S + 1)

@@ -7,7 +7,7 @@ Prefect test server.
 The GGUF is a real one, written by the `gguf` package of the job venv (a
 header with SmolLM2's chat template and a vocabulary, and a tensor); the run
 and its export are laid out by the real store and retrieved by the real
-retrieval (`lifecycle.retrieve` with a `LocalExecutor`), so their manifests
+retrieval (`retrieve.retrieve` with a `LocalExecutor`), so their manifests
 are the ones a real run has.
 """
 
@@ -48,9 +48,10 @@ from overbrainer_prefect.delivery.record import DELIVERIES_FILE, load_deliveries
 from overbrainer_prefect.delivery.sources import LocalFile, SourceError, find_gguf
 from overbrainer_prefect.executors.base import JOB_LOG
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import METRICS_FILE, Artifacts
 from overbrainer_prefect.trainers.spec import TrainingSpec
@@ -187,7 +188,7 @@ def make_run(tmp_path: Path, gguf_file: Path, *, export: bool = True) -> FakeRun
             "extra": {"gradient_checkpointing": True, "comet_api_key": "not-for-the-card"},
         }
     )
-    record = lifecycle.create(
+    record = start_step.create(
         runs,
         target="overbrainer-local-target/test",
         target_kind="local",
@@ -218,7 +219,7 @@ def make_run(tmp_path: Path, gguf_file: Path, *, export: bool = True) -> FakeRun
     shutil.copyfile(dataset, local / "data" / "chat.jsonl")
     executor = LocalExecutor(work)
     trainer = AxolotlTrainer(spec)
-    run(lifecycle.retrieve(executor, trainer, record.remote_dir, local, True))
+    run(retrieve.retrieve(executor, trainer, record.remote_dir, local, True))
     record.state = RunState.SUCCEEDED
     record.ended = rfc3339()
     runs.save(record)
@@ -226,7 +227,7 @@ def make_run(tmp_path: Path, gguf_file: Path, *, export: bool = True) -> FakeRun
     gguf = Path()
     if export:
         exports = runs.children(record.id, "export")
-        exported = lifecycle.create(
+        exported = start_step.create(
             exports,
             target=record.target,
             target_kind="local",
@@ -242,7 +243,7 @@ def make_run(tmp_path: Path, gguf_file: Path, *, export: bool = True) -> FakeRun
         (eremote / METRICS_FILE).write_text('{"event": "end"}\n')
         (eremote / JOB_LOG).write_text("exported\n")
         elocal = exports.run_dir(exported.id)
-        run(lifecycle.retrieve(executor, ExportArtifacts(), exported.remote_dir, elocal, True))  # type: ignore[arg-type]
+        run(retrieve.retrieve(executor, ExportArtifacts(), exported.remote_dir, elocal, True))  # type: ignore[arg-type]
         exported.state = RunState.SUCCEEDED
         exported.ended = rfc3339()
         exports.save(exported)

@@ -418,9 +418,9 @@ def test_the_last_delivered_model_is_remembered_per_deployment_under_the_runs_di
 def test_the_evaluation_trainer_stages_its_models_items_and_scripts_and_runs_on_a_gpu(
     tmp_path: Path,
 ) -> None:
+    from overbrainer_prefect.evaluation.trainer import EvaluateTrainer
     from overbrainer_prefect.trainers import Trainer
     from overbrainer_prefect.trainers.base import JobContext, TargetFacts, TrainError
-    from overbrainer_prefect.trainers.evaluate import EvaluateTrainer
 
     runs_root = tmp_path / "runs"
     plan = plan_of(tmp_path, items=[{"prompt": "Who is Pip?", "expected": "axolotl"}])

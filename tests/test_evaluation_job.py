@@ -25,11 +25,11 @@ from overbrainer_prefect.evaluation.results import (
 )
 from overbrainer_prefect.evaluation.scorers import normalise
 from overbrainer_prefect.evaluation.spec import EvalItem, EvaluationPlan, EvaluationSpec
+from overbrainer_prefect.evaluation.trainer import EvaluateTrainer
 from overbrainer_prefect.evaluation.verdict import markdown, verdict
 from overbrainer_prefect.runs import Runs
 from overbrainer_prefect.trainers.base import JobContext, TargetFacts
 from overbrainer_prefect.trainers.compare import CompareSpec, read_answers
-from overbrainer_prefect.trainers.evaluate import EvaluateTrainer
 from tests.test_compare import MAX_TOKENS, QUESTIONS, Trained, trained  # noqa: F401
 
 JOB_TIMEOUT_S = 300.0  # two tiny GGUFs, a dozen short answers, a judge: seconds alone

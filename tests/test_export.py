@@ -24,7 +24,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.flows import ExportResult, RunResult, export, train
-from overbrainer_prefect.flows.export import NotExportable
+from overbrainer_prefect.kinds.export import NotExportable
 from overbrainer_prefect.runs import InvalidRunId, Runs, RunState
 from overbrainer_prefect.runs.ids import new_run_id
 from overbrainer_prefect.sizing import disk_warning, export_disk, safetensors_weights

@@ -22,11 +22,13 @@ import yaml
 from overbrainer_prefect.executors.base import CommandResult
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.runpod.vram import ModelShape, training_vram
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.failure import failure_cause
-from overbrainer_prefect.runs.lifecycle import RunContext
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, launch_summary
 from overbrainer_prefect.trainers.base import JobContext, TargetFacts, TrainError
 from overbrainer_prefect.trainers.probe import PROBE_MARK, parse_probe
@@ -408,13 +410,13 @@ def test_a_failing_axolotl_job_says_why_with_the_absolute_path_of_its_log(
     with pytest.raises(TrainError, match="has no list of messages under `messages`"):
         training.check_local_files()  # what the flow refuses; the job is tried here all the same
 
-    async def go() -> lifecycle.Outcome:
+    async def go() -> Outcome:
         ctx = local_context(tmp_path, job_python)
         trainer = AxolotlTrainer(training, cpu_threads=1)
-        record = lifecycle.create(
+        record = start_step.create(
             ctx.runs, target="box", target_kind="local", workdir=ctx.executor.workdir
         )
-        return await lifecycle.watch(ctx, trainer, await lifecycle.start(ctx, trainer, record))
+        return await follow.watch(ctx, trainer, await start_step.start(ctx, trainer, record))
 
     outcome = asyncio.run(go())
     local = Runs(tmp_path / "runs").run_dir(outcome.record.id)
@@ -454,15 +456,15 @@ def test_cancel_ends_every_process_of_a_two_process_job(
     async def go() -> tuple[RunState, list[int], list[int]]:
         ctx = local_context(tmp_path, job_python)
         trainer = AxolotlTrainer(training, cpu_threads=1, processes=2)
-        record = lifecycle.create(
+        record = start_step.create(
             ctx.runs, target="box", target_kind="local", workdir=ctx.executor.workdir
         )
-        record = await lifecycle.start(ctx, trainer, record)
+        record = await start_step.start(ctx, trainer, record)
         deadline = time.monotonic() + 120
         while len(workers_of(record.remote_dir)) < 3 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)  # torchrun and its two workers
         seen = workers_of(record.remote_dir)
-        record, _, _ = await lifecycle.cancel(ctx, trainer, record)
+        record, _, _ = await end_step.cancel(ctx, trainer, record)
         await asyncio.sleep(1.0)
         return record.state, seen, workers_of(record.remote_dir)
 

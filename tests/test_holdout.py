@@ -15,8 +15,8 @@ from pydantic import ValidationError
 from overbrainer_prefect.evaluation.items import heldout_items
 from overbrainer_prefect.evaluation.spec import BadEvaluationInput
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.runs.lifecycle import LOCAL_ONLY
 from overbrainer_prefect.runs.store import RECORD_FILE
+from overbrainer_prefect.steps.start import LOCAL_ONLY
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import JobContext, TargetFacts, TrainError
 from overbrainer_prefect.trainers.holdout import holdout_count, holdout_problem, read_split

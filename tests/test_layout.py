@@ -11,39 +11,25 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "overbrainer_prefect"
 
-CORE = [
-    "overbrainer_prefect.runs.lifecycle",
-    "overbrainer_prefect.runs.resume",
-    "overbrainer_prefect.executors.local",
-    "overbrainer_prefect.executors.jobscript",
-    "overbrainer_prefect.trainers.axolotl",
-    "overbrainer_prefect.trainers.rebuild",
-    "overbrainer_prefect.executors.ssh",
-    "overbrainer_prefect.runpod.client",
-    "overbrainer_prefect.runpod.gpus",
-    "overbrainer_prefect.runpod.deletion",
-    "overbrainer_prefect.runpod.vram",
-    "overbrainer_prefect.runpod.bootstrap",
-    "overbrainer_prefect.runpod.provision",
-    "overbrainer_prefect.runpod.follow",
-    "overbrainer_prefect.runpod.ending",
-    "overbrainer_prefect.runpod.reconnect",
-    "overbrainer_prefect.runpod.orphans",
-    "overbrainer_prefect.runpod.volume",
-    "overbrainer_prefect.targets.base",
-    "overbrainer_prefect.targets.host",
-    "overbrainer_prefect.targets.pod",
-    "overbrainer_prefect.trainers.holdout",
-    "overbrainer_prefect.trainers.evaluate",
-    "overbrainer_prefect.evaluation.spec",
-    "overbrainer_prefect.evaluation.items",
-    "overbrainer_prefect.evaluation.scorers",
-    "overbrainer_prefect.evaluation.stats",
-    "overbrainer_prefect.evaluation.judge",
-    "overbrainer_prefect.evaluation.results",
-    "overbrainer_prefect.evaluation.verdict",
-    "overbrainer_prefect.evaluation.gate",
-]
+CORE_PACKAGES = (
+    "runs",
+    "steps",
+    "kinds",
+    "executors",
+    "trainers",
+    "runpod",
+    "targets",
+    "evaluation",
+    "delivery",
+)
+"""The packages that never import Prefect: every module of each."""
+
+CORE = sorted(
+    ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for package in CORE_PACKAGES
+    for path in (PACKAGE / package).glob("*.py")
+    if path.name != "__init__.py"
+)
 
 TARGET_CLASSES = ("RunpodTarget", "SshTarget", "LocalTarget", "PodTarget", "HostTarget")
 
@@ -143,6 +129,67 @@ def test_no_import_circle_among_the_package_modules() -> None:
         if module not in state:
             visit(module, [module])
     assert circles == []
+
+
+def _package_of(module: str) -> str:
+    """The subpackage (or top module) of the package that `module` is in."""
+    return module.split(".")[1]
+
+
+def test_no_import_circle_among_the_subpackages() -> None:
+    paths = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "jobs" in path.parts or path.name == "__init__.py":
+            continue
+        paths[".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        here = _package_of(module)
+        graph.setdefault(here, set())
+        graph[here] |= {_package_of(o) for o in _imports(path, set(paths))} - {here}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, pending = set(), [start]
+        while pending:
+            node = pending.pop()
+            for other in graph.get(node, set()):
+                if other == goal:
+                    return True
+                if other not in seen:
+                    seen.add(other)
+                    pending.append(other)
+        return False
+
+    circles = sorted(
+        {" <-> ".join(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a)}
+    )
+    assert circles == []
+
+
+def test_only_the_steps_and_the_driver_change_a_run_record() -> None:
+    """A provider answers facts; `steps/` and the driver (and the store) write records."""
+    allowed = {"runs", "steps", "flows"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "jobs" in path.parts:
+            continue
+        package = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        if package in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("end_step.fail"):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: fail()")
+            if isinstance(node, ast.Assign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    text = ast.unparse(target)
+                    if (
+                        isinstance(target, ast.Attribute)
+                        and text.split(".")[-1] == "state"
+                        and (text.startswith(("record.", "run.")))
+                    ):
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {text}")
+    assert found == []
 
 
 def test_the_abstract_target_block_is_not_a_block_type_of_its_own() -> None:

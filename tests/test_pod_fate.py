@@ -31,8 +31,10 @@ from overbrainer_prefect.runpod.fate import RESTART_REASON, RETRIEVED_REASON, fo
 from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.reaper import BY, REAPER_LOG
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import reporters
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.trainers.base import TargetFacts, TrainError
 from tests.conftest import job_venv
@@ -51,8 +53,8 @@ from pydantic import SecretStr
 from overbrainer_prefect.runpod import RunpodClient, RunpodTargetSettings, plan_from_api
 from overbrainer_prefect.runpod.context import PodContext
 from overbrainer_prefect.runpod.provision import provision
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.steps import start as start_step
 runs_dir, rest, graphql, grace = sys.argv[1:5]
 key = sys.stdin.read().strip()
 async def main():
@@ -62,7 +64,7 @@ async def main():
             gpu_types=["NVIDIA RTX A4000"], image="x:1", max_hours=1.0, boot_grace_s=float(grace)
         )
         plan = await plan_from_api(client, wanted)
-        record = lifecycle.create(ctx.runs, target="sim", target_kind="runpod", workdir="/w")
+        record = start_step.create(ctx.runs, target="sim", target_kind="runpod", workdir="/w")
         await provision(ctx, record, wanted, plan, api_url=rest, name="sim")
 asyncio.run(main())
 """
@@ -97,19 +99,20 @@ def pod_target(sim: RunpodSim, **changes: Any) -> Target:
     return RunpodTarget(**values).target("overbrainer-runpod-target/fate", LOG)
 
 
-async def train_on(
-    place: Target, runs: Runs, script: str, meanwhile: Any = None
-) -> lifecycle.Outcome:
+async def train_on(place: Target, runs: Runs, script: str, meanwhile: Any = None) -> Outcome:
     """Reserves, places, starts and follows a shell job on `place`; with
     `meanwhile(pod)`, that is run in a thread once the job started."""
     need = JobNeed(what="the job")
     async with place.reserve(runs, need, NoBudget()) as reservation:
-        record = lifecycle.create(
+        record = start_step.create(
             runs, target=place.ref, target_kind=place.kind, workdir=place.workdir, trainer="shell"
         )
         async with place.place(runs, runs.load(record.id), reservation) as placed:
-            ctx = placed.context(runs, lifecycle.LogReporter())
-            started = await lifecycle.start(ctx, ShellTrainer(script), runs.load(record.id))
+            record = runs.load(record.id)
+            record.remote_dir = placed.remote_dir(record)  # the caller records it (a pod's)
+            runs.save(record)
+            ctx = placed.context(runs, reporters.LogReporter())
+            started = await start_step.start(ctx, ShellTrainer(script), record)
             placed.started(runs, started)
             if meanwhile is not None:
                 await asyncio.to_thread(meanwhile, PodRecord.load(runs, record.id))
@@ -195,8 +198,7 @@ def test_a_start_command_that_exits_ends_the_boot_wait_with_its_log_and_the_pod_
     error = asyncio.run(main())
     assert "start command exited" in str(error) and "gzip: not found" in str(error)
     assert "Runpod restarted its container" in str(error)
-    (record,) = bed.runs.list()
-    assert record.state == RunState.FAILED and "gzip: not found" in (record.message or "")
+    assert "gzip: not found" in (error.kept or "")  # what the driver fails the run with
     (billed,) = bed.sim.pods(include_deleted=True)
     assert billed.deleted and bed.pods.restarts(billed.id) >= 1
     # ended at its first restarts, not at the end of its 900 s boot grace
@@ -403,8 +405,7 @@ def test_a_pod_terminated_by_runpod_mid_job_fails_its_run_with_that_reason(
             sim.terminate(pod.pod_id or "")  # the account's balance ran out
 
         outcome = asyncio.run(train_on(pod_target(sim), runs, STALLED, terminate))
-    assert outcome.record.state == RunState.FAILED
-    assert "Runpod terminated it" in (outcome.record.message or "")
+    assert "Runpod terminated it" in (outcome.lost or "")  # what the driver fails the run with
     pod = the_pod(runs)
     assert pod.state == PodState.DELETED and pod.deleted_by == "unknown"
     assert "Runpod terminated it" in (pod.delete_reason or "")

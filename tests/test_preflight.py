@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from overbrainer_prefect.runpod.gpus import GpuChoiceError, plan_launch
 from overbrainer_prefect.runpod.models import GpuType
 from overbrainer_prefect.runpod.settings import settings_from
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.spec import TrainingSpec
@@ -33,7 +33,7 @@ def snapshot(root: Path) -> dict[str, bytes]:
 def runs(tmp_path: Path) -> Runs:
     """A runs directory that already holds one run, to show that a refusal changes nothing."""
     store = Runs(tmp_path / "runs")
-    lifecycle.create(store, target="box", target_kind="local", workdir=str(tmp_path / "work"))
+    start_step.create(store, target="box", target_kind="local", workdir=str(tmp_path / "work"))
     return store
 
 

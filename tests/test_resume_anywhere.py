@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import RunContext
-from overbrainer_prefect.runs.resume import resume_point, resumed_spec, stage_checkpoint
+from overbrainer_prefect.kinds.training import resume_point, resumed_spec, stage_checkpoint
 from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.shelljobs import wait_for
@@ -31,7 +33,7 @@ def test_the_resumed_spec_reads_the_stopped_runs_own_copy_of_its_data(
     )
     runs = Runs(tmp_path / "runs")
     spec = TrainingSpec.model_validate({"datasets": ["data/chat.jsonl", "org/hub"]})
-    record = lifecycle.create(
+    record = start_step.create(
         runs, target="box", target_kind="local", workdir="/w", spec=spec.model_dump(mode="json")
     )
     copy = runs.run_dir(record.id) / "data" / "chat.jsonl"
@@ -76,20 +78,20 @@ def test_a_stopped_run_resumes_from_another_directory_at_its_checkpoint_plus_one
     async def stop_first() -> str:
         training.check_local_files()
         trainer = AxolotlTrainer(training, cpu_threads=1)
-        record = lifecycle.create(
+        record = start_step.create(
             runs,
             target="box",
             target_kind="local",
             workdir=ctx.executor.workdir,
             spec=training.model_dump(mode="json"),
         )
-        record = await lifecycle.start(ctx, trainer, record)
+        record = await start_step.start(ctx, trainer, record)
         metrics = Path(record.remote_dir) / "metrics.jsonl"
         await wait_for(
             lambda: metrics.is_file() and '"log"' in metrics.read_text(), 240, "a first step"
         )
-        await lifecycle.request_stop(ctx, record)
-        outcome = await lifecycle.watch(ctx, trainer, record)
+        await end_step.request_stop(ctx, record)
+        outcome = await follow.watch(ctx, trainer, record)
         assert outcome.record.state == RunState.STOPPED, outcome.record.message
         return record.id
 
@@ -104,7 +106,7 @@ def test_a_stopped_run_resumes_from_another_directory_at_its_checkpoint_plus_one
         point = resume_point(runs, stopped)
         spec = resumed_spec(runs, stopped).model_copy(update={"max_steps": point.step + 3})
         spec.check_local_files()
-        record = lifecycle.create(
+        record = start_step.create(
             runs,
             target="box",
             target_kind="local",
@@ -115,7 +117,7 @@ def test_a_stopped_run_resumes_from_another_directory_at_its_checkpoint_plus_one
         record.resumed_from = point
         runs.save(record)
         trainer = AxolotlTrainer(spec, resume_from=resume_from, cpu_threads=1)
-        outcome = await lifecycle.watch(ctx, trainer, await lifecycle.start(ctx, trainer, record))
+        outcome = await follow.watch(ctx, trainer, await start_step.start(ctx, trainer, record))
         assert outcome.record.state == RunState.SUCCEEDED, outcome.record.message
         lines = (runs.run_dir(record.id) / "metrics.jsonl").read_text().splitlines()
         return point.step, [json.loads(x)["step"] for x in lines if '"log"' in x]

@@ -14,10 +14,13 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import JOB_LOG, JobStatus
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import NotRetrieved, RunContext
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.errors import NotRetrieved
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
 
 
@@ -53,39 +56,39 @@ def context(tmp_path: Path, **changes: object) -> RunContext:
 
 
 async def started(ctx: RunContext, trainer: ShellTrainer) -> RunRecord:
-    record = lifecycle.create(
+    record = start_step.create(
         ctx.runs, target="box", target_kind="local", workdir=ctx.executor.workdir
     )
-    return await lifecycle.start(ctx, trainer, record)
+    return await start_step.start(ctx, trainer, record)
 
 
-def run_job(tmp_path: Path, script: str, **changes: object) -> lifecycle.Outcome:
-    async def go() -> lifecycle.Outcome:
+def run_job(tmp_path: Path, script: str, **changes: object) -> Outcome:
+    async def go() -> Outcome:
         ctx = context(tmp_path, **changes)
         trainer = ShellTrainer(script)
-        return await lifecycle.watch(ctx, trainer, await started(ctx, trainer))
+        return await follow.watch(ctx, trainer, await started(ctx, trainer))
 
     return asyncio.run(go())
 
 
 def test_outcomes_follow_the_exit_code_and_the_metrics() -> None:
     summary = MetricsSummary()
-    state, message = lifecycle.outcome(JobStatus.exited(0), summary, "runs/r1")
+    state, message = follow.outcome(JobStatus.exited(0), summary, "runs/r1")
     assert state == RunState.FAILED
     assert message is not None and "plugin was not loaded" in message
     summary.add('{"event": "begin", "time": 1}')
-    assert lifecycle.outcome(JobStatus.exited(0), summary, "runs/r1") == (RunState.SUCCEEDED, None)
-    assert lifecycle.outcome(JobStatus.exited(2), summary, "runs/r1") == (
+    assert follow.outcome(JobStatus.exited(0), summary, "runs/r1") == (RunState.SUCCEEDED, None)
+    assert follow.outcome(JobStatus.exited(2), summary, "runs/r1") == (
         RunState.FAILED,
         "the job exited with code 2 (see runs/r1/job.log)",
     )
-    assert lifecycle.outcome(JobStatus.cancelled(), summary, "runs/r1") == (
+    assert follow.outcome(JobStatus.cancelled(), summary, "runs/r1") == (
         RunState.CANCELLED,
         None,
     )
-    assert lifecycle.outcome(JobStatus.lost(), summary, "runs/r1")[0] == RunState.FAILED
+    assert follow.outcome(JobStatus.lost(), summary, "runs/r1")[0] == RunState.FAILED
     summary.add('{"event": "end", "stopped": true, "checkpoint": "output/checkpoint-2"}')
-    assert lifecycle.outcome(JobStatus.exited(0), summary, "runs/r1") == (RunState.STOPPED, None)
+    assert follow.outcome(JobStatus.exited(0), summary, "runs/r1") == (RunState.STOPPED, None)
 
 
 def test_a_job_with_metrics_and_output_succeeds_with_every_file_verified(tmp_path: Path) -> None:
@@ -162,11 +165,11 @@ def test_a_missing_different_or_extra_file_leaves_a_success_running(tmp_path: Pa
         (local / "output").mkdir(parents=True)
         (local / "output" / "stray.bin").write_text("not from the target")
         with pytest.raises(NotRetrieved, match='"output/stray.bin" is not on the target'):
-            await lifecycle.watch(ctx, trainer, record)
+            await follow.watch(ctx, trainer, record)
         assert ctx.runs.load(record.id).state == RunState.RUNNING
         (local / "output" / "stray.bin").unlink()
         # attach again: everything verifies now
-        outcome = await lifecycle.watch(ctx, trainer, ctx.runs.load(record.id))
+        outcome = await follow.watch(ctx, trainer, ctx.runs.load(record.id))
         assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved
 
     asyncio.run(go())
@@ -197,7 +200,7 @@ def test_cancel_stops_the_job_and_retrieves_what_it_left(tmp_path: Path) -> None
         trainer = ShellTrainer(f"{WRITE_OUTPUT}; {WRITE_METRICS}; sleep 60 & wait")
         record = await started(ctx, trainer)
         await wait_for(lambda: os.path.exists(f"{record.remote_dir}/metrics.jsonl"), what="metrics")
-        record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
+        record, status, retrieved = await end_step.cancel(ctx, trainer, record)
         assert status == JobStatus.cancelled()
         assert record.state == RunState.CANCELLED and retrieved
         local = ctx.runs.run_dir(record.id)
@@ -213,11 +216,11 @@ def test_a_start_whose_target_cannot_run_the_job_fails_the_run_with_the_reason(
     async def go() -> None:
         ctx = context(tmp_path, python=str(tmp_path / "no-venv" / "bin" / "python"))
         trainer = ShellTrainer("true")
-        record = lifecycle.create(
+        record = start_step.create(
             ctx.runs, target="box", target_kind="local", workdir=ctx.executor.workdir
         )
         with pytest.raises(Exception, match="no-venv"):
-            await lifecycle.start(ctx, trainer, record)
+            await start_step.start(ctx, trainer, record)
         saved = ctx.runs.load(record.id)
         assert saved.state == RunState.FAILED and saved.job is None
         assert saved.message is not None and "no-venv" in saved.message
@@ -229,7 +232,7 @@ def test_a_job_whose_run_cannot_be_recorded_is_cancelled(tmp_path: Path) -> None
     async def go() -> None:
         ctx = context(tmp_path)
         trainer = ShellTrainer("sleep 30")
-        record = lifecycle.create(
+        record = start_step.create(
             ctx.runs, target="box", target_kind="local", workdir=ctx.executor.workdir
         )
         original_save = ctx.runs.save
@@ -244,7 +247,7 @@ def test_a_job_whose_run_cannot_be_recorded_is_cancelled(tmp_path: Path) -> None
 
         ctx.runs.save = failing_save  # type: ignore[method-assign]
         with pytest.raises(OSError, match="disk full"):
-            await lifecycle.start(ctx, trainer, record)
+            await start_step.start(ctx, trainer, record)
         run_dir = Path(record.remote_dir)
         await wait_for(lambda: (run_dir / "job.cancelled").exists(), what="the cancel")
         assert record.job is not None
@@ -261,11 +264,11 @@ def test_secrets_reach_the_job_but_no_file_of_the_run(tmp_path: Path) -> None:
         trainer = ShellTrainer(
             f'[ "${{#HF_TOKEN}}" -eq {len(secret)} ] || exit 9; {WRITE_METRICS}; {WRITE_OUTPUT}'
         )
-        record = lifecycle.create(
+        record = start_step.create(
             ctx.runs, target="box", target_kind="local", workdir=ctx.executor.workdir
         )
-        record = await lifecycle.start(ctx, trainer, record, {"HF_TOKEN": SecretStr(secret)})
-        return (await lifecycle.watch(ctx, trainer, record)).record
+        record = await start_step.start(ctx, trainer, record, {"HF_TOKEN": SecretStr(secret)})
+        return (await follow.watch(ctx, trainer, record)).record
 
     record = asyncio.run(go())
     assert record.state == RunState.SUCCEEDED, record.message

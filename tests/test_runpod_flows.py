@@ -37,13 +37,13 @@ from prefect.states import Cancelling
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.flows import RunResult, attach, cancel, pods, stop, train
 from overbrainer_prefect.flows.driver import on_cancelled
-from overbrainer_prefect.flows.pods import PodsError
 from overbrainer_prefect.runpod import PodRequest
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR
+from overbrainer_prefect.runpod.listing import PodsError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim, running_sim
@@ -666,7 +666,7 @@ def test_pods_remove_of_a_run_that_is_not_a_runpod_run_deletes_nothing(
     prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
 ) -> None:
     runs_dir = tmp_path / "runs"
-    local = lifecycle.create(Runs(runs_dir), target="laptop", target_kind="local", workdir="/w")
+    local = start_step.create(Runs(runs_dir), target="laptop", target_kind="local", workdir="/w")
     leave_an_orphan(sim)
     credentials = f"creds-{uuid.uuid4().hex[:8]}"
     RunpodCredentials(api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url).save(
@@ -683,7 +683,6 @@ def ended_run_with_pod(sim: RunpodSim, runs_dir: Path, retrieved: bool) -> str:
     retrieved and verified (a manifest), or not (the note); returns the pod's id."""
     from overbrainer_prefect.executors.base import JobId
     from overbrainer_prefect.runs.ids import new_run_id, rfc3339
-    from overbrainer_prefect.runs.lifecycle import NOT_RETRIEVED
     from overbrainer_prefect.runs.store import RunRecord
 
     run_id = new_run_id()
@@ -697,7 +696,8 @@ def ended_run_with_pod(sim: RunpodSim, runs_dir: Path, retrieved: bool) -> str:
             remote_dir=f"/workspace/overbrainer/{run_id}",
             job=JobId(dir=f"/workspace/overbrainer/{run_id}", pid=1234),
             state=RunState.FAILED,
-            message="the job failed" if retrieved else f"{NOT_RETRIEVED}the pod did not answer",
+            message="the job failed",
+            not_retrieved=None if retrieved else "the pod did not answer",
             ended=rfc3339(),
         )
     )

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from overbrainer_prefect.blocks import LocalTarget, SshTarget
-from overbrainer_prefect.flows.runs import age_text, runs
+from overbrainer_prefect.flows.runs import runs
 from overbrainer_prefect.flows.targets import AmbiguousTarget, load_target
+from overbrainer_prefect.kinds.listing import age_text
 from overbrainer_prefect.runpod.pod import PodRecord
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import start as start_step
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("prefect_server")
 def made(root: Path, state: RunState, *, losses: list[float] = (), kind: str = "training") -> str:
     """A run recorded in `root` in `state`, with a metrics file of `losses`."""
     store = Runs(root)
-    record = lifecycle.create(store, target="local/box", target_kind="local", workdir="/w")
+    record = start_step.create(store, target="local/box", target_kind="local", workdir="/w")
     record.state = state
     store.save(record)
     lines = [json.dumps({"event": "begin", "step": 0, "max_steps": len(losses)})]
@@ -47,7 +48,7 @@ def test_the_runs_flow_lists_runs_and_their_exports_newest_first_filtered_by_sta
     stopped = made(tmp_path, RunState.STOPPED, losses=[3.0])
     store = Runs(tmp_path)
     exports = store.children(done, "export")
-    export = lifecycle.create(
+    export = start_step.create(
         exports,
         target="local/box",
         target_kind="local",

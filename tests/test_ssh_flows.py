@@ -21,9 +21,11 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from overbrainer_prefect.blocks import HuggingFaceCredentials, SshTarget
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.flows import RunResult, attach, train
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import NotRetrieved, RunContext, Unreachable
 from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import RunContext
+from overbrainer_prefect.steps.errors import NotRetrieved, Unreachable
 from tests.conftest import job_venv
 from tests.shelljobs import WRITE_METRICS, ShellTrainer
 from tests.sshd import Sshd
@@ -160,10 +162,10 @@ def test_a_download_cut_midway_leaves_the_run_running_and_attach_retrieves_it(
     async def go() -> None:
         ctx = RunContext(runs=runs, executor=executor(sshd, remote), python="python3", poll_s=0.2)
         trainer = ShellTrainer(script)
-        record = lifecycle.create(
+        record = start_step.create(
             runs, target="box", target_kind="ssh", workdir=ctx.executor.workdir
         )
-        record = await lifecycle.start(ctx, trainer, record)
+        record = await start_step.start(ctx, trainer, record)
         local = runs.run_dir(record.id)
 
         def downloading() -> bool:
@@ -171,13 +173,13 @@ def test_a_download_cut_midway_leaves_the_run_running_and_attach_retrieves_it(
 
         watcher = stop_when(downloading, sshd, 120)
         with pytest.raises((NotRetrieved, Unreachable)) as caught:
-            await lifecycle.watch(ctx, trainer, record)
+            await follow.watch(ctx, trainer, record)
         watcher.join(timeout=10)
         assert sshd.pid is None, "the download finished before it could be cut"
         assert f"attach flow (run_id={record.id})" in str(caught.value)
         assert runs.load(record.id).state == RunState.RUNNING
         sshd.start()
-        outcome = await lifecycle.watch(ctx, trainer, runs.load(record.id))
+        outcome = await follow.watch(ctx, trainer, runs.load(record.id))
         assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved
         assert (local / "output/big.bin").stat().st_size == 400_000_000
         await ctx.executor.close()
@@ -200,13 +202,13 @@ def test_a_file_changed_after_its_manifest_is_never_reported_succeeded(
     async def go() -> None:
         ctx = RunContext(runs=runs, executor=executor(sshd, remote), python="python3", poll_s=0.2)
         trainer = ShellTrainer(script)
-        record = lifecycle.create(
+        record = start_step.create(
             runs, target="box", target_kind="ssh", workdir=ctx.executor.workdir
         )
-        record = await lifecycle.start(ctx, trainer, record)
+        record = await start_step.start(ctx, trainer, record)
         with pytest.raises(NotRetrieved, match="differs from the target|is not on the target"):
             for _ in range(20):  # each try races the writer; one of them must lose
-                await lifecycle.watch(ctx, trainer, runs.load(record.id))
+                await follow.watch(ctx, trainer, runs.load(record.id))
         assert runs.load(record.id).state == RunState.RUNNING
         await ctx.executor.close()
 

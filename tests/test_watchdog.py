@@ -43,9 +43,10 @@ from overbrainer_prefect.runpod.follow import (
 from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord, PodState
 from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, Provisioned, provision
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import RunContext
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import RunContext
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, descendants
 from tests.shelljobs import ShellTrainer
@@ -132,14 +133,16 @@ def settings(**changes: Any) -> RunpodTargetSettings:
 
 async def ready_pod(ctx: PodContext, bed: Bed, wanted: RunpodTargetSettings) -> Provisioned:
     plan = await plan_from_api(ctx.client, wanted)
-    record = lifecycle.create(ctx.runs, target="sim", target_kind="runpod", workdir=DEFAULT_WORKDIR)
+    record = start_step.create(
+        ctx.runs, target="sim", target_kind="runpod", workdir=DEFAULT_WORKDIR
+    )
     return await provision(ctx, record, wanted, plan, api_url=bed.sim.rest_url, name="sim")
 
 
 async def start(ctx: PodContext, ready: Provisioned, script: str) -> tuple[RunContext, RunRecord]:
     run_ctx = RunContext(runs=ctx.runs, executor=ready.executor, poll_s=0.3)
     record = ctx.runs.load(ready.pod.run_id)
-    record = await lifecycle.start(run_ctx, ShellTrainer(script), record)
+    record = await start_step.start(run_ctx, ShellTrainer(script), record)
     ready.pod.state = PodState.RUNNING
     ready.pod.save(ctx.runs)
     return run_ctx, record
@@ -319,7 +322,7 @@ def test_the_retrieved_marker_deletes_the_pod_at_once(bed: Bed) -> None:
     async def body(ctx: PodContext) -> tuple[PodRecord, float]:
         ready = await ready_pod(ctx, bed, settings())
         run_ctx, record = await start(ctx, ready, progressing(2, 0.1))
-        outcome = await lifecycle.watch(run_ctx, ShellTrainer(""), record)
+        outcome = await follow.watch(run_ctx, ShellTrainer(""), record)
         assert outcome.retrieved and outcome.record.state == RunState.SUCCEEDED
         marked = time.time()
         await ready.executor.touch(f"{record.remote_dir}/{RETRIEVED_MARKER}")
@@ -535,7 +538,7 @@ def test_a_pod_billing_above_the_price_limit_is_deleted(bed: Bed) -> None:
         wanted = settings(max_price_per_hour=0.3)
         plan = await plan_from_api(ctx.client, wanted)
         bed.sim.gpus[A4000].secure_price = 0.5  # the scheduler placed a pricier machine
-        record = lifecycle.create(ctx.runs, target="sim", target_kind="runpod", workdir="/w")
+        record = start_step.create(ctx.runs, target="sim", target_kind="runpod", workdir="/w")
         try:
             await provision(ctx, record, wanted, plan, api_url=bed.sim.rest_url, name="sim")
         except PodError as error:

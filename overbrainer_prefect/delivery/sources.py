@@ -16,8 +16,8 @@ from pathlib import Path
 
 from overbrainer_prefect.delivery import DeliveryError
 from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.runs.lifecycle import load_manifest
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps.retrieve import load_manifest
 
 OUTPUT_DIR = "output"
 """Where a run's adapter (or full model) is, in its run directory."""

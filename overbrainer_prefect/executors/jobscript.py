@@ -57,7 +57,10 @@ def launch_command(run_dir: str) -> str:
     return (
         f"cd {quoted} || exit 1; rm -f {EXIT_FILE} {CANCEL_FILE}; "
         f"setsid sh {JOB_SCRIPT} </dev/null >/dev/null 2>&1 & "
-        'pid=$!; cat /proc/"$pid"/stat'
+        # `read`, a builtin: the shell reaps no child before the line is read, so a
+        # job that ends at once is still a zombie with a stat line (`cat` forks, and
+        # the shell's wait for it could reap the job first)
+        'pid=$!; read -r line < /proc/"$pid"/stat && printf \'%s\\n\' "$line"'
     )
 
 

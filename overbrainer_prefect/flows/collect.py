@@ -28,26 +28,20 @@ from prefect.client.schemas.objects import State, StateType
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Crashed
-from pydantic import BaseModel
 
-from overbrainer_prefect.artifacts import (
-    next_step,
-    publish_metrics_table,
-    publish_summary,
-    summary_markdown,
-)
+from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
 from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.driver import Finished, follow_again
 from overbrainer_prefect.flows.targets import UnknownTarget, target_named
-from overbrainer_prefect.runpod.context import PodError
-from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
+from overbrainer_prefect.kinds.registry import kind_of
+from overbrainer_prefect.kinds.training import next_step
 from overbrainer_prefect.runs.ids import parse_rfc3339
-from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
 from overbrainer_prefect.runs.records import RecordError
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
+from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.targets.base import Target
-from overbrainer_prefect.trainers.rebuild import TRAINING
 
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""
@@ -61,22 +55,6 @@ collector settles once it finished the job (releasing its deployment's
 concurrency slot)."""
 
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
-
-
-class Collected(BaseModel):
-    """What the collector did with one job."""
-
-    run_id: str
-    """The run, or the export or compare (`kind`), the collector finished."""
-    target: str
-    was: RunState
-    kind: str = "run"
-    """`run`, or an export or compare: `export E of run R`."""
-    action: str
-    state: RunState
-    retrieved: bool = False
-    files: int = 0
-    message: str | None = None
 
 
 async def flow_run_state(flow_run_id: str | None) -> StateType | None:
@@ -176,7 +154,7 @@ async def collect_job(
     logger = get_run_logger()
     name = subject(record)
     was = record.state
-    kind = name if record.parent is not None or record.trainer != TRAINING else "run"
+    kind = "run" if kind_of(record).progress else name
     row = Collected(
         run_id=record.id, target=record.target, was=was, action="", state=was, kind=kind
     )
@@ -207,11 +185,11 @@ async def collect_job(
         return _left(row, store, record, error)
     except RunBusy:
         return None
-    except (UnknownTarget, ExecError, RecordError, RunsError, PodError, RunpodError) as error:
+    except (UnknownTarget, ExecError, RecordError, RunsError, TargetError) as error:
         return _left(row, store, record, error)
     outcome = finished.outcome
     ended = outcome.record
-    if ended.parent is None and ended.trainer == TRAINING and ended.job is not None:
+    if kind_of(ended).progress and ended.job is not None:
         await publish_metrics_table(ended.id, outcome.summary)
         await publish_summary(
             ended.id,
@@ -246,38 +224,10 @@ def _left(row: Collected, store: Runs, record: RunRecord, error: Exception) -> C
     return row.model_copy(
         update={
             "action": "left as it was",
-            "state": _state_of(store, record),
+            "state": state_now(store, record),
             "message": str(error),
         }
     )
-
-
-def _state_of(runs: Runs, record: RunRecord) -> RunState:
-    try:
-        return runs.load(record.id).state
-    except (RecordError, RunsError):
-        return record.state
-
-
-def collected_markdown(rows: list[Collected], root: str) -> str:
-    """The collect's report: one row a job it finished."""
-    lines = [f"# Collected runs in `{root}`", ""]
-    if not rows:
-        lines.append("Nothing to collect: every run has ended or is followed.")
-        return "\n".join(lines) + "\n"
-    lines += [
-        "| run | target | was | action | now | files | message |",
-        "|---|---|---|---|---|---:|---|",
-    ]
-    for row in rows:
-        files = f"{row.files} verified" if row.retrieved else "not retrieved"
-        message = (row.message or "").replace("|", "\\|").replace("\n", " ")
-        shown = row.run_id if row.kind == "run" else row.kind
-        lines.append(
-            f"| {shown} | {row.target} | {row.was} | {row.action} | **{row.state}** "
-            f"| {files} | {message} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 @flow(name="collect", persist_result=True)
@@ -312,7 +262,7 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
                     target=record.target,
                     was=record.state,
                     action="failed to collect",
-                    state=_state_of(store, record),
+                    state=state_now(store, record),
                     message=f"{type(result).__name__}: {result}",
                 )
             )

@@ -15,7 +15,6 @@ reused, not asked again.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -23,28 +22,33 @@ from prefect.artifacts import acreate_markdown_artifact
 from prefect.client.schemas.objects import State
 from prefect.states import Cancelled
 
-from overbrainer_prefect.executors.base import FileDigest
-from overbrainer_prefect.executors.manifest import sha256_file
 from overbrainer_prefect.flows.driver import HOOKS, Finished, NewJob, follow_again, run_new
-from overbrainer_prefect.flows.export import export_job, reusable, running
+from overbrainer_prefect.flows.export import export_job
 from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
-from overbrainer_prefect.reports.compare import (
+from overbrainer_prefect.kinds.base_export import base_gguf, reused_base
+from overbrainer_prefect.kinds.compare import NAME as COMPARE
+from overbrainer_prefect.kinds.compare import (
+    CompareFailed,
     CompareResult,
+    NotComparable,
     answers_markdown,
+    check_comparable,
+    job_failure,
     number_text,
     result_of,
+    reusable_compare,
+    running_compare,
 )
-from overbrainer_prefect.reports.export import gguf_entry
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, RunError
+from overbrainer_prefect.kinds.export import running
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.steps.context import Outcome
+from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed, Logger, Target
 from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.compare import (
-    ANSWERS_FILE,
     MODELS_DIR,
-    BaseExportTrainer,
     CompareSpec,
     CompareTrainer,
     GgufRef,
@@ -52,122 +56,11 @@ from overbrainer_prefect.trainers.compare import (
     base_key,
     check_max_tokens,
     load_questions,
-    spec_of,
     vram_floor,
 )
-from overbrainer_prefect.trainers.export import DEFAULT_QUANT, base_model, check_quant
-from overbrainer_prefect.trainers.rebuild import COMPARE, EXPORT
+from overbrainer_prefect.trainers.export import DEFAULT_QUANT, BaseExportTrainer, check_quant
 
 GB = 10**9
-
-
-class NotComparable(RunError):
-    """A run that cannot be compared as it is; nothing was started. One line."""
-
-
-class CompareFailed(RunError):
-    """The base model's GGUF could not be made; the message says what to do."""
-
-
-def tuned_gguf(runs: Runs, run_id: str, quant: str) -> GgufRef:
-    """The GGUF of the latest succeeded export of run `run_id` to `quant`, checked
-    against the SHA-256 it was retrieved with.
-
-    Raises NotComparable with one line when there is none, or it changed.
-    """
-    exports = runs.children(run_id, EXPORT)
-    done = reusable(exports, quant)
-    entry = gguf_entry(lifecycle.load_manifest(exports.run_dir(done.id))) if done else None
-    if done is None or entry is None:
-        raise NotComparable(
-            f"run {run_id} has no succeeded {quant} export to compare: run the export flow "
-            f"first (run_id={run_id}, quant={quant})"
-        )
-    path = exports.run_dir(done.id) / entry.path
-    _check_gguf(path, entry, f"the GGUF of export {done.id} of run {run_id}")
-    return GgufRef(
-        path=path.relative_to(runs.root).as_posix(),
-        size=entry.size,
-        sha256=entry.sha256,
-        export_id=done.id,
-    )
-
-
-def _check_gguf(path: Path, entry: FileDigest, what: str) -> None:
-    try:
-        size, digest = sha256_file(path)
-    except OSError as error:
-        raise NotComparable(f"cannot read {what} ({path}): {error.strerror or error}") from None
-    if size != entry.size or digest != entry.sha256:
-        raise NotComparable(
-            f"{what} ({path}) differs from the file retrieved and verified (SHA-256): "
-            "export it again"
-        )
-
-
-def check_comparable(runs: Runs, run_id: str, quant: str) -> tuple[RunRecord, GgufRef, str]:
-    """The record of run `run_id`, its tuned GGUF and the base model it fine-tuned.
-
-    Raises InvalidRunId or RunNotFound for a run that is not there, NotComparable
-    with one line when the run has no usable export of `quant`, or its config
-    names no base model.
-    """
-    run = runs.load(run_id)
-    tuned = tuned_gguf(runs, run_id, quant)
-    base = base_model(runs.run_dir(run_id))
-    if base is None:
-        raise NotComparable(
-            f"runs/{run_id}/axolotl.yaml names no base model: there is nothing to compare the "
-            "fine-tune with"
-        )
-    return run, tuned, base
-
-
-def reusable_compare(
-    compares: Runs,
-    questions: list[str],
-    max_tokens: int,
-    seed: int,
-    quant: str,
-    tuned: GgufRef,
-    target: str,
-) -> RunRecord | None:
-    """The latest succeeded compare that asked the same questions of the same tuned
-    GGUF the same way on `target`, whose answers are here as retrieved, or None."""
-    found: list[RunRecord] = []
-    for record in compares.list(skipped=lambda _name, _error: None):
-        spec = spec_of(record.spec)
-        if spec is None or record.state != RunState.SUCCEEDED or record.target != target:
-            continue
-        if lifecycle.artifacts_missing(record):
-            continue
-        if not spec.asks(questions, max_tokens, seed, quant, tuned.sha256):
-            continue
-        local = compares.run_dir(record.id)
-        entry = next((f for f in lifecycle.load_manifest(local) if f.path == ANSWERS_FILE), None)
-        answers = local / ANSWERS_FILE
-        if entry is not None and answers.is_file() and answers.stat().st_size == entry.size:
-            found.append(record)
-    return max(found, key=lambda r: (r.ended or r.created, r.id)) if found else None
-
-
-def running_compare(
-    compares: Runs,
-    questions: list[str],
-    max_tokens: int,
-    seed: int,
-    quant: str,
-    tuned_sha256: str,
-) -> RunRecord | None:
-    """A compare of the same questions, settings and tuned GGUF (by its SHA-256)
-    whose job runs (or ran unwatched) now, if any."""
-    for record in compares.list(skipped=lambda _name, _error: None):
-        spec = spec_of(record.spec)
-        if spec is None or record.state != RunState.RUNNING or record.job is None:
-            continue
-        if spec.asks(questions, max_tokens, seed, quant, tuned_sha256):
-            return record
-    return None
 
 
 async def publish_answers(compare_id: str, markdown: str) -> None:
@@ -177,44 +70,6 @@ async def publish_answers(compare_id: str, markdown: str) -> None:
         key=f"compare-{compare_id}-answers".lower(),
         description=f"Base and tuned answers of compare {compare_id}",
     )
-
-
-def _base_ref(store: Runs, record: RunRecord, runs: Runs) -> GgufRef | None:
-    """The verified GGUF of the succeeded base export `record`, or None when its
-    local file no longer matches the SHA-256 it was retrieved with."""
-    entry = gguf_entry(lifecycle.load_manifest(store.run_dir(record.id)))
-    if entry is None:
-        return None
-    path = store.run_dir(record.id) / entry.path
-    try:
-        size, digest = sha256_file(path)
-    except OSError:
-        return None
-    if size != entry.size or digest != entry.sha256:
-        return None
-    return GgufRef(
-        path=path.relative_to(runs.root).as_posix(),
-        size=size,
-        sha256=digest,
-        export_id=record.id,
-    )
-
-
-FAILURE_TAIL = 64 << 10  # bytes at the end of a job log searched for the job's own failure line
-
-
-def job_failure(local: Path, prefix: str) -> str | None:
-    """The one line a failed job script wrote to say why (`compare failed: ...`),
-    from the end of its retrieved `job.log` in `local`, without `prefix`; None when
-    there is none."""
-    try:
-        with (local / "job.log").open("rb") as log:
-            log.seek(max(0, log.seek(0, 2) - FAILURE_TAIL))
-            tail = log.read().decode("utf-8", errors="replace")
-    except OSError:
-        return None
-    lines = [line[len(prefix) :].strip() for line in tail.splitlines() if line.startswith(prefix)]
-    return lines[-1] if lines else None
 
 
 async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: Logger) -> GgufRef:
@@ -227,7 +82,7 @@ async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: 
     retrieved (compare again: a started export is followed again).
     """
     store = base_exports(runs, base_key(base, place.ref))
-    ref = reused_base(runs, store, base, quant)
+    ref = reused_base(runs, store, base, quant, logger)
     if ref is not None:
         return ref
     again = "compare again: it follows this export again, or makes a new one"
@@ -256,56 +111,7 @@ async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: 
         raise CompareFailed(
             f"the base model's export could not be made: {error}; {again}"
         ) from None
-    return base_gguf(runs, store, finished.outcome, subject(finished.outcome.record))
-
-
-def reused_base(runs: Runs, store: Runs, base: str, quant: str) -> GgufRef | None:
-    """The GGUF of the latest succeeded export of the base model `base` to
-    `quant` in `store`, when it still matches its SHA-256 (a warning says when
-    it no longer does); None when there is none to reuse."""
-    logger = get_run_logger()
-    done = reusable(store, quant)
-    ref = _base_ref(store, done, runs) if done is not None else None
-    if done is not None and ref is not None:
-        logger.info(
-            "the base model's GGUF (%s) is reused from %s: %s",
-            quant,
-            subject(done),
-            ref.path,
-        )
-        return ref
-    if done is not None:
-        logger.warning(
-            "the GGUF of %s no longer matches its SHA-256: exporting the base again",
-            subject(done),
-        )
-    return None
-
-
-def base_gguf(runs: Runs, store: Runs, outcome: Outcome, name: str) -> GgufRef:
-    """The verified GGUF of the base export whose job ended with `outcome`.
-    Raises CompareFailed with one line (the job's own reason, where its log is)
-    when it did not succeed or brought back no GGUF."""
-    logger = get_run_logger()
-    record = outcome.record
-    local = store.run_dir(record.id)
-    if outcome.record.state != RunState.SUCCEEDED:
-        reason = lifecycle.without_note(outcome.record.message) or str(outcome.record.state)
-        why = job_failure(local, "export failed: ")
-        raise CompareFailed(
-            f"{name} {outcome.record.state}: {reason.split(' (see ')[0]} (see {local}/job.log)"
-            + (f": {why}" if why else "")
-        )
-    entry = gguf_entry(outcome.files)
-    if entry is None:
-        raise CompareFailed(f"{name} brought back no GGUF (see {local}/job.log)")
-    logger.info("%s succeeded: %s (sha256 %s)", name, entry.path, entry.sha256)
-    return GgufRef(
-        path=(local / entry.path).relative_to(runs.root).as_posix(),
-        size=entry.size,
-        sha256=entry.sha256,
-        export_id=record.id,
-    )
+    return base_gguf(runs, store, finished.outcome, subject(finished.outcome.record), logger)
 
 
 def gguf_job(
@@ -419,7 +225,7 @@ async def compare(
     place = await target_named(target or run.target, logger)
     done = reusable_compare(compares, asked, max_tokens, seed, quant, tuned, place.ref)
     if done is not None:
-        files = lifecycle.load_manifest(compares.run_dir(done.id))
+        files = retrieve.load_manifest(compares.run_dir(done.id))
         result = result_of(compares, done, files, reused=True)
         logger.info(
             "reused %s, which asked the same %d questions of the same GGUF on %s: nothing "

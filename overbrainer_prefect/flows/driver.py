@@ -37,15 +37,18 @@ from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_pr
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.flows.budget import PrefectBudget
 from overbrainer_prefect.flows.targets import target_named
-from overbrainer_prefect.runpod.context import INTERRUPTED
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import JobReporter, Outcome, Reporter, RunContext, RunError
+from overbrainer_prefect.kinds.registry import kind_of, trainer_of
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
-from overbrainer_prefect.targets.base import JobNeed, Logger, Placed, Target
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import follow, reporters, retrieve
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.errors import INTERRUPTED, RunError, failure_reason
+from overbrainer_prefect.steps.reporters import JobReporter, Reporter
+from overbrainer_prefect.targets.base import JobNeed, Logger, Placed, Reservation, Target
 from overbrainer_prefect.trainers.base import Trainer
-from overbrainer_prefect.trainers.rebuild import TRAINING, trainer_of
 
 HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends cancelling and retrieving a job
 MAX_DEPTH = 3  # fine_tune → train → export: the deepest subflows go
@@ -89,7 +92,7 @@ def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None
     """Where a job's progress goes: a training run's live progress, loss curve
     (with what its pod has cost so far) and log, the job log's warnings that
     matter; or another job's status in the log."""
-    if record.parent is None and record.trainer == TRAINING:
+    if kind_of(record).progress:
         if placed is None:
             return PrefectReporter(logger, record.id)
         executor, remote = placed.executor, record.remote_dir
@@ -97,7 +100,7 @@ def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None
             logger,
             record.id,
             spend=placed.spend,
-            job_log=lambda: lifecycle.job_log_tail(executor, remote),
+            job_log=lambda: follow.job_log_tail(executor, remote),
         )
     return JobReporter(logger, subject(record))
 
@@ -107,7 +110,7 @@ async def start_job(
     ctx: RunContext, trainer: Trainer, record: RunRecord, target: Target, placed: Placed
 ) -> RunRecord:
     """Checks the machine, uploads the job's files and starts its job."""
-    record = await lifecycle.start(ctx, trainer, record, dict(target.secrets()))
+    record = await start_step.start(ctx, trainer, record, dict(target.secrets()))
     placed.started(ctx.runs, record)
     if isinstance(ctx.reporter, (PrefectReporter, JobReporter)):
         ctx.reporter.logger.info(
@@ -125,9 +128,21 @@ async def follow_job(
     placed: Placed, ctx: RunContext, trainer: Trainer, record: RunRecord
 ) -> Outcome:
     """Follows the job to its end, retrieves and verifies its files, and ends
-    what it ran on by the outcome."""
+    what it ran on by the outcome; a job whose machine is gone under it has
+    its record failed with why."""
     async with live_progress(ctx.reporter):
-        return await placed.follow(ctx, trainer, record)
+        outcome = await placed.follow(ctx, trainer, record)
+    return _settle_lost(ctx.runs, outcome)
+
+
+def _settle_lost(store: Runs, outcome: Outcome) -> Outcome:
+    """`outcome`, its record failed with `outcome.lost` when what its job ran
+    on is gone (the target says why; the driver writes it)."""
+    if outcome.lost is not None:
+        failed = end_step.fail(store, outcome.record.id, outcome.lost)
+        if failed is not None:
+            outcome.record = failed
+    return outcome
 
 
 async def publish_facts(record: RunRecord, facts: list[tuple[str, str]]) -> None:
@@ -160,7 +175,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
     store = job.store
     target.check(job.need)
     async with target.reserve(store, job.need, PrefectBudget()) as reservation:
-        record = lifecycle.create(
+        record = start_step.create(
             store,
             target=target.ref,
             target_kind=target.kind,
@@ -179,25 +194,43 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
             )
             try:
                 trainer = job.prepare(record)
-            except Exception as error:
-                lifecycle.fail(store, record.id, str(error) or type(error).__name__)
+                record = store.load(record.id)
+                return await _place_and_follow(
+                    target, job, store, record, trainer, reservation, logger
+                )
+            except BaseException as error:
+                if store.load(record.id).job is None:  # nothing runs: the record says why
+                    end_step.fail(store, record.id, failure_reason(error))
                 raise
-            record = store.load(record.id)
-            async with target.place(store, record, reservation) as placed:
-                ctx = placed.context(store, reporter_for(record, logger, placed))
-                try:
-                    if job.check is not None:
-                        await job.check(placed.executor)
-                    record = await start_job(ctx, trainer, record, target, placed)
-                except Exception as error:
-                    lifecycle.fail(store, record.id, str(error) or type(error).__name__)
-                    raise
-                finally:
-                    if job.started is not None:
-                        job.started(record)
-                outcome = await follow_job(placed, ctx, trainer, record)
-                await publish_facts(outcome.record, placed.facts())
-                return Finished(outcome, placed.description)
+
+
+async def _place_and_follow(
+    target: Target,
+    job: NewJob,
+    store: Runs,
+    record: RunRecord,
+    trainer: Trainer,
+    reservation: Reservation[Any],
+    logger: Logger,
+) -> Finished:
+    """Places the new job `record`, records where its directory is, starts
+    its job, follows it and ends what it ran on."""
+    async with target.place(store, record, reservation) as placed:
+        remote_dir = placed.remote_dir(record)
+        if remote_dir != record.remote_dir:
+            record.remote_dir = remote_dir
+            store.save(record)
+        ctx = placed.context(store, reporter_for(record, logger, placed))
+        try:
+            if job.check is not None:
+                await job.check(placed.executor)
+            record = await start_job(ctx, trainer, record, target, placed)
+        finally:
+            if job.started is not None:
+                job.started(record)
+        outcome = await follow_job(placed, ctx, trainer, record)
+        await publish_facts(outcome.record, placed.facts())
+        return Finished(outcome, placed.description)
 
 
 async def finish(
@@ -227,15 +260,17 @@ async def finish(
         return await _abandoned(target, store, record)
     async with target.reach(store, record) as placed:
         if placed is None:
+            if not record.state.ended:
+                end_step.fail(store, record.id, target.lost(store, record))
             return Finished(
-                lifecycle.recorded(store, trainer, store.load(record.id)), "its local files"
+                retrieve.recorded(store, trainer, store.load(record.id)), "its local files"
             )
         ctx = placed.context(store, reporter_for(record, logger, placed))
         cancelled = False
         if record.state == RunState.RUNNING and cancel:
-            record, status, retrieved = await lifecycle.cancel(ctx, trainer, record)
+            record, status, retrieved = await end_step.cancel(ctx, trainer, record)
             if status.kind == "cancelled":
-                outcome = lifecycle.recorded(store, trainer, record)
+                outcome = retrieve.recorded(store, trainer, record)
                 outcome.retrieved = retrieved
                 await placed.end(outcome)
                 cancelled = True
@@ -245,9 +280,9 @@ async def finish(
             outcome = await follow_job(placed, ctx, trainer, record)
         else:
             retrieved = True
-            if lifecycle.artifacts_missing(record) or not lifecycle.has_job_log(store, record):
-                record, retrieved = await lifecycle.collect(ctx, trainer, record)
-            outcome = lifecycle.recorded(store, trainer, record)
+            if record.not_retrieved is not None or not retrieve.has_job_log(store, record):
+                record, retrieved = await retrieve.collect(ctx, trainer, record)
+            outcome = retrieve.recorded(store, trainer, record)
             outcome.retrieved = retrieved
             await placed.end(outcome)
         await publish_facts(outcome.record, placed.facts())
@@ -259,6 +294,7 @@ async def _abandoned(target: Target, store: Runs, record: RunRecord) -> Finished
     for it deleted, its record failed `interrupted before the job started`."""
     reason = (record.message or INTERRUPTED) if record.state.ended else INTERRUPTED
     await target.abandon(store, record, reason)
+    end_step.fail(store, record.id, reason)
     return Finished(Outcome(store.load(record.id), MetricsSummary(), retrieved=False), target.ref)
 
 
@@ -353,6 +389,7 @@ async def cancel_job(
                 return
             if record.job is None:
                 left = not await target.abandon(store, record, INTERRUPTED)
+                end_step.fail(store, record.id, INTERRUPTED)
                 logger.warning(
                     "%s: interrupted before its job started; %s",
                     name,
@@ -373,14 +410,14 @@ async def cancel_job(
                         if trainer is None:
                             await placed.executor.cancel(record.job)
                         else:
-                            ctx = placed.context(store, lifecycle.LogReporter())
+                            ctx = placed.context(store, reporters.LogReporter())
                             _, status, retrieved = await asyncio.wait_for(
-                                lifecycle.cancel(ctx, trainer, record), HOOK_RETRIEVE_S
+                                end_step.cancel(ctx, trainer, record), HOOK_RETRIEVE_S
                             )
                             logger.info("%s: job %s on %s", name, status, placed.description)
                     except (ExecError, RunError, TimeoutError) as error:
                         logger.warning("%s: cannot cancel its job cleanly: %s", name, error)
-            lifecycle.fail(store, record.id, "its flow run was cancelled")
+            end_step.fail(store, record.id, "its flow run was cancelled")
             gone = await target.abandon(store, record, "its flow run was cancelled")
             logger.info(
                 "%s: its files were %sretrieved; %s",
@@ -410,6 +447,7 @@ async def crashed_job(store: Runs, record: RunRecord, logger: Logger) -> None:
             logger.warning("%s", target.detached(store, record))
             return
         await target.abandon(store, record, INTERRUPTED)
+        end_step.fail(store, record.id, INTERRUPTED)
     except Exception as error:
         logger.warning(
             "%s: it may keep something billing (%s); remove it with the pods flow "

@@ -29,16 +29,18 @@ from overbrainer_prefect.evaluation.results import (
     score,
 )
 from overbrainer_prefect.evaluation.spec import EvaluationPlan, EvaluationSpec
+from overbrainer_prefect.evaluation.trainer import EvaluateTrainer
 from overbrainer_prefect.evaluation.verdict import markdown, verdict
-from overbrainer_prefect.flows.compare import check_comparable, export_base, gguf_job
+from overbrainer_prefect.flows.compare import export_base, gguf_job
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
-from overbrainer_prefect.runs.lifecycle import Outcome
+from overbrainer_prefect.kinds.compare import check_comparable
+from overbrainer_prefect.kinds.evaluation import NAME as EVALUATION
 from overbrainer_prefect.runs.records import write_atomic
 from overbrainer_prefect.runs.store import Runs, RunState, subject
+from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed
-from overbrainer_prefect.trainers.evaluate import EVALUATION, EvaluateTrainer
 from overbrainer_prefect.trainers.export import check_quant
 
 SCORED_FILE = "evaluation.json"

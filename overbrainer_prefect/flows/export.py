@@ -20,130 +20,34 @@ from prefect.client.schemas.objects import State
 from prefect.states import Cancelled
 
 from overbrainer_prefect.cells import size_text
-from overbrainer_prefect.executors.base import Executor, FileDigest
-from overbrainer_prefect.executors.manifest import sha256_file
+from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.flows.driver import HOOKS, Check, NewJob, follow_again, run_new
 from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
-from overbrainer_prefect.reports.export import (
+from overbrainer_prefect.kinds.export import NAME as EXPORT
+from overbrainer_prefect.kinds.export import (
     ExportResult,
-    gguf_entry,
+    NotExportable,
+    check_exportable,
     result_of,
+    reusable,
+    running,
     summary_markdown,
 )
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.sizing import ExportDisk, export_disk
+from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.export import (
-    CONFIG_FILE,
     DEFAULT_QUANT,
     OUTPUT_DIR,
     ExportSpec,
     ExportTrainer,
     check_quant,
     converter_path,
-    is_lora,
-    model_files,
 )
-from overbrainer_prefect.trainers.rebuild import EXPORT
-
-
-class NotExportable(RunError):
-    """A run that cannot be exported as it is; nothing was started. One line."""
-
-
-def check_exportable(runs: Runs, run: RunRecord) -> list[Path]:
-    """The files of a run's model, once the run is found exportable: succeeded, its
-    files retrieved, its model (the top-level files of `output/`) and, for a LoRA,
-    its `axolotl.yaml` present locally and matching the SHA-256 manifest they were
-    retrieved with.
-
-    Raises NotExportable with one line saying what is wrong and what to do.
-    """
-    where = f"runs/{run.id}"
-    if run.state == RunState.STOPPED:
-        raise NotExportable(
-            f"run {run.id} is stopped: only a succeeded run can be exported (resume it with "
-            f"the train flow, resume_from={run.id})"
-        )
-    if run.state != RunState.SUCCEEDED:
-        raise NotExportable(f"run {run.id} is {run.state}: only a succeeded run can be exported")
-    if lifecycle.artifacts_missing(run):
-        raise NotExportable(
-            f"the files of run {run.id} were not retrieved: retrieve them with the attach flow "
-            f"(run_id={run.id}), then export it"
-        )
-    run_dir = runs.run_dir(run.id)
-    manifest = {entry.path: entry for entry in lifecycle.load_manifest(run_dir)}
-    for rel, entry in manifest.items():
-        top_level_model = rel.startswith(f"{OUTPUT_DIR}/") and rel.count("/") == 1
-        if top_level_model or rel == CONFIG_FILE:
-            _check_file(run_dir / rel, f"{where}/{rel}", entry)
-    try:
-        files = model_files(run_dir)
-    except TrainError:
-        raise NotExportable(
-            f"run {run.id} has no model in {where}/{OUTPUT_DIR}/ (no adapter_config.json, no "
-            "config.json): only a run that saved its model can be exported"
-        ) from None
-    if is_lora(run_dir) and not (run_dir / CONFIG_FILE).is_file():
-        raise NotExportable(
-            f"{where}/{CONFIG_FILE} is missing: the LoRA of run {run.id} cannot be merged "
-            "without the base model it names"
-        )
-    return files
-
-
-def _check_file(path: Path, shown: str, entry: FileDigest) -> None:
-    try:
-        size, digest = sha256_file(path)
-    except FileNotFoundError:
-        raise NotExportable(
-            f"{shown} is missing on this machine (it was retrieved and verified, then removed): "
-            "restore it, or train the run again"
-        ) from None
-    except OSError as error:
-        raise NotExportable(f"cannot read {shown}: {error.strerror or error}") from None
-    if size != entry.size or digest != entry.sha256:
-        raise NotExportable(
-            f"{shown} differs from the file retrieved and verified (SHA-256): restore it, "
-            "or train the run again"
-        )
-
-
-def reusable(exports: Runs, quant: str) -> RunRecord | None:
-    """The latest succeeded export of `quant` whose GGUF is here, as retrieved (its
-    size checked; delivery hashes it again before it leaves), or None."""
-    found: list[RunRecord] = []
-    for record in exports.list(skipped=lambda _name, _error: None):
-        if record.state != RunState.SUCCEEDED or lifecycle.artifacts_missing(record):
-            continue
-        if str((record.spec or {}).get("quant", "")).lower() != quant:
-            continue
-        entry = gguf_entry(lifecycle.load_manifest(exports.run_dir(record.id)))
-        path = exports.run_dir(record.id) / entry.path if entry else None
-        if entry is not None and path is not None and _has_size(path, entry.size):
-            found.append(record)
-    return max(found, key=lambda r: (r.ended or r.created, r.id)) if found else None
-
-
-def _has_size(path: Path, size: int) -> bool:
-    try:
-        return path.is_file() and path.stat().st_size == size
-    except OSError:
-        return False
-
-
-def running(exports: Runs, quant: str) -> RunRecord | None:
-    """An export of `quant` whose job runs (or ran unwatched) now, if any."""
-    for record in exports.list(skipped=lambda _name, _error: None):
-        same = str((record.spec or {}).get("quant", "")).lower() == quant
-        if same and record.state == RunState.RUNNING and record.job is not None:
-            return record
-    return None
 
 
 async def publish_export_summary(export_id: str, markdown: str) -> None:
@@ -290,7 +194,7 @@ async def export(
     check_exportable(runs, run)
     done = reusable(exports, spec.quant)
     if done is not None:
-        result = result_of(exports, done, lifecycle.load_manifest(exports.run_dir(done.id)))
+        result = result_of(exports, done, retrieve.load_manifest(exports.run_dir(done.id)))
         result.reused = True
         logger.info(
             "reused %s (%s), which succeeded on %s: nothing exported again",

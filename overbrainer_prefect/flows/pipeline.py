@@ -10,7 +10,8 @@ not done again, and the step that failed is taken up where it was.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import State
@@ -29,28 +30,28 @@ from overbrainer_prefect.evaluation.gate import (
 from overbrainer_prefect.evaluation.results import EvaluationResult
 from overbrainer_prefect.evaluation.spec import EvaluationSpec
 from overbrainer_prefect.evaluation.verdict import verdict
-from overbrainer_prefect.flows.compare import compare, running_compare
+from overbrainer_prefect.flows.compare import compare
 from overbrainer_prefect.flows.deliver import DEFAULT_HF_BLOCK, DeliveryResult, deliver
 from overbrainer_prefect.flows.driver import HOOKS
 from overbrainer_prefect.flows.evaluate import evaluate
-from overbrainer_prefect.flows.export import export, running
-from overbrainer_prefect.flows.train import RunResult, attach, train
+from overbrainer_prefect.flows.export import export
+from overbrainer_prefect.flows.train import attach, train
+from overbrainer_prefect.kinds import compare as compare_kind
+from overbrainer_prefect.kinds import export as export_kind
+from overbrainer_prefect.kinds import training as training_kind
+from overbrainer_prefect.kinds.compare import CompareResult, running_compare
+from overbrainer_prefect.kinds.export import ExportResult, running
+from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
-from overbrainer_prefect.reports.compare import CompareResult
-from overbrainer_prefect.reports.export import ExportResult
 from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.lifecycle import RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.trainers.compare import (
-    MAX_TOKENS_LIMIT,
-    check_max_tokens,
-    load_questions,
-)
+from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.targets.spend import spent
+from overbrainer_prefect.trainers.compare import MAX_TOKENS_LIMIT, check_max_tokens, load_questions
 from overbrainer_prefect.trainers.export import ExportSpec
-from overbrainer_prefect.trainers.rebuild import COMPARE
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
-TRAIN, EXPORT = "training", "export"
+T = TypeVar("T")
 
 
 class CompareSettings(BaseModel):
@@ -186,6 +187,27 @@ async def _train_step(
     return None, result
 
 
+class _Ended(Exception):
+    """A step's subflow ended in a state of its own (cancelled): so does the pipeline."""
+
+    def __init__(self, state: State[Any]) -> None:
+        super().__init__(state.name)
+        self.state = state
+
+
+async def _step(what: str, kept: str, subflow: Awaitable[T | State[Any]]) -> T:
+    """The result of one step's subflow. Raises PipelineFailed (the step, its
+    error, what was kept and how to continue) when it fails, `_Ended` when it
+    ended in a state of its own."""
+    try:
+        result = await subflow
+    except Exception as error:
+        raise PipelineFailed(f"the fine-tune stopped at {what}: {error}; {kept}") from None
+    if isinstance(result, State):
+        raise _Ended(result)
+    return result
+
+
 @flow(name="fine-tune", persist_result=True, **HOOKS)
 async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneResult | State[Any]:
     """Fine-tunes a model, exports it to a GGUF and compares its answers with its base
@@ -201,6 +223,13 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
     list of strings, both a list and a file) or an unknown run; fails with the
     message of the step that failed, what was kept, and how to continue.
     """
+    try:
+        return await _fine_tune(spec, run_id)
+    except _Ended as ended:
+        return ended.state
+
+
+async def _fine_tune(spec: FineTuneSpec, run_id: str | None) -> FineTuneResult | State[Any]:
     runs = Runs(spec.runs_dir)
     questions = load_questions(spec.compare.questions, spec.compare.questions_file)
     check_max_tokens(spec.compare.max_tokens)
@@ -215,7 +244,7 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
     if isinstance(trained, State):
         return trained  # the training was cancelled: so is the pipeline
     if trained is None:
-        reused.append(TRAIN)
+        reused.append(training_kind.NAME)
     run_result = trained if isinstance(trained, RunResult) else None
     run_id = trained_id or (run_result.run_id if run_result else None)
     if run_id is None or (run_result is not None and run_result.state != RunState.SUCCEEDED):
@@ -225,37 +254,36 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         )
 
     quant = spec.export.quant
-    exports = runs.children(run_id, EXPORT)
-    left = running(exports, quant)
-    try:
-        exported = await export(
+    left = running(export_kind.KIND.store(runs, run_id), quant)
+    exported = await _step(
+        "the export",
+        _kept(runs, run_id, None),
+        export(
             run_id=run_id,
             quant=quant,
             target=spec.target,
             runs_dir=spec.runs_dir,
             export_id=left.id if left is not None else None,
             keep_intermediate=spec.export.keep_intermediate,
-        )
-    except Exception as error:
-        raise PipelineFailed(
-            f"the fine-tune stopped at the export: {error}; {_kept(runs, run_id, None)}"
-        ) from None
-    if isinstance(exported, State):
-        return exported
+        ),
+    )
     if exported.reused:
-        reused.append(EXPORT)
+        reused.append(export_kind.NAME)
 
     settings = spec.compare
-    try:
-        left_compare = running_compare(
-            runs.children(run_id, COMPARE),
-            questions,
-            settings.max_tokens,
-            settings.seed,
-            quant,
-            exported.gguf.sha256 if exported.gguf is not None else "",
-        )
-        compared = await compare(
+    kept = _kept(runs, run_id, exported.export_id)
+    left_compare = running_compare(
+        compare_kind.KIND.store(runs, run_id),
+        questions,
+        settings.max_tokens,
+        settings.seed,
+        quant,
+        exported.gguf.sha256 if exported.gguf is not None else "",
+    )
+    compared = await _step(
+        "the compare",
+        kept,
+        compare(
             run_id=run_id,
             questions=questions,
             quant=quant,
@@ -265,16 +293,10 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
             runs_dir=spec.runs_dir,
             compare_id=left_compare.id if left_compare is not None else None,
             image=settings.image,
-        )
-    except Exception as error:
-        raise PipelineFailed(
-            f"the fine-tune stopped at the compare: {error}; "
-            f"{_kept(runs, run_id, exported.export_id)}"
-        ) from None
-    if isinstance(compared, State):
-        return compared
+        ),
+    )
     if compared.reused:
-        reused.append(COMPARE)
+        reused.append(compare_kind.NAME)
 
     logger.info(
         "fine-tune of run %s%s: GGUF %s, answers in %s",
@@ -291,21 +313,17 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         reused=reused,
         next=compared.next,
     )
-    kept = _kept(runs, run_id, exported.export_id)
     if spec.evaluation is not None:
-        try:
-            evaluated = await evaluate(
+        evaluated = await _step(
+            "the evaluation",
+            kept,
+            evaluate(
                 run_id=run_id,
                 evaluation=spec.evaluation.model_copy(update={"quant": quant}),
                 target=spec.target,
                 runs_dir=spec.runs_dir,
-            )
-        except Exception as error:
-            raise PipelineFailed(
-                f"the fine-tune stopped at the evaluation: {error}; {kept}"
-            ) from None
-        if isinstance(evaluated, State):
-            return evaluated
+            ),
+        )
         result.evaluation, result.verdict = evaluated, verdict(evaluated)
         logger.info("run %s: %s", run_id, result.verdict)
     name = _deployment_name()
@@ -314,7 +332,9 @@ async def fine_tune(spec: FineTuneSpec, run_id: str | None = None) -> FineTuneRe
         logger.info("the gate (%s): %s", spec.gate.describe(), result.gate.reason)
     if spec.deliver is not None and (result.gate is None or result.gate.passed):
         result.delivered = await _deliver(spec, run_id, quant, result, name, kept)
-    await publish_pipeline_summary(result, runs, _links(result.delivered))
+    await publish_pipeline_summary(
+        result, runs, _links(result.delivered), spent(runs, runs.load(run_id))
+    )
     if result.gate is not None and not result.gate.passed:
         return Completed(
             message=f"not delivered: {result.gate.reason}; run {run_id} and its GGUF are kept",

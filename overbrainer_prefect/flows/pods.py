@@ -17,47 +17,19 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
-from pydantic import BaseModel, Field
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.flows.targets import load_target
+from overbrainer_prefect.kinds.registry import KINDS
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import delete_and_confirm
 from overbrainer_prefect.runpod.ending import forget_if_gone, remove, sweep_others
 from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.listing import PodsError, PodsResult, pod_listing
 from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows, sweep_host_keys
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
-from overbrainer_prefect.runs import lifecycle
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
-
-
-class PodsError(ValueError):
-    """The pods flow cannot do what it was asked; the message is one line."""
-
-
-class PodListing(BaseModel):
-    """One pod of ours, as the pods flow lists it."""
-
-    pod_id: str
-    run_id: str
-    owner: str = Field(default="", description="`run R`, or `export E of run R`.")
-    status: str
-    run_state: str
-    gpu: str
-    rate_per_hour: float | None
-    uptime_hours: float
-    estimated_spend: float | None
-    orphan: bool
-    why: str
-
-
-class PodsResult(BaseModel):
-    """What the pods flow found or did."""
-
-    action: str
-    pods: list[PodListing] = Field(default_factory=list)
-    removed: list[str] = Field(default_factory=list, description="Pods deleted, confirmed.")
-    warnings: list[str] = Field(default_factory=list)
+from overbrainer_prefect.steps import end as end_step
 
 
 @flow(name="pods", persist_result=True)
@@ -86,7 +58,7 @@ async def pods(
     account = await _credentials(runs, credentials, None)
     async with account.client() as client:
         rows = await pod_rows(client, runs)
-        result = PodsResult(action=action, pods=[_listing(row) for row in rows])
+        result = PodsResult(action=action, pods=[pod_listing(row) for row in rows])
         for row in rows:
             logger.info("%s", row.line())
         if not rows:
@@ -124,7 +96,7 @@ async def _sweep_retrieved(ctx: PodContext, rows: list[PodRow]) -> list[str]:
             if local is not None and local.pod_id == row.pod_id:
                 await remove(mine, local, f"swept: {row.why}")
                 await forget_if_gone(mine, local)
-                lifecycle.fail(store, row.run_id, "its job never started within boot_grace")
+                end_step.fail(store, row.run_id, "its job never started within boot_grace")
             else:  # an earlier attempt of the run, or a pod.json that lost track of it
                 await delete_and_confirm(ctx.client, row.pod_id)
         except (PodError, RunpodError) as error:
@@ -175,7 +147,7 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
                 )
             assert record is not None
             if not record.state.ended:
-                lifecycle.fail(store, run_id, "its pod was removed with the pods flow")
+                end_step.fail(store, run_id, "its pod was removed with the pods flow")
         else:
             for found in await client.list_pods():
                 if run_of_pod_name(found.name) != run_id or found.status == "TERMINATED":
@@ -213,8 +185,9 @@ async def _credentials(runs: Runs, name: str | None, target: str | None) -> Runp
     targets = [target] if target else []
     for record in runs.list(skipped=lambda *_: None):
         jobs = [record]
-        for kind in ("export", "compare"):
-            jobs += runs.children(record.id, kind).list(skipped=lambda *_: None)
+        for kind in KINDS:
+            if kind.child:
+                jobs += kind.store(runs, record.id).list(skipped=lambda *_: None)
         targets += [job.target for job in jobs if job.target_kind == "runpod"]
     for ref in dict.fromkeys(targets):
         try:
@@ -224,19 +197,3 @@ async def _credentials(runs: Runs, name: str | None, target: str | None) -> Runp
         if isinstance(block, RunpodTarget):
             return block.credentials
     raise PodsError("no Runpod credentials: name a Runpod credentials block with credentials=...")
-
-
-def _listing(row: PodRow) -> PodListing:
-    return PodListing(
-        pod_id=row.pod_id,
-        run_id=row.run_id,
-        owner=row.owner,
-        status=row.status,
-        run_state=row.run_state,
-        gpu=row.gpu,
-        rate_per_hour=row.rate,
-        uptime_hours=round(row.uptime_s / 3600, 3),
-        estimated_spend=None if row.estimated_spend is None else round(row.estimated_spend, 4),
-        orphan=row.orphan,
-        why=row.why,
-    )

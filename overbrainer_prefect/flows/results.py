@@ -1,10 +1,6 @@
-"""What the flows raise and return that every kind of job shares."""
+"""What the flows raise that every kind of job shares."""
 
 from __future__ import annotations
-
-from overbrainer_prefect.reports.files import FileEntry
-
-__all__ = ["FileEntry", "RunFailed"]
 
 
 class RunFailed(Exception):

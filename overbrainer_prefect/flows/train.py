@@ -7,14 +7,8 @@ from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
 from prefect.states import Cancelled
-from pydantic import BaseModel, Field
 
-from overbrainer_prefect.artifacts import (
-    next_step,
-    publish_metrics_table,
-    publish_summary,
-    summary_markdown,
-)
+from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
 from overbrainer_prefect.flows.driver import (
     HOOKS,
     NewJob,
@@ -24,44 +18,34 @@ from overbrainer_prefect.flows.driver import (
     run_new,
 )
 from overbrainer_prefect.flows.export import export as export_flow
-from overbrainer_prefect.flows.results import FileEntry, RunFailed
+from overbrainer_prefect.flows.results import RunFailed
 from overbrainer_prefect.flows.targets import target_named
-from overbrainer_prefect.reports.export import ExportResult, gguf_markdown
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, RunError
+from overbrainer_prefect.kinds.export import ExportResult, gguf_markdown
+from overbrainer_prefect.kinds.files import FileEntry
+from overbrainer_prefect.kinds.registry import trainer_of
+from overbrainer_prefect.kinds.training import NAME as TRAINING
+from overbrainer_prefect.kinds.training import (
+    RunResult,
+    next_step,
+    resume_point,
+    resumed_spec,
+    stage_checkpoint,
+)
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
-from overbrainer_prefect.runs.resume import resume_point, resumed_spec, stage_checkpoint
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.steps.context import Outcome
+from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed, Logger, Target
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, launch_summary
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.holdout import holdout_problem
 from overbrainer_prefect.trainers.preflight import preflight
-from overbrainer_prefect.trainers.rebuild import TRAINING, trainer_of
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 __all__ = ["FileEntry", "RunFailed", "RunResult", "attach", "cancel", "stop", "train"]
-
-
-class RunResult(BaseModel):
-    """What a run flow returns (and Prefect persists): how the run ended."""
-
-    run_id: str
-    state: RunState
-    target: str
-    message: str | None = None
-    steps: int = 0
-    first_loss: float | None = None
-    final_loss: float | None = None
-    retrieved: bool = False
-    files: list[FileEntry] = Field(default_factory=list)
-    run_dir: str
-    next: str
-    export_id: str | None = Field(default=None, description="The export made after training.")
-    gguf: FileEntry | None = Field(
-        default=None, description="Its GGUF, the path relative to the run directory."
-    )
 
 
 async def run_result(
@@ -245,7 +229,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
     async with place.reach(runs, record) as placed:
         if placed is None:
             raise RunError(f"run {run_id} has nothing left to run on: nothing to stop")
-        await lifecycle.request_stop(placed.context(runs, reporter_for(record, logger)), record)
+        await end_step.request_stop(placed.context(runs, reporter_for(record, logger)), record)
     logger.info("run %s: asked its job for a checkpoint and a stop", run_id)
     try:
         with follow_lock(runs.run_dir(run_id), flow_run.id):
@@ -312,7 +296,7 @@ async def _wait_for_end(
     while loop.time() < deadline:
         record = runs.load(run_id)
         if record.state.ended and not is_followed(runs.run_dir(run_id)):
-            outcome = lifecycle.recorded(runs, trainer_of(runs, record), record)
+            outcome = retrieve.recorded(runs, trainer_of(runs, record), record)
             return await run_result(runs, outcome, where, cancelling=cancelling)
         await asyncio.sleep(1.0)
     raise RunError(

@@ -12,6 +12,7 @@ from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.errors import NoCapacity, PodNotGone, RunpodError
 from overbrainer_prefect.runpod.gpus import GpuChoiceError
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.steps.errors import INTERRUPTED, TargetError
 
 log = logging.getLogger("overbrainer_prefect.runpod")
 
@@ -27,7 +28,7 @@ class PodContext:
     log: logging.Logger | logging.LoggerAdapter[Any] = log
 
 
-class PodError(Exception):
+class PodError(TargetError):
     """A step with a run's pod failed. The message is one line saying what
     happened to the run and its pod, and what to do next; it never quotes an
     answer of the API."""
@@ -35,11 +36,7 @@ class PodError(Exception):
 
 class PodGone(PodError):
     """The run's pod no longer exists (deleted by its watchdog at one of its
-    bounds, or by someone else); the run was failed with that reason."""
-
-
-INTERRUPTED = "interrupted before the job started"
-"""Why a run fails when its flow was cancelled or killed before its job started."""
+    bounds, or by someone else); `kept` is the reason its run fails with."""
 
 
 def run_message(error: BaseException) -> str:
@@ -50,3 +47,6 @@ def run_message(error: BaseException) -> str:
     if isinstance(error, RunpodError):
         return error.run_message
     return str(error) or type(error).__name__
+
+
+__all__ = ["INTERRUPTED", "PodContext", "PodError", "PodGone", "run_message"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from overbrainer_prefect.steps.errors import TargetError
+
 CAPACITY_MARKERS = (
     "no instances currently available",
     "no longer any instances available",
@@ -38,7 +40,7 @@ REASONS: dict[int, tuple[str, str]] = {
 """Our reason and next step for each status Runpod is known to answer."""
 
 
-class RunpodError(Exception):
+class RunpodError(TargetError):
     """Runpod could not be reached, or answered with an error.
 
     `status` is the HTTP status (None when no answer came), `reason` a short
@@ -70,6 +72,11 @@ class RunpodError(Exception):
             else f"cannot reach Runpod ({self.reason})"
         )
         return f"{head}: {self.hint}" if self.hint else head
+
+    @property
+    def kept(self) -> str:
+        """What a record keeps of this error: its `run_message`."""
+        return self.run_message
 
     @property
     def run_message(self) -> str:
@@ -138,6 +145,11 @@ class PodNotGone(RunpodError):
 
     def _line(self) -> str:
         return f"cannot confirm that pod {self.pod_id} is deleted: {self.hint}"
+
+    @property
+    def kept(self) -> str:
+        """What a record keeps of this error: its `run_message`."""
+        return self.run_message
 
     @property
     def run_message(self) -> str:

@@ -24,10 +24,12 @@ from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, PodTiming
 from overbrainer_prefect.runpod.context import PodContext, PodError, PodGone
 from overbrainer_prefect.runpod.ending import is_gone, remove
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext, Unreachable
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.errors import Unreachable
+from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.trainers.base import Trainer
 
 
@@ -151,13 +153,13 @@ async def watch_leased(
     timing: PodTiming,
     stall_s: float,
 ) -> Watched:
-    """Follows the started run `record` with `lifecycle.watch` until its job
+    """Follows the started run `record` with `follow.watch` until its job
     ends, renewing the pod's lease while the job progresses, until the client's
     own guard fires. Never calls the Runpod API: what it found is acted on by
     `settle`. A kept pod, or one without a deadline, needs no lease."""
     progress = LeaseReporter(ctx.reporter, pod)
     leased = dataclasses.replace(ctx, reporter=progress)
-    watching = asyncio.create_task(lifecycle.watch(leased, trainer, record))
+    watching = asyncio.create_task(follow.watch(leased, trainer, record))
     tasks: set[asyncio.Task[Any]] = {watching}
     if not pod.keep and pod.deadline_unix is not None:
         path = f"{record.remote_dir}/{LEASE_FILE}"
@@ -183,17 +185,17 @@ async def watch_leased(
 
 async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched) -> Outcome:
     """Acts on what `watch_leased` found for the run `run_id`: past the client's
-    deadline, deletes the pod (confirmed) and fails the run on max_hours; after
-    a watch that lost the pod, fails the run with the reason its pod is gone
-    (max_hours or max_cost_usd when one passed: its watchdog deleted it).
+    deadline, deletes the pod (confirmed); after a watch that lost the pod,
+    finds why (max_hours or max_cost_usd when one passed: its watchdog
+    deleted it).
 
-    Raises PodGone in both cases; the watch's own error otherwise (the job may
-    keep running: attach again); PodError when the pod cannot be deleted.
+    Raises PodGone in both cases, `kept` the reason the run fails with; the
+    watch's own error otherwise (the job may keep running: attach again);
+    PodError when the pod cannot be deleted.
     """
     if watched.deadline_passed:
         await remove(ctx, pod, "max_hours reached: the client's guard")
-        lifecycle.fail(ctx.runs, run_id, MAX_HOURS_REACHED)
-        raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}")
+        raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}", kept=MAX_HOURS_REACHED)
     if watched.error is not None:
         error = watched.error
         if isinstance(error, Unreachable):
@@ -203,9 +205,8 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
                 ctx.log.warning("%s", look_error)
                 gone = False
             if gone:
-                reason = pod.delete_reason or f"pod {pod.name} no longer exists"
-                lifecycle.fail(ctx.runs, run_id, reason)
-                raise PodGone(f"run {run_id} failed: {reason}") from None
+                reason = pod.delete_reason or pod.limit_reached() or f"pod {pod.name} is gone"
+                raise PodGone(f"run {run_id} failed: {reason}", kept=reason) from None
         raise error
     assert watched.outcome is not None
     return watched.outcome

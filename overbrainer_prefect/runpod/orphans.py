@@ -15,10 +15,10 @@ from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.keys import HOST_KEY_SECRET_PREFIX
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
-from overbrainer_prefect.runs.lifecycle import MANIFEST_FILE, artifacts_missing
 from overbrainer_prefect.runs.lock import is_followed
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
+from overbrainer_prefect.steps.retrieve import MANIFEST_FILE
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
 def _retrieved(store: Runs, record: RunRecord) -> bool:
     """Whether an ended run's pod holds nothing that is not here: its job never
     started, or its files were retrieved and verified (its manifest is here)."""
-    if not record.state.ended or artifacts_missing(record):
+    if not record.state.ended or record.not_retrieved is not None:
         return False
     return record.job is None or (store.run_dir(record.id) / MANIFEST_FILE).is_file()
 

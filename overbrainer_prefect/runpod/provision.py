@@ -62,7 +62,7 @@ from overbrainer_prefect.runpod.pod import PodRecord, PodState, SshAddress, pod_
 from overbrainer_prefect.runpod.reaper import start_reaper
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.store import RunRecord, RunState
+from overbrainer_prefect.runs.store import RunRecord
 
 BANNER_TIMEOUT_S = 5.0  # seconds to read sshd's banner on a starting pod
 CONNECT_TIMEOUT_S = 15.0  # seconds to open the first SSH connection to a pod
@@ -92,12 +92,12 @@ async def provision(
     """Creates the pod of the new run `run` on the GPU types of `plan` and
     waits until it is ready, reachable and capped (see the module). `api_url`
     is the API the pod's watchdog deletes it through; `name` names the target
-    in messages. `run.remote_dir` is set to the run directory on the pod.
+    in messages. The run directory on the pod is `Provisioned.remote_dir`:
+    the run's record is not changed here.
 
-    Raises PodError (NoCapacity, RunpodError as their one line) with the run
-    saved failed and every pod of it deleted; on cancellation, the same with
-    the run failed "interrupted before the job started", and the
-    cancellation goes on.
+    Raises PodError (NoCapacity, RunpodError as their one line; `kept` what
+    the run's record keeps) with every pod of the run deleted; on
+    cancellation, every pod deleted, and the cancellation goes on.
     """
     try:
         keys = generate(ctx.runs, run.id)
@@ -113,11 +113,8 @@ async def provision(
         pod.save(ctx.runs)
         start_reaper(ctx.runs, run.id, ctx.client)  # bounds the pod until its watchdog runs
     except Exception as error:  # nothing was asked of Runpod yet
-        run.state = RunState.FAILED
-        run.message = f"cannot prepare the keys and pod record of the run: {error}"
-        run.ended = rfc3339()
-        ctx.runs.save(run)
-        raise PodError(f"run {run.id} failed before its job started: {run.message}") from None
+        why = f"cannot prepare the keys and pod record of the run: {error}"
+        raise PodError(f"run {run.id} failed before its job started: {why}", kept=why) from None
     try:
         return await _provision(ctx, run, pod, keys, settings, plan, api_url=api_url, name=name)
     except asyncio.CancelledError:
@@ -129,20 +126,15 @@ async def provision(
     except Exception as error:
         message = run_message(error)
         await asyncio.shield(_abandon(ctx, run, pod, message))
-        raise PodError(f"run {run.id} failed before its job started: {message}") from None
+        raise PodError(
+            f"run {run.id} failed before its job started: {message}", kept=message
+        ) from None
 
 
 async def _abandon(ctx: PodContext, run: RunRecord, pod: PodRecord, message: str) -> None:
-    """Deletes every pod of a run that will not start its job, and saves the
-    run failed with `message`."""
+    """Deletes every pod of a run that will not start its job (the caller
+    fails the run with `message`)."""
     await release(ctx, pod, message)
-    run.state = RunState.FAILED
-    run.message = message
-    run.ended = rfc3339()
-    try:
-        ctx.runs.save(run)
-    except Exception as error:  # the pods matter more
-        ctx.log.warning("cannot record run %s as failed: %s", run.id, error)
     if not pod.gone:
         ctx.log.warning(
             "a pod of run %s may be left (see runs/%s/pod.json): %s",
@@ -248,8 +240,7 @@ async def _provision(
         await executor.close()
         executor = _executor(ctx, pod, name, workdir)
     pod.workdir = workdir
-    run.remote_dir = posixpath.join(workdir, run.id)
-    ctx.runs.save(run)
+    run = run.model_copy(update={"remote_dir": posixpath.join(workdir, run.id)})
     assert pod.ssh is not None
     write_ssh_config(ctx.runs, run.id, pod.ssh.host, pod.ssh.port, pod.ssh.user, pod.host_key)
     pod.save(ctx.runs)

@@ -1,5 +1,5 @@
 """Records on disk: JSON files replaced atomically, read back without ever
-quoting what they hold. `run.json`, `pod.json` and the records of exports and
+quoting what they hold. `run.json`, a target's own records and the records of exports and
 compares all go through here."""
 
 from __future__ import annotations

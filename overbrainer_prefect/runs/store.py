@@ -90,6 +90,11 @@ class RunRecord(BaseModel):
     job: JobId | None = Field(default=None, description="The job, once started.")
     state: RunState = Field(default=RunState.PREPARING)
     message: str | None = Field(default=None, description="Why the run failed, when it did.")
+    not_retrieved: str | None = Field(
+        default=None,
+        description="Why the job's files could not be retrieved, while they could not "
+        "(cleared once a later retrieval verified them).",
+    )
     started: str | None = Field(default=None, description="When the job started, RFC 3339.")
     ended: str | None = Field(default=None, description="When the run was seen ending.")
     deadline: str | None = Field(
@@ -112,6 +117,19 @@ class RunRecord(BaseModel):
     flow_run_id: str | None = Field(
         default=None, description="The Prefect flow run that created the run."
     )
+
+
+NOT_RETRIEVED = "artifacts not retrieved: "
+"""How messages name a record's `not_retrieved` reason."""
+
+
+def told(record: RunRecord) -> str | None:
+    """A record's message as people read it: why it failed, and why its files
+    were not retrieved when they were not."""
+    note = f"{NOT_RETRIEVED}{record.not_retrieved}" if record.not_retrieved else None
+    if record.message and note:
+        return f"{record.message} ({note})"
+    return record.message or note
 
 
 def subject(record: RunRecord) -> str:

@@ -25,13 +25,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import Executor
-from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext
 from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
@@ -58,12 +59,16 @@ class JobNeed:
     """Another image for this job's machine (a compare's own)."""
 
 
-@dataclass(frozen=True)
-class Reservation:
-    """What `reserve` set aside for one job: the plan it will be placed by
-    (opaque above the target)."""
+PlanT = TypeVar("PlanT")
 
-    plan: object | None = None
+
+@dataclass(frozen=True)
+class Reservation(Generic[PlanT]):
+    """What `reserve` set aside for one job: the plan it will be placed by
+    (a pod's launch plan; nothing on a machine you own), read only by the
+    target that made it."""
+
+    plan: PlanT
     need: JobNeed | None = None
     """What it was reserved for (a pod is made with the job's own image)."""
 
@@ -123,9 +128,17 @@ class Placed(Protocol):
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
         """Follows the started job to its end, retrieves and verifies its
         files, then ends what it ran on by the outcome (a pod is deleted once
-        its files are verified). Raises RunError when the job cannot be
-        followed to its end: it keeps running, and the message says how to
-        follow it again or remove what bills."""
+        its files are verified). When what it ran on is gone under the
+        follower, the outcome comes from the local files and says why
+        (`Outcome.lost`): the caller fails the record with it. Raises
+        RunError when the job cannot be followed to its end: it keeps
+        running, and the message says how to follow it again or remove what
+        bills."""
+        ...
+
+    def remote_dir(self, record: RunRecord) -> str:
+        """The job's run directory there (a pod's is known once it booted);
+        the caller records it before the job starts."""
         ...
 
     def started(self, store: Runs, record: RunRecord) -> None:
@@ -186,31 +199,38 @@ class Target(Protocol):
 
     def reserve(
         self, store: Runs, need: JobNeed, budget: Budget
-    ) -> AbstractAsyncContextManager[Reservation]:
+    ) -> AbstractAsyncContextManager[Reservation[Any]]:
         """Sets aside what the job needs before anything exists, for the
         length of the block. Raises (one line, nothing created) when it
         cannot be had."""
         ...
 
     def place(
-        self, store: Runs, record: RunRecord, reservation: Reservation
+        self, store: Runs, record: RunRecord, reservation: Reservation[Any]
     ) -> AbstractAsyncContextManager[Placed]:
         """Places the new job `record` (saved `preparing`, its follow lock
         held): yields its place. On exit, a job that never started has what
-        was placed for it ended and its record failed. Raises (the record
-        failed, nothing left billing) when it cannot be placed."""
+        was placed for it ended (the caller fails its record). Raises
+        (nothing left billing; a `TargetError`'s `kept` is what the record
+        keeps) when it cannot be placed."""
         ...
 
     def reach(self, store: Runs, record: RunRecord) -> AbstractAsyncContextManager[Placed | None]:
         """Reaches a placed job again from its record alone, or yields None
-        when what it ran on is gone (its record then says why when it had not
-        ended). Raises when it cannot be reached now (try again later)."""
+        when what it ran on is gone (`lost` says why: the caller fails a
+        record that had not ended). Raises when it cannot be reached now (try
+        again later)."""
         ...
 
     async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
         """Ends what the target holds for a job that will not (or no longer)
-        run: deletes it, cleans its keys and secrets, fails the record with
-        `reason` when it had not ended. Returns whether nothing is left."""
+        run: deletes it (`reason` says why), cleans its keys and secrets; the
+        caller fails the record. Returns whether nothing is left."""
+        ...
+
+    def lost(self, store: Runs, record: RunRecord) -> str:
+        """Why what the job `record` ran on is gone (a pod deleted at its
+        watchdog's bound), from the target's own records."""
         ...
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:

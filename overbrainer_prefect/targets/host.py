@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import Executor
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import Outcome, Reporter, RunContext
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 
@@ -58,14 +60,18 @@ class HostPlaced:
         return self.bounds.context(store, self.executor, reporter)
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
-        """`lifecycle.watch`: follows the job, retrieves and verifies its files."""
-        return await lifecycle.watch(ctx, trainer, record)
+        """`follow.watch`: follows the job, retrieves and verifies its files."""
+        return await follow.watch(ctx, trainer, record)
 
     async def end(self, outcome: Outcome) -> None:
         """Nothing: a machine you own is not deleted."""
 
     def started(self, store: Runs, record: RunRecord) -> None:
         """Nothing to record: the job's record says where it runs."""
+
+    def remote_dir(self, record: RunRecord) -> str:
+        """The job's run directory, as its record says."""
+        return record.remote_dir
 
     def facts(self) -> list[tuple[str, str]]:
         """None: a machine you own costs nothing here."""
@@ -121,20 +127,20 @@ class HostTarget:
         """A probe of the machine's job environment."""
         executor = self._executor()
         try:
-            return await lifecycle.probe(executor, self.python, modules)
+            return await start_step.probe(executor, self.python, modules)
         finally:
             await executor.close()
 
     @asynccontextmanager
     async def reserve(
         self, store: Runs, need: JobNeed, budget: Budget
-    ) -> AsyncIterator[Reservation]:
+    ) -> AsyncIterator[Reservation[None]]:
         """Nothing to reserve on a machine you own."""
-        yield Reservation()
+        yield Reservation(plan=None)
 
     @asynccontextmanager
     async def place(
-        self, store: Runs, record: RunRecord, reservation: Reservation
+        self, store: Runs, record: RunRecord, reservation: Reservation[None]
     ) -> AsyncIterator[HostPlaced]:
         """The job's executor, closed on exit."""
         executor = self._executor()
@@ -146,13 +152,16 @@ class HostTarget:
     @asynccontextmanager
     async def reach(self, store: Runs, record: RunRecord) -> AsyncIterator[HostPlaced | None]:
         """The machine again (it is never gone: its job's status says the rest)."""
-        async with self.place(store, record, Reservation()) as placed:
+        async with self.place(store, record, Reservation(plan=None)) as placed:
             yield placed
 
     async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
-        """Fails the record (nothing is held on a machine you own)."""
-        lifecycle.fail(store, record.id, reason)
+        """Nothing to end: nothing is held on a machine you own."""
         return True
+
+    def lost(self, store: Runs, record: RunRecord) -> str:
+        """A machine you own is never gone; said for completeness."""
+        return f"{self.ref} no longer runs the job"
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:
         """Never: nothing on a machine you own bills."""

@@ -21,7 +21,7 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.ssh import SshExecutor
-from overbrainer_prefect.runpod.bootstrap import PodTiming
+from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
 from overbrainer_prefect.runpod.ending import (
@@ -37,8 +37,9 @@ from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.follow import settle, watch_leased
 from overbrainer_prefect.runpod.gpucheck import check_gpus
 from overbrainer_prefect.runpod.gpus import LaunchPlan, plan_from_api
+from overbrainer_prefect.runpod.keys import SSH_DIR
 from overbrainer_prefect.runpod.orphans import orphan_warnings, pod_rows, sweep_host_keys
-from overbrainer_prefect.runpod.pod import PodRecord, PodState
+from overbrainer_prefect.runpod.pod import POD_RECORD, PodRecord, PodState
 from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, provision
 from overbrainer_prefect.runpod.reconnect import reconnect
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings, settings_from
@@ -50,14 +51,19 @@ from overbrainer_prefect.runpod.vram import (
     model_shape,
     training_vram,
 )
-from overbrainer_prefect.runs import lifecycle
-from overbrainer_prefect.runs.lifecycle import NotRetrieved, Outcome, Reporter, RunContext, RunError
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.errors import NotRetrieved, RunError, failure_reason
+from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.targets.host import Bounds
 from overbrainer_prefect.trainers.axolotl import launch_summary
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.compare import vram_floor
+
+LOCAL_RECORDS = (POD_RECORD, POD_DIR, SSH_DIR)
+"""What this machine keeps of a job's pod in its run directory: never uploaded."""
 
 
 def plan_price(plan: LaunchPlan) -> float:
@@ -81,11 +87,19 @@ class PodPlaced:
     ssh: SshExecutor
     bounds: Bounds
     retrieve_grace_s: float
+    remote_dir_here: str | None = None
+    """The job's run directory on the pod, once provisioned for it."""
+    job_started: bool = False
+    """Whether the job started here (`started` was called)."""
 
     @property
     def executor(self) -> Executor:
         """The pod's executor."""
         return self.ssh
+
+    def remote_dir(self, record: RunRecord) -> str:
+        """The job's run directory on its pod (the pod's own work directory)."""
+        return self.remote_dir_here or record.remote_dir
 
     @property
     def description(self) -> str:
@@ -93,19 +107,21 @@ class PodPlaced:
         return self.ssh.description
 
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
-        """The job's context on its pod: its probe must see the GPUs the pod
-        bills for (`runpod.gpucheck`)."""
+        """The job's context on its pod (its pod record, keys and watchdog log
+        never uploaded): its probe must see the GPUs the pod bills for
+        (`runpod.gpucheck`)."""
         pod = self.pod
         return replace(
             self.bounds.context(store, self.ssh, reporter),
+            local_only=LOCAL_RECORDS,
             check_facts=lambda facts: check_gpus(pod, facts),
         )
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
         """Follows the job with the pod's lease renewed while it progresses and
         the client's guard at the deadline, retrieves and verifies its files,
-        then ends the pod. A pod gone under the watch fails the record with
-        the reason (its outcome then comes from the local files)."""
+        then ends the pod. A pod gone under the watch gives the outcome of the
+        local files, with the reason (`lost`) the caller fails the record with."""
         try:
             watched = await watch_leased(
                 ctx, trainer, record, self.pod, self.ctx.timing, ctx.stall_s
@@ -113,7 +129,9 @@ class PodPlaced:
             outcome = await settle(self.ctx, self.pod, record.id, watched)
         except PodGone as gone:
             self.ctx.log.warning("%s", gone)
-            return lifecycle.recorded(ctx.runs, trainer, ctx.runs.load(record.id))
+            outcome = retrieve.recorded(ctx.runs, trainer, ctx.runs.load(record.id))
+            outcome.lost = gone.kept
+            return outcome
         except NotRetrieved as error:
             self.pod.state = PodState.AWAITING_RETRIEVAL
             self.pod.save(ctx.runs)
@@ -138,6 +156,7 @@ class PodPlaced:
     def started(self, store: Runs, record: RunRecord) -> None:
         """Records the pod running its job, and logs what bounds it. Raises
         PodError (with how to remove the pod) when `pod.json` cannot be saved."""
+        self.job_started = True
         pod = self.pod
         pod.state = PodState.RUNNING
         try:
@@ -166,6 +185,16 @@ class PodPlaced:
     def spend(self) -> float | None:
         """What the pod has cost so far (its GPUs and its disk, by its uptime)."""
         return self.pod.estimated_spend()
+
+
+def pod_spent(store: Runs, record: RunRecord) -> float | None:
+    """The estimated dollars the pod of `record` cost (its rate × uptime), or
+    None when it had no pod, its record cannot be read or its rate is unknown."""
+    try:
+        pod = PodRecord.load(store, record.id)
+    except Exception:
+        return None
+    return None if pod is None else pod.estimated_spend()
 
 
 def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
@@ -252,7 +281,7 @@ class PodTarget:
     @asynccontextmanager
     async def reserve(
         self, store: Runs, need: JobNeed, budget: Budget
-    ) -> AsyncIterator[Reservation]:
+    ) -> AsyncIterator[Reservation[LaunchPlan]]:
         """Checks the network volume (grown within `max_volume_gb` when the
         job needs it), plans the pod (the VRAM floor from the job's kind for
         `auto` types), logs the plan and its price, leaves out the types
@@ -360,18 +389,16 @@ class PodTarget:
 
     @asynccontextmanager
     async def place(
-        self, store: Runs, record: RunRecord, reservation: Reservation
+        self, store: Runs, record: RunRecord, reservation: Reservation[LaunchPlan]
     ) -> AsyncIterator[PodPlaced]:
         """Provisions the job's pod (see `runpod.provision`) and yields it. On
         exit, a job that never started has every pod of it deleted and its
         record failed with the reason; a started one keeps its pod (its
         follower ended it, or its watchdog bounds it).
 
-        Raises PodError (the record failed, every pod deleted) when the pod
-        cannot be had or readied."""
+        Raises PodError (every pod deleted; `kept` is what the record keeps)
+        when the pod cannot be had or readied."""
         plan = reservation.plan
-        if not isinstance(plan, LaunchPlan):
-            raise PodError(f"{subject(record)} has no launch plan: reserve its pod first")
         settings = self._settings(reservation.need) if reservation.need else self.settings
         async with self._account(store) as ctx:
             ready = await provision(
@@ -379,39 +406,30 @@ class PodTarget:
             )
             await sweep_others(ctx, ready.pod)  # a twin of an answer lost on the way: at once
             placed = PodPlaced(
-                ctx, ready.pod, ready.executor, self._bounds, settings.retrieve_grace_s
+                ctx,
+                ready.pod,
+                ready.executor,
+                self._bounds,
+                settings.retrieve_grace_s,
+                remote_dir_here=ready.remote_dir,
             )
             try:
                 yield placed
             except BaseException as error:
-                if store.load(record.id).job is None:
-                    # no job runs: the pod has nothing left to do
-                    reason = (
-                        INTERRUPTED
-                        if not isinstance(error, Exception)
-                        else (str(error) or type(error).__name__)
-                    )
-                    await asyncio.shield(
-                        self._end_unstarted(ctx, store, record, placed.pod, reason)
-                    )
+                if not placed.job_started:  # no job runs: the pod has nothing left to do
+                    await asyncio.shield(release(ctx, placed.pod, failure_reason(error)))
                 raise
             else:
-                if store.load(record.id).job is None:
-                    await self._end_unstarted(ctx, store, record, placed.pod, INTERRUPTED)
+                if not placed.job_started:
+                    await release(ctx, placed.pod, INTERRUPTED)
             finally:
                 await ready.executor.close()
-
-    async def _end_unstarted(
-        self, ctx: PodContext, store: Runs, record: RunRecord, pod: PodRecord, reason: str
-    ) -> None:
-        await release(ctx, pod, reason)
-        lifecycle.fail(store, record.id, reason)
 
     @asynccontextmanager
     async def reach(self, store: Runs, record: RunRecord) -> AsyncIterator[PodPlaced | None]:
         """The job's pod reached again from `pod.json` (looked up first: its
-        port may have changed), or None when it is gone (confirmed), the record
-        then failed with the reason when it had not ended (its watchdog's bound).
+        port may have changed), or None when it is gone (confirmed: `lost`
+        says why).
 
         Raises RunError when the job never asked for a pod; PodError when the
         pod is stopped, has no SSH endpoint, or cannot be reached or looked up."""
@@ -430,10 +448,6 @@ class PodTarget:
             executor = await reconnect(ctx, pod, record, record.target)
             if executor is None:
                 ctx.log.info("%s: pod %s no longer exists", subject(record), pod.name)
-                if not record.state.ended:
-                    lifecycle.fail(
-                        store, record.id, pod.delete_reason or f"pod {pod.name} no longer exists"
-                    )
                 yield None
                 return
             try:
@@ -442,15 +456,26 @@ class PodTarget:
                 await executor.close()
 
     async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
-        """Deletes every pod of the job (confirmed), sweeps its other pods,
-        removes its client key and host key secret, and fails the record with
-        `reason` when it had not ended. Returns whether no pod may be left."""
+        """Deletes every pod of the job (confirmed) with `reason`, sweeps its
+        other pods, removes its client key and host key secret. Returns
+        whether no pod may be left."""
         pod = PodRecord.load(store, record.id)
         if pod is not None:
             async with self._account(store) as ctx:
                 await release(ctx, pod, reason)
-        lifecycle.fail(store, record.id, reason)
         return pod is None or pod.gone
+
+    def lost(self, store: Runs, record: RunRecord) -> str:
+        """Why the job's pod is gone: the bound its watchdog deleted it at, or
+        that it no longer exists."""
+        try:
+            pod = PodRecord.load(store, record.id)
+        except Exception:
+            pod = None
+        if pod is None:
+            return "its pod no longer exists"
+        told = pod.delete_reason if pod.deleted_by not in (None, "client") else None
+        return told or pod.limit_reached() or f"pod {pod.name} no longer exists"
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:
         """Whether a pod of the job may still exist (`pod.json` not gone) or

@@ -324,3 +324,54 @@ def _link_or_copy(source: Path, target: Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copyfile(source, target)
+
+
+class BaseExportTrainer:
+    """An export of the plain base model `base_model` (a directory on the target or
+    a Hugging Face id) to a GGUF of type `quant`: the export job with `--base`,
+    converted and quantized like a run's model, nothing merged."""
+
+    def __init__(self, base_model: str, quant: str, cpu_threads: int | None = None) -> None:
+        self.base_model = base_model
+        self.quant = quant
+        self.cpu_threads = cpu_threads
+        self.gguf_stem = gguf_name("base", base_model)
+
+    @property
+    def name(self) -> str:
+        """`export`."""
+        return "export"
+
+    @property
+    def metrics_file(self) -> str:
+        """`metrics.jsonl`, written by the job script."""
+        return METRICS_FILE
+
+    @property
+    def probe_modules(self) -> Sequence[str]:
+        """What the export job imports."""
+        return MODULES
+
+    def check(self, facts: TargetFacts) -> None:
+        """Raises TrainError when the job venv lacks a module the export imports."""
+        check_modules(facts, self.probe_modules, "export")
+
+    def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
+        """Puts the export job script under `scripts/`: the base is on the target."""
+        copy_job_script(local_run_dir, JOB_MODULE)
+
+    def commands(self, ctx: JobContext) -> list[list[str]]:
+        """The export job, told to export the base model."""
+        return [
+            export_command(
+                ctx, self.quant, self.gguf_stem, self.cpu_threads, "--base", self.base_model
+            )
+        ]
+
+    def env(self, ctx: JobContext) -> dict[str, str]:
+        """The export job's environment; offline when the base model is a directory."""
+        return export_env(ctx, self.base_model.startswith(("/", ".", "~")), self.cpu_threads)
+
+    def artifacts(self) -> Artifacts:
+        """`gguf/` and the metrics; a succeeded export must have its GGUF."""
+        return EXPORT_ARTIFACTS

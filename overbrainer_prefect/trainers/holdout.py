@@ -5,7 +5,7 @@ rows of the run's local JSON-lines datasets are split before upload: the rows
 drawn (by the spec's seed, so the same spec and data always give the same
 split) are removed from the run's copy of each dataset, `data/<name>`, and
 written to `heldout/<name>`, with the split recorded in `heldout/split.json`.
-`heldout/` is local only (`runs.lifecycle.LOCAL_ONLY`): it is never uploaded,
+`heldout/` is local only (`steps.start.LOCAL_ONLY`): it is never uploaded,
 so the job never sees those rows; the evaluation asks them.
 
 Hub datasets are trained on whole (they are not on this machine to split).

@@ -1,15 +1,26 @@
-"""Resuming a stopped run: its checkpoint becomes the start of a new run,
-trained on the run's own copy of its data, from any working directory."""
+"""A training run: axolotl fine-tunes a model, `<runs dir>/<id>/run.json`.
+Its result (what the train flow returns and Prefect persists), resuming a
+stopped run (its checkpoint becomes the start of a new run, trained on the
+run's own copy of its data, from any working directory), and how its trainer
+is made again from its record."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import PurePosixPath
 
-from overbrainer_prefect.runs.lifecycle import RunError
+from pydantic import BaseModel, Field
+
+from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
-from overbrainer_prefect.trainers.axolotl import data_copies
+from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, data_copies
+from overbrainer_prefect.trainers.base import Trainer
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
+
+NAME = "training"
+"""A training run's records: `<runs dir>/<id>/run.json`."""
 
 RESUME_DIR = "resume"
 """Where a resumed run's starting checkpoint sits in its run directory."""
@@ -93,3 +104,45 @@ def resumed_spec(
         for d in spec.datasets
     ]
     return spec.model_copy(update={"datasets": datasets})
+
+
+class RunResult(BaseModel):
+    """What a run flow returns (and Prefect persists): how the run ended."""
+
+    run_id: str
+    state: RunState
+    target: str
+    message: str | None = None
+    steps: int = 0
+    first_loss: float | None = None
+    final_loss: float | None = None
+    retrieved: bool = False
+    files: list[FileEntry] = Field(default_factory=list)
+    run_dir: str
+    next: str
+    export_id: str | None = Field(default=None, description="The export made after training.")
+    gguf: FileEntry | None = Field(
+        default=None, description="Its GGUF, the path relative to the run directory."
+    )
+
+
+def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
+    resume = resume_path(record.resumed_from) if record.resumed_from else None
+    return AxolotlTrainer(
+        TrainingSpec.model_validate(record.spec), resume_from=resume, cpu_threads=cpu_threads
+    )
+
+
+KIND = JobKind(name=NAME, child=False, rebuild=_rebuild, progress=True)
+"""A training run: `<runs dir>/<id>/run.json`."""
+
+
+def next_step(record: RunRecord) -> str:
+    """What to run next for a run, as the summary and messages say it."""
+    if record.state == RunState.STOPPED:
+        return f"Resume it: run the `train` flow with `resume_from={record.id}`."
+    if record.state in (RunState.RUNNING, RunState.PREPARING):
+        return f"Follow it again: run the `attach` flow with `run_id={record.id}`."
+    if record.state == RunState.SUCCEEDED:
+        return f"Its files are in `runs/{record.id}/`; export it with the `export` flow."
+    return f"See `runs/{record.id}/job.log`, fix the cause, and start a new run."

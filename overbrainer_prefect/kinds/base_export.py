@@ -1,0 +1,80 @@
+"""A base model's export: the plain base model converted and quantized like a
+run's model, once per base model, target and quant type, kept under
+`<runs dir>/.bases/<key>/exports/<id>/export.json` and reused by every compare
+and evaluation of every run of that base."""
+
+from __future__ import annotations
+
+from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.compare import (
+    CompareFailed,
+    _base_ref,
+    job_failure,
+)
+from overbrainer_prefect.kinds.export import NAME, gguf_entry, reusable
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.steps.context import Outcome
+from overbrainer_prefect.targets.base import Logger
+from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.compare import (
+    GgufRef,
+)
+from overbrainer_prefect.trainers.export import BaseExportTrainer
+
+
+def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
+    spec = record.spec or {}
+    return BaseExportTrainer(
+        str(spec.get("base_model")), str(spec.get("quant")), cpu_threads=cpu_threads
+    )
+
+
+KIND = JobKind(name=NAME, child=False, rebuild=_rebuild)
+"""A base model's export: an export record of no run."""
+
+
+def reused_base(runs: Runs, store: Runs, base: str, quant: str, logger: Logger) -> GgufRef | None:
+    """The GGUF of the latest succeeded export of the base model `base` to
+    `quant` in `store`, when it still matches its SHA-256 (a warning says when
+    it no longer does); None when there is none to reuse."""
+    done = reusable(store, quant)
+    ref = _base_ref(store, done, runs) if done is not None else None
+    if done is not None and ref is not None:
+        logger.info(
+            "the base model's GGUF (%s) is reused from %s: %s",
+            quant,
+            subject(done),
+            ref.path,
+        )
+        return ref
+    if done is not None:
+        logger.warning(
+            "the GGUF of %s no longer matches its SHA-256: exporting the base again",
+            subject(done),
+        )
+    return None
+
+
+def base_gguf(runs: Runs, store: Runs, outcome: Outcome, name: str, logger: Logger) -> GgufRef:
+    """The verified GGUF of the base export whose job ended with `outcome`.
+    Raises CompareFailed with one line (the job's own reason, where its log is)
+    when it did not succeed or brought back no GGUF."""
+    record = outcome.record
+    local = store.run_dir(record.id)
+    if outcome.record.state != RunState.SUCCEEDED:
+        reason = outcome.record.message or str(outcome.record.state)
+        why = job_failure(local, "export failed: ")
+        raise CompareFailed(
+            f"{name} {outcome.record.state}: {reason.split(' (see ')[0]} (see {local}/job.log)"
+            + (f": {why}" if why else "")
+        )
+    entry = gguf_entry(outcome.files)
+    if entry is None:
+        raise CompareFailed(f"{name} brought back no GGUF (see {local}/job.log)")
+    logger.info("%s succeeded: %s (sha256 %s)", name, entry.path, entry.sha256)
+    return GgufRef(
+        path=(local / entry.path).relative_to(runs.root).as_posix(),
+        size=entry.size,
+        sha256=entry.sha256,
+        export_id=record.id,
+    )

@@ -1,0 +1,355 @@
+"""A run's compare: its tuned GGUF and its base model's asked the same
+questions, `<run dir>/compares/<id>/compare.json`. Whether a run can be
+compared, a finished or running compare found for reuse, its result (what the
+compare flow returns and Prefect persists), the markdown that shows the
+answers side by side, and how its trainer is made again from its record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from overbrainer_prefect.cells import code_cell, table_cell
+from overbrainer_prefect.executors.base import FileDigest
+from overbrainer_prefect.executors.manifest import sha256_file
+from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.export import NAME as EXPORT
+from overbrainer_prefect.kinds.export import gguf_entry, reusable
+from overbrainer_prefect.kinds.files import FileEntry
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
+from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.trainers.compare import (
+    ANSWERS_FILE,
+    CompareTrainer,
+    GgufRef,
+    ModelAnswer,
+    read_answers,
+    spec_of,
+)
+from overbrainer_prefect.trainers.export import base_model
+
+NAME = "compare"
+"""A compare's records: `<run dir>/compares/<id>/compare.json`."""
+
+
+class AnswerPair(BaseModel):
+    """One question, and the base and tuned models' answers to it."""
+
+    question: str
+    base: ModelAnswer | None = None
+    tuned: ModelAnswer | None = None
+
+
+class CompareResult(BaseModel):
+    """What the compare flow returns (and Prefect persists): the compare and its answers."""
+
+    compare_id: str
+    run_id: str
+    state: RunState
+    target: str
+    quant: str
+    seed: int
+    max_tokens: int
+    base_model: str
+    base_gguf: GgufRef
+    tuned_gguf: GgufRef
+    message: str | None = None
+    reused: bool = Field(
+        default=False, description="An earlier succeeded compare of the same, returned as is."
+    )
+    answers: list[AnswerPair] = Field(default_factory=list)
+    files: list[FileEntry] = Field(default_factory=list)
+    compare_dir: str
+    answers_path: str | None = Field(default=None, description="answers.jsonl on this machine.")
+    next: str
+
+    def mean_tokens_per_s(self, model: str) -> float | None:
+        """The mean decoding speed of `model` (`base` or `tuned`) over its answers."""
+        speeds = [
+            a.tokens_per_s
+            for pair in self.answers
+            for a in (pair.base if model == "base" else pair.tuned,)
+            if a is not None and a.tokens_per_s is not None
+        ]
+        return sum(speeds) / len(speeds) if speeds else None
+
+
+def result_of(
+    compares: Runs, record: RunRecord, files: list[FileDigest], *, reused: bool = False
+) -> CompareResult:
+    """The flow's result for the compare `record`, from its retrieved `files` and
+    its local answers."""
+    spec = spec_of(record.spec)
+    if spec is None:
+        raise RunError(f"{subject(record)} has no compare spec in its record")
+    local = compares.run_dir(record.id)
+    path = local / ANSWERS_FILE
+    try:
+        answers = read_answers(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        answers = []
+    pairs = [AnswerPair(question=q) for q in spec.questions]
+    for answer in answers:
+        if 0 <= answer.index < len(pairs) and answer.model in ("base", "tuned"):
+            setattr(pairs[answer.index], answer.model, answer)
+    return CompareResult(
+        compare_id=record.id,
+        run_id=record.parent or "",
+        state=record.state,
+        target=record.target,
+        quant=spec.quant,
+        seed=spec.seed,
+        max_tokens=spec.max_tokens,
+        base_model=spec.base_model,
+        base_gguf=spec.base,
+        tuned_gguf=spec.tuned,
+        message=record.message,
+        reused=reused,
+        answers=pairs,
+        files=[FileEntry.of(f) for f in files],
+        compare_dir=str(local),
+        answers_path=str(path) if path.is_file() else None,
+        next=_next_step(record),
+    )
+
+
+def _next_step(record: RunRecord) -> str:
+    run_id = record.parent
+    if record.state == RunState.SUCCEEDED:
+        return (
+            f"The answers are in `{local_path(record)}/{ANSWERS_FILE}`; compare other questions "
+            f"with the `compare` flow (run_id={run_id})."
+        )
+    if not record.state.ended:
+        return f"Follow it again: run the `compare` flow (run_id={run_id}, compare_id={record.id})."
+    return (
+        f"See `{local_path(record)}/job.log`, fix the cause, and compare again with the "
+        f"`compare` flow (run_id={run_id})."
+    )
+
+
+def answers_markdown(result: CompareResult, target_description: str) -> str:
+    """The compare artifact: the models, then every question with the base and tuned
+    answers side by side, then a table of answer lengths and tokens/s."""
+    lines = [
+        f"# Compare {result.compare_id} of run {result.run_id}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| state | **{result.state}**{' (reused)' if result.reused else ''} |",
+        f"| target | {table_cell(target_description)} |",
+        f"| quant | {result.quant} |",
+        f"| seed | {result.seed} (greedy, temperature 0) |",
+        f"| max tokens | {result.max_tokens} |",
+        f"| base | {code_cell(result.base_model)}, SHA-256 `{result.base_gguf.sha256}` |",
+        f"| tuned | export {result.tuned_gguf.export_id}, SHA-256 `{result.tuned_gguf.sha256}` |",
+    ]
+    if result.message:
+        lines.append(f"| message | {table_cell(result.message)} |")
+    lines += ["", "## Answers", "", "| # | question | base | tuned |", "|---:|---|---|---|"]
+    for number, pair in enumerate(result.answers, start=1):
+        lines.append(
+            f"| {number} | {table_cell(pair.question)} | {_answer_cell(pair.base)} "
+            f"| {_answer_cell(pair.tuned)} |"
+        )
+    lines += [
+        "",
+        "## Length and speed",
+        "",
+        "| # | base tokens | base tokens/s | tuned tokens | tuned tokens/s |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for number, pair in enumerate(result.answers, start=1):
+        lines.append(
+            f"| {number} | {_tokens(pair.base)} | {_speed(pair.base)} | {_tokens(pair.tuned)} "
+            f"| {_speed(pair.tuned)} |"
+        )
+    base_mean, tuned_mean = result.mean_tokens_per_s("base"), result.mean_tokens_per_s("tuned")
+    lines.append(f"| mean | | {number_text(base_mean)} | | {number_text(tuned_mean)} |")
+    lines += ["", "## Next", "", result.next, ""]
+    return "\n".join(lines)
+
+
+def _answer_cell(answer: ModelAnswer | None) -> str:
+    if answer is None:
+        return "*(no answer)*"
+    cut = " *(cut at the token limit)*" if answer.cut else ""
+    return f"{table_cell(answer.answer) if answer.answer else '*(empty)*'}{cut}"
+
+
+def _tokens(answer: ModelAnswer | None) -> str:
+    if answer is None:
+        return "-"
+    return f"{answer.tokens}{' (cut)' if answer.cut else ''}"
+
+
+def _speed(answer: ModelAnswer | None) -> str:
+    return number_text(answer.tokens_per_s) if answer is not None else "-"
+
+
+def number_text(value: float | None) -> str:
+    """A speed to one decimal, `-` when unknown."""
+    return "-" if value is None else f"{value:.1f}"
+
+
+class NotComparable(RunError):
+    """A run that cannot be compared as it is; nothing was started. One line."""
+
+
+class CompareFailed(RunError):
+    """The base model's GGUF could not be made; the message says what to do."""
+
+
+def tuned_gguf(runs: Runs, run_id: str, quant: str) -> GgufRef:
+    """The GGUF of the latest succeeded export of run `run_id` to `quant`, checked
+    against the SHA-256 it was retrieved with.
+
+    Raises NotComparable with one line when there is none, or it changed.
+    """
+    exports = runs.children(run_id, EXPORT)
+    done = reusable(exports, quant)
+    entry = gguf_entry(retrieve.load_manifest(exports.run_dir(done.id))) if done else None
+    if done is None or entry is None:
+        raise NotComparable(
+            f"run {run_id} has no succeeded {quant} export to compare: run the export flow "
+            f"first (run_id={run_id}, quant={quant})"
+        )
+    path = exports.run_dir(done.id) / entry.path
+    _check_gguf(path, entry, f"the GGUF of export {done.id} of run {run_id}")
+    return GgufRef(
+        path=path.relative_to(runs.root).as_posix(),
+        size=entry.size,
+        sha256=entry.sha256,
+        export_id=done.id,
+    )
+
+
+def _check_gguf(path: Path, entry: FileDigest, what: str) -> None:
+    try:
+        size, digest = sha256_file(path)
+    except OSError as error:
+        raise NotComparable(f"cannot read {what} ({path}): {error.strerror or error}") from None
+    if size != entry.size or digest != entry.sha256:
+        raise NotComparable(
+            f"{what} ({path}) differs from the file retrieved and verified (SHA-256): "
+            "export it again"
+        )
+
+
+def check_comparable(runs: Runs, run_id: str, quant: str) -> tuple[RunRecord, GgufRef, str]:
+    """The record of run `run_id`, its tuned GGUF and the base model it fine-tuned.
+
+    Raises InvalidRunId or RunNotFound for a run that is not there, NotComparable
+    with one line when the run has no usable export of `quant`, or its config
+    names no base model.
+    """
+    run = runs.load(run_id)
+    tuned = tuned_gguf(runs, run_id, quant)
+    base = base_model(runs.run_dir(run_id))
+    if base is None:
+        raise NotComparable(
+            f"runs/{run_id}/axolotl.yaml names no base model: there is nothing to compare the "
+            "fine-tune with"
+        )
+    return run, tuned, base
+
+
+def reusable_compare(
+    compares: Runs,
+    questions: list[str],
+    max_tokens: int,
+    seed: int,
+    quant: str,
+    tuned: GgufRef,
+    target: str,
+) -> RunRecord | None:
+    """The latest succeeded compare that asked the same questions of the same tuned
+    GGUF the same way on `target`, whose answers are here as retrieved, or None."""
+    found: list[RunRecord] = []
+    for record in compares.list(skipped=lambda _name, _error: None):
+        spec = spec_of(record.spec)
+        if spec is None or record.state != RunState.SUCCEEDED or record.target != target:
+            continue
+        if record.not_retrieved is not None:
+            continue
+        if not spec.asks(questions, max_tokens, seed, quant, tuned.sha256):
+            continue
+        local = compares.run_dir(record.id)
+        entry = next((f for f in retrieve.load_manifest(local) if f.path == ANSWERS_FILE), None)
+        answers = local / ANSWERS_FILE
+        if entry is not None and answers.is_file() and answers.stat().st_size == entry.size:
+            found.append(record)
+    return max(found, key=lambda r: (r.ended or r.created, r.id)) if found else None
+
+
+def running_compare(
+    compares: Runs,
+    questions: list[str],
+    max_tokens: int,
+    seed: int,
+    quant: str,
+    tuned_sha256: str,
+) -> RunRecord | None:
+    """A compare of the same questions, settings and tuned GGUF (by its SHA-256)
+    whose job runs (or ran unwatched) now, if any."""
+    for record in compares.list(skipped=lambda _name, _error: None):
+        spec = spec_of(record.spec)
+        if spec is None or record.state != RunState.RUNNING or record.job is None:
+            continue
+        if spec.asks(questions, max_tokens, seed, quant, tuned_sha256):
+            return record
+    return None
+
+
+def _base_ref(store: Runs, record: RunRecord, runs: Runs) -> GgufRef | None:
+    """The verified GGUF of the succeeded base export `record`, or None when its
+    local file no longer matches the SHA-256 it was retrieved with."""
+    entry = gguf_entry(retrieve.load_manifest(store.run_dir(record.id)))
+    if entry is None:
+        return None
+    path = store.run_dir(record.id) / entry.path
+    try:
+        size, digest = sha256_file(path)
+    except OSError:
+        return None
+    if size != entry.size or digest != entry.sha256:
+        return None
+    return GgufRef(
+        path=path.relative_to(runs.root).as_posix(),
+        size=size,
+        sha256=digest,
+        export_id=record.id,
+    )
+
+
+FAILURE_TAIL = 64 << 10  # bytes at the end of a job log searched for the job's own failure line
+
+
+def job_failure(local: Path, prefix: str) -> str | None:
+    """The one line a failed job script wrote to say why (`compare failed: ...`),
+    from the end of its retrieved `job.log` in `local`, without `prefix`; None when
+    there is none."""
+    try:
+        with (local / "job.log").open("rb") as log:
+            log.seek(max(0, log.seek(0, 2) - FAILURE_TAIL))
+            tail = log.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    lines = [line[len(prefix) :].strip() for line in tail.splitlines() if line.startswith(prefix)]
+    return lines[-1] if lines else None
+
+
+def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
+    spec = spec_of(record.spec)
+    if spec is None:
+        raise RunError(
+            f"{subject(record)} has no compare spec in its record: it cannot be followed"
+        )
+    return CompareTrainer(spec, runs.root, cpu_threads=cpu_threads)
+
+
+KIND = JobKind(name=NAME, child=True, rebuild=_rebuild)
+"""A run's compare: `<run dir>/compares/<id>/compare.json`."""

@@ -1,0 +1,276 @@
+"""A run's export: its model merged, converted to GGUF and quantized on a
+target, `<run dir>/exports/<id>/export.json`. What it asks (`ExportSpec`),
+whether a run can be exported, a finished or running export found for reuse,
+its result (what the export flow returns and Prefect persists) and its
+summary, and how its trainer is made again from its record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from overbrainer_prefect.cells import size_text, table_cell
+from overbrainer_prefect.executors.base import FileDigest
+from overbrainer_prefect.executors.manifest import sha256_file
+from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.files import FileEntry
+from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path
+from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.trainers.base import Trainer, TrainError
+from overbrainer_prefect.trainers.export import (
+    CONFIG_FILE,
+    GGUF_DIR,
+    OUTPUT_DIR,
+    ExportSpec,
+    ExportTrainer,
+    is_lora,
+    model_files,
+    phases,
+)
+
+NAME = "export"
+"""An export's records: `<run dir>/exports/<id>/export.json` (a base model's:
+`.bases/<key>/exports/<id>/export.json`)."""
+
+
+class ExportResult(BaseModel):
+    """What the export flow returns (and Prefect persists): the export, and its GGUF."""
+
+    export_id: str
+    run_id: str
+    quant: str
+    state: RunState
+    target: str
+    message: str | None = None
+    reused: bool = Field(
+        default=False, description="An earlier succeeded export of the same quant, returned as is."
+    )
+    gguf: FileEntry | None = Field(
+        default=None, description="The GGUF, its path relative to the export directory."
+    )
+    gguf_path: str | None = Field(default=None, description="The GGUF on this machine.")
+    phases: dict[str, float] = Field(
+        default_factory=dict, description="Seconds of each step: merge, convert, quantize."
+    )
+    files: list[FileEntry] = Field(default_factory=list)
+    export_dir: str
+    next: str
+
+
+def gguf_entry(files: list[FileDigest]) -> FileDigest | None:
+    """The GGUF among an export's retrieved files."""
+    return next(
+        (f for f in files if f.path.startswith(f"{GGUF_DIR}/") and f.path.endswith(".gguf")), None
+    )
+
+
+def result_of(
+    exports: Runs, record: RunRecord, files: list[FileDigest], *, reused: bool = False
+) -> ExportResult:
+    """The flow's result for the export `record`, from its retrieved `files` and
+    its local metrics file."""
+    local = exports.run_dir(record.id)
+    try:
+        timings = phases((local / "metrics.jsonl").read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        timings = {}
+    entry = gguf_entry(files)
+    return ExportResult(
+        export_id=record.id,
+        run_id=record.parent or "",
+        quant=str((record.spec or {}).get("quant", "")),
+        state=record.state,
+        target=record.target,
+        message=record.message,
+        reused=reused,
+        gguf=FileEntry.of(entry) if entry else None,
+        gguf_path=str(local / entry.path) if entry else None,
+        phases=timings,
+        files=[FileEntry.of(f) for f in files],
+        export_dir=str(local),
+        next=_next_step(record),
+    )
+
+
+def _next_step(record: RunRecord) -> str:
+    run_id = record.parent
+    if record.state == RunState.SUCCEEDED:
+        return (
+            f"The GGUF is in `{local_path(record)}/{GGUF_DIR}/`; deliver it to Ollama or the "
+            "Hugging Face Hub with the delivery flows."
+        )
+    if not record.state.ended:
+        return f"Follow it again: run the `export` flow (run_id={run_id}, export_id={record.id})."
+    return (
+        f"See `{local_path(record)}/job.log`, fix the cause, and export again with the `export` "
+        f"flow (`run_id={run_id}`)."
+    )
+
+
+def summary_markdown(result: ExportResult, target_description: str, record: RunRecord) -> str:
+    """The export summary: the export, its run, quant type, target, state, the
+    GGUF with its size and SHA-256, the time of each step, and what to do next."""
+    lines = [
+        f"# Export {result.export_id} of run {result.run_id}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| state | **{result.state}** |",
+        f"| quant | {result.quant} |",
+        f"| target | {target_description} |",
+        f"| duration | {_duration(record)} |",
+    ]
+    if result.gguf is not None:
+        lines += [
+            f"| GGUF | `{result.gguf.path}` |",
+            f"| size | {size_text(result.gguf.size)} |",
+            f"| SHA-256 | `{result.gguf.sha256}` |",
+        ]
+    for name in ("merge", "convert", "quantize"):
+        if name in result.phases:
+            lines.append(f"| {name} | {result.phases[name]:.1f} s |")
+    if result.message:
+        lines.append(f"| message | {table_cell(result.message)} |")
+    lines += ["", f"## Files ({len(result.files)}, verified by SHA-256)", ""]
+    if result.files:
+        lines += ["| file | size | SHA-256 |", "|---|---:|---|"]
+        lines += [f"| `{f.path}` | {size_text(f.size)} | `{f.sha256}` |" for f in result.files]
+    else:
+        lines.append("No file was retrieved.")
+    lines += ["", "## Next", "", result.next, ""]
+    return "\n".join(lines)
+
+
+def gguf_markdown(run_id: str, result: ExportResult) -> str:
+    """The section a training run's summary gets for the export made after it."""
+    if result.gguf is None:
+        return ""
+    return "\n".join(
+        [
+            "",
+            f"## GGUF ({result.quant}, export {result.export_id})",
+            "",
+            "| file | size | SHA-256 |",
+            "|---|---:|---|",
+            f"| `exports/{result.export_id}/{result.gguf.path}` | {size_text(result.gguf.size)} "
+            f"| `{result.gguf.sha256}` |",
+            "",
+        ]
+    )
+
+
+def _duration(record: RunRecord) -> str:
+    if not record.started or not record.ended:
+        return "-"
+    seconds = (parse_rfc3339(record.ended) - parse_rfc3339(record.started)).total_seconds()
+    return f"{seconds:.0f} s"
+
+
+class NotExportable(RunError):
+    """A run that cannot be exported as it is; nothing was started. One line."""
+
+
+def check_exportable(runs: Runs, run: RunRecord) -> list[Path]:
+    """The files of a run's model, once the run is found exportable: succeeded, its
+    files retrieved, its model (the top-level files of `output/`) and, for a LoRA,
+    its `axolotl.yaml` present locally and matching the SHA-256 manifest they were
+    retrieved with.
+
+    Raises NotExportable with one line saying what is wrong and what to do.
+    """
+    where = f"runs/{run.id}"
+    if run.state == RunState.STOPPED:
+        raise NotExportable(
+            f"run {run.id} is stopped: only a succeeded run can be exported (resume it with "
+            f"the train flow, resume_from={run.id})"
+        )
+    if run.state != RunState.SUCCEEDED:
+        raise NotExportable(f"run {run.id} is {run.state}: only a succeeded run can be exported")
+    if run.not_retrieved is not None:
+        raise NotExportable(
+            f"the files of run {run.id} were not retrieved: retrieve them with the attach flow "
+            f"(run_id={run.id}), then export it"
+        )
+    run_dir = runs.run_dir(run.id)
+    manifest = {entry.path: entry for entry in retrieve.load_manifest(run_dir)}
+    for rel, entry in manifest.items():
+        top_level_model = rel.startswith(f"{OUTPUT_DIR}/") and rel.count("/") == 1
+        if top_level_model or rel == CONFIG_FILE:
+            _check_file(run_dir / rel, f"{where}/{rel}", entry)
+    try:
+        files = model_files(run_dir)
+    except TrainError:
+        raise NotExportable(
+            f"run {run.id} has no model in {where}/{OUTPUT_DIR}/ (no adapter_config.json, no "
+            "config.json): only a run that saved its model can be exported"
+        ) from None
+    if is_lora(run_dir) and not (run_dir / CONFIG_FILE).is_file():
+        raise NotExportable(
+            f"{where}/{CONFIG_FILE} is missing: the LoRA of run {run.id} cannot be merged "
+            "without the base model it names"
+        )
+    return files
+
+
+def _check_file(path: Path, shown: str, entry: FileDigest) -> None:
+    try:
+        size, digest = sha256_file(path)
+    except FileNotFoundError:
+        raise NotExportable(
+            f"{shown} is missing on this machine (it was retrieved and verified, then removed): "
+            "restore it, or train the run again"
+        ) from None
+    except OSError as error:
+        raise NotExportable(f"cannot read {shown}: {error.strerror or error}") from None
+    if size != entry.size or digest != entry.sha256:
+        raise NotExportable(
+            f"{shown} differs from the file retrieved and verified (SHA-256): restore it, "
+            "or train the run again"
+        )
+
+
+def reusable(exports: Runs, quant: str) -> RunRecord | None:
+    """The latest succeeded export of `quant` whose GGUF is here, as retrieved (its
+    size checked; delivery hashes it again before it leaves), or None."""
+    found: list[RunRecord] = []
+    for record in exports.list(skipped=lambda _name, _error: None):
+        if record.state != RunState.SUCCEEDED or record.not_retrieved is not None:
+            continue
+        if str((record.spec or {}).get("quant", "")).lower() != quant:
+            continue
+        entry = gguf_entry(retrieve.load_manifest(exports.run_dir(record.id)))
+        path = exports.run_dir(record.id) / entry.path if entry else None
+        if entry is not None and path is not None and _has_size(path, entry.size):
+            found.append(record)
+    return max(found, key=lambda r: (r.ended or r.created, r.id)) if found else None
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def running(exports: Runs, quant: str) -> RunRecord | None:
+    """An export of `quant` whose job runs (or ran unwatched) now, if any."""
+    for record in exports.list(skipped=lambda _name, _error: None):
+        same = str((record.spec or {}).get("quant", "")).lower() == quant
+        if same and record.state == RunState.RUNNING and record.job is not None:
+            return record
+    return None
+
+
+def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
+    assert record.parent is not None  # a child kind
+    run = runs.load(record.parent)
+    return ExportTrainer(
+        run, runs.run_dir(run.id), ExportSpec.model_validate(record.spec), cpu_threads=cpu_threads
+    )
+
+
+KIND = JobKind(name=NAME, child=True, rebuild=_rebuild)
+"""A run's export: `<run dir>/exports/<id>/export.json`."""

@@ -1,0 +1,53 @@
+"""The pods of an account as the `pods` flow lists them, and what it returns."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from overbrainer_prefect.runpod.orphans import PodRow
+
+
+class PodsError(ValueError):
+    """The pods flow cannot do what it was asked; the message is one line."""
+
+
+class PodListing(BaseModel):
+    """One pod of ours, as the pods flow lists it."""
+
+    pod_id: str
+    run_id: str
+    owner: str = Field(default="", description="`run R`, or `export E of run R`.")
+    status: str
+    run_state: str
+    gpu: str
+    rate_per_hour: float | None
+    uptime_hours: float
+    estimated_spend: float | None
+    orphan: bool
+    why: str
+
+
+class PodsResult(BaseModel):
+    """What the pods flow found or did."""
+
+    action: str
+    pods: list[PodListing] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list, description="Pods deleted, confirmed.")
+    warnings: list[str] = Field(default_factory=list)
+
+
+def pod_listing(row: PodRow) -> PodListing:
+    """A pod's row as the pods flow lists it: spend and uptime rounded."""
+    return PodListing(
+        pod_id=row.pod_id,
+        run_id=row.run_id,
+        owner=row.owner,
+        status=row.status,
+        run_state=row.run_state,
+        gpu=row.gpu,
+        rate_per_hour=row.rate,
+        uptime_hours=round(row.uptime_s / 3600, 3),
+        estimated_spend=None if row.estimated_spend is None else round(row.estimated_spend, 4),
+        orphan=row.orphan,
+        why=row.why,
+    )
