@@ -307,6 +307,10 @@ def test_a_verified_run_whose_delete_is_refused_succeeds_and_its_watchdog_delete
 # -- a pod bounded whatever dies here -------------------------------------------------------
 
 
+def pod_json_missing() -> PodRecord:
+    raise AssertionError("the run has no pod.json")
+
+
 def wait_for(check: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -338,14 +342,14 @@ def test_a_pod_that_never_boots_with_its_follower_killed_is_deleted_at_its_boot_
     wait_for(lambda: billed.deleted, 90, "the pod's delete")
     (record,) = bed.runs.list()
     wait_for(
-        lambda: (
-            (PodRecord.load(bed.runs, record.id) or the_pod(bed.runs)).state == PodState.DELETED
-        ),
+        lambda: (PodRecord.load(bed.runs, record.id) or pod_json_missing()).deleted_by == BY,
         30,
-        "pod.json to say the pod is deleted",
+        "pod.json to say the reaper deleted the pod",
     )
-    pod = the_pod(bed.runs)
-    assert pod.deleted_by == BY and "boot_grace" in (pod.delete_reason or "")
+    pod = PodRecord.load(bed.runs, record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.gone
+    assert billed.id in [pod.pod_id, *pod.swept]  # recorded, or found by its name
+    assert "boot_grace" in (pod.delete_reason or "")
     assert billed.deleted_at is not None and billed.deleted_at - billed.created_at >= grace
     wait_for(
         lambda: (

@@ -37,7 +37,7 @@ from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.context import PodContext
 from overbrainer_prefect.runpod.ending import release, remove_hint
 from overbrainer_prefect.runpod.errors import RunpodError
-from overbrainer_prefect.runpod.pod import PodRecord
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.store import Runs
 
 REAPER_LOG = f"{POD_DIR}/reaper.log"
@@ -145,7 +145,12 @@ async def reap(runs: Runs, run_id: str, client: RunpodClient, timing: PodTiming)
         if bound is not None and now >= bound:
             await release(ctx, pod, reaper_reason(pod), by=BY)
             if pod.gone:
-                return f"pod {pod.name} of run {run_id} deleted at its boot bound"
+                if pod.swept and pod.state != PodState.DELETED:
+                    # created, its answer never recorded (its follower died): swept by name
+                    pod.mark_deleted(BY, reaper_reason(pod))
+                    pod.save(runs)
+                gone = ", ".join(([pod.pod_id] if pod.pod_id else []) + pod.swept)
+                return f"pod {gone or '(none)'} of run {run_id} deleted at its boot bound"
             give_up = give_up or now + LINGER_S
             if now >= give_up:
                 return f"pod {pod.name} of run {run_id} may still exist: {remove_hint(run_id)}"
