@@ -278,6 +278,8 @@ def test_uptime_spend_and_who_deleted_the_pod_match_the_simulators_ledger(
         pod = the_pod(runs)
         assert pod.deleted_by == "client" and pod.state == PodState.DELETED
         assert_ledger(pod, sim, slack_s=1.0)
+        reaper_log = runs.run_dir(pod.run_id) / REAPER_LOG
+        wait_for(lambda: "shows it runs" in reaper_log.read_text(), 30, "the reaper to end")
 
 
 @pytest.mark.slow

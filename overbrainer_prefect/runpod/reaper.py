@@ -114,7 +114,7 @@ async def reap(runs: Runs, run_id: str, client: RunpodClient, timing: PodTiming)
     happened, in words. Never raises for a pod it could not delete: it says so."""
     ctx = PodContext(client=client, runs=runs, timing=timing)
     give_up: float | None = None
-    answered = checked = time.time()
+    answered = checked = began = time.time()
     while True:
         try:
             pod = PodRecord.load(runs, run_id)
@@ -124,6 +124,11 @@ async def reap(runs: Runs, run_id: str, client: RunpodClient, timing: PodTiming)
             return f"run {run_id} has no pod.json: nothing to watch"
         if pod.watchdog_shown:
             return f"the watchdog of pod {pod.name} shows it runs: it bounds the pod"
+        if not pod.attempts:  # no create request sent yet
+            if time.time() - began > (pod.boot_grace_s or 0.0) + LINGER_S:
+                return f"run {run_id} never asked for its pod: nothing to watch"
+            await asyncio.sleep(LOOK_S)
+            continue
         if pod.gone:
             return f"pod {pod.name} of run {run_id} is gone"
         bound = boot_bound(pod, timing)
@@ -162,6 +167,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout, force=True
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     runs_dir, run_id, rest_url, graphql_url = argv
     key = sys.stdin.read().strip()
     os.close(0)
