@@ -97,11 +97,11 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client
     pod.save(ctx.runs)
     reason = fate.reason
     ctx.log.info(
-        "pod %s of run %s deleted (by %s) and its deletion confirmed (%s); up %s, %s spent%s",
+        "pod %s of run %s deleted and its deletion confirmed (%s, by the %s); up %s, %s spent%s",
         pod.pod_id,
         pod.run_id,
-        pod.deleted_by,
         reason,
+        pod.deleted_by,
         _duration(pod.uptime_s()),
         usd(pod.estimated_spend() or 0.0),
         f" at {usd(pod.rate)}/h (GPUs and container disk)" if pod.rate is not None else "",
