@@ -9,8 +9,8 @@ it outlives a follower killed outright, a crashed worker, a plain
 `asyncio.run(train(...))` interrupted). It reads `pod.json` every few
 seconds and ends as soon as the pod's watchdog has shown it runs (the cost
 cap armed) or the pod is gone; once the boot bound passes (`boot_grace_s`
-after the pod was asked for, plus one look of the watchdog, which deletes
-a pod it runs on itself) with neither, it deletes every pod of the run,
+after the pod was asked for, plus two looks of a watchdog and its delete:
+a watchdog that runs deletes its pod itself) with neither, it deletes every pod of the run,
 confirms it, and records in `pod.json` that the reaper deleted it and why.
 Its log is `runs/<id>/.pod/reaper.log`.
 
@@ -51,13 +51,17 @@ LINGER_S = 120.0  # seconds it keeps trying to delete past the boot bound, then 
 CHECK_S = 30.0  # seconds between two looks at the API before the bound (is Runpod there?)
 
 
+WATCHDOG_FIRST_S = 5.0  # beside two looks of a watchdog: the time its own delete takes
+
+
 def boot_bound(pod: PodRecord, timing: PodTiming) -> float | None:
     """When the reaper deletes a pod whose watchdog has not shown it runs
-    (Unix seconds): its boot grace after it was asked for, plus one look of
-    the watchdog; None before it was asked for."""
+    (Unix seconds): its boot grace after it was asked for, plus two looks of
+    a watchdog and its delete (a watchdog that runs deletes the pod itself
+    at its boot grace, and says why in its log); None before it was asked for."""
     if pod.created_unix is None or pod.boot_grace_s is None:
         return None
-    return pod.created_unix + pod.boot_grace_s + timing.watch_interval_s
+    return pod.created_unix + pod.boot_grace_s + 2 * timing.watch_interval_s + WATCHDOG_FIRST_S
 
 
 def reaper_reason(pod: PodRecord) -> str:
