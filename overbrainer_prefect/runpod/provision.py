@@ -214,7 +214,8 @@ async def _provision(
     pod.pod_id = remote.id
     pod.pod_name = remote.name or pod.attempts[-1].name
     pod.gpu_type_id = remote.gpu_type_id or placed.choice.id
-    pod.billed_gpus = remote.gpu_count
+    # what Runpod shows it bills for (`gpu.count`); an answer without its GPUs: what was asked
+    pod.billed_gpus = remote.gpu_count if remote.gpu_type_id else settings.gpu_count
     pod.cost_per_hour = remote.cost_per_hr if remote.cost_per_hr else placed.choice.price_per_hour
     pod.disk_per_hour = disk_per_hour(settings.container_disk_gb)
     pod.strays = [s for s in pod.strays if s != pod.attempts[-1].name]
