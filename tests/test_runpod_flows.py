@@ -400,12 +400,12 @@ def test_max_cost_usd_reached_deletes_the_pod_and_fails_the_run_with_that_reason
     tmp_path: Path,
 ) -> None:
     runs_dir = tmp_path / "runs"
-    name = target(sim, max_cost_usd=0.0025)  # 36 s at $0.25/h
-    with pytest.raises(Exception, match=r"max_cost_usd reached \(\$0\.0025 at \$0\.25/h\)"):
+    name = target(sim, max_cost_usd=0.0025)  # 35 s at $0.26/h (GPU and container disk)
+    with pytest.raises(Exception, match=r"max_cost_usd reached \(\$0\.0025 at \$0\.26/h\)"):
         run(train(target=name, training=spec(*tiny, max_steps=LONG), runs_dir=str(runs_dir)))
     record = only_run(runs_dir)
     assert record.state == RunState.FAILED
-    assert record.message.startswith("max_cost_usd reached ($0.0025 at $0.25/h)")
+    assert record.message.startswith("max_cost_usd reached ($0.0025 at $0.26/h)")
     pod = PodRecord.load(Runs(runs_dir), record.id)
     assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "watchdog"
     assert pod.pod_id is not None

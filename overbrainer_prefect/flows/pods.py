@@ -135,7 +135,7 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
         ctx = PodContext(client=client, runs=store, log=logger)
         if pod is not None:
             had = pod.pod_id if pod.state != "deleted" else None
-            await remove(ctx, pod, "removed with the pods flow")
+            await remove(ctx, pod, "removed with the pods flow", by="pods flow")
             await sweep_others(ctx, pod)
             await forget_if_gone(ctx, pod)
             if had is not None:

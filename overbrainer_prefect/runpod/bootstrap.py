@@ -105,6 +105,9 @@ class PodTiming:
     for a checkpoint stays, so that a collector retrieves that checkpoint (three
     runs of a collector scheduled every five minutes); counted in the plan's
     most the pod can cost."""
+    reaper_unreachable_s: float = 600.0
+    """How long the reaper (see `reaper`) goes on without any answer from the
+    Runpod API before it ends."""
 
     @classmethod
     def from_env(cls) -> PodTiming:

@@ -21,7 +21,9 @@
 #     pod's rate, its GPUs and its container disk, and the cap): the time since
 #     the pod was created times its rate, less one look of this watchdog and
 #     the time a delete takes, so that the spend at deletion stays under the
-#     cap; a hard cap, which no lease holds off.
+#     cap; a hard cap, which no lease holds off; the job is asked for a
+#     checkpoint a tenth of the budget before (at most
+#     OVERBRAINER_CHECKPOINT_LEAD seconds), as before max_hours.
 # With OVERBRAINER_KEEP_POD=1 only the boot grace applies.
 #
 # Every decision is logged with its reason to <run dir>/.pod/watchdog.log,
@@ -78,6 +80,7 @@ MAX_SSHD_STARTS=5   # sshd restarts before the watchdog stops trying (the pod st
 mkdir -p "$STATE" "$SSH_DIR" "$ETC" "$ROOT/var/log" 2>/dev/null
 
 now() { date +%s; }
+precise() { date +%s.%N 2>/dev/null | grep -E '^[0-9]+\.[0-9]+$' || date +%s; }
 log() { printf '%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >> "$LOG"; }
 iso() { date -u -d "@$1" +%Y-%m-%dT%H:%M:%SZ 2>/dev/null || printf '@%s' "$1"; }
 whole() { awk -v v="$1" 'BEGIN { printf "%d", v + 0 }'; }
@@ -155,11 +158,11 @@ delete_pod() {
         code=$(api DELETE "/pods/$POD_ID")
         case $code in
             2??)
-                log "deleted: Runpod answered $code to the delete of pod $POD_ID"
+                log "deleted: Runpod answered $code to the delete of pod $POD_ID [at=$(precise)]"
                 break
                 ;;
             404)
-                log "deleted: pod $POD_ID was already gone (Runpod answered 404)"
+                log "deleted: pod $POD_ID was already gone (Runpod answered 404) [at=$(precise)]"
                 break
                 ;;
             *) log "delete failed: Runpod answered $code for pod $POD_ID; trying again in ${INTERVAL}s" ;;
@@ -179,6 +182,7 @@ claim() {
     fi
     found=$(cat "$STATE/owner" 2>/dev/null)
     if [ "$found" = "$owner" ]; then
+        RESTARTED=1
         log "claim: the run directory $RUN_DIR is already this pod's (its container restarted)"
     else
         log "claim: the run directory $RUN_DIR belongs to another pod ($found): this pod starts no job, and is deleted at boot_grace"
@@ -245,7 +249,20 @@ EOF
 
 # -- the bounds ---------------------------------------------------------------
 
+RESTARTED=0
+LOST_JOB=0
 claim
+if [ "$RESTARTED" = 1 ]; then
+    # A container restarted (its host, Runpod's restart action) ends every process of
+    # the pod: a job it ran without an exit code is lost, not running.
+    now > "$STATE/restarted"
+    if [ -e "$RUN_DIR/job.sh" ] && [ ! -e "$RUN_DIR/job.exit" ] && [ ! -e "$RUN_DIR/job.cancelled" ]; then
+        LOST_JOB=1
+        log "container: restarted; the job it ran was lost with it (job.sh, no exit code)"
+    else
+        log "container: restarted"
+    fi
+fi
 BOOTED_FILE=$STATE/booted
 if [ -s "$BOOTED_FILE" ]; then
     START=$(cat "$BOOTED_FILE")
@@ -267,6 +284,7 @@ check_api
 
 ARMED_CAP=
 COST_DEADLINE=none
+COST_LEAD=0
 RATE=
 MAX_COST=none
 
@@ -306,6 +324,8 @@ arm() {
         return 0
     fi
     COST_DEADLINE=$((START + seconds))
+    COST_LEAD=$((seconds / 10))   # the checkpoint is asked a tenth of the budget early, at most LEAD
+    [ "$COST_LEAD" -gt "$LEAD" ] && COST_LEAD=$LEAD
     log "cost cap armed: max_cost_usd \$$MAX_COST at \$$RATE/h (GPUs and container disk) is reached at $(iso "$COST_DEADLINE") (one look and a delete early); max_hours deletes the pod at $(iso "$DEADLINE") [deadline_unix=$DEADLINE cost_deadline_unix=$COST_DEADLINE]"
 }
 
@@ -318,6 +338,7 @@ ask_checkpoint() {
 JOB_SEEN=0
 ENDED_AT=
 ASKED_HOURS=0
+ASKED_COST=0
 HOLD_NOTED=0
 LEASE_NOTED=
 
@@ -349,6 +370,8 @@ while :; do
                 how="exit code $(cat "$RUN_DIR/job.exit" 2>/dev/null)"
             elif [ -e "$RUN_DIR/job.cancelled" ]; then
                 how="cancelled"
+            elif [ "$LOST_JOB" = 1 ]; then
+                how="lost: the container restarted"
             fi
             if [ -n "$how" ]; then
                 ENDED_AT=$t
@@ -405,7 +428,13 @@ while :; do
             fi
         fi
 
-        # A hard cap: no lease holds it off, and no checkpoint is asked (max_hours asks for one).
+        # A hard cap: no lease holds it off; the job is asked for a checkpoint before it,
+        # as before max_hours, so that a follower retrieves what it saved.
+        if [ "$COST_DEADLINE" != none ] && [ "$running" = 1 ] && [ "$ASKED_COST" != 1 ] \
+            && [ "$t" -ge $((COST_DEADLINE - COST_LEAD)) ]; then
+            ASKED_COST=1
+            ask_checkpoint "max_cost_usd (\$$MAX_COST at \$$RATE/h) is reached at $(iso "$COST_DEADLINE")"
+        fi
         if [ "$COST_DEADLINE" != none ] && [ "$t" -ge "$COST_DEADLINE" ]; then
             delete_pod "max_cost_usd reached: \$$MAX_COST at \$$RATE/h since $(iso "$START")"
         fi

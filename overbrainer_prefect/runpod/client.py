@@ -24,6 +24,7 @@ What it does for the caller:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ DEFAULT_GRAPHQL_URL = "https://api.runpod.io/graphql"
 USER_AGENT = f"overbrainer-prefect/{__version__}"
 """Sent on every request: Cloudflare refuses some default client agents (403, 1010)."""
 
+LOGS_READ_S = 5.0  # seconds a pod's log stream is read: it may stay open for new lines
 MAX_PAGES = 100  # pages of a pod list followed at most: a cursor that never ends is a bug
 GPU_TYPES_QUERY = (
     "query GpuTypes { gpuTypes { id displayName memoryInGb secureCloud communityCloud "
@@ -128,6 +130,7 @@ class RunpodClient:
             )
         self.rest_url = rest_url.rstrip("/")
         self.graphql_url = graphql_url
+        self._key = SecretStr(key)
         self.retry = retry or RetryPolicy()
         self._secrets: set[str] = {key, api_key.get_secret_value()}
         self._http = httpx.AsyncClient(
@@ -140,6 +143,11 @@ class RunpodClient:
             transport=transport,
             follow_redirects=False,
         )
+
+    def credentials(self) -> tuple[SecretStr, str, str]:
+        """The account key and the REST and GraphQL URLs this client uses: for
+        a process of its own that must reach the same account (the reaper)."""
+        return self._key, self.rest_url, self.graphql_url
 
     async def __aenter__(self) -> RunpodClient:
         return self
@@ -250,6 +258,36 @@ class RunpodClient:
                 return pods
             params = {"cursor": str(cursor)}
         raise RunpodError(200, "endless pod list", f"stopped after {MAX_PAGES} pages")
+
+    async def pod_logs(self, pod_id: str, source: str = "container", tail: int = 20) -> list[str]:
+        """The last `tail` lines of the pod's log: what its start command printed
+        (`container`) or what Runpod did with its container (`system`), from
+        `GET /pods/{id}/logs` (Server-Sent Events, read until the answer ends
+        or `LOGS_READ_S` passed). Empty when the pod has no such log (404).
+        Raises RunpodError on any other failure."""
+        url = self._url(f"/pods/{_segment(pod_id)}/logs")
+        params = {"source": source, "tail": str(tail)}
+        lines: list[str] = []
+        try:
+            async with asyncio.timeout(LOGS_READ_S):
+                async with self._http.stream(
+                    "GET", url, params=params, headers={"Accept": "text/event-stream"}
+                ) as response:
+                    if response.status_code == 404:
+                        return []
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise self._error(response)
+                    async for line in response.aiter_lines():
+                        text = _event_line(line)
+                        if text is not None:
+                            lines.append(short_detail(text, self._secrets, limit=300))
+        except TimeoutError:
+            pass  # a stream that stays open: what came is what there is
+        except httpx.TransportError as exc:
+            if not lines:
+                raise _transport_error(exc) from None
+        return lines[-tail:] if tail > 0 else lines
 
     async def pods_named(self, name: str) -> list[Pod]:
         """The pods of the account named exactly `name`."""
@@ -578,6 +616,28 @@ def _segment(value: str) -> str:
 def _path(url: str) -> str:
     """The path of `url`, for log lines (never its query: it may hold a name)."""
     return httpx.URL(url).path
+
+
+def _event_line(line: str) -> str | None:
+    """The text of one line of a log stream: an SSE `data:` field (its JSON
+    `message` or `line` when it is JSON), a plain line as it is; None for the
+    other SSE fields and blank lines."""
+    if not line.strip():
+        return None
+    if line.startswith(("event:", "id:", "retry:", ":")):
+        return None
+    if line.startswith("data:"):
+        line = line[5:].removeprefix(" ")
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                return line
+            if isinstance(data, Mapping):
+                for key in ("message", "line", "log", "msg"):
+                    if isinstance(data.get(key), str):
+                        return str(data[key])
+    return line
 
 
 def _retry_after(response: httpx.Response) -> float | None:

@@ -10,6 +10,7 @@ hold files not retrieved yet.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from enum import StrEnum
@@ -17,12 +18,29 @@ from enum import StrEnum
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.runpod.bootstrap import RETRIEVED_MARKER, WATCHDOG_LOG
 from overbrainer_prefect.runpod.context import PodContext, PodError
-from overbrainer_prefect.runpod.deletion import delete_and_confirm, look_up
+from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_and_confirm, look_up
 from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.fate import (
+    RESTART_REASON,
+    Fate,
+    container_restart,
+    found_gone,
+    restart_message,
+)
 from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
-from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name
+from overbrainer_prefect.runpod.models import Pod
+from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name, usd
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
+
+
+class DeleteRefused(PodError):
+    """A pod's delete was refused, or its deletion not confirmed; `why` says
+    how Runpod answered (its status, never its body)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 class Ending(StrEnum):
@@ -60,26 +78,33 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client
     pod.state = PodState.DELETING
     pod.save(ctx.runs)
     try:
-        deleted = await delete_and_confirm(
+        deleted = await ctx.client.delete_pod(pod.pod_id)
+        taken_at = time.time()  # it bills until Runpod took the delete, not until confirmed
+        await confirm_deleted(
             ctx.client,
             pod.pod_id,
             interval_s=ctx.timing.gone_interval_s,
             timeout_s=ctx.timing.confirm_timeout_s,
         )
     except RunpodError as error:
-        raise PodError(
+        raise DeleteRefused(
             f"pod {pod.pod_id} of run {pod.run_id}{pod.rate_text()} may still exist ({error}); "
-            f"{remove_hint(pod.run_id)}"
+            f"{remove_hint(pod.run_id)}",
+            str(error),
         ) from None
-    pod.mark_deleted(by if deleted else _gone_by(pod), reason)
+    fate = Fate(by, reason, taken_at) if deleted else found_gone(ctx.runs, pod)
+    pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
+    reason = fate.reason
     ctx.log.info(
-        "pod %s of run %s deleted and its deletion confirmed (%s); up %s, about $%.2f spent",
+        "pod %s of run %s deleted and its deletion confirmed (%s, by the %s); up %s, %s spent%s",
         pod.pod_id,
         pod.run_id,
         reason,
+        pod.deleted_by,
         _duration(pod.uptime_s()),
-        pod.estimated_spend() or 0.0,
+        usd(pod.estimated_spend() or 0.0),
+        f" at {usd(pod.rate)}/h (GPUs and container disk)" if pod.rate is not None else "",
     )
 
 
@@ -156,12 +181,13 @@ async def forget_if_gone(ctx: PodContext, pod: PodRecord) -> None:
     forget_client_key(ctx.runs, pod.run_id)
 
 
-async def release(ctx: PodContext, pod: PodRecord, reason: str) -> None:
+async def release(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client") -> None:
     """Ends every pod of a run that will not run a job (or no longer needs its
-    pod): deletes its pod (confirmed), sweeps the others, then forgets its
-    keys. A failure is logged with how to remove what may be left; never raised."""
+    pod): deletes its pod (confirmed; `by` in `pod.json`), sweeps the others,
+    then forgets its keys. A failure is logged with how to remove what may be
+    left; never raised."""
     try:
-        await remove(ctx, pod, reason)
+        await remove(ctx, pod, reason, by)
     except PodError as error:
         ctx.log.warning("%s", error)
     await sweep_others(ctx, pod)
@@ -183,17 +209,11 @@ async def is_gone(ctx: PodContext, pod: PodRecord) -> bool:
         raise PodError(f"cannot look pod {pod.pod_id} up: {error}") from None
     if found is not None and found.status != "TERMINATED":
         return False
-    by = _gone_by(pod)
-    pod.mark_deleted(by, pod.limit_reached() or "found gone")
+    fate = found_gone(ctx.runs, pod)
+    pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
     await forget_if_gone(ctx, pod)
     return True
-
-
-def _gone_by(pod: PodRecord) -> str:
-    """Who deleted a pod found gone without this client deleting it: its
-    watchdog once one of its bounds passed, else nobody known."""
-    return "watchdog" if pod.limit_reached() is not None else "unknown"
 
 
 async def end_pod(
@@ -213,6 +233,9 @@ async def end_pod(
     stays `deleting` in `pod.json`.
     """
     await fetch_watchdog_log(ctx.runs, executor, record)
+    restart = container_restart(ctx.runs, record.id)
+    if restart is not None and restart.lost_job:
+        ctx.log.warning("%s", restart_message(pod, subject(record), restart))
     if not retrieved:
         pod.state = PodState.KEPT if pod.keep else PodState.AWAITING_RETRIEVAL
         pod.save(ctx.runs)
@@ -220,6 +243,8 @@ async def end_pod(
         return Ending.KEPT if pod.keep else Ending.AWAITING_RETRIEVAL
     try:
         await executor.touch(f"{record.remote_dir}/{RETRIEVED_MARKER}")
+        pod.retrieved_marked = True
+        pod.save(ctx.runs)
     except ExecError as error:
         ctx.log.warning(
             "cannot mark the files of run %s retrieved on its pod: %s", record.id, error
@@ -229,10 +254,75 @@ async def end_pod(
         pod.save(ctx.runs)
         ctx.log.warning("%s", kept_message(ctx.runs, pod, record.id))
         return Ending.KEPT
-    await remove(ctx, pod, "its run's files were retrieved and verified")
+    try:
+        await remove(
+            ctx,
+            pod,
+            RESTART_REASON
+            if restart is not None and restart.lost_job
+            else "its run's files were retrieved and verified",
+        )
+    except DeleteRefused as refused:
+        if not pod.retrieved_marked:
+            raise
+        await watchdog_deletes(ctx, pod, refused.why)
     await sweep_others(ctx, pod)
     await forget_if_gone(ctx, pod)
     return Ending.DELETED
+
+
+WATCHDOG_LOOKS = 3  # looks of the watchdog a pod marked retrieved is given to delete itself
+
+
+async def watchdog_deletes(ctx: PodContext, pod: PodRecord, refused: str) -> None:
+    """Checks that the pod's watchdog deletes a pod whose own delete was
+    refused (an API outage, a key refused) once the `retrieved` marker is on
+    it (`refused`: how Runpod answered): the watchdog deletes it at its next
+    look, with the pod's own key.
+    The pod is looked up until it is gone, for `WATCHDOG_LOOKS` looks of the
+    watchdog plus the deletion confirm timeout; `pod.json` then says its
+    watchdog deleted it.
+
+    Raises PodError (the pod may still bill, stays `deleting`) when it is
+    still there past that bound.
+    """
+    assert pod.pod_id is not None
+    bound = WATCHDOG_LOOKS * ctx.timing.watch_interval_s + ctx.timing.confirm_timeout_s
+    ctx.log.warning(
+        "the delete of pod %s of run %s was refused (%s); its watchdog saw the `retrieved` "
+        "marker and deletes it itself: checking that it is gone within %.0f s",
+        pod.pod_id,
+        pod.run_id,
+        refused,
+        bound,
+    )
+    deadline = time.monotonic() + bound
+    while True:
+        try:
+            found = await look_up(ctx.client, pod.pod_id, interval_s=ctx.timing.gone_interval_s)
+        except RunpodError:
+            found = Pod(id=pod.pod_id)  # Runpod does not answer: not known gone
+        if found is None or found.status == "TERMINATED":
+            fate = found_gone(ctx.runs, pod)
+            pod.mark_deleted(fate.by, fate.reason, fate.at)
+            pod.save(ctx.runs)
+            ctx.log.info(
+                "pod %s of run %s is gone: deleted by its %s (%s); up %s, about %s spent",
+                pod.pod_id,
+                pod.run_id,
+                fate.by,
+                fate.reason,
+                _duration(pod.uptime_s()),
+                usd(pod.estimated_spend() or 0.0),
+            )
+            return
+        if time.monotonic() >= deadline:
+            raise PodError(
+                f"pod {pod.pod_id} of run {pod.run_id}{pod.rate_text()} may still exist: its "
+                f"delete was refused ({refused}) and its watchdog did not delete it within "
+                f"{bound:.0f} s; {remove_hint(pod.run_id)}"
+            )
+        await asyncio.sleep(ctx.timing.gone_interval_s)
 
 
 async def fetch_watchdog_log(runs: Runs, executor: Executor, record: RunRecord) -> None:

@@ -205,7 +205,7 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
                 ctx.log.warning("%s", look_error)
                 gone = False
             if gone:
-                reason = pod.limit_reached() or f"pod {pod.name} no longer exists"
+                reason = pod.delete_reason or pod.limit_reached() or f"pod {pod.name} is gone"
                 raise PodGone(f"run {run_id} failed: {reason}", kept=reason) from None
         raise error
     assert watched.outcome is not None

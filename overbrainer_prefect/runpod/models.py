@@ -76,6 +76,10 @@ class Pod(BaseModel):
     ports: list[str] = Field(default_factory=list)
     data_center_id: str | None = Field(default=None, alias="dataCenterId")
     created_at: str | None = Field(default=None, alias="createdAt")
+    started_at: str | None = Field(default=None, alias="startedAt")
+    """When its container last started: it moves when the container restarts."""
+    uptime_s: float | None = None
+    """Seconds since its container last started (`runtime.uptime`), while it runs."""
     ssh: SshEndpoint | None = None
 
     @model_validator(mode="before")
@@ -125,6 +129,13 @@ def normalize_pod(data: Mapping[str, Any]) -> dict[str, Any]:
         machine = out.get("machine")
         if isinstance(machine, Mapping) and machine.get("gpuTypeId"):
             out.setdefault("gpu_type_id", machine["gpuTypeId"])
+    runtime = out.get("runtime")
+    if isinstance(runtime, Mapping):
+        uptime = runtime.get("uptime", runtime.get("uptimeInSeconds"))
+        if isinstance(uptime, int | float):
+            out.setdefault("uptime_s", float(uptime))
+    if "startedAt" not in out and isinstance(out.get("lastStartedAt"), str):
+        out["startedAt"] = out["lastStartedAt"]
     if out.get("ports") is None:
         out["ports"] = []
     elif isinstance(out["ports"], str):  # GraphQL: "22/tcp,8888/http"

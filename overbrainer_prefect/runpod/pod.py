@@ -10,6 +10,7 @@ host key secret only its name.
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -79,6 +80,11 @@ class PodRecord(BaseModel):
     state: PodState = PodState.CREATING
     keep: bool = False
     gpu_count: int = 1
+    billed_gpus: int | None = Field(
+        default=None,
+        description="The GPUs Runpod shows for the pod (`gpu.count`, 0 without GPUs): what "
+        "it bills for, and what its job must see.",
+    )
     attempts: list[Attempt] = Field(default_factory=list)
     strays: list[str] = Field(
         default_factory=list,
@@ -96,7 +102,9 @@ class PodRecord(BaseModel):
         default=0.0, description="What its container disk bills an hour, beside its GPUs."
     )
     created: str | None = Field(default=None, description="When the pod was asked for, RFC 3339.")
-    created_unix: int | None = None
+    created_unix: float | None = Field(
+        default=None, description="When the pod was asked for (Unix seconds): it bills from there."
+    )
     deadline: str | None = Field(default=None, description="The watchdog's max_hours deadline.")
     deadline_unix: int | None = None
     cost_deadline_unix: int | None = Field(
@@ -119,9 +127,22 @@ class PodRecord(BaseModel):
         default=None, description="The run directories' directory on the pod."
     )
     deleted: str | None = None
-    deleted_unix: int | None = None
-    deleted_by: str | None = Field(default=None, description="client, watchdog, or unknown.")
+    deleted_unix: float | None = Field(
+        default=None,
+        description="When Runpod took its delete (Unix seconds): it bills until there, not "
+        "until the deletion was confirmed.",
+    )
+    deleted_by: str | None = Field(
+        default=None,
+        description="Who deleted it: `client` (the flow that followed it, a collector), "
+        "`watchdog` (its reason in delete_reason), `reaper` (its boot bound, nothing else "
+        "alive), `pods flow`, or `unknown` (Runpod terminated it, or the console).",
+    )
     delete_reason: str | None = None
+    retrieved_marked: bool = Field(
+        default=False,
+        description="The client wrote the `retrieved` marker on the pod: its watchdog deletes it.",
+    )
 
     @classmethod
     def load(cls, runs: Runs, run_id: str) -> PodRecord | None:
@@ -157,7 +178,7 @@ class PodRecord(BaseModel):
     def begin_attempt(self, name: str, gpu_type_id: str) -> None:
         """Records a create request about to be sent."""
         self.attempts.append(Attempt(name=name, gpu_type_id=gpu_type_id, at=rfc3339()))
-        self.created_unix = int(time.time())  # a pod bills from the request that created it
+        self.created_unix = time.time()  # a pod bills from the request that created it
         self.created = rfc3339()
 
     def end_attempt(self, result: str, pod_id: str | None = None) -> None:
@@ -180,16 +201,26 @@ class PodRecord(BaseModel):
             return None
         return (self.cost_per_hour + self.disk_per_hour) * self.uptime_s(now) / 3600
 
-    def rate_text(self) -> str:
-        """` ($0.44/h)`, or nothing when the rate is unknown."""
-        return "" if self.cost_per_hour is None else f" (${self.cost_per_hour:.2f}/h)"
+    @property
+    def rate(self) -> float | None:
+        """Everything the pod bills an hour, its GPUs and its container disk:
+        the rate its watchdog's cost cap is armed at; None when unknown."""
+        if self.cost_per_hour is None:
+            return None
+        return self.cost_per_hour + self.disk_per_hour
 
-    def mark_deleted(self, by: str, reason: str) -> None:
-        """Records the pod confirmed gone, deleted by `by` for `reason`."""
+    def rate_text(self) -> str:
+        """` ($0.44/h)`, its GPUs and its disk (the rate its cost cap is armed
+        at), or nothing when the rate is unknown."""
+        return "" if self.rate is None else f" (${self.rate:.2f}/h)"
+
+    def mark_deleted(self, by: str, reason: str, at: float | None = None) -> None:
+        """Records the pod confirmed gone, deleted by `by` for `reason` at `at`
+        (Unix seconds: when Runpod took the delete; now when not known)."""
         self.state = PodState.DELETED
         if self.deleted_unix is None:
-            self.deleted_unix = int(time.time())
-            self.deleted = rfc3339()
+            self.deleted_unix = at if at is not None else time.time()
+            self.deleted = rfc3339(datetime.fromtimestamp(self.deleted_unix, UTC))
         self.deleted_by = by
         self.delete_reason = reason
         if self.pod_id is not None:
@@ -221,11 +252,11 @@ class PodRecord(BaseModel):
         cost = self.cost_deadline_unix
         hours = self.deadline_unix
         if cost is not None and at >= cost and (hours is None or cost <= hours):
-            return max_cost_reached(self.max_cost_usd, self.cost_per_hour)
+            return max_cost_reached(self.max_cost_usd, self.rate)
         if hours is not None and at >= hours:
             return MAX_HOURS_REACHED
         if cost is not None and at >= cost:
-            return max_cost_reached(self.max_cost_usd, self.cost_per_hour)
+            return max_cost_reached(self.max_cost_usd, self.rate)
         return None
 
 

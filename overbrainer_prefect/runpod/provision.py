@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 
 from overbrainer_prefect.executors.base import ExecError, TargetUnreachable
 from overbrainer_prefect.executors.ssh import SshExecutor
+from overbrainer_prefect.runpod.boot import STOPPED, ContainerWatch, last_lines, start_failure
 from overbrainer_prefect.runpod.bootstrap import (
     CAP_FILE,
     OWNER_FILE,
@@ -58,6 +59,7 @@ from overbrainer_prefect.runpod.keys import (
 )
 from overbrainer_prefect.runpod.models import PodRequest, secret_ref
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, SshAddress, pod_name
+from overbrainer_prefect.runpod.reaper import start_reaper
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord
@@ -109,6 +111,7 @@ async def provision(
             boot_grace_s=settings.boot_grace_s,
         )
         pod.save(ctx.runs)
+        start_reaper(ctx.runs, run.id, ctx.client)  # bounds the pod until its watchdog runs
     except Exception as error:  # nothing was asked of Runpod yet
         why = f"cannot prepare the keys and pod record of the run: {error}"
         raise PodError(f"run {run.id} failed before its job started: {why}", kept=why) from None
@@ -211,6 +214,8 @@ async def _provision(
     pod.pod_id = remote.id
     pod.pod_name = remote.name or pod.attempts[-1].name
     pod.gpu_type_id = remote.gpu_type_id or placed.choice.id
+    # what Runpod shows it bills for (`gpu.count`); an answer without its GPUs: what was asked
+    pod.billed_gpus = remote.gpu_count if remote.gpu_type_id else settings.gpu_count
     pod.cost_per_hour = remote.cost_per_hr if remote.cost_per_hr else placed.choice.price_per_hour
     pod.disk_per_hour = disk_per_hour(settings.container_disk_gb)
     pod.strays = [s for s in pod.strays if s != pod.attempts[-1].name]
@@ -229,7 +234,7 @@ async def _provision(
         raise PodError(problem)
 
     executor = await wait_ready(
-        ctx, pod, settings.boot_grace_s - (time.monotonic() - sent_at[0]), name
+        ctx, pod, settings.boot_grace_s - (time.monotonic() - sent_at[0]), name, settings.image
     )
     workdir = await _workdir(executor)
     if workdir != executor.workdir:
@@ -271,18 +276,23 @@ def _executor(ctx: PodContext, pod: PodRecord, name: str, workdir: str) -> SshEx
     )
 
 
-async def wait_ready(ctx: PodContext, pod: PodRecord, within_s: float, name: str) -> SshExecutor:
+async def wait_ready(
+    ctx: PodContext, pod: PodRecord, within_s: float, name: str, image: str = "(its image)"
+) -> SshExecutor:
     """Waits until the pod shows an SSH endpoint, its sshd answers with its
     banner, and a connection succeeds with the run's key against the pinned
     host key; returns an executor over that connection.
 
     Raises PodError when that does not happen within `within_s` seconds (the
-    boot grace left), when the pod stops while starting, or when it shows
-    another host key than the one generated for it (nothing is sent then).
+    boot grace left), at once when its start command cannot run (its
+    container restarted or stopped while starting: see `boot`, the message
+    then ends with the last lines of its log), or when it shows another host
+    key than the one generated for it (nothing is sent then).
     """
     assert pod.pod_id is not None
     deadline = time.monotonic() + max(0.0, within_s)
     why = "Runpod shows no SSH endpoint for it yet"
+    container = ContainerWatch()
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -294,8 +304,12 @@ async def wait_ready(ctx: PodContext, pod: PodRecord, within_s: float, name: str
         except RunpodError as error:
             remote, why = None, f"looking it up: {error.run_message}"
         if remote is not None:
-            if remote.status in ("EXITED", "TERMINATED", "ERROR"):
-                raise PodError(f"pod {pod.pod_id} stopped while starting ({remote.status})")
+            restarted = container.look(remote)
+            if restarted or remote.status in STOPPED:
+                lines = await last_lines(ctx.client, pod.pod_id)
+                raise PodError(
+                    start_failure(pod.pod_id, image, remote.status, container.restarts, lines)
+                )
             if remote.ssh is None:
                 why = f"Runpod shows no SSH endpoint for it yet ({remote.status})"
             elif not await ssh_banner(

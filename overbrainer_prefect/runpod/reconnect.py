@@ -11,6 +11,7 @@ from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import look_up
 from overbrainer_prefect.runpod.ending import forget_if_gone, remove_hint
 from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.fate import found_gone
 from overbrainer_prefect.runpod.keys import client_key_path, write_ssh_config
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, SshAddress
 from overbrainer_prefect.runs.store import RunRecord
@@ -36,9 +37,8 @@ async def reconnect(
     except RunpodError as error:
         raise PodError(f"cannot look pod {pod.pod_id} of run {pod.run_id} up: {error}") from None
     if remote is None or remote.status == "TERMINATED":
-        pod.mark_deleted(
-            "watchdog" if pod.limit_reached() else "unknown", pod.limit_reached() or "found gone"
-        )
+        fate = found_gone(ctx.runs, pod)
+        pod.mark_deleted(fate.by, fate.reason, fate.at)
         pod.save(ctx.runs)
         await forget_if_gone(ctx, pod)
         return None

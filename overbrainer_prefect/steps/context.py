@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from overbrainer_prefect.executors.base import (
@@ -15,6 +16,7 @@ from overbrainer_prefect.runs.store import (
     Runs,
 )
 from overbrainer_prefect.steps.reporters import LogReporter, Reporter
+from overbrainer_prefect.trainers.base import TargetFacts
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,9 @@ class RunContext:
     local_only: tuple[str, ...] = ()
     """The target's own records of a job in its run directory (a pod's record,
     keys and watchdog log): never uploaded."""
+    check_facts: Callable[[TargetFacts], None] | None = None
+    """The target's own check of the probe before the job starts (a pod: the
+    GPUs it bills for); raises TrainError."""
 
 
 @dataclass

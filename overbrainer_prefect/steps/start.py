@@ -144,6 +144,8 @@ async def _launch(
     ctx: RunContext, trainer: Trainer, record: RunRecord, secrets: Mapping[str, SecretStr]
 ) -> JobId:
     facts = await probe(ctx.executor, ctx.python, trainer.probe_modules)
+    if ctx.check_facts is not None:
+        ctx.check_facts(facts)
     trainer.check(facts)
     local = ctx.runs.run_dir(record.id)
     job_ctx = JobContext(

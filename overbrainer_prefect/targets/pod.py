@@ -37,6 +37,7 @@ from overbrainer_prefect.runpod.ending import (
 )
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.follow import settle, watch_leased
+from overbrainer_prefect.runpod.gpucheck import check_gpus
 from overbrainer_prefect.runpod.gpus import LaunchPlan, plan_from_api
 from overbrainer_prefect.runpod.keys import SSH_DIR
 from overbrainer_prefect.runpod.orphans import orphan_warnings, pod_rows, sweep_host_keys
@@ -109,8 +110,14 @@ class PodPlaced:
 
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
         """The job's context on its pod (its pod record, keys and watchdog log
-        never uploaded)."""
-        return replace(self.bounds.context(store, self.ssh, reporter), local_only=LOCAL_RECORDS)
+        never uploaded): its probe must see the GPUs the pod bills for
+        (`runpod.gpucheck`)."""
+        pod = self.pod
+        return replace(
+            self.bounds.context(store, self.ssh, reporter),
+            local_only=LOCAL_RECORDS,
+            check_facts=lambda facts: check_gpus(pod, facts),
+        )
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
         """Follows the job with the pod's lease renewed while it progresses and
@@ -199,7 +206,7 @@ def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
     rows = [
         ("Pod", pod.name),
         ("GPU", gpu),
-        ("Rate", f"${pod.cost_per_hour:.2f}/h" if pod.cost_per_hour is not None else "unknown"),
+        ("Rate", f"${pod.rate:.2f}/h (GPUs and disk)" if pod.rate is not None else "unknown"),
         ("Uptime", f"{pod.uptime_s() / 60:.1f} min"),
         ("Estimated spend", f"${spend:.4f}" if spend is not None else "unknown"),
         ("Watchdog deadline (max_hours)", pod.deadline or "none"),
@@ -483,7 +490,8 @@ class PodTarget:
             pod = None
         if pod is None:
             return "its pod no longer exists"
-        return pod.limit_reached() or f"pod {pod.name} no longer exists"
+        told = pod.delete_reason if pod.deleted_by not in (None, "client") else None
+        return told or pod.limit_reached() or f"pod {pod.name} no longer exists"
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:
         """Whether a pod of the job may still exist (`pod.json` not gone) or

@@ -10,11 +10,21 @@ Python (or `POST /_sim/knobs`): capacity per GPU type, 429 with
 `Retry-After`, 5xx, a 500 after the pod was created, 404 lag after a create,
 and a pod still shown after its delete (look-ups and list apart).
 
+A pod's container, as Runpod shows it: `startedAt` and `runtime.uptime`
+count from the container's last start (a container whose start command
+exits is restarted: `startedAt` moves, `uptime` starts again from 0), and
+`GET /v2/pods/{id}/logs?source=container|system&tail=N` serves what its
+start command printed and the container's own events, as Server-Sent
+Events, from the files a create hook names (`SimPod.log_files`,
+`SimPod.container_file`). A simulated pod is a process of this CPU
+machine: it shows `gpu.count` 0 (a job on it sees no GPU) unless the
+simulator is made with `gpu_pods=True`, where it shows the GPUs it bills for.
+
     with RunpodSim() as sim:
         client = RunpodClient(SecretStr(sim.api_key), sim.rest_url, sim.graphql_url)
         sim.set_capacity("NVIDIA A40", 0)
 
-`on_pod_create(pod)` and `on_pod_delete(pod)` are called (in a worker thread,
+`on_pod_create(pod)`, `on_pod_delete(pod)` and `on_pod_restart(pod)` are called (in a worker thread,
 before the API answers) when a pod is created or deleted: the place to make
 each pod a real process (see `pods.SimPods`). A create hook may set
 `pod.public_ip`, `pod.ssh_port` and `pod.ssh_user` (the pod then shows
@@ -24,6 +34,7 @@ each pod a real process (see `pods.SimPods`). A create hook may set
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import string
@@ -33,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -150,6 +162,31 @@ class SimPod:
     lingering_lists: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     """Free room for hooks (a process, a directory)."""
+    log_files: dict[str, Path] = field(default_factory=dict)
+    """The pod's logs by source (`container`, `system`), served by `/logs`."""
+    container_file: Path | None = None
+    """JSON `{"started_at": unix, "restarts": n}` of its container, kept by a hook."""
+    shows_gpus: bool = True
+    """Whether `gpu.count` shows the GPUs it bills for (else 0: a CPU machine)."""
+
+    def container(self) -> tuple[float | None, int]:
+        """When its container last started (Unix seconds; None while a hook
+        keeps it and it has not started yet) and how often it restarted."""
+        if self.container_file is None:
+            return self.created_at, 0
+        try:
+            data = json.loads(self.container_file.read_text())
+            return float(data["started_at"]), int(data["restarts"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, 0
+
+    def log_lines(self, source: str, tail: int) -> list[str]:
+        """The last `tail` lines of its log `source` (none when it has none)."""
+        path = self.log_files.get(source)
+        if path is None or not path.exists():
+            return []
+        lines = path.read_text(errors="replace").splitlines()
+        return lines[-tail:] if tail > 0 else lines
 
     @property
     def deleted(self) -> bool:
@@ -187,6 +224,7 @@ class SimPod:
             ports.append(
                 {"private": 22, "public": self.ssh_port, "type": "tcp", "ip": self.public_ip}
             )
+        started_at, _ = self.container()
         return {
             "id": self.id,
             "name": self.name,
@@ -199,7 +237,12 @@ class SimPod:
             "status": status,
             "actions": ["stop", "restart", "terminate"] if running else ["start", "terminate"],
             "mounts": self.request.get("mounts", {}),
-            "gpu": {"id": self.gpu_type_id, "count": self.gpu_count, "vcpuCount": 8, "memory": 62},
+            "gpu": {
+                "id": self.gpu_type_id,
+                "count": self.gpu_count if self.shows_gpus else 0,
+                "vcpuCount": 8,
+                "memory": 62,
+            },
             "cloud": self.cloud,
             "dataCenterId": self.data_center_id,
             "cudaVersion": "12.8",
@@ -208,9 +251,11 @@ class SimPod:
             "cost": 0.0 if not running else self.cost_per_hr,
             "locked": False,
             "globalNetworking": {"enabled": False},
-            "runtime": {"uptime": int(now - self.created_at), "ports": ports} if running else None,
+            "runtime": {"uptime": int(max(0.0, now - (started_at or now))), "ports": ports}
+            if running
+            else None,
             "createdAt": _iso(self.created_at),
-            "startedAt": _iso(self.created_at) if running else None,
+            "startedAt": _iso(started_at, millis=True) if running and started_at else None,
         }
 
 
@@ -255,10 +300,13 @@ class _Fault:
     path: str | None
     retry_after: float | None = None
     detail: str = "upstream failure"
+    account_only: bool = False
 
-    def matches(self, method: str, path: str) -> bool:
-        return (self.method is None or self.method == method) and (
-            self.path is None or path.startswith(self.path)
+    def matches(self, method: str, path: str, scope: str) -> bool:
+        return (
+            (self.method is None or self.method == method)
+            and (self.path is None or path.startswith(self.path))
+            and (not self.account_only or scope == "account")
         )
 
 
@@ -280,14 +328,18 @@ class RunpodSim:
         data_centers: Sequence[str] = DEFAULT_DATA_CENTERS,
         on_pod_create: PodHook | None = None,
         on_pod_delete: PodHook | None = None,
+        on_pod_restart: PodHook | None = None,
         clock: Callable[[], float] = time.time,
+        gpu_pods: bool = False,
     ) -> None:
         self.api_key = api_key or "rpa_" + _token(32)
         self.gpus = {gpu.id: gpu for gpu in (gpus if gpus is not None else default_gpus())}
         self.data_centers = list(data_centers)
         self.on_pod_create = on_pod_create
         self.on_pod_delete = on_pod_delete
+        self.on_pod_restart = on_pod_restart
         self._clock = clock
+        self.gpu_pods = gpu_pods
         self._offset = 0.0
         self._lock = threading.RLock()
         self._pods: dict[str, SimPod] = {}
@@ -392,11 +444,15 @@ class RunpodSim:
         method: str | None = None,
         path: str | None = None,
         detail: str = "upstream failure",
+        account_only: bool = False,
     ) -> None:
         """The next `times` requests (of `method`, on a path starting with
-        `path`) answer `status` with `detail` without doing anything."""
+        `path`; with `account_only`, only those made with the account's key,
+        not a pod's own) answer `status` with `detail` without doing anything."""
         with self._lock:
-            self._faults.append(_Fault(status, times, method, path, detail=detail))
+            self._faults.append(
+                _Fault(status, times, method, path, detail=detail, account_only=account_only)
+            )
 
     def clear_faults(self) -> None:
         """Forgets the faults `fail` set that have not run out."""
@@ -432,6 +488,13 @@ class RunpodSim:
         """With False, REST's catalog answers 404 (GraphQL still serves it)."""
         with self._lock:
             self._catalog_enabled = enabled
+
+    def terminate(self, pod_id: str) -> None:
+        """Terminates the pod as Runpod does on its own (the account's balance
+        ran out, its host was lost): deleted, its processes ended, nobody asked."""
+        pod = self._delete(pod_id)
+        if pod is not None and self.on_pod_delete is not None:
+            self.on_pod_delete(pod)
 
     def advance_clock(self, seconds: float) -> None:
         """Moves the billing clock forward by `seconds`."""
@@ -496,6 +559,7 @@ class RunpodSim:
             Route("/v2/pods", self._pods_endpoint, methods=["GET", "POST"]),
             Route("/v2/pods/{pod_id}", self._pod_endpoint, methods=["GET", "DELETE"]),
             Route("/v2/pods/{pod_id}/action", self._pod_action, methods=["POST"]),
+            Route("/v2/pods/{pod_id}/logs", self._pod_logs, methods=["GET"]),
             Route("/v2/catalog/gpus", self._catalog_gpus, methods=["GET"]),
             Route("/v2/catalog/datacenters", self._catalog_dcs, methods=["GET"]),
             Route("/v2/account/secrets", self._secrets_endpoint, methods=["GET", "POST"]),
@@ -534,12 +598,12 @@ class RunpodSim:
                     else:
                         scope = f"pod:{owner.id}"
             if answer is None:
-                answer = self._armed_fault(request.method, request.url.path)
+                answer = self._armed_fault(request.method, request.url.path, scope)
         return scope, answer
 
-    def _armed_fault(self, method: str, path: str) -> Response | None:
+    def _armed_fault(self, method: str, path: str, scope: str) -> Response | None:
         for fault in self._faults:
-            if fault.remaining > 0 and fault.matches(method, path):
+            if fault.remaining > 0 and fault.matches(method, path, scope):
                 fault.remaining -= 1
                 if fault.status == 429:
                     return _problem(
@@ -657,6 +721,7 @@ class RunpodSim:
                 created_at=self.now(),
                 request=body,
                 status="ERROR" if missing else "RUNNING",
+                shows_gpus=self.gpu_pods,
                 missing_secrets=missing,
                 hidden_gets=self._create_lag[0],
                 hidden_lists=self._create_lag[1],
@@ -763,9 +828,36 @@ class RunpodSim:
                 pod.status = "EXITED"
             elif action == "start":
                 pod.status = "RUNNING"
-            else:
+            elif action != "restart":
                 return self._done(request, _problem(422, "$.action: unknown"), scope)
-            return self._done(request, JSONResponse(pod.to_api(self.now())), scope)
+        if action == "restart" and self.on_pod_restart is not None:
+            await anyio.to_thread.run_sync(self.on_pod_restart, pod)
+        return self._done(request, JSONResponse(pod.to_api(self.now())), scope)
+
+    async def _pod_logs(self, request: Request) -> Response:
+        """`GET /v2/pods/{id}/logs?source=container|system&tail=N`: the last
+        lines of the pod's log as Server-Sent Events (`data: <line>`), for
+        the account or the pod's own key."""
+        pod_id = request.path_params["pod_id"]
+        scope, answer = self._gate(request)
+        if answer is None and scope not in ("account", f"pod:{pod_id}"):
+            answer = _problem(403, "access denied")
+        if answer is not None:
+            return self._done(request, answer, scope)
+        source = request.query_params.get("source", "container")
+        if source not in ("container", "system"):
+            return self._done(request, _problem(422, "$.source: container or system"), scope)
+        try:
+            tail = int(request.query_params.get("tail", "100"))
+        except ValueError:
+            return self._done(request, _problem(422, "$.tail: an integer"), scope)
+        with self._lock:
+            pod = self._pods.get(pod_id)
+            if pod is None or pod.deleted:
+                return self._done(request, _problem(404, "resource not found"), scope)
+        lines = pod.log_lines(source, tail)
+        body = "".join(f"data: {line}\n\n" for line in lines)
+        return self._done(request, Response(body, media_type="text/event-stream"), scope)
 
     async def _catalog_gpus(self, request: Request) -> Response:
         scope, answer = self._account_only(request)
@@ -1073,5 +1165,8 @@ def _parse_iso(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def _iso(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _iso(at: float, *, millis: bool = False) -> str:
+    moment = datetime.fromtimestamp(at, UTC)
+    if millis:
+        return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

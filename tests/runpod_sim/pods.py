@@ -19,7 +19,14 @@ profile or leaves a file or a lock in its home.
 
 Knobs: `boot_delay_s` (the image takes that long to start), `never_ssh`
 (the pod's sshd never starts: the watchdog still runs, and its boot grace
-deletes the pod).
+deletes the pod), `start_command` (the image runs this instead of the start
+command asked for: one that exits is restarted, as Runpod restarts a
+container, after `restart_delay_s`), `restart_delay_s` (the least and the
+most seconds between an exit and the restart: 2-4 s as on Runpod).
+
+A pod's directory holds `console.log` (what its start command printed: the
+`container` log of the API), `system.log` (its container's starts and exits:
+the `system` log) and `container.json` (its last start, its restarts).
 """
 
 from __future__ import annotations
@@ -49,17 +56,78 @@ TERM_GRACE_S = 3.0  # how long the pod's processes get to end on SIGTERM before 
 WAIT_S = 10.0  # how long the root process may take to be reaped once killed
 
 _WRAPPER = (
-    "import ctypes, json, os, sys, time\n"
+    "import ctypes, json, os, random, signal, subprocess, sys, time\n"
     "libc = ctypes.CDLL(None, use_errno=True)\n"
     "libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the pod come here\n"
-    "delay = float(sys.argv[1])\n"
+    "delay, argv = float(sys.argv[1]), json.loads(sys.argv[2])\n"
+    "low, high, state, system = float(sys.argv[3]), float(sys.argv[4]), sys.argv[5], sys.argv[6]\n"
+    "def event(text):\n"
+    "    stamp = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())\n"
+    "    with open(system, 'a') as out:\n"
+    "        out.write(stamp + ' ' + text + '\\n')\n"
+    "def children():\n"
+    "    found = []\n"
+    "    for entry in os.listdir('/proc'):\n"
+    "        try:\n"
+    "            fields = open('/proc/' + entry + '/stat').read().rpartition(')')[2].split()\n"
+    "        except (OSError, ValueError):\n"
+    "            continue\n"
+    "        if entry.isdigit() and len(fields) > 1 and int(fields[1]) == os.getpid():\n"
+    "            found.append(int(entry))\n"
+    "    return found\n"
+    "def end_all():  # a container's processes end with its main process: SIGTERM, then SIGKILL\n"
+    "    # (this machine's login shells share its home: a pyenv rehash must release its lock)\n"
+    "    term_until = time.monotonic() + 3.0\n"
+    "    for _ in range(250):\n"
+    "        left = children()\n"
+    "        if not left:\n"
+    "            return\n"
+    "        sig = signal.SIGTERM if time.monotonic() < term_until else signal.SIGKILL\n"
+    "        for pid in left:\n"
+    "            try:\n"
+    "                os.kill(pid, sig)\n"
+    "            except OSError:\n"
+    "                pass\n"
+    "        while True:\n"
+    "            try:\n"
+    "                if os.waitpid(-1, os.WNOHANG)[0] == 0:\n"
+    "                    break\n"
+    "            except ChildProcessError:\n"
+    "                break\n"
+    "        time.sleep(0.02)\n"
     "if delay > 0:\n"
     "    time.sleep(delay)\n"
-    "argv = json.loads(sys.argv[2])\n"
-    "os.execvp(argv[0], argv)\n"
+    "restarts = 0\n"
+    "while True:\n"
+    "    started, main = time.time(), None\n"
+    "    try:\n"
+    "        main = subprocess.Popen(argv)\n"
+    "    except OSError as error:  # the image has no such command\n"
+    "        print(f'exec {argv[0]}: {error.strerror}', file=sys.stderr, flush=True)\n"
+    "    with open(state + '.tmp', 'w') as out:\n"
+    "        pid = main.pid if main else None\n"
+    "        json.dump({'started_at': started, 'restarts': restarts, 'main': pid}, out)\n"
+    "    os.replace(state + '.tmp', state)\n"
+    "    event('container started')\n"
+    "    if main is None:\n"
+    "        code = 127\n"
+    "    else:\n"
+    "        while True:\n"
+    "            pid, status = os.waitpid(-1, 0)\n"
+    "            if pid == main.pid:\n"
+    "                break\n"
+    "        code = os.waitstatus_to_exitcode(status)\n"
+    "    end_all()\n"
+    "    pause = random.uniform(low, high)\n"
+    "    event(f'container exited with code {code}; restarting in {pause:.1f} s')\n"
+    "    time.sleep(pause)\n"
+    "    restarts += 1\n"
 )
-"""The pod's root process: a child subreaper, then (after the boot delay) the
-start command, with `exec` so the command itself is the root."""
+"""The pod's root process, its container: a child subreaper that (after the
+boot delay) runs the start command, and when that exits, ends what is left of
+the container's processes and starts it again 2-4 s later (Runpod's restart
+policy), noting each start and exit in the system log and the last start and
+the restarts in `container.json`."""
 
 
 class SimPods:
@@ -76,10 +144,14 @@ class SimPods:
         boot_delay_s: float = 0.0,
         never_ssh: bool = False,
         sshd: str = SSHD,
+        start_command: list[str] | None = None,
+        restart_delay_s: tuple[float, float] = (2.0, 4.0),
     ) -> None:
         self.root = root
         self.boot_delay_s = boot_delay_s
         self.never_ssh = never_ssh
+        self.start_command = start_command
+        self.restart_delay_s = restart_delay_s
         self.sshd = sshd
         self._lock = threading.Lock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -89,11 +161,13 @@ class SimPods:
         """Makes every pod `sim` creates from now on a real process tree."""
         sim.on_pod_create = self.create
         sim.on_pod_delete = self.delete
+        sim.on_pod_restart = self.restart
         try:
             yield self
         finally:
             sim.on_pod_create = None
             sim.on_pod_delete = None
+            sim.on_pod_restart = None
             self.stop_all()
 
     def dir_of(self, pod_id: str) -> Path:
@@ -118,6 +192,26 @@ class SimPods:
         path = self.dir_of(pod_id) / "console.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def restart(self, pod: SimPod) -> None:
+        """The simulator's restart hook (Runpod's `restart` action, or a host
+        that restarts the container): kills the pod's start command, so its
+        container ends its processes and starts it again."""
+        path = self.dir_of(pod.id) / "container.json"
+        try:
+            main = int(json.loads(path.read_text())["main"])
+        except (OSError, ValueError, KeyError):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(main, signal.SIGKILL)
+
+    def restarts(self, pod_id: str) -> int:
+        """How often the pod's container was restarted (its start command exited)."""
+        path = self.dir_of(pod_id) / "container.json"
+        try:
+            return int(json.loads(path.read_text())["restarts"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
     def running(self, pod_id: str) -> bool:
         """Whether the pod's root process is alive (a deleted pod's, until all of
         its processes are killed)."""
@@ -140,6 +234,8 @@ class SimPods:
         pod.ssh_user = getpass.getuser()
         args = pod.request.get("args")  # v2: one string, split like a shell (Docker's CMD)
         command = shlex.split(args) if args else ["sh", "-c", "while :; do sleep 3600; done"]
+        if self.start_command is not None:
+            command = list(self.start_command)
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "LANG": "C.UTF-8",
@@ -153,9 +249,23 @@ class SimPods:
             "OVERBRAINER_SSH_ADDRESS": "127.0.0.1",
             "OVERBRAINER_SSHD": "/bin/false" if self.never_ssh else self.sshd,
         }
+        low, high = self.restart_delay_s
+        state, system = directory / "container.json", directory / "system.log"
+        pod.log_files = {"container": directory / "console.log", "system": system}
+        pod.container_file = state
         with (directory / "console.log").open("ab") as console:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _WRAPPER, str(self.boot_delay_s), json.dumps(command)],
+                [
+                    sys.executable,
+                    "-c",
+                    _WRAPPER,
+                    str(self.boot_delay_s),
+                    json.dumps(command),
+                    str(low),
+                    str(high),
+                    str(state),
+                    str(system),
+                ],
                 cwd=directory,
                 env=env,
                 stdin=subprocess.DEVNULL,

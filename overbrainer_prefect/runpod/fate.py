@@ -1,0 +1,130 @@
+"""Who ended a pod that this process did not delete, and when: told from
+what the pod left here (the copy of its watchdog's log in
+`runs/<id>/.pod/watchdog.log`, the `retrieved` marker this client wrote on
+it) and from the bounds its watchdog armed, so that `pod.json`'s
+`deleted_by`, `delete_reason` and uptime say what happened, not "unknown".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from overbrainer_prefect.runpod.bootstrap import WATCHDOG_LOG
+from overbrainer_prefect.runpod.pod import PodRecord
+from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.store import Runs
+
+RETRIEVED_REASON = "the client retrieved and verified the run's files (.pod/retrieved)"
+"""Why the watchdog deletes a pod at once once the client marked its files retrieved."""
+
+_RESTARTED = re.compile(r"^(\S+) container: restarted(; the job it ran was lost)?")
+_DECISION = re.compile(r"^(\S+) decision: delete pod \S+: (.*)$")
+_DELETED = re.compile(r"^(\S+) deleted: .*?(?:\[at=([0-9.]+)\])?$")
+
+
+@dataclass(frozen=True)
+class Fate:
+    """Who deleted a pod (`client`, `watchdog`, or `unknown`), why, and when
+    (Unix seconds, None when not known)."""
+
+    by: str
+    reason: str
+    at: float | None = None
+
+
+def watchdog_deletion(runs: Runs, run_id: str) -> Fate | None:
+    """The deletion the pod's watchdog logged, from the local copy of its log:
+    its reason and the time Runpod answered its delete; None when the copy
+    shows no decision to delete."""
+    path = runs.run_dir(run_id) / WATCHDOG_LOG
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    reason: str | None = None
+    at: float | None = None
+    for line in text.splitlines():
+        decided = _DECISION.match(line)
+        if decided:
+            reason, at = decided[2], _unix(decided[1])
+            continue
+        done = _DELETED.match(line)
+        if done and reason is not None:
+            at = float(done[2]) if done[2] else _unix(done[1])
+    return Fate("watchdog", reason, at) if reason is not None else None
+
+
+def found_gone(runs: Runs, pod: PodRecord) -> Fate:
+    """Who deleted a pod found gone without this process deleting it: its
+    watchdog when the client had marked its files retrieved, when one of its
+    bounds passed, or when its log (the local copy) says so, at the time its
+    log gives; else nobody known (Runpod, or someone in the console)."""
+    logged = watchdog_deletion(runs, pod.run_id)
+    at = logged.at if logged is not None else None
+    if pod.retrieved_marked:
+        return Fate("watchdog", RETRIEVED_REASON, at)
+    limit = pod.limit_reached()
+    if limit is not None:
+        return Fate("watchdog", limit, at)
+    if logged is not None:
+        return logged
+    return Fate("unknown", terminated_reason(pod))
+
+
+def terminated_reason(pod: PodRecord) -> str:
+    """Why a pod is gone that neither this client nor its watchdog deleted
+    (none of its bounds had passed): Runpod terminated it, or someone did."""
+    return (
+        f"pod {pod.name} is gone, deleted neither by this client nor by its watchdog (none of "
+        "its bounds had passed): Runpod terminated it (the account's balance ran out, its host "
+        "was lost) or someone deleted it in the console; what was on it is lost. Check the "
+        "account's balance, then start the run again"
+    )
+
+
+def _unix(stamp: str) -> float | None:
+    try:
+        return parse_rfc3339(stamp).timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The pod's container restarted at `at` (RFC 3339, as its watchdog logged
+    it); `lost_job`: a job was running, and was lost with it."""
+
+    at: str
+    lost_job: bool
+
+
+def container_restart(runs: Runs, run_id: str) -> Restart | None:
+    """The last restart of the pod's container its watchdog logged (the local
+    copy of its log), or None."""
+    path = runs.run_dir(run_id) / WATCHDOG_LOG
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    found: Restart | None = None
+    for line in text.splitlines():
+        match = _RESTARTED.match(line)
+        if match:
+            found = Restart(match[1], bool(match[2]))
+    return found
+
+
+def restart_message(pod: PodRecord, what: str, restart: Restart) -> str:
+    """The warning of a pod whose container restarted under a job (`what`:
+    the job's subject)."""
+    lost = "the job it ran was lost with it" if restart.lost_job else "no job ran then"
+    return (
+        f"the container of pod {pod.name} restarted at {restart.at} (its host, or Runpod's "
+        f"restart action): {lost}, and {what} ended without an exit code; what it left was "
+        "retrieved. Start the run again (or resume it from its last checkpoint)"
+    )
+
+
+RESTART_REASON = "its container restarted and lost its job; what the job left was retrieved"
+"""Why a pod is deleted after its container restarted under its job."""

@@ -1,0 +1,417 @@
+"""What becomes of a pod, told as it happened, against the Runpod simulator
+whose pods are real process trees (the package's real bootstrap + watchdog,
+a real sshd on 127.0.0.1): a start command that exits is found out while
+the client waits for SSH, with its log; a pod whose job does not see the
+GPUs it bills for runs no job; a delete refused once the files are verified
+leaves the run succeeded and the pod to its watchdog; uptime, spend and who
+deleted the pod match the simulator's ledger. Only the core: no Prefect
+server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.runpod import Pod, PodRequest, RunpodClient
+from overbrainer_prefect.runpod.boot import ContainerWatch
+from overbrainer_prefect.runpod.bootstrap import TIMING_ENV, WATCHDOG_LOG
+from overbrainer_prefect.runpod.context import PodContext, PodError
+from overbrainer_prefect.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
+from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
+from overbrainer_prefect.runpod.reaper import BY, REAPER_LOG
+from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import reporters
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import Outcome
+from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
+from overbrainer_prefect.trainers.base import TargetFacts, TrainError
+from tests.conftest import job_venv
+from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_sim.pods import SimPods
+from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
+from tests.test_watchdog import A4000, FAST, STALLED, Bed, ready_pod, settings
+
+LOG = logging.getLogger("pod-fate")
+TRAINS = f"{WRITE_METRICS}; {WRITE_OUTPUT}"
+"""A job that writes its metrics and its output, then ends."""
+
+FOLLOWER = """
+import asyncio, sys
+from pydantic import SecretStr
+from overbrainer_prefect.runpod import RunpodClient, RunpodTargetSettings, plan_from_api
+from overbrainer_prefect.runpod.context import PodContext
+from overbrainer_prefect.runpod.provision import provision
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.steps import start as start_step
+runs_dir, rest, graphql, grace = sys.argv[1:5]
+key = sys.stdin.read().strip()
+async def main():
+    async with RunpodClient(SecretStr(key), rest, graphql) as client:
+        ctx = PodContext(client=client, runs=Runs(runs_dir))
+        wanted = RunpodTargetSettings(
+            gpu_types=["NVIDIA RTX A4000"], image="x:1", max_hours=1.0, boot_grace_s=float(grace)
+        )
+        plan = await plan_from_api(client, wanted)
+        record = start_step.create(ctx.runs, target="sim", target_kind="runpod", workdir="/w")
+        await provision(ctx, record, wanted, plan, api_url=rest, name="sim")
+asyncio.run(main())
+"""
+"""A follower in a process of its own: provisions a pod (and is killed)."""
+
+CRASHES = ["sh", "-c", "echo 'bootstrap: gzip: not found' >&2; exit 2"]
+"""A start command that cannot run: it prints why and exits with code 2."""
+
+
+@pytest.fixture
+def bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bed]:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as pods:
+        yield Bed(sim, pods, Runs(tmp_path / "runs"))
+
+
+def pod_target(sim: RunpodSim, **changes: Any) -> Target:
+    """A Runpod target on the simulator (its block not saved: no Prefect)."""
+    values: dict[str, Any] = {
+        "credentials": RunpodCredentials(
+            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+        ),
+        "job_venv": str(job_venv()),
+        "gpu_types": [A4000],
+        "image": "overbrainer/test:1",
+        "max_hours": 1.0,
+        "boot_grace_s": 60.0,
+        "retrieve_grace_s": 120.0,
+        "poll_seconds": 0.3,
+    }
+    values.update(changes)
+    return RunpodTarget(**values).target("overbrainer-runpod-target/fate", LOG)
+
+
+async def train_on(place: Target, runs: Runs, script: str, meanwhile: Any = None) -> Outcome:
+    """Reserves, places, starts and follows a shell job on `place`; with
+    `meanwhile(pod)`, that is run in a thread once the job started."""
+    need = JobNeed(what="the job")
+    async with place.reserve(runs, need, NoBudget()) as reservation:
+        record = start_step.create(
+            runs, target=place.ref, target_kind=place.kind, workdir=place.workdir, trainer="shell"
+        )
+        async with place.place(runs, runs.load(record.id), reservation) as placed:
+            record = runs.load(record.id)
+            record.remote_dir = placed.remote_dir(record)  # the caller records it (a pod's)
+            runs.save(record)
+            ctx = placed.context(runs, reporters.LogReporter())
+            started = await start_step.start(ctx, ShellTrainer(script), record)
+            placed.started(runs, started)
+            if meanwhile is not None:
+                await asyncio.to_thread(meanwhile, PodRecord.load(runs, record.id))
+            return await placed.follow(ctx, ShellTrainer(script), started)
+
+
+def the_pod(runs: Runs) -> PodRecord:
+    (record,) = runs.list()
+    pod = PodRecord.load(runs, record.id)
+    assert pod is not None and pod.pod_id is not None
+    return pod
+
+
+def assert_ledger(pod: PodRecord, sim: RunpodSim, slack_s: float) -> None:
+    """The pod's uptime and spend in `pod.json` are the simulator's bill,
+    within `slack_s` seconds (of uptime, and of the bill's rate)."""
+    billed = sim.pod(pod.pod_id or "")
+    assert billed.deleted_at is not None
+    up = billed.deleted_at - billed.created_at
+    assert abs(pod.uptime_s() - up) <= slack_s, (pod.uptime_s(), up)
+    rate = billed.spend(billed.deleted_at) / up * 3600
+    spend = pod.estimated_spend()
+    assert spend is not None and abs(spend - billed.spend(sim.now())) <= rate * slack_s / 3600
+    assert pod.rate == pytest.approx(rate, rel=1e-6)
+
+
+# -- a pod that cannot start ------------------------------------------------------------
+
+
+def test_a_container_counts_as_restarted_when_its_start_moves_not_when_it_first_shows() -> None:
+    watch = ContainerWatch()
+    assert not watch.look(Pod.model_validate({"id": "p", "status": "RUNNING", "startedAt": None}))
+    first = {"id": "p", "status": "RUNNING", "startedAt": "2026-12-02T06:00:00.100Z"}
+    assert not watch.look(Pod.model_validate({**first, "runtime": {"uptime": 0}}))
+    assert not watch.look(Pod.model_validate({**first, "runtime": {"uptime": 3}}))
+    again = {**first, "startedAt": "2026-12-02T06:00:03.400Z", "runtime": {"uptime": 0}}
+    assert watch.look(Pod.model_validate(again)) and watch.restarts == 1
+    by_uptime = ContainerWatch()  # an answer without startedAt: its uptime going back
+    assert not by_uptime.look(Pod.model_validate({"id": "p", "runtime": {"uptime": 5}}))
+    assert by_uptime.look(Pod.model_validate({"id": "p", "runtime": {"uptime": 1}}))
+
+
+def test_who_deleted_a_pod_is_read_from_its_watchdogs_log(tmp_path: Path) -> None:
+    runs = Runs(tmp_path / "runs")
+    pod = PodRecord(run_id="20261202-060000-abcd", host_key="k", pod_id="p1", created_unix=1.0)
+    assert found_gone(runs, pod).by == "unknown"
+    assert "Runpod terminated it" in found_gone(runs, pod).reason
+    log = runs.run_dir(pod.run_id) / WATCHDOG_LOG
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        "2026-12-02T06:00:01Z job: ended (exit code 0)\n"
+        "2026-12-02T06:00:09Z decision: delete pod p1: the job ended 120s ago and its files were "
+        "not retrieved (retrieve_grace)\n"
+        "2026-12-02T06:00:10Z deleted: Runpod answered 204 to the delete of pod p1 "
+        "[at=1796191210.25]\n"
+    )
+    fate = found_gone(runs, pod)
+    assert fate.by == "watchdog" and fate.reason.startswith("the job ended 120s ago")
+    assert fate.at == 1796191210.25
+    pod.retrieved_marked = True
+    assert found_gone(runs, pod).reason == RETRIEVED_REASON
+
+
+@pytest.mark.slow
+def test_a_start_command_that_exits_ends_the_boot_wait_with_its_log_and_the_pod_is_deleted(
+    bed: Bed,
+) -> None:
+    bed.pods.start_command = CRASHES
+    bed.pods.restart_delay_s = (0.3, 0.6)
+
+    async def body(ctx: PodContext) -> PodError:
+        try:
+            await ready_pod(ctx, bed, settings(boot_grace_s=900.0))
+        except PodError as error:
+            return error
+        raise AssertionError("a pod whose start command exits was made ready")
+
+    async def main() -> PodError:
+        client = RunpodClient(SecretStr(bed.sim.api_key), bed.sim.rest_url, bed.sim.graphql_url)
+        async with client:
+            return await body(PodContext(client=client, runs=bed.runs))
+
+    error = asyncio.run(main())
+    assert "start command exited" in str(error) and "gzip: not found" in str(error)
+    assert "Runpod restarted its container" in str(error)
+    assert "gzip: not found" in (error.kept or "")  # what the driver fails the run with
+    (billed,) = bed.sim.pods(include_deleted=True)
+    assert billed.deleted and bed.pods.restarts(billed.id) >= 1
+    # ended at its first restarts, not at the end of its 900 s boot grace
+    assert billed.deleted_at is not None and billed.deleted_at - billed.created_at < 120
+    pod = the_pod(bed.runs)
+    assert pod.state == PodState.DELETED and pod.deleted_by == "client"
+
+
+def test_the_pod_log_is_served_as_runpod_streams_it(bed: Bed) -> None:
+    bed.pods.start_command = CRASHES
+    bed.pods.restart_delay_s = (0.1, 0.2)
+
+    async def main() -> tuple[list[str], list[str]]:
+        client = RunpodClient(SecretStr(bed.sim.api_key), bed.sim.rest_url, bed.sim.graphql_url)
+        async with client:
+            pod = await client.create_pod(
+                PodRequest(name="ob-x-a1", image="x:1", gpu_type_id=A4000)
+            )
+            while bed.pods.restarts(pod.id) < 2:
+                await asyncio.sleep(0.1)
+            return (
+                await client.pod_logs(pod.id, "container", tail=2),
+                await client.pod_logs(pod.id, "system", tail=50),
+            )
+
+    container, system = asyncio.run(main())
+    assert container == ["bootstrap: gzip: not found"] * 2
+    assert any("container exited with code 2" in line for line in system)
+
+
+# -- a pod has what it bills for ----------------------------------------------------------
+
+
+def test_a_job_must_see_the_gpus_its_pod_bills_for() -> None:
+    pod = PodRecord(run_id="r", host_key="k", pod_id="p1", gpu_type_id=A4000, billed_gpus=2)
+    pod.cost_per_hour = 0.5
+    assert gpu_mismatch(pod, TargetFacts(python="/v/bin/python", gpus=2)) is None
+    problem = gpu_mismatch(pod, TargetFacts(python="/v/bin/python", gpus=0))
+    assert problem is not None and "bills for 2 GPUs" in problem and "sees 0" in problem
+    cpu = pod.model_copy(update={"billed_gpus": 0})
+    assert gpu_mismatch(cpu, TargetFacts(python="/v/bin/python", gpus=0)) is None
+
+
+@pytest.mark.slow
+def test_a_pod_whose_job_sees_fewer_gpus_than_it_bills_for_is_deleted_with_both_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim(gpu_pods=True) as sim, SimPods(tmp_path / "pods").attached(sim):
+        place = pod_target(sim, gpu_count=2)
+        with pytest.raises(TrainError) as raised:
+            asyncio.run(train_on(place, runs, TRAINS))
+        (billed,) = sim.pods(include_deleted=True)
+        assert billed.deleted and billed.gpu_count == 2
+    assert "bills for 2 GPUs" in str(raised.value) and "sees 0" in str(raised.value)
+    (record,) = runs.list()
+    assert record.state == RunState.FAILED and record.job is None
+    assert "bills for 2 GPUs" in (record.message or "")
+    pod = the_pod(runs)
+    assert pod.state == PodState.DELETED and pod.billed_gpus == 2
+
+
+# -- the end of a pod, and its bill ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_uptime_spend_and_who_deleted_the_pod_match_the_simulators_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim):
+        sim.lag_after_delete(gets=10)  # its deletion takes seconds to confirm: not billed
+        outcome = asyncio.run(train_on(pod_target(sim), runs, TRAINS))
+        assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved
+        pod = the_pod(runs)
+        assert pod.deleted_by == "client" and pod.state == PodState.DELETED
+        assert_ledger(pod, sim, slack_s=1.0)
+        reaper_log = runs.run_dir(pod.run_id) / REAPER_LOG
+        wait_for(lambda: "shows it runs" in reaper_log.read_text(), 30, "the reaper to end")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("status", [502, 401])
+def test_a_verified_run_whose_delete_is_refused_succeeds_and_its_watchdog_deletes_the_pod(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim):
+        # the account's deletes are refused (an outage, a key turned off); the pod's own key works
+        sim.fail(status, times=1000, method="DELETE", account_only=True)
+        outcome = asyncio.run(train_on(pod_target(sim), runs, TRAINS))
+        assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved
+        (billed,) = sim.pods(include_deleted=True)
+        assert billed.deleted
+        deletes = sim.requests_to("DELETE", f"/v2/pods/{billed.id}")
+        assert {r.scope for r in deletes if r.status == 204} == {f"pod:{billed.id}"}
+        pod = the_pod(runs)
+        assert pod.state == PodState.DELETED
+        assert pod.deleted_by == "watchdog" and pod.delete_reason == RETRIEVED_REASON
+        # its watchdog's delete is seen when this client looks, after its own delete's
+        # retries (about 3.5 s on a 502): the uptime recorded is the bill's upper bound
+        assert_ledger(pod, sim, slack_s=6.0 if status == 502 else 3.0)
+
+
+# -- a pod bounded whatever dies here -------------------------------------------------------
+
+
+def pod_json_missing() -> PodRecord:
+    raise AssertionError("the run has no pod.json")
+
+
+def wait_for(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_pod_that_never_boots_with_its_follower_killed_is_deleted_at_its_boot_bound(
+    bed: Bed,
+) -> None:
+    bed.pods.boot_delay_s = 3600.0  # its start command never runs: no watchdog bounds it
+    grace = 6.0
+    argv = [str(bed.runs.root), bed.sim.rest_url, bed.sim.graphql_url, str(grace)]
+    follower = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER, *argv],
+        stdin=subprocess.PIPE,
+    )
+    assert follower.stdin is not None
+    follower.stdin.write(bed.sim.api_key.encode())
+    follower.stdin.close()
+    try:
+        wait_for(lambda: bed.sim.pods(), 60, "the pod's create")
+    finally:
+        follower.kill()  # no hook, no collect: nothing on this side but the reaper
+        follower.wait()
+    (billed,) = bed.sim.pods(include_deleted=True)
+    wait_for(lambda: billed.deleted, 90, "the pod's delete")
+    (record,) = bed.runs.list()
+    wait_for(
+        lambda: (PodRecord.load(bed.runs, record.id) or pod_json_missing()).deleted_by == BY,
+        30,
+        "pod.json to say the reaper deleted the pod",
+    )
+    pod = PodRecord.load(bed.runs, record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.gone
+    assert billed.id in [pod.pod_id, *pod.swept]  # recorded, or found by its name
+    assert "boot_grace" in (pod.delete_reason or "")
+    assert billed.deleted_at is not None and billed.deleted_at - billed.created_at >= grace
+    wait_for(
+        lambda: (
+            "deleted at its boot bound" in (bed.runs.run_dir(record.id) / REAPER_LOG).read_text()
+        ),
+        30,
+        "the reaper to end",
+    )
+    assert bed.sim.secret_names() == []  # its host key secret went with it
+
+
+# -- a pod's end, told as it happened ---------------------------------------------------
+
+
+def metrics_written(sim_pods: SimPods, pod: PodRecord) -> bool:
+    run_dir = sim_pods.workspace_of(pod.pod_id or "") / "overbrainer" / pod.run_id
+    return (run_dir / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_a_container_restarted_mid_job_is_told_and_what_its_job_left_is_retrieved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as sim_pods:
+        sim_pods.restart_delay_s = (0.2, 0.4)
+
+        def restart(pod: PodRecord) -> None:
+            wait_for(lambda: metrics_written(sim_pods, pod), 30, "the job's first metric")
+            sim_pods.restart(sim.pod(pod.pod_id or ""))  # its host restarts the container
+
+        with caplog.at_level(logging.WARNING, logger=LOG.name):
+            outcome = asyncio.run(train_on(pod_target(sim), runs, STALLED, restart))
+        (billed,) = sim.pods(include_deleted=True)
+        assert billed.deleted and sim_pods.restarts(billed.id) == 1
+    assert outcome.record.state == RunState.FAILED and outcome.retrieved
+    assert "metrics.jsonl" in {f.path for f in outcome.files}
+    pod = the_pod(runs)
+    assert pod.state == PodState.DELETED and pod.delete_reason == RESTART_REASON
+    assert any("restarted at" in r.getMessage() for r in caplog.records), caplog.text
+    log = (runs.run_dir(pod.run_id) / ".pod" / "watchdog.log").read_text()
+    assert "container: restarted; the job it ran was lost with it" in log
+    assert "job: ended (lost: the container restarted)" in log
+
+
+@pytest.mark.slow
+def test_a_pod_terminated_by_runpod_mid_job_fails_its_run_with_that_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as sim_pods:
+
+        def terminate(pod: PodRecord) -> None:
+            wait_for(lambda: metrics_written(sim_pods, pod), 30, "the job's first metric")
+            sim.terminate(pod.pod_id or "")  # the account's balance ran out
+
+        outcome = asyncio.run(train_on(pod_target(sim), runs, STALLED, terminate))
+    assert "Runpod terminated it" in (outcome.lost or "")  # what the driver fails the run with
+    pod = the_pod(runs)
+    assert pod.state == PodState.DELETED and pod.deleted_by == "unknown"
+    assert "Runpod terminated it" in (pod.delete_reason or "")
