@@ -20,7 +20,6 @@ import hashlib
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -50,7 +49,7 @@ def _problem(error: ValidationError) -> str:
     return f"{where}: {message}" if where else message
 
 
-def read_row(row: Any, where: str, group: Group) -> EvalItem:
+def read_row(row: object, where: str, group: Group) -> EvalItem:
     """The item of one eval-file row (`where` names it: `file line N`).
 
     Raises BadEvaluationInput with one line when the row has no expected answer
@@ -61,7 +60,11 @@ def read_row(row: Any, where: str, group: Group) -> EvalItem:
     if "expected" not in row:
         messages = row.get("messages")
         last = messages[-1] if isinstance(messages, list) and messages else None
-        if not (isinstance(last, dict) and last.get("role") == "assistant"):
+        if not (
+            isinstance(messages, list)
+            and isinstance(last, dict)
+            and last.get("role") == "assistant"
+        ):
             raise BadEvaluationInput(
                 f'{where} has no expected answer: give it "expected", or end its messages '
                 "with the assistant's answer"
@@ -117,7 +120,9 @@ def default_controls() -> list[EvalItem]:
     return parse_items(text, CONTROLS_FILE, "control")
 
 
-def heldout_row(row: Any, kind: str, field_messages: str | None, where: str) -> dict[str, Any]:
+def heldout_row(
+    row: object, kind: str, field_messages: str | None, where: str
+) -> dict[str, object]:
     """An eval-file row for one held-out training row of axolotl type `kind`: the
     conversation up to its last answer, and that answer expected.
 
@@ -147,7 +152,7 @@ def heldout_row(row: Any, kind: str, field_messages: str | None, where: str) -> 
     }
 
 
-def _role(message: Any) -> Any:
+def _role(message: object) -> object:
     return message.get("role") if isinstance(message, dict) else None
 
 

@@ -14,7 +14,7 @@ Every problem is one line naming what to fix, raised before anything runs.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -75,7 +75,7 @@ class EvalItem(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _prompt_is_one_message(cls, data: Any) -> Any:
+    def _prompt_is_one_message(cls, data: object) -> object:
         if isinstance(data, dict) and "prompt" in data:
             data = dict(data)
             prompt = data.pop("prompt")

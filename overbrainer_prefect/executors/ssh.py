@@ -19,12 +19,12 @@ import posixpath
 import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import asyncssh
 from asyncssh.constants import MSG_IGNORE
 from asyncssh.known_hosts import KnownHostsArg
-from asyncssh.packet import String
+from asyncssh.packet import SSHPacketLogger, String
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors import remote_manifest, sftp_transfer
@@ -572,11 +572,11 @@ def _without_ignore_packets(conn: asyncssh.SSHClientConnection) -> None:
     4253 §11.2): they blur the timing of an interactive session's keystrokes,
     and this connection carries none (commands, SFTP). Without them a transfer
     sends half the packets, which the 2 cores of both ends otherwise spend on:
-    about a fifth less client CPU a GiB uploaded (bench/ssh_transfer.py). Any
+    about a fifth less client CPU a GiB uploaded (bench/ssh_transfer.py). Every
     other packet, a non-empty ignore included, goes as it did."""
     send = conn.send_packet
 
-    def send_packet(pkttype: int, *args: bytes, handler: Any = None) -> None:
+    def send_packet(pkttype: int, *args: bytes, handler: SSHPacketLogger | None = None) -> None:
         if pkttype == MSG_IGNORE and args == (_EMPTY_IGNORE,):
             return
         send(pkttype, *args, handler=handler)

@@ -27,7 +27,7 @@ import hashlib
 import json
 import posixpath
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -186,7 +186,7 @@ class CompareSpec(BaseModel):
         )
 
 
-def spec_of(record_spec: dict[str, object] | None) -> CompareSpec | None:
+def spec_of(record_spec: Mapping[str, object] | None) -> CompareSpec | None:
     """The compare spec in a record, or None when it holds none or another shape."""
     if record_spec is None:
         return None

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.context import context_length
@@ -63,7 +63,7 @@ SHARDING_KEYS = frozenset({"deepspeed", "fsdp", "fsdp_version"})
 class DatasetSpec(BaseModel):
     """One training dataset: a local file uploaded with the run, or a Hub dataset.
 
-    A bare string is accepted as shorthand for `{"path": ...}`. Any other key of
+    A bare string is accepted as shorthand for `{"path": ...}`. Every other key of
     axolotl's dataset schema (`roles_to_train`, `message_property_mappings`,
     `data_files`, `ds_type`...) is passed to axolotl as it is; a key axolotl
     does not know is refused with the nearest one it does.
@@ -95,7 +95,7 @@ class DatasetSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_string(cls, data: Any) -> Any:
+    def _from_string(cls, data: object) -> object:
         if isinstance(data, str):
             return {"path": data}
         return data
@@ -109,7 +109,7 @@ class DatasetSpec(BaseModel):
         return self
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, JsonValue]:
         """The axolotl dataset keys given beyond the named fields, as given."""
         return dict(self.model_extra or {})
 
@@ -277,9 +277,9 @@ class TrainingSpec(BaseModel):
         description="Chat template: `tokenizer_default` (the model's own), `chatml`, "
         "`llama3`, `qwen3`...",
     )
-    extra: dict[str, Any] = Field(
+    extra: dict[str, JsonValue] = Field(
         default_factory=dict,
-        description="Any other axolotl config key, passed as it is (e.g. "
+        description="More axolotl config keys, passed as they are (e.g. "
         "`gradient_checkpointing: true`).",
     )
 
@@ -314,7 +314,7 @@ class TrainingSpec(BaseModel):
 
     @field_validator("extra")
     @classmethod
-    def _extra_owns_nothing(cls, extra: dict[str, Any]) -> dict[str, Any]:
+    def _extra_owns_nothing(cls, extra: dict[str, JsonValue]) -> dict[str, JsonValue]:
         # gradient_checkpointing may also take axolotl's own values (`offload`) in extra
         own = set(cls.model_fields) - {"extra", "gradient_checkpointing"}
         for key in extra:
@@ -334,6 +334,12 @@ class TrainingSpec(BaseModel):
                 raise ValueError(
                     f"extra sets {key}, a field of its own: set the {key} field instead"
                 )
+        tuned = extra.get("fsdp_config")
+        if tuned is not None and not isinstance(tuned, dict):
+            raise ValueError(
+                "extra's fsdp_config is not a mapping: give FSDP settings as keys and values, "
+                "e.g. {offload_params: true}"
+            )
         return extra
 
     def local_datasets(self) -> list[DatasetSpec]:
