@@ -32,8 +32,8 @@ from overbrainer_prefect.evaluation.spec import (
     JudgeModel,
 )
 from overbrainer_prefect.trainers.base import TrainError
-from overbrainer_prefect.trainers.compare import GgufRef
 from overbrainer_prefect.trainers.export import UnknownQuant, check_quant
+from overbrainer_prefect.trainers.gguf_job import GgufRef
 from overbrainer_prefect.trainers.holdout import HOLDOUT_DIR, SPLIT_FILE, HoldoutSplit, read_split
 
 CONTROLS_FILE = "controls.jsonl"

@@ -21,15 +21,9 @@ from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.trainers.base import Trainer
-from overbrainer_prefect.trainers.compare import (
-    ANSWERS_FILE,
-    CompareTrainer,
-    GgufRef,
-    ModelAnswer,
-    read_answers,
-    spec_of,
-)
+from overbrainer_prefect.trainers.compare import CompareTrainer, ModelAnswer, read_answers, spec_of
 from overbrainer_prefect.trainers.export import base_model
+from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, GgufRef
 
 NAME = "compare"
 """A compare's records: `<run dir>/compares/<id>/compare.json`."""

@@ -35,6 +35,7 @@ from overbrainer_prefect.trainers.base import (
     Artifacts,
     JobContext,
     TargetFacts,
+    TrainerBase,
     TrainError,
 )
 from overbrainer_prefect.trainers.holdout import split_heldout
@@ -91,7 +92,7 @@ CPU_FLAGS: dict[str, JsonValue] = {
 """What a CPU-only target needs, whatever the spec says."""
 
 
-class AxolotlTrainer:
+class AxolotlTrainer(TrainerBase):
     """A fine-tune with axolotl, following `spec`.
 
     `resume_from` is a checkpoint directory relative to the run directory (e.g.
@@ -124,15 +125,7 @@ class AxolotlTrainer:
         self.cpu_threads = cpu_threads
         self.processes = processes
 
-    @property
-    def name(self) -> str:
-        """`training`."""
-        return "training"
-
-    @property
-    def metrics_file(self) -> str:
-        """`metrics.jsonl`, written by the metrics plugin."""
-        return METRICS_FILE
+    name = "training"
 
     @property
     def probe_modules(self) -> Sequence[str]:
@@ -146,17 +139,16 @@ class AxolotlTrainer:
         modules += [TRACKER_MODULES[t] for t in self.spec.trackers]
         return tuple(modules)
 
+    def install_hint(self, module: str, python: str) -> str:
+        """`uv pip install` of `module` into the job venv of `python`."""
+        package = "flash-attn --no-build-isolation" if module == "flash_attn" else module
+        return f"install it with `uv pip install --python {python} {package}`"
+
     def check(self, facts: TargetFacts) -> None:
         """Raises TrainError when the job venv lacks a module of `probe_modules`,
         or when the target cannot run the spec (see `preflight.target_problem`:
         QLoRA or bf16 without a GPU, DeepSpeed on one GPU...)."""
-        for module in self.probe_modules:
-            if facts.modules.get(module) is None:
-                package = "flash-attn --no-build-isolation" if module == "flash_attn" else module
-                raise TrainError(
-                    f"{module} is not installed in the job venv {facts.python}: install it with "
-                    f"`uv pip install --python {facts.python} {package}` there"
-                )
+        super().check(facts)
         self._check_target(facts)
 
     def process_count(self, facts: TargetFacts) -> int:
