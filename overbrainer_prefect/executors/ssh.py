@@ -159,13 +159,10 @@ class SshExecutor:
         """
         if not argv:
             raise ExecError("run", "no command was given")
-        command = shlex.join(argv)
-        try:
-            result = await self._command("run", command, timeout=timeout, retry=False)
-        except TimeoutError:
-            raise ExecError(
-                "run", f"{argv[0]!r} did not finish within {timeout:g} s on {self.description}"
-            ) from None
+        late = f"{argv[0]!r} did not finish within {timeout:g} s on {self.description}"
+        result = await self._command(
+            "run", shlex.join(argv), ExecError("run", late), timeout=timeout, retry=False
+        )
         return CommandResult(
             code=_code(result),
             stdout=_text(result.stdout),
@@ -218,12 +215,10 @@ class SshExecutor:
         # the launch itself is never retried, so a job never starts twice.
         await self._sftp_call("spawn", write_script, script_path)
         command = "sh -c " + shlex.quote(_SECRETS_READER + launch_command(run_dir))
-        try:
-            result = await self._command("spawn", command, stdin=secrets, retry=False)
-        except TimeoutError:
-            raise ExecError(
-                "spawn", f"the launch of run {job.run_id} took over {COMMAND_TIMEOUT_S:g} s"
-            ) from None
+        late = f"the launch of run {job.run_id} took over {COMMAND_TIMEOUT_S:g} s"
+        result = await self._command(
+            "spawn", command, ExecError("spawn", late), stdin=secrets, retry=False
+        )
         try:
             return parse_launch(run_dir, _text(result.stdout))
         except ValueError:
@@ -449,14 +444,15 @@ class SshExecutor:
         self,
         action: str,
         command: str,
+        late: ExecError,
         stdin: bytes | None = None,
         timeout: float = COMMAND_TIMEOUT_S,
         retry: bool = True,
     ) -> asyncssh.SSHCompletedProcess:
         """Runs the shell command `command` on the host, `stdin` written to it.
 
-        Raises TimeoutError past `timeout`, TargetUnreachable when the host is
-        out of reach.
+        Raises `late` past `timeout`, TargetUnreachable when the host is out of
+        reach.
         """
 
         async def call(conn: asyncssh.SSHClientConnection) -> asyncssh.SSHCompletedProcess:
@@ -465,7 +461,7 @@ class SshExecutor:
                     command, input=stdin or b"", encoding=None, timeout=timeout, check=False
                 )
             except asyncssh.TimeoutError:
-                raise TimeoutError(command) from None
+                raise late from None
 
         return await self._attempt(action, call, retry=retry)
 
@@ -478,14 +474,10 @@ class SshExecutor:
     ) -> asyncssh.SSHCompletedProcess:
         """A command of ours, in `sh` (whatever the user's login shell), retried
         once on a stale connection; no answer within `timeout` is TargetUnreachable."""
-        try:
-            return await self._command(
-                action, "sh -c " + shlex.quote(command), stdin=stdin, timeout=timeout
-            )
-        except TimeoutError:
-            raise TargetUnreachable(
-                action, f"{self.description} did not answer within {timeout:g} s"
-            ) from None
+        late = TargetUnreachable(action, f"{self.description} did not answer within {timeout:g} s")
+        return await self._command(
+            action, "sh -c " + shlex.quote(command), late, stdin=stdin, timeout=timeout
+        )
 
     async def _sftp_call(
         self, action: str, call: Callable[[asyncssh.SFTPClient], Awaitable[T]], subject: str

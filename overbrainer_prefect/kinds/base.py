@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from overbrainer_prefect.executors.base import Executor
-from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed
@@ -88,3 +88,19 @@ class Finished:
     outcome: Outcome
     where: str
     cancelled: bool = False
+
+
+def child_next_step(record: RunRecord, done: str, again: str) -> str:
+    """What to do next about a job that belongs to a run (an export, a compare):
+    `done` once it succeeded; while it has not ended, follow it again with its
+    flow; after a failure, read its log, fix the cause and `again` (`export
+    again`) with its flow."""
+    flow, run_id = record.trainer, record.parent
+    if record.state == RunState.SUCCEEDED:
+        return done
+    if not record.state.ended:
+        return f"Follow it again: run the `{flow}` flow (run_id={run_id}, {flow}_id={record.id})."
+    return (
+        f"See `{local_path(record)}/job.log`, fix the cause, and {again} with the `{flow}` "
+        f"flow (run_id={run_id})."
+    )
