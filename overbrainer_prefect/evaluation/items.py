@@ -35,6 +35,7 @@ from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.export import UnknownQuant, check_quant
 from overbrainer_prefect.trainers.gguf_job import GgufRef
 from overbrainer_prefect.trainers.holdout import HOLDOUT_DIR, SPLIT_FILE, HoldoutSplit, read_split
+from overbrainer_prefect.userfile import read_user_text
 
 CONTROLS_FILE = "controls.jsonl"
 """The default controls, shipped in this package."""
@@ -100,14 +101,7 @@ def load_items(path: str, group: Group, what: str = "eval file") -> list[EvalIte
     """The items of the JSON-lines file `path`. Raises BadEvaluationInput with one
     line when it cannot be read, is empty, or has a bad row (named by line)."""
     file = Path(path).expanduser()
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadEvaluationInput(f"the {what} {file} does not exist: give a .jsonl file") from None
-    except UnicodeDecodeError:
-        raise BadEvaluationInput(f"the {what} {file} is not UTF-8 text") from None
-    except OSError as error:
-        raise BadEvaluationInput(f"cannot read the {what} {file}: {error.strerror}") from None
+    text = read_user_text(file, what, "a .jsonl file", BadEvaluationInput)
     items = parse_items(text, f"{what} {file}", group)
     if not items:
         raise BadEvaluationInput(f"the {what} {file} holds no items: give {ROW_SHAPE}, one a line")

@@ -41,6 +41,7 @@ from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, GgufAsk, GgufJob
 from overbrainer_prefect.trainers.gguf_job import MAX_TOKENS_LIMIT as MAX_TOKENS_LIMIT
 from overbrainer_prefect.trainers.gguf_job import MODELS_DIR as MODELS_DIR
 from overbrainer_prefect.trainers.gguf_job import GgufRef as GgufRef
+from overbrainer_prefect.userfile import read_user_text
 
 QUESTIONS_FILE = "questions.json"
 COMPARE_MODULE = "overbrainer_compare"
@@ -88,14 +89,7 @@ def load_questions(questions: Sequence[str] | None, questions_file: str | None) 
 
 def _read_questions_file(path: Path) -> list[str]:
     shape = 'a JSON or YAML list of strings, like ["What is X?", "Who is Y?"]'
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadQuestions(f"the questions file {path} does not exist: give {shape}") from None
-    except UnicodeDecodeError:
-        raise BadQuestions(f"the questions file {path} is not UTF-8 text: give {shape}") from None
-    except OSError as error:
-        raise BadQuestions(f"cannot read the questions file {path}: {error.strerror}") from None
+    text = read_user_text(path, "questions file", shape, BadQuestions)
     line: int | None = None
     try:
         data = yaml.safe_load(text)
