@@ -19,7 +19,7 @@ from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
-from overbrainer_prefect.trainers.base import Trainer, TrainError
+from overbrainer_prefect.trainers.base import METRICS_FILE, Trainer, TrainError
 from overbrainer_prefect.trainers.export import (
     CONFIG_FILE,
     GGUF_DIR,
@@ -74,7 +74,7 @@ def result_of(
     its local metrics file."""
     local = exports.run_dir(record.id)
     try:
-        timings = phases((local / "metrics.jsonl").read_text(encoding="utf-8", errors="replace"))
+        timings = phases((local / METRICS_FILE).read_text(encoding="utf-8", errors="replace"))
     except OSError:
         timings = {}
     entry = gguf_entry(files)
