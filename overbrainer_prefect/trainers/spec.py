@@ -15,7 +15,15 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.context import context_length
@@ -303,12 +311,12 @@ class TrainingSpec(BaseModel):
             raise ValueError("trackers has mlflow but no tracker_uri: give the MLflow server URL")
         return self
 
-    @field_validator("val_set_size")
+    @field_validator("val_set_size", "holdout")
     @classmethod
-    def _fraction_or_rows(cls, size: float) -> float:
+    def _share_or_rows(cls, size: float, info: ValidationInfo) -> float:
         if size >= 1 and size != int(size):
             raise ValueError(
-                f"val_set_size {size} is neither a share below 1 nor a whole number of rows"
+                f"{info.field_name} {size} is neither a share below 1 nor a whole number of rows"
             )
         return size
 
@@ -399,15 +407,6 @@ class TrainingSpec(BaseModel):
         "evaluation: a share (below 1) or a number of rows; 0 keeps none. The split is fixed "
         "by the seed and recorded with the run, and its rows are never uploaded.",
     )
-
-    @field_validator("holdout")
-    @classmethod
-    def _holdout_share_or_rows(cls, size: float) -> float:
-        if size >= 1 and size != int(size):
-            raise ValueError(
-                f"holdout {size} is neither a share below 1 nor a whole number of rows"
-            )
-        return size
 
 
 def spec_problem(spec: TrainingSpec) -> str | None:
