@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     JsonValue,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -63,6 +64,12 @@ Tracker = Literal["wandb", "mlflow"]
 DEEPSPEED_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
 """The DeepSpeed ZeRO stage of each `sharding` choice that is one."""
 
+
+AxolotlKeys = Annotated[
+    dict[str, JsonValue], WithJsonSchema({"type": "object", "additionalProperties": True})
+]
+"""axolotl config keys and their values, as JSON; a plain JSON object in the
+Prefect form (the schema pydantic would give JsonValue is a `$ref` to `{}`)."""
 
 SHARDING_KEYS = frozenset({"deepspeed", "fsdp", "fsdp_version"})
 """axolotl keys that `sharding` sets (`fsdp_config` in `extra` tunes `sharding: fsdp`)."""
@@ -285,7 +292,7 @@ class TrainingSpec(BaseModel):
         description="Chat template: `tokenizer_default` (the model's own), `chatml`, "
         "`llama3`, `qwen3`...",
     )
-    extra: dict[str, JsonValue] = Field(
+    extra: AxolotlKeys = Field(
         default_factory=dict,
         description="More axolotl config keys, passed as they are (e.g. "
         "`gradient_checkpointing: true`).",
