@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+
+from pydantic import JsonValue
 
 from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
@@ -71,7 +72,8 @@ class NewJob:
     prepare: Callable[[RunRecord], Trainer]
     """Makes the job's trainer once its record exists and is locked (stages a
     checkpoint, logs what is asked)."""
-    spec: dict[str, Any] | None = None
+    spec: dict[str, JsonValue] | None = None
+    """The job's parameters, as its record keeps them (`RunRecord.spec`)."""
     parent: str | None = None
     subdir: str = ""
     """Where its directory is under the target's work directory (`exports`)."""
