@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -129,7 +128,7 @@ class PrefectReporter:
 
     def __init__(
         self,
-        logger: logging.Logger | logging.LoggerAdapter[Any],
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
         run_id: str,
         *,
         log_every_percent: float = LOG_EVERY_PERCENT,
@@ -338,7 +337,7 @@ async def publish_metrics_table(run_id: str, summary: MetricsSummary) -> None:
     )
 
 
-def metric_rows(summary: MetricsSummary) -> list[dict[str, Any]]:
+def metric_rows(summary: MetricsSummary) -> list[dict[str, float | str | None]]:
     """The rows of the metrics table: step, loss, eval_loss, learning_rate,
     grad_norm and epoch of each metric, rounded (None where not measured)."""
     return [

@@ -36,7 +36,7 @@ from overbrainer_prefect.evaluation.spec import (
     JudgeSpec,
 )
 from overbrainer_prefect.evaluation.verdict import cell, format_p, markdown, verdict
-from overbrainer_prefect.trainers.compare import GgufRef
+from overbrainer_prefect.trainers.gguf_job import GgufRef
 
 TUNED = GgufRef(path="r/exports/e/gguf/tuned.gguf", size=1, sha256="a" * 64, export_id="e")
 BASE = GgufRef(path=".bases/b/exports/f/gguf/base.gguf", size=1, sha256="b" * 64, export_id="f")

@@ -313,7 +313,7 @@ def test_a_run_that_cannot_be_exported_is_refused_in_one_line_and_nothing_is_cre
     if case in ("failed", "stopped"):
         changes = {"state": RunState(case)}
     if case == "not-retrieved":
-        changes = {"message": "artifacts not retrieved: cannot reach the target"}
+        changes = {"not_retrieved": "cannot reach the target"}
     run_id = copy_run(trained, **changes)
     run_dir = Runs(trained.runs_dir).run_dir(run_id)
     adapter = run_dir / "output" / "adapter_model.safetensors"

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from overbrainer_prefect.executors.base import CommandResult
 from overbrainer_prefect.executors.local import LocalExecutor
@@ -143,6 +144,11 @@ def test_fsdp_is_set_by_yaml_keys_and_takes_checkpointing_into_its_own_config() 
     assert config["fsdp_config"]["offload_params"] is True
     assert config["fsdp_config"]["cpu_ram_efficient_loading"] is False
     assert "gradient_checkpointing" not in config
+
+
+def test_an_fsdp_config_that_is_no_mapping_is_refused_before_any_run() -> None:
+    with pytest.raises(ValidationError, match="extra's fsdp_config is not a mapping"):
+        spec(sharding="fsdp", extra={"fsdp_config": "offload"})
 
 
 def test_trackers_are_on_only_when_asked_and_their_keys_never_in_the_job_files() -> None:

@@ -196,6 +196,19 @@ def test_a_failing_job_reads_exited_with_its_code(sshd: Sshd, tmp_path: Path) ->
     assert (run_dir / JOB_LOG).read_text() == "failing\n"
 
 
+def test_a_command_past_its_timeout_fails_naming_it_and_the_next_command_runs(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    async def scenario(executor: SshExecutor) -> str:
+        with pytest.raises(ExecError) as raised:
+            await executor.run(["sleep", "5"], timeout=0.5)
+        assert not isinstance(raised.value, TargetUnreachable)
+        assert "'sleep' did not finish within 0.5 s on ssh target 'loopback'" in str(raised.value)
+        return (await executor.run(["echo", "next"])).stdout
+
+    assert with_executor(sshd, tmp_path / "remote", scenario) == "next\n"
+
+
 def test_a_cancelled_job_reads_cancelled_and_its_whole_process_group_is_gone(
     sshd: Sshd, tmp_path: Path
 ) -> None:

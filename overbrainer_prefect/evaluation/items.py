@@ -20,7 +20,6 @@ import hashlib
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -33,9 +32,10 @@ from overbrainer_prefect.evaluation.spec import (
     JudgeModel,
 )
 from overbrainer_prefect.trainers.base import TrainError
-from overbrainer_prefect.trainers.compare import GgufRef
 from overbrainer_prefect.trainers.export import UnknownQuant, check_quant
+from overbrainer_prefect.trainers.gguf_job import GgufRef
 from overbrainer_prefect.trainers.holdout import HOLDOUT_DIR, SPLIT_FILE, HoldoutSplit, read_split
+from overbrainer_prefect.userfile import read_user_text
 
 CONTROLS_FILE = "controls.jsonl"
 """The default controls, shipped in this package."""
@@ -50,7 +50,7 @@ def _problem(error: ValidationError) -> str:
     return f"{where}: {message}" if where else message
 
 
-def read_row(row: Any, where: str, group: Group) -> EvalItem:
+def read_row(row: object, where: str, group: Group) -> EvalItem:
     """The item of one eval-file row (`where` names it: `file line N`).
 
     Raises BadEvaluationInput with one line when the row has no expected answer
@@ -61,7 +61,11 @@ def read_row(row: Any, where: str, group: Group) -> EvalItem:
     if "expected" not in row:
         messages = row.get("messages")
         last = messages[-1] if isinstance(messages, list) and messages else None
-        if not (isinstance(last, dict) and last.get("role") == "assistant"):
+        if not (
+            isinstance(messages, list)
+            and isinstance(last, dict)
+            and last.get("role") == "assistant"
+        ):
             raise BadEvaluationInput(
                 f'{where} has no expected answer: give it "expected", or end its messages '
                 "with the assistant's answer"
@@ -97,14 +101,7 @@ def load_items(path: str, group: Group, what: str = "eval file") -> list[EvalIte
     """The items of the JSON-lines file `path`. Raises BadEvaluationInput with one
     line when it cannot be read, is empty, or has a bad row (named by line)."""
     file = Path(path).expanduser()
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadEvaluationInput(f"the {what} {file} does not exist: give a .jsonl file") from None
-    except UnicodeDecodeError:
-        raise BadEvaluationInput(f"the {what} {file} is not UTF-8 text") from None
-    except OSError as error:
-        raise BadEvaluationInput(f"cannot read the {what} {file}: {error.strerror}") from None
+    text = read_user_text(file, what, "a .jsonl file", BadEvaluationInput)
     items = parse_items(text, f"{what} {file}", group)
     if not items:
         raise BadEvaluationInput(f"the {what} {file} holds no items: give {ROW_SHAPE}, one a line")
@@ -117,7 +114,9 @@ def default_controls() -> list[EvalItem]:
     return parse_items(text, CONTROLS_FILE, "control")
 
 
-def heldout_row(row: Any, kind: str, field_messages: str | None, where: str) -> dict[str, Any]:
+def heldout_row(
+    row: object, kind: str, field_messages: str | None, where: str
+) -> dict[str, object]:
     """An eval-file row for one held-out training row of axolotl type `kind`: the
     conversation up to its last answer, and that answer expected.
 
@@ -147,7 +146,7 @@ def heldout_row(row: Any, kind: str, field_messages: str | None, where: str) -> 
     }
 
 
-def _role(message: Any) -> Any:
+def _role(message: object) -> object:
     return message.get("role") if isinstance(message, dict) else None
 
 

@@ -18,10 +18,10 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from overbrainer_prefect.evaluation.spec import BadEvaluationInput, EvalItem, JudgeSpec
 from overbrainer_prefect.evaluation.template import render
@@ -216,7 +216,7 @@ class OpenAIJudge:
     def ask(self, prompt: str, seed: int) -> str:
         """The judge's reply to `prompt`. Raises JudgeError with one line (the HTTP
         status or the connection failure, never the body) when the call fails."""
-        body: dict[str, Any] = {
+        body: dict[str, JsonValue] = {
             "model": self.spec.model,
             "messages": [{"role": "user", "content": prompt}],
             "temperature": 0,

@@ -14,14 +14,14 @@ Every problem is one line naming what to fix, raised before anything runs.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from overbrainer_prefect.evaluation.scorers import ScorerKind, regex_problem
 from overbrainer_prefect.evaluation.template import DEFAULT_TEMPLATE, template_problem
-from overbrainer_prefect.trainers.compare import MAX_TOKENS_LIMIT, GgufRef
 from overbrainer_prefect.trainers.export import DEFAULT_QUANT
+from overbrainer_prefect.trainers.gguf_job import MAX_TOKENS_LIMIT, GgufAsk
 
 Group = Literal["heldout", "control"]
 """`heldout`: what the fine-tune should have learned (held-out rows, eval-file
@@ -75,7 +75,7 @@ class EvalItem(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _prompt_is_one_message(cls, data: Any) -> Any:
+    def _prompt_is_one_message(cls, data: object) -> object:
         if isinstance(data, dict) and "prompt" in data:
             data = dict(data)
             prompt = data.pop("prompt")
@@ -228,19 +228,11 @@ class JudgeModel(BaseModel):
     sha256: str
 
 
-class EvaluationPlan(BaseModel):
+class EvaluationPlan(GgufAsk):
     """Everything an evaluation asks and of which models: enough to repeat it
     exactly. It is the `spec` of an evaluation's record."""
 
-    model_config = ConfigDict(extra="forbid")
-
     items: list[EvalItem] = Field(min_length=1)
-    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
-    seed: int
-    quant: str
-    base_model: str = Field(description="The base model the run fine-tuned.")
-    tuned: GgufRef
-    base: GgufRef = Field(description="The model the tuned one is measured against.")
     judge: JudgeSpec | None = None
     judge_model: JudgeModel | None = Field(
         default=None, description="The judge GGUF, when the judge runs on the target."

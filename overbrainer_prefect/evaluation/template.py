@@ -7,15 +7,15 @@ brace in the template stays as it is. A template must hold `{question}`,
 `{answer_a}` and `{answer_b}`. The judge's reply is read by `judge.read_choice`:
 its first word `A`, `B` or `tie`.
 
-The evaluation job renders the same template on the target (it cannot import
-this package): `overbrainer_evaluate.render` is the same one-pass replacement.
+The evaluation job renders the same template on the target, where it cannot
+import this package: `render` is the one of the generation module it is staged
+with (`jobs/overbrainer_generate.py`), so both ends render alike.
 """
 
 from __future__ import annotations
 
-import re
+from overbrainer_prefect.jobs.overbrainer_generate import render as render
 
-PLACEHOLDER = re.compile(r"\{(question|expected|answer_a|answer_b)\}")
 REQUIRED = ("{question}", "{answer_a}", "{answer_b}")
 
 DEFAULT_TEMPLATE = """You are judging two answers to the same question.
@@ -40,14 +40,3 @@ def template_problem(template: str) -> str | None:
             "{answer_a} and {answer_b} (and may hold {expected})"
         )
     return None
-
-
-def render(template: str, question: str, expected: str, answer_a: str, answer_b: str) -> str:
-    """`template` with its placeholders replaced, in one pass."""
-    values = {
-        "question": question,
-        "expected": expected,
-        "answer_a": answer_a,
-        "answer_b": answer_b,
-    }
-    return PLACEHOLDER.sub(lambda match: values[match.group(1)], template)

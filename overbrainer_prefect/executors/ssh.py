@@ -19,12 +19,12 @@ import posixpath
 import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import asyncssh
 from asyncssh.constants import MSG_IGNORE
 from asyncssh.known_hosts import KnownHostsArg
-from asyncssh.packet import String
+from asyncssh.packet import SSHPacketLogger, String
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors import remote_manifest, sftp_transfer
@@ -159,13 +159,10 @@ class SshExecutor:
         """
         if not argv:
             raise ExecError("run", "no command was given")
-        command = shlex.join(argv)
-        try:
-            result = await self._command("run", command, timeout=timeout, retry=False)
-        except TimeoutError:
-            raise ExecError(
-                "run", f"{argv[0]!r} did not finish within {timeout:g} s on {self.description}"
-            ) from None
+        late = f"{argv[0]!r} did not finish within {timeout:g} s on {self.description}"
+        result = await self._command(
+            "run", shlex.join(argv), ExecError("run", late), timeout=timeout, retry=False
+        )
         return CommandResult(
             code=_code(result),
             stdout=_text(result.stdout),
@@ -218,12 +215,10 @@ class SshExecutor:
         # the launch itself is never retried, so a job never starts twice.
         await self._sftp_call("spawn", write_script, script_path)
         command = "sh -c " + shlex.quote(_SECRETS_READER + launch_command(run_dir))
-        try:
-            result = await self._command("spawn", command, stdin=secrets, retry=False)
-        except TimeoutError:
-            raise ExecError(
-                "spawn", f"the launch of run {job.run_id} took over {COMMAND_TIMEOUT_S:g} s"
-            ) from None
+        late = f"the launch of run {job.run_id} took over {COMMAND_TIMEOUT_S:g} s"
+        result = await self._command(
+            "spawn", command, ExecError("spawn", late), stdin=secrets, retry=False
+        )
         try:
             return parse_launch(run_dir, _text(result.stdout))
         except ValueError:
@@ -449,14 +444,15 @@ class SshExecutor:
         self,
         action: str,
         command: str,
+        late: ExecError,
         stdin: bytes | None = None,
         timeout: float = COMMAND_TIMEOUT_S,
         retry: bool = True,
     ) -> asyncssh.SSHCompletedProcess:
         """Runs the shell command `command` on the host, `stdin` written to it.
 
-        Raises TimeoutError past `timeout`, TargetUnreachable when the host is
-        out of reach.
+        Raises `late` past `timeout`, TargetUnreachable when the host is out of
+        reach.
         """
 
         async def call(conn: asyncssh.SSHClientConnection) -> asyncssh.SSHCompletedProcess:
@@ -465,7 +461,7 @@ class SshExecutor:
                     command, input=stdin or b"", encoding=None, timeout=timeout, check=False
                 )
             except asyncssh.TimeoutError:
-                raise TimeoutError(command) from None
+                raise late from None
 
         return await self._attempt(action, call, retry=retry)
 
@@ -478,14 +474,10 @@ class SshExecutor:
     ) -> asyncssh.SSHCompletedProcess:
         """A command of ours, in `sh` (whatever the user's login shell), retried
         once on a stale connection; no answer within `timeout` is TargetUnreachable."""
-        try:
-            return await self._command(
-                action, "sh -c " + shlex.quote(command), stdin=stdin, timeout=timeout
-            )
-        except TimeoutError:
-            raise TargetUnreachable(
-                action, f"{self.description} did not answer within {timeout:g} s"
-            ) from None
+        late = TargetUnreachable(action, f"{self.description} did not answer within {timeout:g} s")
+        return await self._command(
+            action, "sh -c " + shlex.quote(command), late, stdin=stdin, timeout=timeout
+        )
 
     async def _sftp_call(
         self, action: str, call: Callable[[asyncssh.SFTPClient], Awaitable[T]], subject: str
@@ -572,11 +564,11 @@ def _without_ignore_packets(conn: asyncssh.SSHClientConnection) -> None:
     4253 §11.2): they blur the timing of an interactive session's keystrokes,
     and this connection carries none (commands, SFTP). Without them a transfer
     sends half the packets, which the 2 cores of both ends otherwise spend on:
-    about a fifth less client CPU a GiB uploaded (bench/ssh_transfer.py). Any
+    about a fifth less client CPU a GiB uploaded (bench/ssh_transfer.py). Every
     other packet, a non-empty ignore included, goes as it did."""
     send = conn.send_packet
 
-    def send_packet(pkttype: int, *args: bytes, handler: Any = None) -> None:
+    def send_packet(pkttype: int, *args: bytes, handler: SSHPacketLogger | None = None) -> None:
         if pkttype == MSG_IGNORE and args == (_EMPTY_IGNORE,):
             return
         send(pkttype, *args, handler=handler)

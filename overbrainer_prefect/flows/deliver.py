@@ -176,7 +176,8 @@ async def deliver_to_ollama(
     logger = get_run_logger()
     try:
         header = await asyncio.to_thread(read_header, gguf.file.path)
-        training_template = (record.spec or {}).get("chat_template")
+        template = (record.spec or {}).get("chat_template")
+        training_template = template if isinstance(template, str) else None
         settings = chat_settings(header.chat_template, training_template)
         async with OllamaClient(server.url) as client:
             pushed = await client.push_gguf(gguf.file.path, gguf.file.sha256, model, settings)

@@ -41,18 +41,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
-from overbrainer_generate import JobFailed, Lines, Model, answer, load_model
+from overbrainer_generate import MODELS, JobFailed, Lines, Model, answers_of, job_main
 
-MODELS_DIR = Path("models")
-MODELS = (("base", MODELS_DIR / "base.gguf"), ("tuned", MODELS_DIR / "tuned.gguf"))
 QUESTIONS_FILE = Path("questions.json")
-ANSWERS_FILE = Path("answers.jsonl")
-METRICS_FILE = Path("metrics.jsonl")
 
 
 class CompareFailed(JobFailed):
@@ -92,13 +87,10 @@ def compare(args: argparse.Namespace, answers: Lines, metrics: Lines) -> None:
     step = 0
     started = time.monotonic()
     for model, n_ctx in zip(models, contexts, strict=True):
-        llm = load_model(model, n_ctx, args, metrics)
-        for index, (question, prompt) in enumerate(zip(questions, model.prompts, strict=True)):
-            cap = min(args.max_tokens, n_ctx - len(prompt))
-            result = answer(llm, prompt, cap, args.seed)
+        for index, result in answers_of("compare", model, n_ctx, args, metrics):
             answers.write(
                 index=index,
-                question=question,
+                question=questions[index],
                 model=model.name,
                 **result,
                 template=bool(model.template),
@@ -115,12 +107,6 @@ def compare(args: argparse.Namespace, answers: Lines, metrics: Lines) -> None:
                 cut=result["cut"],
                 time=time.time(),
             )
-            print(
-                f"compare: {model.name} answered question {index + 1}/{len(questions)}: "
-                f"{result['tokens']} tokens{' (cut at the limit)' if result['cut'] else ''}",
-                flush=True,
-            )
-        llm.close()
     metrics.write(
         event="end", answers=step, seconds=round(time.monotonic() - started, 3), time=time.time()
     )
@@ -128,26 +114,7 @@ def compare(args: argparse.Namespace, answers: Lines, metrics: Lines) -> None:
 
 def main() -> int:
     """Entry point: parses the arguments, compares, and returns the exit code."""
-    parser = argparse.ArgumentParser(description="Asks a base and a tuned GGUF the same questions.")
-    parser.add_argument("--max-tokens", type=int, required=True)
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--threads", type=int, default=0, help="0: llama.cpp decides")
-    parser.add_argument("--gpu-layers", type=int, default=0, help="-1: every layer on the GPU")
-    parser.add_argument("--keep-models", action="store_true", help="leave models/ in place")
-    args = parser.parse_args()
-    if args.max_tokens < 1:
-        print(f"compare: --max-tokens is {args.max_tokens}: give 1 or more", file=sys.stderr)
-        return 2
-    answers, metrics = Lines(ANSWERS_FILE), Lines(METRICS_FILE)
-    try:
-        compare(args, answers, metrics)
-    except JobFailed as failure:
-        print(f"compare failed: {failure}", file=sys.stderr, flush=True)
-        return failure.code
-    finally:
-        if not args.keep_models:  # copies of GGUFs kept where they were exported
-            shutil.rmtree(MODELS_DIR, ignore_errors=True)
-    return 0
+    return job_main("compare", "Asks a base and a tuned GGUF the same questions.", compare)
 
 
 if __name__ == "__main__":

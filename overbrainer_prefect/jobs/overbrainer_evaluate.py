@@ -46,38 +46,28 @@ import hashlib
 import json
 import math
 import platform
-import re
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from overbrainer_generate import JobFailed, Lines, Model, answer, load, load_model
+from overbrainer_generate import (
+    MODELS,
+    MODELS_DIR,
+    JobFailed,
+    Lines,
+    Model,
+    answer,
+    answers_of,
+    job_main,
+    load,
+    render,
+)
 
-MODELS_DIR = Path("models")
-MODELS = (("base", MODELS_DIR / "base.gguf"), ("tuned", MODELS_DIR / "tuned.gguf"))
 JUDGE_GGUF = MODELS_DIR / "judge.gguf"
 INPUTS_FILE = Path("inputs.json")
-ANSWERS_FILE = Path("answers.jsonl")
-METRICS_FILE = Path("metrics.jsonl")
 RESULTS_FILE = Path("results.json")
 ORDERS = ("base_first", "tuned_first")
-
-PLACEHOLDER = re.compile(r"\{(question|expected|answer_a|answer_b)\}")
-"""The judge template's placeholders, replaced in one pass: the same rendering as
-`overbrainer_prefect.evaluation.template.render`, which this job cannot import."""
-
-
-def render(template: str, question: str, expected: str, answer_a: str, answer_b: str) -> str:
-    """The judge's prompt: `template` with its placeholders replaced in one pass."""
-    values = {
-        "question": question,
-        "expected": expected,
-        "answer_a": answer_a,
-        "answer_b": answer_b,
-    }
-    return PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
 
 
 def read_inputs() -> dict[str, Any]:
@@ -189,10 +179,8 @@ def evaluate(args: argparse.Namespace, answers: Lines, metrics: Lines) -> dict[s
     ppl: dict[str, Any] = {}
     started = time.monotonic()
     for model, n_ctx in zip(models, contexts, strict=True):
-        llm = load_model(model, n_ctx, args, metrics)
-        for index, (item, prompt) in enumerate(zip(items, model.prompts, strict=True)):
-            cap = min(args.max_tokens, n_ctx - len(prompt))
-            result = answer(llm, prompt, cap, args.seed)
+        for index, result in answers_of("evaluate", model, n_ctx, args, metrics):
+            item = items[index]
             line = {
                 "id": item["id"],
                 "index": index,
@@ -211,12 +199,6 @@ def evaluate(args: argparse.Namespace, answers: Lines, metrics: Lines) -> dict[s
                 tokens_per_s=result["tokens_per_s"],
                 cut=result["cut"],
             )
-            print(
-                f"evaluate: {model.name} answered item {index + 1}/{len(items)}: "
-                f"{result['tokens']} tokens{' (cut at the limit)' if result['cut'] else ''}",
-                flush=True,
-            )
-        llm.close()
         if texts:
             lengths = [len(p) + len(t) for p, t in scored[model.name]]
             longest = max(lengths)
@@ -286,32 +268,19 @@ def evaluate(args: argparse.Namespace, answers: Lines, metrics: Lines) -> dict[s
     }
 
 
+def evaluate_and_write(args: argparse.Namespace, answers: Lines, metrics: Lines) -> None:
+    """Evaluates, then writes results.json, last and whole: its presence says the
+    job finished."""
+    results = evaluate(args, answers, metrics)
+    tmp = RESULTS_FILE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(RESULTS_FILE)
+
+
 def main() -> int:
     """Entry point: parses the arguments, evaluates, writes results.json, and returns
     the exit code."""
-    parser = argparse.ArgumentParser(description="Evaluates a base and a tuned GGUF.")
-    parser.add_argument("--max-tokens", type=int, required=True)
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--threads", type=int, default=0, help="0: llama.cpp decides")
-    parser.add_argument("--gpu-layers", type=int, default=0, help="-1: every layer on the GPU")
-    parser.add_argument("--keep-models", action="store_true", help="leave models/ in place")
-    args = parser.parse_args()
-    if args.max_tokens < 1:
-        print(f"evaluate: --max-tokens is {args.max_tokens}: give 1 or more", file=sys.stderr)
-        return 2
-    answers, metrics = Lines(ANSWERS_FILE), Lines(METRICS_FILE)
-    try:
-        results = evaluate(args, answers, metrics)
-    except JobFailed as failure:
-        print(f"evaluate failed: {failure}", file=sys.stderr, flush=True)
-        return failure.code
-    finally:
-        if not args.keep_models:  # copies of GGUFs kept where they were exported
-            shutil.rmtree(MODELS_DIR, ignore_errors=True)
-    tmp = RESULTS_FILE.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(RESULTS_FILE)  # written last and whole: its presence says the job finished
-    return 0
+    return job_main("evaluate", "Evaluates a base and a tuned GGUF.", evaluate_and_write)
 
 
 if __name__ == "__main__":

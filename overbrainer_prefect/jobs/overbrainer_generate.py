@@ -3,7 +3,10 @@ own chat template, greedy answers driven token by token, and JSON lines.
 
 Runs inside the job venv on the target (llama-cpp-python), imported by its
 sibling job scripts under `scripts/` (`overbrainer_compare.py`,
-`overbrainer_evaluate.py`); nothing in the orchestrator imports it.
+`overbrainer_evaluate.py`), which share its entry point (`job_main`) and its
+answering loop (`answers_of`). The orchestrator imports only `render` from it
+(`evaluation/template.py`), so that the judge's prompt is rendered alike at
+both ends; llama_cpp is imported where it is used, in the job venv only.
 
 Each conversation is rendered through the GGUF's `tokenizer.chat_template` as
 llama-cpp-python renders it (a GGUF without one gets the text as a plain
@@ -20,12 +23,26 @@ one was sampled, over the time they took (the prompt's evaluation is in
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import shutil
+import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 MIN_CTX = 512  # the smallest context a model is loaded with: room for a prompt and its answer
+
+MODELS_DIR = Path("models")
+MODELS = (("base", MODELS_DIR / "base.gguf"), ("tuned", MODELS_DIR / "tuned.gguf"))
+"""The two GGUFs a job asks, by name: staged hard links, removed when it ends."""
+ANSWERS_FILE = Path("answers.jsonl")
+METRICS_FILE = Path("metrics.jsonl")
+
+PLACEHOLDER = re.compile(r"\{(question|expected|answer_a|answer_b)\}")
+"""The judge template's placeholders (see `overbrainer_prefect.evaluation.template`)."""
 
 Messages = list[dict[str, str]]
 """A conversation: `{"role": ..., "content": ...}` messages, the last one the user's."""
@@ -52,6 +69,19 @@ class Lines:
         self.file.flush()
 
 
+def render(template: str, question: str, expected: str, answer_a: str, answer_b: str) -> str:
+    """The judge's prompt: `template` with its placeholders replaced in one pass, so
+    an answer that itself holds `{answer_b}` is never expanded again. The package's
+    `evaluation.template` renders with this same function."""
+    values = {
+        "question": question,
+        "expected": expected,
+        "answer_a": answer_a,
+        "answer_b": answer_b,
+    }
+    return PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
+
+
 def plain_text(messages: Messages) -> str:
     """A conversation as a plain completion, for a GGUF without a chat template: a
     single user message as it is, several as `role: content` lines."""
@@ -69,8 +99,8 @@ class Model:
     def __init__(
         self, name: str, path: Path, conversations: list[Messages], what: str = "question"
     ) -> None:
-        import llama_cpp
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        import llama_cpp  # type: ignore[import-not-found]  # the job venv only
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # type: ignore[import-not-found]
 
         if not path.is_file():
             raise JobFailed(f"no {path} in {Path.cwd()}: the {name} model was not staged")
@@ -205,3 +235,55 @@ def answer(llm: Any, prompt: list[int], cap: int, seed: int) -> dict[str, Any]:
         "tokens_per_s": round(speed, 2) if speed is not None else None,
         "cut": not ended,
     }
+
+
+def answers_of(
+    job: str, model: Model, n_ctx: int, args: Any, metrics: Lines
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Loads `model` (its `model` event written to `metrics`) and yields the index
+    and the greedy answer (see `answer`) of each of its prompts, each within
+    `args.max_tokens` and the context, printing a line for each as `job`; frees
+    the model after the last. Raises JobFailed (3) when llama.cpp cannot load it."""
+    llm = load_model(model, n_ctx, args, metrics)
+    try:
+        for index, prompt in enumerate(model.prompts):
+            result = answer(llm, prompt, min(args.max_tokens, n_ctx - len(prompt)), args.seed)
+            cut = " (cut at the limit)" if result["cut"] else ""
+            print(
+                f"{job}: {model.name} answered {model.what} {index + 1}/{len(model.prompts)}: "
+                f"{result['tokens']} tokens{cut}",
+                flush=True,
+            )
+            yield index, result
+    finally:
+        llm.close()
+
+
+def job_main(
+    job: str, description: str, work: Callable[[argparse.Namespace, Lines, Lines], None]
+) -> int:
+    """The entry point of a job that asks the GGUFs of `models/`: parses its
+    arguments (`--max-tokens N --seed S [--threads N] [--gpu-layers N]
+    [--keep-models]`), runs `work` with them and the answers and metrics files,
+    and removes `models/` at the end unless `--keep-models` (copies of GGUFs
+    kept where they were exported). Returns the exit code: 0, 2 with one line
+    on stderr for a bad input, 3 for a model llama.cpp refuses."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--max-tokens", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=0, help="0: llama.cpp decides")
+    parser.add_argument("--gpu-layers", type=int, default=0, help="-1: every layer on the GPU")
+    parser.add_argument("--keep-models", action="store_true", help="leave models/ in place")
+    args = parser.parse_args()
+    if args.max_tokens < 1:
+        print(f"{job}: --max-tokens is {args.max_tokens}: give 1 or more", file=sys.stderr)
+        return 2
+    try:
+        work(args, Lines(ANSWERS_FILE), Lines(METRICS_FILE))
+    except JobFailed as failure:
+        print(f"{job} failed: {failure}", file=sys.stderr, flush=True)
+        return failure.code
+    finally:
+        if not args.keep_models:
+            shutil.rmtree(MODELS_DIR, ignore_errors=True)
+    return 0

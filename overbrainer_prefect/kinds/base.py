@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+
+from pydantic import JsonValue
 
 from overbrainer_prefect.executors.base import Executor
-from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed
@@ -71,7 +72,8 @@ class NewJob:
     prepare: Callable[[RunRecord], Trainer]
     """Makes the job's trainer once its record exists and is locked (stages a
     checkpoint, logs what is asked)."""
-    spec: dict[str, Any] | None = None
+    spec: dict[str, JsonValue] | None = None
+    """The job's parameters, as its record keeps them (`RunRecord.spec`)."""
     parent: str | None = None
     subdir: str = ""
     """Where its directory is under the target's work directory (`exports`)."""
@@ -88,3 +90,19 @@ class Finished:
     outcome: Outcome
     where: str
     cancelled: bool = False
+
+
+def child_next_step(record: RunRecord, done: str, again: str) -> str:
+    """What to do next about a job that belongs to a run (an export, a compare):
+    `done` once it succeeded; while it has not ended, follow it again with its
+    flow; after a failure, read its log, fix the cause and `again` (`export
+    again`) with its flow."""
+    flow, run_id = record.trainer, record.parent
+    if record.state == RunState.SUCCEEDED:
+        return done
+    if not record.state.ended:
+        return f"Follow it again: run the `{flow}` flow (run_id={run_id}, {flow}_id={record.id})."
+    return (
+        f"See `{local_path(record)}/job.log`, fix the cause, and {again} with the `{flow}` "
+        f"flow (run_id={run_id})."
+    )

@@ -16,10 +16,8 @@ from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import Logger
 from overbrainer_prefect.trainers.base import Trainer
-from overbrainer_prefect.trainers.compare import (
-    GgufRef,
-)
 from overbrainer_prefect.trainers.export import BaseExportTrainer
+from overbrainer_prefect.trainers.gguf_job import GgufRef
 
 
 def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:

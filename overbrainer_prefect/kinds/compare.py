@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from overbrainer_prefect.cells import code_cell, table_cell
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.base import JobKind, child_next_step
 from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import gguf_entry, reusable
 from overbrainer_prefect.kinds.files import FileEntry
@@ -21,15 +21,9 @@ from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.trainers.base import Trainer
-from overbrainer_prefect.trainers.compare import (
-    ANSWERS_FILE,
-    CompareTrainer,
-    GgufRef,
-    ModelAnswer,
-    read_answers,
-    spec_of,
-)
+from overbrainer_prefect.trainers.compare import CompareTrainer, ModelAnswer, read_answers, spec_of
 from overbrainer_prefect.trainers.export import base_model
+from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, GgufRef
 
 NAME = "compare"
 """A compare's records: `<run dir>/compares/<id>/compare.json`."""
@@ -112,22 +106,12 @@ def result_of(
         files=[FileEntry.of(f) for f in files],
         compare_dir=str(local),
         answers_path=str(path) if path.is_file() else None,
-        next=_next_step(record),
-    )
-
-
-def _next_step(record: RunRecord) -> str:
-    run_id = record.parent
-    if record.state == RunState.SUCCEEDED:
-        return (
-            f"The answers are in `{local_path(record)}/{ANSWERS_FILE}`; compare other questions "
-            f"with the `compare` flow (run_id={run_id})."
-        )
-    if not record.state.ended:
-        return f"Follow it again: run the `compare` flow (run_id={run_id}, compare_id={record.id})."
-    return (
-        f"See `{local_path(record)}/job.log`, fix the cause, and compare again with the "
-        f"`compare` flow (run_id={run_id})."
+        next=child_next_step(
+            record,
+            f"The answers are in `{local_path(record)}/{ANSWERS_FILE}`; compare other "
+            f"questions with the `compare` flow (run_id={record.parent}).",
+            "compare again",
+        ),
     )
 
 

@@ -13,13 +13,13 @@ from pydantic import BaseModel, Field
 from overbrainer_prefect.cells import size_text, table_cell
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.base import JobKind, child_next_step
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
-from overbrainer_prefect.trainers.base import Trainer, TrainError
+from overbrainer_prefect.trainers.base import METRICS_FILE, Trainer, TrainError
 from overbrainer_prefect.trainers.export import (
     CONFIG_FILE,
     GGUF_DIR,
@@ -74,7 +74,7 @@ def result_of(
     its local metrics file."""
     local = exports.run_dir(record.id)
     try:
-        timings = phases((local / "metrics.jsonl").read_text(encoding="utf-8", errors="replace"))
+        timings = phases((local / METRICS_FILE).read_text(encoding="utf-8", errors="replace"))
     except OSError:
         timings = {}
     entry = gguf_entry(files)
@@ -91,22 +91,12 @@ def result_of(
         phases=timings,
         files=[FileEntry.of(f) for f in files],
         export_dir=str(local),
-        next=_next_step(record),
-    )
-
-
-def _next_step(record: RunRecord) -> str:
-    run_id = record.parent
-    if record.state == RunState.SUCCEEDED:
-        return (
+        next=child_next_step(
+            record,
             f"The GGUF is in `{local_path(record)}/{GGUF_DIR}/`; deliver it to Ollama or the "
-            "Hugging Face Hub with the delivery flows."
-        )
-    if not record.state.ended:
-        return f"Follow it again: run the `export` flow (run_id={run_id}, export_id={record.id})."
-    return (
-        f"See `{local_path(record)}/job.log`, fix the cause, and export again with the `export` "
-        f"flow (`run_id={run_id}`)."
+            "Hugging Face Hub with the delivery flows.",
+            "export again",
+        ),
     )
 
 

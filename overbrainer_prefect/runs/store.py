@@ -9,9 +9,8 @@ import os
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runs.ids import is_valid_run_id
@@ -100,7 +99,7 @@ class RunRecord(BaseModel):
     deadline: str | None = Field(
         default=None, description="When the job is cancelled if still running (max_hours)."
     )
-    spec: dict[str, Any] | None = Field(
+    spec: dict[str, JsonValue] | None = Field(
         default=None,
         description="The job's parameters (a TrainingSpec), so any process can "
         "follow, stop or resume the run.",

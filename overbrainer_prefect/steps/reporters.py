@@ -4,7 +4,7 @@ logs, and one for jobs that are not training runs."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Protocol
 
 from overbrainer_prefect.executors.base import (
     JobStatus,
@@ -50,7 +50,9 @@ class JobReporter:
     """A `Reporter` for a job that is not a training run (an export, a
     compare): its status and warnings in the flow's log, named by `name`."""
 
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter[Any], name: str) -> None:
+    def __init__(
+        self, logger: logging.Logger | logging.LoggerAdapter[logging.Logger], name: str
+    ) -> None:
         self.logger = logger
         self.name = name
 

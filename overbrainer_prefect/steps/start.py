@@ -7,9 +7,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-from pydantic import SecretStr
+from pydantic import JsonValue, SecretStr
 
 from overbrainer_prefect.executors.base import (
     ExecError,
@@ -61,7 +60,7 @@ def create(
     target_kind: str,
     workdir: str,
     trainer: str = "training",
-    spec: Mapping[str, Any] | None = None,
+    spec: Mapping[str, JsonValue] | None = None,
     flow_run_id: str | None = None,
     parent: str | None = None,
 ) -> RunRecord:

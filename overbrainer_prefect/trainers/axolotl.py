@@ -25,9 +25,9 @@ import shutil
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path, PurePosixPath
-from typing import Any
 
 import yaml
+from pydantic import JsonValue
 
 from overbrainer_prefect.trainers.base import (
     METRICS_FILE,
@@ -35,6 +35,7 @@ from overbrainer_prefect.trainers.base import (
     Artifacts,
     JobContext,
     TargetFacts,
+    TrainerBase,
     TrainError,
 )
 from overbrainer_prefect.trainers.holdout import split_heldout
@@ -54,7 +55,7 @@ DEEPSPEED_DIR = "deepspeed"
 
 LAUNCHER = "torch.distributed.run"  # the module behind `torchrun`
 
-FSDP_CONFIG: dict[str, Any] = {
+FSDP_CONFIG: dict[str, JsonValue] = {
     "offload_params": False,
     "cpu_ram_efficient_loading": False,  # FSDP2 refuses it with load_in_4bit (QLoRA)
     "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's own decoder layers
@@ -70,7 +71,7 @@ TRACKER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 SAVE_KEYS = frozenset({"save_strategy", "saves_per_epoch", "hub_model_id"})
 """Keys of `extra` that say when checkpoints are saved (hub_model_id pushes them)."""
 
-CPU_FLAGS: dict[str, Any] = {
+CPU_FLAGS: dict[str, JsonValue] = {
     # axolotl turns `bf16: auto` into fp16 on a CPU, and its LoRA kernels need CUDA
     "bf16": False,
     "fp16": False,
@@ -91,7 +92,7 @@ CPU_FLAGS: dict[str, Any] = {
 """What a CPU-only target needs, whatever the spec says."""
 
 
-class AxolotlTrainer:
+class AxolotlTrainer(TrainerBase):
     """A fine-tune with axolotl, following `spec`.
 
     `resume_from` is a checkpoint directory relative to the run directory (e.g.
@@ -124,15 +125,7 @@ class AxolotlTrainer:
         self.cpu_threads = cpu_threads
         self.processes = processes
 
-    @property
-    def name(self) -> str:
-        """`training`."""
-        return "training"
-
-    @property
-    def metrics_file(self) -> str:
-        """`metrics.jsonl`, written by the metrics plugin."""
-        return METRICS_FILE
+    name = "training"
 
     @property
     def probe_modules(self) -> Sequence[str]:
@@ -146,17 +139,16 @@ class AxolotlTrainer:
         modules += [TRACKER_MODULES[t] for t in self.spec.trackers]
         return tuple(modules)
 
+    def install_hint(self, module: str, python: str) -> str:
+        """`uv pip install` of `module` into the job venv of `python`."""
+        package = "flash-attn --no-build-isolation" if module == "flash_attn" else module
+        return f"install it with `uv pip install --python {python} {package}`"
+
     def check(self, facts: TargetFacts) -> None:
         """Raises TrainError when the job venv lacks a module of `probe_modules`,
         or when the target cannot run the spec (see `preflight.target_problem`:
         QLoRA or bf16 without a GPU, DeepSpeed on one GPU...)."""
-        for module in self.probe_modules:
-            if facts.modules.get(module) is None:
-                package = "flash-attn --no-build-isolation" if module == "flash_attn" else module
-                raise TrainError(
-                    f"{module} is not installed in the job venv {facts.python}: install it with "
-                    f"`uv pip install --python {facts.python} {package}` there"
-                )
+        super().check(facts)
         self._check_target(facts)
 
     def process_count(self, facts: TargetFacts) -> int:
@@ -198,15 +190,17 @@ class AxolotlTrainer:
         text = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
         (local_run_dir / CONFIG_FILE).write_text(text, encoding="utf-8")
 
-    def config(self, facts: TargetFacts, data_paths: Sequence[str] | None = None) -> dict[str, Any]:
+    def config(
+        self, facts: TargetFacts, data_paths: Sequence[str] | None = None
+    ) -> dict[str, JsonValue]:
         """The axolotl config of the run, for a target with `facts`. `data_paths` are
         the run-relative paths the local datasets were copied to, in order."""
         spec = self.spec
         local = iter(data_paths or [d.path for d in spec.local_datasets()])
-        datasets = [
+        datasets: list[JsonValue] = [
             _dataset_entry(d, next(local, None) if d.is_local else None) for d in spec.datasets
         ]
-        config: dict[str, Any] = {
+        config: dict[str, JsonValue] = {
             "base_model": spec.base_model,
             "datasets": datasets,
             "chat_template": spec.chat_template,
@@ -270,7 +264,9 @@ class AxolotlTrainer:
             fsdp = dict(FSDP_CONFIG)
             if spec.gradient_checkpointing:  # FSDP checkpoints activations itself
                 fsdp["activation_checkpointing"] = True
-            fsdp |= extra.pop("fsdp_config", None) or {}
+            tuned = extra.pop("fsdp_config", None)
+            if isinstance(tuned, dict):  # a mapping, as the spec checked
+                fsdp |= tuned
             config |= {"fsdp_version": 2, "fsdp_config": fsdp}
         config |= extra
         config |= {
@@ -380,7 +376,9 @@ def data_copies(spec: TrainingSpec) -> list[str]:
     return copied
 
 
-def precision_flags(precision: str, compute_capability: tuple[int, int] | None) -> dict[str, Any]:
+def precision_flags(
+    precision: str, compute_capability: tuple[int, int] | None
+) -> dict[str, JsonValue]:
     """axolotl's precision keys on a GPU: `auto` is bf16 from compute capability
     8.0 on, fp16 below it, and axolotl's own detection when it is not known."""
     if precision == "auto":
@@ -413,8 +411,8 @@ def launch_summary(spec: TrainingSpec, gpus: int, processes: int | None = None) 
     return text + f"{sharding_label(spec.sharding)}: {sharded}"
 
 
-def _dataset_entry(dataset: DatasetSpec, local_path: str | None) -> dict[str, Any]:
-    entry: dict[str, Any] = {"path": local_path or dataset.path, "type": dataset.type}
+def _dataset_entry(dataset: DatasetSpec, local_path: str | None) -> dict[str, JsonValue]:
+    entry: dict[str, JsonValue] = {"path": local_path or dataset.path, "type": dataset.type}
     for key in ("split", "field_messages", "name"):
         value = getattr(dataset, key)
         if value is not None:

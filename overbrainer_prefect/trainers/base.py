@@ -104,3 +104,41 @@ class Trainer(Protocol):
     def artifacts(self) -> Artifacts:
         """What a run of this trainer brings back and verifies."""
         ...
+
+
+class TrainerBase:
+    """What the trainers of this package share: the metrics file their job
+    appends to (`metrics.jsonl`), the modules it imports (`modules`, probed on
+    the target before anything starts) and the check that names the first one
+    the job venv lacks. A subclass sets `name` and `modules`, and says how to
+    install a missing module in `install_hint`."""
+
+    name: str
+    """What the job is, in messages: `training`, `export`, `compare`, `evaluation`."""
+    modules: Sequence[str] = ()
+    """What the job imports in the job venv."""
+
+    @property
+    def metrics_file(self) -> str:
+        """`metrics.jsonl`, appended to by the job."""
+        return METRICS_FILE
+
+    @property
+    def probe_modules(self) -> Sequence[str]:
+        """The modules the job imports: `modules`."""
+        return self.modules
+
+    def install_hint(self, module: str, python: str) -> str:
+        """How to install `module` in the job venv of `python`, in a message: the
+        script that installs this job's tools."""
+        return f"install the {self.name} tools with `scripts/job-env.sh <job venv>`"
+
+    def check(self, facts: TargetFacts) -> None:
+        """Raises TrainError naming the first of `probe_modules` the job venv
+        lacks, and how to install it there."""
+        for module in self.probe_modules:
+            if facts.modules.get(module) is None:
+                raise TrainError(
+                    f"{module} is not installed in the job venv {facts.python}: "
+                    f"{self.install_hint(module, facts.python)} there"
+                )

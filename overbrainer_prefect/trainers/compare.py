@@ -26,39 +26,25 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from overbrainer_prefect.runs.store import BASES_DIR, Runs
-from overbrainer_prefect.trainers.base import (
-    METRICS_FILE,
-    Artifacts,
-    JobContext,
-    TargetFacts,
-    TrainError,
-)
-from overbrainer_prefect.trainers.export import (
-    NAME_CHARS,
-    SCRIPTS_DIR,
-    check_modules,
-    copy_job_script,
-)
+from overbrainer_prefect.trainers.base import METRICS_FILE, Artifacts, JobContext
+from overbrainer_prefect.trainers.export import NAME_CHARS
+from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, GgufAsk, GgufJobTrainer
 
-ANSWERS_FILE = "answers.jsonl"
+# what a compare's callers know by these names, explicitly re-exported
+from overbrainer_prefect.trainers.gguf_job import MAX_TOKENS_LIMIT as MAX_TOKENS_LIMIT
+from overbrainer_prefect.trainers.gguf_job import MODELS_DIR as MODELS_DIR
+from overbrainer_prefect.trainers.gguf_job import GgufRef as GgufRef
+from overbrainer_prefect.userfile import read_user_text
+
 QUESTIONS_FILE = "questions.json"
-MODELS_DIR = "models"
 COMPARE_MODULE = "overbrainer_compare"
-GENERATE_MODULE = "overbrainer_generate"
-"""The generation the compare and evaluation jobs share, a sibling of their scripts."""
-COMPARE_MODULES = ("llama_cpp",)
-"""What the compare job imports."""
-
-
-MAX_TOKENS_LIMIT = 8192  # the most tokens an answer may be given: more is a typo, not a compare
 
 VRAM_OVERHEAD_BYTES = 2 * 10**9  # the CUDA context, the KV cache and llama.cpp's buffers
 
@@ -103,14 +89,7 @@ def load_questions(questions: Sequence[str] | None, questions_file: str | None) 
 
 def _read_questions_file(path: Path) -> list[str]:
     shape = 'a JSON or YAML list of strings, like ["What is X?", "Who is Y?"]'
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadQuestions(f"the questions file {path} does not exist: give {shape}") from None
-    except UnicodeDecodeError:
-        raise BadQuestions(f"the questions file {path} is not UTF-8 text: give {shape}") from None
-    except OSError as error:
-        raise BadQuestions(f"cannot read the questions file {path}: {error.strerror}") from None
+    text = read_user_text(path, "questions file", shape, BadQuestions)
     line: int | None = None
     try:
         data = yaml.safe_load(text)
@@ -146,31 +125,11 @@ def vram_floor(gguf_size: int) -> int:
     return gguf_size + gguf_size // 5 + VRAM_OVERHEAD_BYTES
 
 
-class GgufRef(BaseModel):
-    """A GGUF a compare uses: where it is under the runs directory, its size and
-    SHA-256, and the export that made it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(description="Relative to the runs directory.")
-    size: int = Field(ge=0)
-    sha256: str
-    export_id: str
-
-
-class CompareSpec(BaseModel):
+class CompareSpec(GgufAsk):
     """What a compare asks and of which models: enough to repeat it exactly. It is
     the `spec` of a compare's record."""
 
-    model_config = ConfigDict(extra="forbid")
-
     questions: list[str] = Field(min_length=1)
-    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
-    seed: int
-    quant: str
-    base_model: str = Field(description="The base model the run fine-tuned.")
-    tuned: GgufRef
-    base: GgufRef
 
     def asks(
         self, questions: Sequence[str], max_tokens: int, seed: int, quant: str, tuned_sha256: str
@@ -186,7 +145,7 @@ class CompareSpec(BaseModel):
         )
 
 
-def spec_of(record_spec: dict[str, object] | None) -> CompareSpec | None:
+def spec_of(record_spec: Mapping[str, object] | None) -> CompareSpec | None:
     """The compare spec in a record, or None when it holds none or another shape."""
     if record_spec is None:
         return None
@@ -241,102 +200,30 @@ def base_exports(runs: Runs, key: str) -> Runs:
     return Runs(runs.root / BASES_DIR / key / "exports", record_file="export.json", kind="export")
 
 
-def gguf_job_command(
-    ctx: JobContext, module: str, max_tokens: int, seed: int, cpu_threads: int | None
-) -> list[str]:
-    """The command of a job script that asks GGUFs with llama.cpp (the compare,
-    the evaluation): its token limit and seed, every layer on the GPU when
-    there is one, else `cpu_threads` threads."""
-    command = [
-        ctx.facts.python,
-        f"{SCRIPTS_DIR}/{module}.py",
-        "--max-tokens",
-        str(max_tokens),
-        "--seed",
-        str(seed),
-    ]
-    if ctx.facts.gpus > 0:
-        command += ["--gpu-layers", "-1"]
-    elif cpu_threads is not None:
-        command += ["--threads", str(cpu_threads)]
-    return command
-
-
-def gguf_job_env(ctx: JobContext, cpu_threads: int | None) -> dict[str, str]:
-    """The environment of a GGUF job: no telemetry, unbuffered output, and the
-    threads of a CPU target."""
-    env = {"DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
-    if ctx.facts.gpus == 0 and cpu_threads is not None:
-        env["OMP_NUM_THREADS"] = str(cpu_threads)
-    return env
-
-
-class CompareTrainer:
+class CompareTrainer(GgufJobTrainer):
     """A compare following `spec`, whose GGUFs are under the runs directory
     `runs_root`. `cpu_threads` sets llama.cpp's threads on a target without a GPU;
-    on one with a GPU every layer is offloaded to it."""
+    on one with a GPU every layer is offloaded to it.
+
+    Raises TrainError when `cpu_threads` is below 1."""
+
+    name = "compare"
+    script = COMPARE_MODULE
 
     def __init__(self, spec: CompareSpec, runs_root: Path, cpu_threads: int | None = None) -> None:
+        super().__init__(spec, runs_root, cpu_threads)
         self.spec = spec
-        self.runs_root = runs_root
-        self.cpu_threads = cpu_threads
-
-    @property
-    def name(self) -> str:
-        """`compare`."""
-        return "compare"
-
-    @property
-    def metrics_file(self) -> str:
-        """`metrics.jsonl`, written by the job script: one `log` event per answer."""
-        return METRICS_FILE
-
-    @property
-    def probe_modules(self) -> Sequence[str]:
-        """llama_cpp."""
-        return COMPARE_MODULES
-
-    def check(self, facts: TargetFacts) -> None:
-        """Raises TrainError when the job venv lacks llama-cpp-python."""
-        check_modules(facts, self.probe_modules, "compare")
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
         """Stages both GGUFs under `models/` (hard links when they can be), the
-        questions in `questions.json` and the job script under `scripts/`.
+        questions in `questions.json` and the job scripts under `scripts/`.
 
         Raises TrainError when a GGUF is missing.
         """
-        models = local_run_dir / MODELS_DIR
-        models.mkdir(parents=True, exist_ok=True)
-        for name, ref in (("base", self.spec.base), ("tuned", self.spec.tuned)):
-            source = self.runs_root / ref.path
-            if not source.is_file():
-                raise TrainError(
-                    f"the {name} GGUF {source} is missing: export it again (export {ref.export_id})"
-                )
-            target = models / f"{name}.gguf"
-            target.unlink(missing_ok=True)
-            try:
-                target.hardlink_to(source)
-            except OSError:
-                shutil.copyfile(source, target)
+        self.stage(local_run_dir)
         (local_run_dir / QUESTIONS_FILE).write_text(
             json.dumps(self.spec.questions, ensure_ascii=False, indent=1) + "\n", encoding="utf-8"
         )
-        copy_job_script(local_run_dir, GENERATE_MODULE)
-        copy_job_script(local_run_dir, COMPARE_MODULE)
-
-    def commands(self, ctx: JobContext) -> list[list[str]]:
-        """The job script with the token limit, the seed and where it runs."""
-        return [
-            gguf_job_command(
-                ctx, COMPARE_MODULE, self.spec.max_tokens, self.spec.seed, self.cpu_threads
-            )
-        ]
-
-    def env(self, ctx: JobContext) -> dict[str, str]:
-        """No telemetry, unbuffered output, and the threads of a CPU target."""
-        return gguf_job_env(ctx, self.cpu_threads)
 
     def artifacts(self) -> Artifacts:
         """The answers and the metrics (never the GGUFs it was given); a succeeded

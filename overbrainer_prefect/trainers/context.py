@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 """Where configs name their context length, in the order they are looked up."""
 
 
-def context_of(config: Mapping[str, Any]) -> int | None:
+def context_of(config: Mapping[str, object]) -> int | None:
     """The context length a transformers `config.json` names (a multimodal
     model's text part), or None when it names none."""
     text = config.get("text_config")

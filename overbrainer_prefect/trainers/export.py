@@ -18,12 +18,10 @@ export brings back and verifies.
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 import re
 import shutil
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -34,9 +32,10 @@ from overbrainer_prefect.trainers.base import (
     METRICS_FILE,
     Artifacts,
     JobContext,
-    TargetFacts,
+    TrainerBase,
     TrainError,
 )
+from overbrainer_prefect.trainers.staging import SCRIPTS_DIR, copy_job_script, link_or_copy
 
 QUANTS: dict[str, float] = {"q4_k_m": 4.89, "q5_k_m": 5.70, "q8_0": 8.50, "f16": 16.0}
 """The quant types an export makes, with their bits per weight (llama.cpp's
@@ -45,7 +44,6 @@ quantize README, Llama-3.1-8B): what a GGUF's size is estimated from."""
 DEFAULT_QUANT = "q4_k_m"
 
 MODEL_DIR = "model"
-SCRIPTS_DIR = "scripts"
 GGUF_DIR = "gguf"
 CONFIG_FILE = "axolotl.yaml"
 OUTPUT_DIR = "output"  # where a training run leaves its model
@@ -163,102 +161,87 @@ EXPORT_ARTIFACTS = Artifacts(entries=(GGUF_DIR, METRICS_FILE), required=GGUF_DIR
 """What an export brings back: `gguf/` and the metrics; a succeeded one must have its GGUF."""
 
 
-def check_modules(facts: TargetFacts, modules: Sequence[str], what: str) -> None:
-    """Raises TrainError naming the first of `modules` the job venv lacks, and the
-    script that installs the `what` tools."""
-    for module in modules:
-        if facts.modules.get(module) is None:
-            raise TrainError(
-                f"{module} is not installed in the job venv {facts.python}: install the "
-                f"{what} tools with `scripts/job-env.sh <job venv>` there"
-            )
+class GgufExport(TrainerBase):
+    """What both exports share: the export job (`scripts/overbrainer_export.py`)
+    making `gguf/<gguf_stem>-<quant>.gguf` of a model with llama.cpp's converter
+    next to the job venv's Python, in an environment without telemetry, with
+    the target's Hugging Face cache; offline when the model to convert, or the
+    base a LoRA is merged into, is a directory. `cpu_threads` sets
+    OMP_NUM_THREADS and llama.cpp's quantize threads on a target without a GPU."""
 
-
-def copy_job_script(local_run_dir: Path, module: str) -> None:
-    """Copies the job script `overbrainer_prefect/jobs/<module>.py` under `scripts/`."""
-    scripts = local_run_dir / SCRIPTS_DIR
-    scripts.mkdir(parents=True, exist_ok=True)
-    script = resources.files("overbrainer_prefect.jobs").joinpath(f"{module}.py")
-    (scripts / f"{module}.py").write_bytes(script.read_bytes())
-
-
-def export_command(
-    ctx: JobContext, quant: str, stem: str, cpu_threads: int | None, *extra: str
-) -> list[str]:
-    """The export job's command: its script with the job venv's Python and the
-    converter next to it, then `extra` options."""
-    python = ctx.facts.python
-    command = [
-        python,
-        f"{SCRIPTS_DIR}/{JOB_MODULE}.py",
-        "--converter",
-        converter_path(python),
-        "--quant",
-        quant,
-        "--name",
-        stem,
-    ]
-    if ctx.facts.gpus == 0 and cpu_threads is not None:
-        command += ["--threads", str(cpu_threads)]
-    return command + list(extra)
-
-
-def export_env(ctx: JobContext, offline: bool, cpu_threads: int | None) -> dict[str, str]:
-    """The export job's environment: no telemetry, the target's Hugging Face
-    cache, unbuffered output; offline when nothing is to be fetched."""
-    env = {
-        "DO_NOT_TRACK": "1",
-        "HF_HOME": ctx.cache_dir,
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "TRANSFORMERS_VERBOSITY": "error",
-    }
-    if offline:
-        env["HF_HUB_OFFLINE"] = "1"
-    if ctx.facts.gpus == 0 and cpu_threads is not None:
-        env["OMP_NUM_THREADS"] = str(cpu_threads)
-    return env
-
-
-class ExportTrainer:
-    """An export of the succeeded run `run`, whose local directory is `run_dir`,
-    following `spec`. `cpu_threads` sets OMP_NUM_THREADS and llama.cpp's
-    quantize threads on a target without a GPU."""
+    name = "export"
+    modules: Sequence[str] = MODULES
 
     def __init__(
-        self, run: RunRecord, run_dir: Path, spec: ExportSpec, cpu_threads: int | None = None
+        self, quant: str, gguf_stem: str, base_model: str | None, cpu_threads: int | None
     ) -> None:
-        self.run = run
-        self.run_dir = run_dir
-        self.spec = spec
+        self.quant = quant
+        self.gguf_stem = gguf_stem
+        self.base_model = base_model
         self.cpu_threads = cpu_threads
-        self.base_model = base_model(run_dir)
-        self.gguf_stem = tuned_gguf_name(run.id)
-        self.title = model_title(run.id, self.base_model)
-
-    @property
-    def name(self) -> str:
-        """`export`."""
-        return "export"
-
-    @property
-    def metrics_file(self) -> str:
-        """`metrics.jsonl`, written by the job script."""
-        return METRICS_FILE
-
-    @property
-    def probe_modules(self) -> Sequence[str]:
-        """torch, transformers, peft and llama_cpp."""
-        return MODULES
 
     @property
     def gguf(self) -> str:
         """The GGUF the export makes, relative to its directory."""
-        return f"{GGUF_DIR}/{self.gguf_stem}-{self.spec.quant}.gguf"
+        return f"{GGUF_DIR}/{self.gguf_stem}-{self.quant}.gguf"
 
-    def check(self, facts: TargetFacts) -> None:
-        """Raises TrainError when the job venv lacks a module the export imports."""
-        check_modules(facts, self.probe_modules, "export")
+    def options(self) -> list[str]:
+        """The export job's options beyond its quant and its file's name."""
+        return []
+
+    def offline(self) -> bool:
+        """Whether the job fetches nothing from the Hub: its base model is a directory."""
+        base = self.base_model
+        return base is None or base.startswith(("/", ".", "~"))
+
+    def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
+        """Puts the export job script under `scripts/`."""
+        copy_job_script(local_run_dir, JOB_MODULE)
+
+    def commands(self, ctx: JobContext) -> list[list[str]]:
+        """The job script with the job venv's Python and the converter next to it,
+        its quant, its file's name and `options`."""
+        python = ctx.facts.python
+        command = [python, f"{SCRIPTS_DIR}/{JOB_MODULE}.py", "--converter", converter_path(python)]
+        command += ["--quant", self.quant, "--name", self.gguf_stem]
+        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
+            command += ["--threads", str(self.cpu_threads)]
+        return [command + self.options()]
+
+    def env(self, ctx: JobContext) -> dict[str, str]:
+        """No telemetry, the target's Hugging Face cache, unbuffered output;
+        offline when nothing is to be fetched (`offline`)."""
+        env = {
+            "DO_NOT_TRACK": "1",
+            "HF_HOME": ctx.cache_dir,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_VERBOSITY": "error",
+        }
+        if self.offline():
+            env["HF_HUB_OFFLINE"] = "1"
+        if ctx.facts.gpus == 0 and self.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
+        return env
+
+    def artifacts(self) -> Artifacts:
+        """`gguf/` and the metrics; a succeeded export must have its GGUF."""
+        return EXPORT_ARTIFACTS
+
+
+class ExportTrainer(GgufExport):
+    """An export of the succeeded run `run`, whose local directory is `run_dir`,
+    following `spec`: its model (merged into its base when it is a LoRA), named
+    for the run (its file and its `general.name`)."""
+
+    def __init__(
+        self, run: RunRecord, run_dir: Path, spec: ExportSpec, cpu_threads: int | None = None
+    ) -> None:
+        super().__init__(spec.quant, tuned_gguf_name(run.id), base_model(run_dir), cpu_threads)
+        self.run = run
+        self.run_dir = run_dir
+        self.spec = spec
+        self.title = model_title(run.id, self.base_model)
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
         """Stages the run's model under `model/`, its `axolotl.yaml`, and the job
@@ -275,28 +258,33 @@ class ExportTrainer:
         model = local_run_dir / MODEL_DIR
         model.mkdir(parents=True, exist_ok=True)
         for source in files:
-            _link_or_copy(source, model / source.name)
+            link_or_copy(source, model / source.name)
         if config.is_file():
             shutil.copyfile(config, local_run_dir / CONFIG_FILE)
-        copy_job_script(local_run_dir, JOB_MODULE)
+        super().prepare(local_run_dir, ctx)
 
-    def commands(self, ctx: JobContext) -> list[list[str]]:
-        """The job script, with the job venv's Python and the converter next to it,
-        naming the GGUF for the run (its file and its `general.name`)."""
-        extra = ["--title", self.title]
-        extra += ["--keep-intermediate"] if self.spec.keep_intermediate else []
-        return [export_command(ctx, self.spec.quant, self.gguf_stem, self.cpu_threads, *extra)]
+    def options(self) -> list[str]:
+        """The GGUF's `general.name`, and whether to keep the intermediate files."""
+        keep = ["--keep-intermediate"] if self.spec.keep_intermediate else []
+        return ["--title", self.title, *keep]
 
-    def env(self, ctx: JobContext) -> dict[str, str]:
-        """No telemetry, the target's Hugging Face cache, unbuffered output; offline
-        when the base model is a directory (or there is none to fetch)."""
-        base = self.base_model
-        offline = not is_lora(self.run_dir) or base is None or base.startswith(("/", ".", "~"))
-        return export_env(ctx, offline, self.cpu_threads)
+    def offline(self) -> bool:
+        """Offline when the run's model is full weights (nothing to merge into), or
+        the base a LoRA is merged into is a directory."""
+        return not is_lora(self.run_dir) or super().offline()
 
-    def artifacts(self) -> Artifacts:
-        """`gguf/` and the metrics; a succeeded export must have its GGUF."""
-        return EXPORT_ARTIFACTS
+
+class BaseExportTrainer(GgufExport):
+    """An export of the plain base model `base_model` (a directory on the target or
+    a Hugging Face id) to a GGUF of type `quant`: the export job with `--base`,
+    converted and quantized like a run's model, nothing merged."""
+
+    def __init__(self, base_model: str, quant: str, cpu_threads: int | None = None) -> None:
+        super().__init__(quant, gguf_name("base", base_model), base_model, cpu_threads)
+
+    def options(self) -> list[str]:
+        """`--base`: the job exports the base model, which is on the target."""
+        return ["--base", str(self.base_model)]
 
 
 def phases(metrics_text: str) -> dict[str, float]:
@@ -315,63 +303,3 @@ def phases(metrics_text: str) -> dict[str, float]:
         if isinstance(name, str) and isinstance(seconds, int | float):
             found[name] = float(seconds)
     return found
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    """A hard link to `source` at `target` (free for full weights), else a copy."""
-    target.unlink(missing_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
-
-
-class BaseExportTrainer:
-    """An export of the plain base model `base_model` (a directory on the target or
-    a Hugging Face id) to a GGUF of type `quant`: the export job with `--base`,
-    converted and quantized like a run's model, nothing merged."""
-
-    def __init__(self, base_model: str, quant: str, cpu_threads: int | None = None) -> None:
-        self.base_model = base_model
-        self.quant = quant
-        self.cpu_threads = cpu_threads
-        self.gguf_stem = gguf_name("base", base_model)
-
-    @property
-    def name(self) -> str:
-        """`export`."""
-        return "export"
-
-    @property
-    def metrics_file(self) -> str:
-        """`metrics.jsonl`, written by the job script."""
-        return METRICS_FILE
-
-    @property
-    def probe_modules(self) -> Sequence[str]:
-        """What the export job imports."""
-        return MODULES
-
-    def check(self, facts: TargetFacts) -> None:
-        """Raises TrainError when the job venv lacks a module the export imports."""
-        check_modules(facts, self.probe_modules, "export")
-
-    def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
-        """Puts the export job script under `scripts/`: the base is on the target."""
-        copy_job_script(local_run_dir, JOB_MODULE)
-
-    def commands(self, ctx: JobContext) -> list[list[str]]:
-        """The export job, told to export the base model."""
-        return [
-            export_command(
-                ctx, self.quant, self.gguf_stem, self.cpu_threads, "--base", self.base_model
-            )
-        ]
-
-    def env(self, ctx: JobContext) -> dict[str, str]:
-        """The export job's environment; offline when the base model is a directory."""
-        return export_env(ctx, self.base_model.startswith(("/", ".", "~")), self.cpu_threads)
-
-    def artifacts(self) -> Artifacts:
-        """`gguf/` and the metrics; a succeeded export must have its GGUF."""
-        return EXPORT_ARTIFACTS

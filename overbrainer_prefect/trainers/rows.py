@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 """The files whose rows are checked."""
 
 SHOWN_KEYS = 6  # keys of a bad row named in its message, at most
 
+RowCheck = Callable[[Mapping[str, object]], str | None]
+"""What is wrong with one row (a JSON object), or None."""
+
 
 def first_bad_row(
-    path: Path, dataset_type: str, fields: Mapping[str, Any]
+    path: Path, dataset_type: str, fields: Mapping[str, object]
 ) -> tuple[str | None, str | None]:
     """Reads the local dataset file `path` as axolotl would for `dataset_type`
     (with the dataset's own keys `fields`: `field_messages`, `field`,
@@ -62,7 +65,7 @@ def _open(path: Path) -> IO[str]:
     return path.open(encoding="utf-8")
 
 
-def _rows(path: Path) -> Iterator[tuple[str, Any]]:
+def _rows(path: Path) -> Iterator[tuple[str, object]]:
     """(where, row) of each row: JSON lines, or one JSON array of rows."""
     with _open(path) as file:
         first = ""
@@ -95,7 +98,7 @@ def _reason(exc: ValueError) -> str:
     return type(exc).__name__
 
 
-def _requirement(dataset_type: str, fields: Mapping[str, Any]) -> Any:
+def _requirement(dataset_type: str, fields: Mapping[str, object]) -> RowCheck:
     """The check of one row for `dataset_type`: returns what is wrong, or None."""
     if dataset_type == "chat_template":
         return _chat_rows(fields)
@@ -109,8 +112,8 @@ def _requirement(dataset_type: str, fields: Mapping[str, Any]) -> Any:
     return lambda row: None
 
 
-def _keys_needed(keys: tuple[str, ...], why: str, fix: str = "") -> Any:
-    def check(row: dict[str, Any]) -> str | None:
+def _keys_needed(keys: tuple[str, ...], why: str, fix: str = "") -> RowCheck:
+    def check(row: Mapping[str, object]) -> str | None:
         missing = [k for k in keys if row.get(k) is None]
         if not missing:
             return None
@@ -121,14 +124,14 @@ def _keys_needed(keys: tuple[str, ...], why: str, fix: str = "") -> Any:
     return check
 
 
-def _chat_rows(fields: Mapping[str, Any]) -> Any:
+def _chat_rows(fields: Mapping[str, object]) -> RowCheck:
     messages = str(fields.get("field_messages") or "messages")
     mappings = fields.get("message_property_mappings")
     mapped = dict(mappings) if isinstance(mappings, Mapping) else {}
     role = str(mapped.get("role") or fields.get("message_field_role") or "role")
     content = str(mapped.get("content") or fields.get("message_field_content") or "content")
 
-    def check(row: dict[str, Any]) -> str | None:
+    def check(row: Mapping[str, object]) -> str | None:
         turns = row.get(messages)
         if not isinstance(turns, list) or not turns:
             return (
@@ -153,7 +156,7 @@ def _chat_rows(fields: Mapping[str, Any]) -> Any:
     return check
 
 
-def _keys(row: Mapping[str, Any]) -> str:
+def _keys(row: Mapping[str, object]) -> str:
     names = [f"`{str(k)[:40]}`" for k in list(row)[:SHOWN_KEYS]]
     more = f" and {len(row) - SHOWN_KEYS} more" if len(row) > SHOWN_KEYS else ""
     return (", ".join(names) + more) if names else "no keys"

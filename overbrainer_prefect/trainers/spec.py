@@ -13,9 +13,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.context import context_length
@@ -56,6 +65,12 @@ DEEPSPEED_STAGES: dict[str, int] = {"zero1": 1, "zero2": 2, "zero3": 3}
 """The DeepSpeed ZeRO stage of each `sharding` choice that is one."""
 
 
+AxolotlKeys = Annotated[
+    dict[str, JsonValue], WithJsonSchema({"type": "object", "additionalProperties": True})
+]
+"""axolotl config keys and their values, as JSON; a plain JSON object in the
+Prefect form (the schema pydantic would give JsonValue is a `$ref` to `{}`)."""
+
 SHARDING_KEYS = frozenset({"deepspeed", "fsdp", "fsdp_version"})
 """axolotl keys that `sharding` sets (`fsdp_config` in `extra` tunes `sharding: fsdp`)."""
 
@@ -63,7 +78,7 @@ SHARDING_KEYS = frozenset({"deepspeed", "fsdp", "fsdp_version"})
 class DatasetSpec(BaseModel):
     """One training dataset: a local file uploaded with the run, or a Hub dataset.
 
-    A bare string is accepted as shorthand for `{"path": ...}`. Any other key of
+    A bare string is accepted as shorthand for `{"path": ...}`. Every other key of
     axolotl's dataset schema (`roles_to_train`, `message_property_mappings`,
     `data_files`, `ds_type`...) is passed to axolotl as it is; a key axolotl
     does not know is refused with the nearest one it does.
@@ -95,7 +110,7 @@ class DatasetSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_string(cls, data: Any) -> Any:
+    def _from_string(cls, data: object) -> object:
         if isinstance(data, str):
             return {"path": data}
         return data
@@ -109,7 +124,7 @@ class DatasetSpec(BaseModel):
         return self
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, JsonValue]:
         """The axolotl dataset keys given beyond the named fields, as given."""
         return dict(self.model_extra or {})
 
@@ -277,9 +292,9 @@ class TrainingSpec(BaseModel):
         description="Chat template: `tokenizer_default` (the model's own), `chatml`, "
         "`llama3`, `qwen3`...",
     )
-    extra: dict[str, Any] = Field(
+    extra: AxolotlKeys = Field(
         default_factory=dict,
-        description="Any other axolotl config key, passed as it is (e.g. "
+        description="More axolotl config keys, passed as they are (e.g. "
         "`gradient_checkpointing: true`).",
     )
 
@@ -303,18 +318,18 @@ class TrainingSpec(BaseModel):
             raise ValueError("trackers has mlflow but no tracker_uri: give the MLflow server URL")
         return self
 
-    @field_validator("val_set_size")
+    @field_validator("val_set_size", "holdout")
     @classmethod
-    def _fraction_or_rows(cls, size: float) -> float:
+    def _share_or_rows(cls, size: float, info: ValidationInfo) -> float:
         if size >= 1 and size != int(size):
             raise ValueError(
-                f"val_set_size {size} is neither a share below 1 nor a whole number of rows"
+                f"{info.field_name} {size} is neither a share below 1 nor a whole number of rows"
             )
         return size
 
     @field_validator("extra")
     @classmethod
-    def _extra_owns_nothing(cls, extra: dict[str, Any]) -> dict[str, Any]:
+    def _extra_owns_nothing(cls, extra: dict[str, JsonValue]) -> dict[str, JsonValue]:
         # gradient_checkpointing may also take axolotl's own values (`offload`) in extra
         own = set(cls.model_fields) - {"extra", "gradient_checkpointing"}
         for key in extra:
@@ -334,6 +349,12 @@ class TrainingSpec(BaseModel):
                 raise ValueError(
                     f"extra sets {key}, a field of its own: set the {key} field instead"
                 )
+        tuned = extra.get("fsdp_config")
+        if tuned is not None and not isinstance(tuned, dict):
+            raise ValueError(
+                "extra's fsdp_config is not a mapping: give FSDP settings as keys and values, "
+                "e.g. {offload_params: true}"
+            )
         return extra
 
     def local_datasets(self) -> list[DatasetSpec]:
@@ -393,15 +414,6 @@ class TrainingSpec(BaseModel):
         "evaluation: a share (below 1) or a number of rows; 0 keeps none. The split is fixed "
         "by the seed and recorded with the run, and its rows are never uploaded.",
     )
-
-    @field_validator("holdout")
-    @classmethod
-    def _holdout_share_or_rows(cls, size: float) -> float:
-        if size >= 1 and size != int(size):
-            raise ValueError(
-                f"holdout {size} is neither a share below 1 nor a whole number of rows"
-            )
-        return size
 
 
 def spec_problem(spec: TrainingSpec) -> str | None:
