@@ -44,6 +44,7 @@ from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord, PodState
 from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, Provisioned, provision
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import RunContext
@@ -137,7 +138,15 @@ async def ready_pod(ctx: PodContext, bed: Bed, wanted: RunpodTargetSettings) -> 
     record = start_step.create(
         ctx.runs, target="sim", target_kind="runpod", workdir=DEFAULT_WORKDIR
     )
-    return await provision(ctx, record, wanted, plan, api_url=bed.sim.rest_url, name="sim")
+    try:
+        ready = await provision(ctx, record, wanted, plan, api_url=bed.sim.rest_url, name="sim")
+    except PodError as error:
+        end_step.fail(ctx.runs, record.id, error.kept)  # the driver's part: it fails the record
+        raise
+    record = ctx.runs.load(record.id)
+    record.remote_dir = ready.remote_dir  # the driver records where the job's directory is
+    ctx.runs.save(record)
+    return ready
 
 
 async def start(ctx: PodContext, ready: Provisioned, script: str) -> tuple[RunContext, RunRecord]:
@@ -451,9 +460,9 @@ def test_a_stalled_job_loses_its_lease_and_its_pod_at_max_hours(bed: Bed) -> Non
         raise AssertionError("the stalled job's pod was not deleted")
 
     pod, gone = run(bed, body)
-    assert MAX_HOURS_REACHED in str(gone)
+    assert MAX_HOURS_REACHED in str(gone) and gone.kept == MAX_HOURS_REACHED
     record = bed.runs.load(pod.run_id)
-    assert record.state == RunState.FAILED and record.message == MAX_HOURS_REACHED
+    assert record.state == RunState.RUNNING  # the provider answers why; the driver fails it
     saved = PodRecord.load(bed.runs, pod.run_id)
     assert saved is not None and saved.state == PodState.DELETED
     assert "max_hours reached" in log_of(bed, pod)

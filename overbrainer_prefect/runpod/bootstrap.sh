@@ -354,10 +354,6 @@ while :; do
     fi
     arm
 
-    if [ "$KEEP" != 1 ] && [ -e "$STATE/retrieved" ]; then
-        delete_pod "the client retrieved and verified the run's files (.pod/retrieved)"
-    fi
-
     running=0
     if [ -e "$RUN_DIR/job.sh" ]; then
         if [ "$JOB_SEEN" != 1 ]; then
@@ -384,6 +380,11 @@ while :; do
                 running=1
             fi
         fi
+    fi
+
+    # after the job's own state, so that the log tells how it ended before the delete
+    if [ "$KEEP" != 1 ] && [ -e "$STATE/retrieved" ]; then
+        delete_pod "the client retrieved and verified the run's files (.pod/retrieved)"
     fi
 
     if [ "$JOB_SEEN" != 1 ] && [ "$t" -ge "$BOOT_DEADLINE" ]; then
