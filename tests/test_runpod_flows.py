@@ -336,7 +336,9 @@ def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth
     tmp_path: Path,
 ) -> None:
     runs_dir = tmp_path / "runs"
-    name = target(sim, max_hours=0.02)  # 72 s after the create; a checkpoint asked 7 s before
+    # 144 s after the create, a checkpoint asked 14 s before: the job must train by then, and
+    # on a busy machine its first step comes about 90 s after the create (72 s was too short)
+    name = target(sim, max_hours=0.04)
     # SIGKILL: no hook runs, the job and its pod keep going
     record = follower_killed_while_training(name, tiny, runs_dir, tmp_path)
     pod = PodRecord.load(Runs(runs_dir), record.id)
