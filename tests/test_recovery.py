@@ -28,6 +28,7 @@ from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps.retrieve import MANIFEST_FILE
 from tests import test_runpod_flows as on_pods
+from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
 from tests.test_runpod_flows import run, start_in_child, target
@@ -162,7 +163,15 @@ def test_a_follower_killed_with_ssh_ready_and_no_job_started_leaves_nothing_afte
     prefect_server: None, sim: RunpodSim, pods_of: SimPods, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     runs_dir = tmp_path / "runs"
-    name = target(sim, boot_grace_s=3000.0)
+    # the job venv's Python takes 60 s to answer the probe: the follower is killed in
+    # that window, with SSH ready and no job started (however fast this machine is)
+    slow = tmp_path / "slow-venv"
+    (slow / "bin").mkdir(parents=True)
+    (slow / "bin" / "python").write_text(
+        f'#!/bin/sh\nsleep 60\nexec {job_venv()}/bin/python "$@"\n'
+    )
+    (slow / "bin" / "python").chmod(0o755)
+    name = target(sim, boot_grace_s=3000.0, job_venv=str(slow))
 
     def ready() -> bool:
         pod = pod_of(runs_dir)

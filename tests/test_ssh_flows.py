@@ -192,11 +192,12 @@ def test_a_file_changed_after_its_manifest_is_never_reported_succeeded(
 ) -> None:
     remote = tmp_path / "remote"
     runs = Runs(tmp_path / "runs")
-    # the job leaves behind a stray process that keeps rewriting its output
+    # the job leaves behind a stray process that keeps rewriting its output, until the
+    # test asks it to stop (bounded: 6000 rewrites)
     script = (
         f"{WRITE_METRICS}; mkdir -p output; "
-        "setsid sh -c 'i=0; while [ $i -lt 600 ]; do echo $i > output/adapter.bin; "
-        "i=$((i+1)); sleep 0.05; done' >/dev/null 2>&1 & sleep 0.3"
+        "setsid sh -c 'i=0; while [ $i -lt 6000 ] && [ ! -e writer.stop ]; do "
+        "echo $i > output/adapter.bin; i=$((i+1)); sleep 0.02; done' >/dev/null 2>&1 & sleep 0.3"
     )
 
     async def go() -> None:
@@ -206,11 +207,14 @@ def test_a_file_changed_after_its_manifest_is_never_reported_succeeded(
             runs, target="box", target_kind="ssh", workdir=ctx.executor.workdir
         )
         record = await start_step.start(ctx, trainer, record)
-        with pytest.raises(NotRetrieved, match="differs from the target|is not on the target"):
-            for _ in range(20):  # each try races the writer; one of them must lose
-                await follow.watch(ctx, trainer, runs.load(record.id))
-        assert runs.load(record.id).state == RunState.RUNNING
-        await ctx.executor.close()
+        try:
+            with pytest.raises(NotRetrieved, match="differs from the target|is not on the target"):
+                for _ in range(20):  # each try races the writer; one of them must lose
+                    await follow.watch(ctx, trainer, runs.load(record.id))
+            assert runs.load(record.id).state == RunState.RUNNING
+        finally:
+            (Path(record.remote_dir) / "writer.stop").touch()  # the stray writer ends
+            await ctx.executor.close()
 
     asyncio.run(go())
 

@@ -8,11 +8,13 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 from overbrainer_prefect.executors.base import (
     JOB_LOG,
     ExecError,
     Executor,
+    FileDigest,
     JobId,
     JobStatus,
 )
@@ -36,6 +38,8 @@ from overbrainer_prefect.trainers.base import (
 log = logging.getLogger(__name__)
 
 MAX_FAILURES = 5  # failures in a row to reach the job that a watch retries; a success resets it
+RETRIEVE_TRIES = 3  # tries of a retrieval before its files are noted not retrieved
+RETRIEVE_PAUSE_S = 1.0  # seconds between two tries: a restarting container's sshd is back by then
 
 ENDING_POLL_S = 0.25  # seconds between looks at a job that wrote its end event
 
@@ -83,9 +87,7 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
         )
     succeeded = state in (RunState.SUCCEEDED, RunState.STOPPED)
     try:
-        files, no_output = await retrieve(
-            ctx.executor, trainer, record.remote_dir, local, succeeded
-        )
+        files, no_output = await _retrieve_retried(ctx, trainer, record, local, succeeded)
     except ExecError as error:
         if succeeded:
             raise NotRetrieved(
@@ -113,6 +115,26 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     record.ended = rfc3339()
     ctx.runs.save(record)
     return Outcome(record=record, summary=summary, retrieved=True, files=files)
+
+
+async def _retrieve_retried(
+    ctx: RunContext, trainer: Trainer, record: RunRecord, local: Path, succeeded: bool
+) -> tuple[list[FileDigest], bool]:
+    """`retrieve`, tried again RETRIEVE_TRIES times in all when the target does
+    not answer (a container restarting under its job has its sshd back within
+    seconds). Raises the last ExecError."""
+    for attempt in range(1, RETRIEVE_TRIES + 1):
+        try:
+            return await retrieve(ctx.executor, trainer, record.remote_dir, local, succeeded)
+        except ExecError as error:
+            if attempt == RETRIEVE_TRIES:
+                raise
+            ctx.reporter.warning(
+                f"cannot retrieve the files of {subject(record)} "
+                f"({attempt}/{RETRIEVE_TRIES}): {error}"
+            )
+            await asyncio.sleep(max(ctx.poll_s, RETRIEVE_PAUSE_S))
+    raise AssertionError("unreachable")
 
 
 def outcome(
