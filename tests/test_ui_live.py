@@ -304,6 +304,36 @@ SPEND_IMAGES = """(() => {
 })()"""
 
 
+SPEND_IMAGES_V2 = """(() => {
+  const imgs = [...document.querySelectorAll('img')]
+    .filter(i => i.src.startsWith('data:image/svg+xml;base64,'));
+  if (imgs.length !== 3 || !imgs.every(i => i.complete && i.naturalWidth > 0)) return null;
+  return imgs.map(i => [i.alt, i.naturalWidth]);
+})()"""
+"""The spend charts as the V2 UI's artifact page shows them, once loaded."""
+
+
+def artifact_id(stack: Stack, flow_run_id: Any, key: str) -> str:
+    """The ID of the artifact `key` of a flow run, from the server's API."""
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    async def read(client: Any) -> str:
+        found = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+            )
+        )
+        assert found, f"no artifact {key} of flow run {flow_run_id}"
+        return str(found[0].id)
+
+    return str(stack.server.call(read))
+
+
 def test_the_spend_flow_shows_its_charts_and_what_is_left_of_the_budgets(
     deployed: Stack, tmp_path: Path
 ) -> None:
@@ -338,3 +368,14 @@ def test_the_spend_flow_shows_its_charts_and_what_is_left_of_the_budgets(
     ]
     assert all(width == 720 for _, width in images)
     assert "day: $20.00" in text and "month: $300.00" in text and "left" in text
+    # the same artifact in the V2 UI (`/v2`): its markdown sanitizer keeps the charts
+    with Browser(tmp_path / "profile-v2") as browser:
+        browser.open(
+            f"{deployed.server.url}/v2/artifacts/artifact/"
+            f"{artifact_id(deployed, flow_run_id, 'spend')}"
+        )
+        images_v2 = browser.wait_for(SPEND_IMAGES_V2, PAGE_TIMEOUT_S, "the V2 UI's spend charts")
+        text_v2 = browser.text()
+        browser.screenshot(tmp_path / "spend-v2.png")
+    assert [alt for alt, _ in images_v2] == [alt for alt, _ in images]
+    assert "day: $20.00" in text_v2 and "month: $300.00" in text_v2
