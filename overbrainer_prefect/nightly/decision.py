@@ -79,14 +79,7 @@ def remember_trained(
     last night that trained.
 
     Raises NightlyRecordError with one line when it cannot be written."""
-    night = Night(
-        deployment=facts.deployment,
-        fingerprint=facts.fingerprint,
-        run_id=run_id,
-        flow_run_id=flow_run_id,
-        at=rfc3339(),
-    )
-    save_night(runs_root, night, LAST)
+    _remember(runs_root, facts, run_id, flow_run_id, LAST)
 
 
 def remember_delivered(
@@ -96,6 +89,12 @@ def remember_delivered(
     next night is compared with.
 
     Raises NightlyRecordError with one line when it cannot be written."""
+    _remember(runs_root, facts, run_id, flow_run_id, DELIVERED)
+
+
+def _remember(
+    runs_root: Path, facts: NightFacts, run_id: str, flow_run_id: str | None, which: str
+) -> None:
     night = Night(
         deployment=facts.deployment,
         fingerprint=facts.fingerprint,
@@ -103,7 +102,7 @@ def remember_delivered(
         flow_run_id=flow_run_id,
         at=rfc3339(),
     )
-    save_night(runs_root, night, DELIVERED)
+    save_night(runs_root, night, which)
 
 
 def why(facts: NightFacts) -> str:
