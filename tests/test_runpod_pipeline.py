@@ -40,6 +40,7 @@ from overbrainer_prefect.runs.ids import new_run_id
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.trainers.compare import BASES_DIR
 from overbrainer_prefect.trainers.export import ExportSpec
+from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.test_runpod_flows import (
@@ -271,6 +272,120 @@ def test_a_wrong_compare_image_fails_in_one_line_before_any_pod(
     assert "\n" not in str(refused.value) and "the image is missing" in str(refused.value)
     assert sim.pods(include_deleted=True) == []
     assert not Runs(runs_dir).children(run_id, "compare").root.exists()
+
+
+def between_jobs(exports: Runs, pods: SimPods) -> tuple[str, str] | None:
+    """The export and pod of a fine-tune whose pod was told that the export's
+    files were verified and the next job follows (`.pod/between` on the pod)."""
+    for record in exports.list(skipped=lambda _name, _error: None):
+        pod = PodRecord.load(exports, record.id)
+        if pod is None or pod.pod_id is None:
+            continue
+        marker = pods.workspace_of(pod.pod_id) / "overbrainer" / record.id / ".pod" / "between"
+        if marker.exists():
+            return record.id, pod.pod_id
+    return None
+
+
+def killed_between_jobs(
+    sim: RunpodSim,
+    pods: SimPods,
+    trained_here: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    grace_s: int,
+) -> tuple[FineTuneSpec, str, str, str]:
+    """The fine-tune of a run trained here continued on a pod target
+    (`run_id`), in another process killed once its export's files were
+    verified on the pod and before the base model's export started; the
+    watchdog's grace between jobs is `grace_s`. Returns the spec, the run's,
+    the export's and the pod's IDs."""
+    import time
+
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},next_job_grace_s={grace_s}")  # the child's, the pod's
+    runs_dir = tmp_path / "runs"
+    run_id = trained_locally(trained_here, runs_dir)
+    source, trained_id = trained_here
+    fine = FineTuneSpec(
+        target=target(sim),
+        training=TrainingSpec.model_validate(Runs(source).load(trained_id).spec),
+        export=ExportSpec(quant="q8_0"),
+        compare=CompareSettings(questions=QUESTIONS, max_tokens=4),
+        runs_dir=str(runs_dir),
+    )
+    code = (
+        "import asyncio, sys\n"
+        "from overbrainer_prefect.flows import FineTuneSpec, fine_tune\n"
+        "spec = FineTuneSpec.model_validate_json(sys.argv[1])\n"
+        "asyncio.run(fine_tune(spec, run_id=sys.argv[2]))\n"
+    )
+    log = tmp_path / "child.log"
+    child = python_in_child(code, [fine.model_dump_json(), run_id], log)
+    exports = Runs(runs_dir).children(run_id, "export")
+    try:
+        deadline = time.monotonic() + 300
+        while (found := between_jobs(exports, pods)) is None:
+            assert child.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the export's files were never verified"
+            time.sleep(0.05)
+    finally:
+        kill(child)  # the follower dies between two jobs: no hook runs
+    return fine, run_id, *found
+
+
+def test_a_fine_tune_killed_between_jobs_leaves_a_pod_ended_at_its_grace_and_continues_on_a_new_one(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    trained_here: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    fine, run_id, export_id, pod_id = killed_between_jobs(
+        sim, pods_of, trained_here, tmp_path, monkeypatch, grace_s=5
+    )
+    killed = time.time()
+    wait_until(lambda: sim.pod(pod_id).deleted, 30, "the watchdog to end the pod between jobs")
+    assert (sim.pod(pod_id).deleted_at or 0) <= killed + 5 + 3  # its grace, a look, a delete
+    log = pods_of.watchdog_log(pod_id, export_id)
+    assert "no next job of the pipeline started within next_job_grace (5s" in log, log
+
+    result = run(fine_tune(fine, run_id=run_id))
+    assert isinstance(result, FineTuneResult) and result.run_id == run_id
+    assert result.export.export_id == export_id and result.compare.state == RunState.SUCCEEDED
+    (other,) = [p for p in sim.pods(include_deleted=True) if p.id != pod_id]
+    assert other.deleted and sim.pods() == [] and sim.secret_names() == []
+    steps = fine_tune_steps(tmp_path / "runs", run_id)
+    [(bases, base)] = steps["base"]
+    pod = PodRecord.load(bases, base.id)  # the new pod was made for the base model's export
+    assert pod is not None and pod.pod_id == other.id and pod.state == PodState.DELETED
+    [(compares, compared)] = steps["compare"]
+    assert compared.state == RunState.SUCCEEDED and PodRecord.load(compares, compared.id) is None
+
+
+def test_a_fine_tune_killed_between_jobs_continues_on_its_pod_while_it_lives(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    trained_here: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fine, run_id, export_id, pod_id = killed_between_jobs(
+        sim, pods_of, trained_here, tmp_path, monkeypatch, grace_s=120
+    )
+    assert not sim.pod(pod_id).deleted
+    result = run(fine_tune(fine, run_id=run_id))
+    assert isinstance(result, FineTuneResult) and result.compare.state == RunState.SUCCEEDED
+    (made,) = sim.pods(include_deleted=True)  # the same pod ran the rest of the fine-tune
+    assert made.id == pod_id and made.deleted and sim.secret_names() == []
+    exports = Runs(tmp_path / "runs").children(run_id, "export")
+    pod = PodRecord.load(exports, export_id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
+    log = pods_of.watchdog_log(pod_id, export_id)
+    assert "job: the pipeline's job 3 on this pod" in log, log
 
 
 def fine_tune_in_child(fine: FineTuneSpec, log: Path) -> Any:

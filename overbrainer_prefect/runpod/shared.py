@@ -24,11 +24,19 @@ from overbrainer_prefect.runs.store import RECORD_FILE, Runs
 LINK_FILE = "pod.link"
 """In the local run directory of a job run on another record's pod: that record."""
 
+PIPELINE_LINK = "pipeline-pod.link"
+"""In the local run directory of a fine-tune's run: the record whose pod the
+fine-tune's later jobs ran on, when it is not the run's own (a continued
+fine-tune whose run had trained elsewhere, or on a pod that is gone)."""
 
-def write_link(store: Runs, record_id: str, home: Runs, owner_id: str) -> None:
+
+def write_link(
+    store: Runs, record_id: str, home: Runs, owner_id: str, name: str = LINK_FILE
+) -> None:
     """Records that the job `record_id` of `store` runs on the pod of
-    `owner_id` (of `home`). Raises OSError when it cannot be written."""
-    path = store.run_dir(record_id) / LINK_FILE
+    `owner_id` (of `home`) (`name`: which link). Raises OSError when it
+    cannot be written."""
+    path = store.run_dir(record_id) / name
     text = json.dumps(
         {"root": str(home.root), "record_file": home.record_file, "kind": home.kind, "id": owner_id}
     )
@@ -37,11 +45,11 @@ def write_link(store: Runs, record_id: str, home: Runs, owner_id: str) -> None:
     tmp.replace(path)
 
 
-def home_of(store: Runs, record_id: str) -> tuple[Runs, str]:
+def home_of(store: Runs, record_id: str, name: str = LINK_FILE) -> tuple[Runs, str]:
     """The store and ID of the record whose `pod.json` is the pod of the job
-    `record_id`: its own, unless it runs on another record's pod. A link that
-    cannot be read names the job itself (its pod is then not found)."""
-    path = store.run_dir(record_id) / LINK_FILE
+    `record_id`: its own, unless it runs on another record's pod (`name`:
+    which link). A link that cannot be read names the job itself."""
+    path = store.run_dir(record_id) / name
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         owner = str(data["id"])

@@ -55,6 +55,7 @@ from overbrainer_prefect.runpod.reconnect import reconnect
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings, settings_from
 from overbrainer_prefect.runpod.shared import (
     LINK_FILE,
+    PIPELINE_LINK,
     home_of,
     job_dir,
     mark_between,
@@ -81,7 +82,7 @@ from overbrainer_prefect.trainers.axolotl import launch_summary
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.compare import vram_floor
 
-LOCAL_RECORDS = (POD_RECORD, POD_DIR, SSH_DIR, LINK_FILE)
+LOCAL_RECORDS = (POD_RECORD, POD_DIR, SSH_DIR, LINK_FILE, PIPELINE_LINK)
 """What this machine keeps of a job's pod in its run directory: never uploaded."""
 
 
@@ -503,7 +504,7 @@ class PodTarget:
         if self.ref in sharing.held:
             return None
         anchor_store, anchor_id = sharing.anchor
-        home, owner_id = home_of(anchor_store, anchor_id)
+        home, owner_id = home_of(anchor_store, anchor_id, PIPELINE_LINK)
         try:
             pod = PodRecord.load(home, owner_id)
             owner = home.load(owner_id)
@@ -684,6 +685,13 @@ class PodTarget:
             if sharing is not None and self.ref not in sharing.held:  # the pipeline's pod
                 placed.share = PodShare(self, store, record.id, ready.pod, settings.image, plan)
                 sharing.held[self.ref] = placed.share
+                if sharing.anchor is not None and sharing.anchor[1] != record.id:
+                    # a continued pipeline finds this pod again from its run
+                    anchor_store, anchor_id = sharing.anchor
+                    try:
+                        write_link(anchor_store, anchor_id, store, record.id, PIPELINE_LINK)
+                    except OSError as error:  # the pipeline continued again makes a new pod
+                        ctx.log.warning("cannot link run %s to its pod: %s", anchor_id, error)
             try:
                 yield placed
             except BaseException as error:
@@ -792,10 +800,18 @@ class PodTarget:
         other pods, removes its client key and host key secret; a job run on
         its pipeline's pod ends that pod. Returns whether no pod may be left."""
         home, pod = self._pod_of(store, record)
+        if pod is not None and pod.run_id != record.id and self._holds(pod):
+            return False  # the pipeline's pod, for its next job: its end (or watchdog) ends it
         if pod is not None:
             async with self.account(home) as ctx:
                 await release(ctx, pod, reason)
         return pod is None or pod.gone
+
+    def _holds(self, pod: PodRecord) -> bool:
+        """Whether the pipeline this code runs in holds `pod` for its next jobs."""
+        sharing = current()
+        held = sharing.held.get(self.ref) if sharing is not None else None
+        return isinstance(held, PodShare) and held.pod.pod_id == pod.pod_id
 
     def lost(self, store: Runs, record: RunRecord) -> str:
         """Why the job's pod is gone: the bound its watchdog deleted it at, or
