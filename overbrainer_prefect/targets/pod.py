@@ -188,6 +188,8 @@ class PodPlaced:
         """Records the pod running its job, and logs what bounds it. Raises
         PodError (with how to remove the pod) when `pod.json` cannot be saved."""
         self.job_started = True
+        if self.share is not None:
+            self.share.running = (store, record.id)
         pod = self.pod
         pod.state = PodState.RUNNING
         try:
@@ -235,6 +237,8 @@ class PodShare:
     jobs: int = 1
     retrieved: bool = True
     """Whether its last job's files were retrieved and verified."""
+    running: tuple[Runs, str] | None = None
+    """The job started on it and not yet ended here (its store and ID)."""
 
     def owner(self) -> RunRecord:
         """The record the pod was made for. Raises when it cannot be read."""
@@ -254,6 +258,7 @@ class PodShare:
         A job whose files were not retrieved leaves the pod to its watchdog's
         retrieve grace. Never raises: a pod that cannot be told is logged."""
         self.retrieved = retrieved
+        self.running = None
         owner = self.owner()
         await fetch_watchdog_log(self.home, executor, owner)
         if not retrieved:
@@ -283,17 +288,31 @@ class PodShare:
             ctx.timing.next_job_grace_s,
         )
 
+    def _still_running(self) -> bool:
+        """Whether a job started on the pod has not ended (its follower gave up)."""
+        if self.running is None:
+            return False
+        store, record_id = self.running
+        try:
+            return not store.load(record_id).state.ended
+        except Exception:
+            return False
+
     async def close(self, error: BaseException | None) -> None:
         """Ends the pod once its pipeline ended: deleted (the `retrieved` marker
         first, deletion confirmed, keys forgotten) after its last job's files
         were verified, or because the pipeline failed; left to its watchdog's
-        retrieve grace when its last job's files were not retrieved. Never
+        bounds when its last job's files were not retrieved, or that job keeps
+        running with nobody following it (the pipeline's message says how to
+        follow it again). Never
         raises: a pod that may be left is logged with how to remove it."""
         pod = self.pod
         if pod.gone:
             return
         try:
             async with self.target.account(self.home) as ctx:
+                if error is not None and self._still_running():
+                    return  # its job keeps running unfollowed: the message said how; it is bounded
                 if error is not None:
                     reason = f"its pipeline ended: {failure_reason(error)}"
                     await release(ctx, pod, reason)
