@@ -34,6 +34,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from kit.lines import bench, note, progress, run_main  # noqa: E402
 from kit.process import started_unix  # noqa: E402
 from kit.server import prefect_server  # noqa: E402
+from pod_billing import training as training_of  # noqa: E402
 
 BOOT_S = 5.0  # the simulated image's boot: billed by Runpod, not ours to shorten
 OUTSIDE_GOAL_S = BOOT_S + 20.0  # one boot, plus what the pod's jobs need between them
@@ -73,23 +74,8 @@ def fine_tune_once(target: str, model: Path, dataset: Path, runs_dir: Path) -> s
     from overbrainer_prefect.finetune import CompareSettings
     from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, fine_tune
     from overbrainer_prefect.trainers.export import ExportSpec
-    from overbrainer_prefect.trainers.spec import TrainingSpec
 
-    training = TrainingSpec.model_validate(
-        {
-            "base_model": str(model),
-            "datasets": [str(dataset)],
-            "sequence_len": 64,
-            "micro_batch_size": 4,
-            "max_steps": STEPS,
-            "learning_rate": 5e-3,
-            "lora_r": 8,
-            "lora_alpha": 16,
-            "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-            "warmup_steps": 0,
-            "seed": 0,
-        }
-    )
+    training = training_of(model, dataset, STEPS)
     spec = FineTuneSpec(
         target=target,
         training=training,

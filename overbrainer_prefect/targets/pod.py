@@ -468,16 +468,19 @@ class PodTarget:
             disk = max([n.disk_bytes or 0 for n in (need, *later)]) or None
             await ensure_volume(ctx.client, settings, disk, need.what, ctx.log)
             floor = await self._vram_floor(settings, need)
+            largest = need.what
             for other in later:  # a pod for a pipeline is sized for its largest job
                 found = await self._vram_floor(settings, other)
                 if found is not None and (floor is None or found > floor):
-                    floor = found
-                    self._log.info(
-                        "the pod of the pipeline is sized for its largest job, %s: at least "
-                        "%g GB of VRAM per GPU",
-                        other.what,
-                        floor,
-                    )
+                    floor, largest = found, other.what
+            if later:
+                self._log.info(
+                    "one pod runs every job of the pipeline: sized for its largest, %s (%s)",
+                    largest,
+                    f"at least {floor:g} GB of VRAM per GPU"
+                    if floor is not None
+                    else "by the target's GPU types",
+                )
             launch = (
                 launch_summary(need.training, settings.gpu_count)
                 if need.training is not None
