@@ -283,6 +283,7 @@ start_sshd
 check_api
 
 ARMED_CAP=
+CAP_TRIED=          # the cost cap last read, armed or not
 COST_DEADLINE=none
 COST_LEAD=0
 RATE=
@@ -292,6 +293,7 @@ MAX_COST=none
 # and confirms it in the log, with both deadlines; the client waits for that line.
 arm() {
     cap=$(cat "$STATE/cap" 2>/dev/null) || return 0
+    CAP_TRIED=$cap
     [ "$cap" = "$ARMED_CAP" ] && return 0
     if [ "$API_OK" != 1 ] && ! check_api; then
         log "cannot arm the cost cap: the Runpod API does not answer, so this pod could not delete itself"
@@ -333,6 +335,22 @@ arm() {
 ask_checkpoint() {
     : > "$RUN_DIR/stop.request" 2>/dev/null
     log "decision: asked the job for a checkpoint (stop.request): $1"
+}
+
+# rest: waits for the next look. Until the client first writes the cost cap, it
+# looks for it every NAP: the client waits for its confirmation before the job
+# starts, and the pod bills meanwhile (a whole INTERVAL, 30 s, otherwise).
+if sleep 0.01 2>/dev/null; then NAP=0.2; NAPS=$((INTERVAL * 5)); else NAP=1; NAPS=$INTERVAL; fi
+rest() {
+    if [ -n "$CAP_TRIED" ]; then
+        sleep "$INTERVAL"
+        return
+    fi
+    naps=0
+    while [ "$naps" -lt "$NAPS" ] && [ ! -e "$STATE/cap" ]; do
+        sleep "$NAP"
+        naps=$((naps + 1))
+    done
 }
 
 JOB_SEEN=0
@@ -440,5 +458,5 @@ while :; do
             delete_pod "max_cost_usd reached: \$$MAX_COST at \$$RATE/h since $(iso "$START")"
         fi
     fi
-    sleep "$INTERVAL"
+    rest
 done
