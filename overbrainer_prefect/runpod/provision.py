@@ -111,6 +111,7 @@ async def provision(
             host_key_secret=host_key_secret(run.id),
             max_cost_usd=settings.max_cost_usd,
             boot_grace_s=settings.boot_grace_s,
+            retrieve_grace_s=settings.retrieve_grace_s,
         )
         pod.save(ctx.runs)
         start_reaper(ctx.runs, run.id, ctx.client)  # bounds the pod until its watchdog runs
