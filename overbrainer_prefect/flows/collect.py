@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 from uuid import UUID
 
 from prefect import flow, get_run_logger
@@ -90,7 +89,7 @@ async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
                 f"its process is gone; the collect flow run {flow_run.id} finished "
                 f"{subject(record)}: {ended}"
             )
-            state: State[Any] = (
+            state: State[object] = (
                 Cancelled(message=message)
                 if found.state.type == StateType.CANCELLING
                 else Crashed(message=message)
