@@ -283,7 +283,6 @@ start_sshd
 check_api
 
 ARMED_CAP=
-CAP_TRIED=          # the cost cap last read, armed or not
 COST_DEADLINE=none
 COST_LEAD=0
 RATE=
@@ -293,7 +292,6 @@ MAX_COST=none
 # and confirms it in the log, with both deadlines; the client waits for that line.
 arm() {
     cap=$(cat "$STATE/cap" 2>/dev/null) || return 0
-    CAP_TRIED=$cap
     [ "$cap" = "$ARMED_CAP" ] && return 0
     if [ "$API_OK" != 1 ] && ! check_api; then
         log "cannot arm the cost cap: the Runpod API does not answer, so this pod could not delete itself"
@@ -337,19 +335,23 @@ ask_checkpoint() {
     log "decision: asked the job for a checkpoint (stop.request): $1"
 }
 
-# rest: waits for the next look. Until the client first writes the cost cap, it
-# looks for it every NAP: the client waits for its confirmation before the job
-# starts, and the pod bills meanwhile (a whole INTERVAL, 30 s, otherwise).
-if sleep 0.01 2>/dev/null; then NAP=0.2; NAPS=$((INTERVAL * 5)); else NAP=1; NAPS=$INTERVAL; fi
-rest() {
-    if [ -n "$CAP_TRIED" ]; then
+# nap: sleeps one look's interval; while the cost cap is not armed, looks every second for a
+# new cap the client wrote and waits for (no job starts before it: the pod bills that wait)
+NAP_CAP=
+nap() {
+    if [ -n "$ARMED_CAP" ]; then
         sleep "$INTERVAL"
         return
     fi
-    naps=0
-    while [ "$naps" -lt "$NAPS" ] && [ ! -e "$STATE/cap" ]; do
-        sleep "$NAP"
-        naps=$((naps + 1))
+    slept=0
+    while [ "$slept" -lt "$INTERVAL" ]; do
+        written=$(cat "$STATE/cap" 2>/dev/null)
+        if [ -n "$written" ] && [ "$written" != "$NAP_CAP" ]; then
+            NAP_CAP=$written
+            return
+        fi
+        sleep 1
+        slept=$((slept + 1))
     done
 }
 
@@ -458,5 +460,5 @@ while :; do
             delete_pod "max_cost_usd reached: \$$MAX_COST at \$$RATE/h since $(iso "$START")"
         fi
     fi
-    rest
+    nap
 done
