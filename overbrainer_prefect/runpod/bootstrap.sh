@@ -335,6 +335,26 @@ ask_checkpoint() {
     log "decision: asked the job for a checkpoint (stop.request): $1"
 }
 
+# nap: sleeps one look's interval; while the cost cap is not armed, looks every second for a
+# new cap the client wrote and waits for (no job starts before it: the pod bills that wait)
+NAP_CAP=
+nap() {
+    if [ -n "$ARMED_CAP" ]; then
+        sleep "$INTERVAL"
+        return
+    fi
+    slept=0
+    while [ "$slept" -lt "$INTERVAL" ]; do
+        written=$(cat "$STATE/cap" 2>/dev/null)
+        if [ -n "$written" ] && [ "$written" != "$NAP_CAP" ]; then
+            NAP_CAP=$written
+            return
+        fi
+        sleep 1
+        slept=$((slept + 1))
+    done
+}
+
 JOB_SEEN=0
 ENDED_AT=
 ASKED_HOURS=0
@@ -440,5 +460,5 @@ while :; do
             delete_pod "max_cost_usd reached: \$$MAX_COST at \$$RATE/h since $(iso "$START")"
         fi
     fi
-    sleep "$INTERVAL"
+    nap
 done
