@@ -16,9 +16,10 @@ For each, in seconds of the billing clock:
   simulator bills until); and after verified retrieval (the run's local
   manifest written) -> pod deleted.
 
-Prints `BENCH pod-billed-before-job-<case>`, `pod-billed-after-job-<case>`
-and `pod-billed-after-retrieval-<case> <s> s goal <= 10`. The pods' timings
-are the package's defaults. About three minutes on a 2-core machine.
+Prints `BENCH pod-billed-before-job-<case> <s> s goal <= 5` (issue 19: what
+the network needs, beyond the boot), `pod-billed-after-job-<case>` and
+`pod-billed-after-retrieval-<case> <s> s goal <= 10`. The pods' timings are
+the package's defaults. About three minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def main() -> None:
                 f"{b.after_job:.1f} s to the delete ({b.after_retrieval:.1f} s after the "
                 "verified retrieval)"
             )
-            bench(f"pod-billed-before-job-{case}", b.before_job, "s")
+            bench(f"pod-billed-before-job-{case}", b.before_job, "s", "<=", 5.0)
             bench(f"pod-billed-after-job-{case}", b.after_job, "s")
             bench(f"pod-billed-after-retrieval-{case}", b.after_retrieval, "s", "<=", 10.0)
     finally:

@@ -309,7 +309,7 @@ def test_a_run_on_a_simulated_pod_whose_worker_was_killed_is_finished_by_the_col
     assert saved.state == RunState.SUCCEEDED, saved
     assert_verified(deployed.runs, record.id)
     pod = pod_of(deployed, record.id)
-    assert pod.state == PodState.DELETED and pod.deleted_by == "client", pod
+    assert pod.state == PodState.DELETED and pod.deleted_by == "collector", pod
     assert on_sim.sim.pod(pod_id).deleted and not on_sim.pods.running(pod_id)
     assert on_sim.sim.pods() == [] and on_sim.sim.secret_names() == []
     assert not (tmp_path / "clone" / "runs").exists(), "runs go to the shared root"

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,18 @@ import pytest
 from pydantic import SecretStr
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runpod import Pod, PodRequest, RunpodClient
 from overbrainer_prefect.runpod.boot import ContainerWatch
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV, WATCHDOG_LOG
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
 from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
+from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.reaper import BY, REAPER_LOG
+from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.runs.lock import follow_lock
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import reporters
 from overbrainer_prefect.steps import start as start_step
@@ -415,3 +420,82 @@ def test_a_pod_terminated_by_runpod_mid_job_fails_its_run_with_that_reason(
     pod = the_pod(runs)
     assert pod.state == PodState.DELETED and pod.deleted_by == "unknown"
     assert "Runpod terminated it" in (pod.delete_reason or "")
+
+
+# -- a pod whose job nobody follows ---------------------------------------------------------
+
+
+def pod_of_a_run_here(sim: RunpodSim, runs: Runs, ended_ago_s: float | None) -> tuple[str, str]:
+    """A run here whose job started on a pod that its watchdog shows it runs
+    (max_hours in an hour, retrieve_grace 2 min): still running, or (with
+    `ended_ago_s`) ended that long ago with its files not retrieved. Returns
+    the run's and the pod's ids."""
+    record = start_step.create(runs, target="sim", target_kind="runpod", workdir="/w")
+    record.job = JobId(dir=record.remote_dir, pid=4321)
+    record.state = RunState.RUNNING
+    if ended_ago_s is not None:
+        record.state = RunState.FAILED
+        record.ended = rfc3339(datetime.fromtimestamp(time.time() - ended_ago_s, UTC))
+        record.not_retrieved = "the pod did not answer"
+    runs.save(record)
+
+    async def create() -> str:
+        client = RunpodClient(SecretStr(sim.api_key), sim.rest_url, sim.graphql_url)
+        async with client:
+            made = await client.create_pod(
+                PodRequest(name=f"ob-{record.id}-a1", image="x:1", gpu_type_id=A4000)
+            )
+            return made.id
+
+    pod_id = asyncio.run(create())
+    PodRecord(
+        run_id=record.id,
+        state=PodState.RUNNING,
+        pod_id=pod_id,
+        host_key="ssh-ed25519 AAAA",
+        created_unix=time.time() - 600,
+        deadline_unix=int(time.time() + 3600),
+        retrieve_grace_s=120.0,
+        cost_per_hour=0.25,
+    ).save(runs)
+    return record.id, pod_id
+
+
+def listed(sim: RunpodSim, runs: Runs) -> dict[str, PodRow]:
+    async def rows() -> list[PodRow]:
+        client = RunpodClient(SecretStr(sim.api_key), sim.rest_url, sim.graphql_url)
+        async with client:
+            return await pod_rows(client, runs)
+
+    return {row.run_id: row for row in asyncio.run(rows())}
+
+
+def test_the_pods_list_says_when_unfollowed_files_are_lost_and_the_command_that_saves_them(
+    tmp_path: Path,
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim:
+        running, _ = pod_of_a_run_here(sim, runs, None)
+        ended, _ = pod_of_a_run_here(sim, runs, 60.0)
+        rows = listed(sim, runs)
+        with follow_lock(runs.run_dir(running)):  # a live follower: nothing to tell
+            followed = listed(sim, runs)[running]
+    row = rows[running]
+    assert row.unfollowed and not row.orphan and "nobody following it" in row.why
+    assert "retrieve_grace (120 s) after the job ends" in row.why
+    pod = PodRecord.load(runs, running)
+    assert pod is not None and pod.deadline_unix is not None
+    assert row.files_lost_at == pod.deadline_unix
+    assert f"max_hours: {rfc3339(datetime.fromtimestamp(pod.deadline_unix, UTC))}" in row.why
+    assert "collect flow" in row.save_with and f"attach flow (run_id={running})" in row.save_with
+    assert "UNFOLLOWED" in row.line() and "save them with the collect flow" in row.line()
+    gone = rows[ended]
+    assert gone.orphan and gone.unfollowed and gone.files_lost_at is not None
+    assert abs(gone.files_lost_at - (time.time() + 60)) < 5  # ended 60 s ago, 120 s of grace
+    assert "its files were not retrieved: its watchdog deletes it with them at about" in gone.why
+    warnings = orphan_warnings(list(rows.values()))
+    assert len(warnings) == 2
+    assert all("save its files with the collect flow" in w for w in warnings), warnings
+    assert any(f"pod {row.pod_id}" in w and "holds a job nobody follows" in w for w in warnings)
+    assert not followed.unfollowed and followed.why == "followed; bounded by its watchdog"
+    assert orphan_warnings([followed]) == []

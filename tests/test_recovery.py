@@ -156,7 +156,7 @@ def test_a_pod_that_never_boots_is_deleted_by_one_collect_once_its_follower_is_g
     assert [(r.run_id, r.state) for r in rows] == [(record.id, RunState.FAILED)]
     assert billed_s(sim, pod.pod_id) < COLLECT_GRACE_S + 30.0  # nothing else would have ended it
     assert Runs(runs_dir).load(record.id).message == "interrupted before the job started"
-    assert assert_nothing_left(sim, runs_dir, record).deleted_by == "client"
+    assert assert_nothing_left(sim, runs_dir, record).deleted_by == "collector"
 
 
 def test_a_follower_killed_with_ssh_ready_and_no_job_started_leaves_nothing_after_collect(

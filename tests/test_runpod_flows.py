@@ -889,3 +889,36 @@ def test_the_sweep_deletes_a_pod_whose_job_never_started_within_boot_grace_and_n
     assert not sim.pod(young_pod).deleted
     assert runs.load(late_run).state == RunState.FAILED
     assert runs.load(young_run).state == RunState.PREPARING
+
+
+def test_pods_tells_when_the_files_of_a_job_nobody_follows_are_lost_and_remove_says_they_were_never_retrieved(  # noqa: E501
+    prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+) -> None:
+    from tests.test_pod_fate import pod_of_a_run_here
+
+    runs = Runs(tmp_path / "runs")
+    run_id, pod_id = pod_of_a_run_here(sim, runs, None)  # its job runs; its follower is gone
+    credentials = f"creds-{uuid.uuid4().hex[:8]}"
+    RunpodCredentials(api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url).save(
+        credentials
+    )
+    swept = run(pods(action="sweep", runs_dir=str(runs.root), credentials=credentials))
+    (row,) = swept.pods
+    assert row.unfollowed and not row.orphan and row.files_lost_at is not None
+    assert "nobody following it" in row.why and f"run_id={run_id}" in row.save_with
+    assert swept.removed == [] and not sim.pod(pod_id).deleted  # its files are not here
+    (warning,) = swept.warnings
+    assert pod_id in warning and "save its files with the collect flow" in warning
+    removed = run(
+        pods(action="remove", run_id=run_id, runs_dir=str(runs.root), credentials=credentials)
+    )
+    assert removed.removed == [pod_id] and sim.pod(pod_id).deleted
+    record = runs.load(run_id)
+    assert record.state == RunState.FAILED
+    assert record.message == "its pod was removed with the pods flow"
+    assert record.not_retrieved == (
+        "its pod was removed with the pods flow: the job's files were never retrieved"
+    )
+    assert any("never retrieved" in w for w in removed.warnings)
+    pod = PodRecord.load(runs, run_id)
+    assert pod is not None and pod.deleted_by == "pods flow"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 from uuid import UUID
 
 from prefect import flow, get_run_logger
@@ -41,6 +40,7 @@ from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
+from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.targets.base import Target
 from overbrainer_prefect.targets.spend import spent
@@ -89,7 +89,7 @@ async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
                 f"its process is gone; the collect flow run {flow_run.id} finished "
                 f"{subject(record)}: {ended}"
             )
-            state: State[Any] = (
+            state: State[object] = (
                 Cancelled(message=message)
                 if found.state.type == StateType.CANCELLING
                 else Crashed(message=message)
@@ -246,18 +246,23 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
     prepares has what its target holds (its pod) deleted and is failed; an
     ended job whose pod is still there has its files retrieved (when they were
     not) and its pod deleted. Each job's dead flow run is settled. Jobs another
-    process follows are left alone. Publishes what it did as the
-    `collected-runs` artifact and returns it.
+    process follows are left alone. What it deletes is recorded deleted by
+    the `collector`. Publishes what it did as the `collected-runs` artifact
+    and returns it.
 
     Raises RecordIoError when the runs directory cannot be read, and, once every
     other job is done, the first unexpected error one of them met.
     """
     runs = Runs(runs_dir)
     found = await candidates(runs)
-    results = await asyncio.gather(
-        *(collect_job(runs, store, record, target) for store, record, target in found),
-        return_exceptions=True,
-    )
+    acting = ENDED_BY.set(COLLECTOR)  # the jobs' tasks below copy it: pods say who deleted them
+    try:
+        results = await asyncio.gather(
+            *(collect_job(runs, store, record, target) for store, record, target in found),
+            return_exceptions=True,
+        )
+    finally:
+        ENDED_BY.reset(acting)
     rows: list[Collected] = []
     errors: list[BaseException] = []
     for (store, record, _), result in zip(found, results, strict=True):

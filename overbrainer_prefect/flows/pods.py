@@ -4,7 +4,8 @@
   GPU, rate, uptime, estimated spend, and whether it is an orphan (its run is
   not in this runs directory, or has ended);
 - `remove`: deletes the pods of one run (confirmed), sweeps its strays,
-  forgets its keys; a run that is not a Runpod run deletes nothing;
+  forgets its keys; a run that is not a Runpod run deletes nothing; a run
+  whose job's files were not retrieved says that they never will be;
 - `sweep`: deletes (confirmed) the pods whose run has ended with its files
   retrieved and verified here; warns of the other orphans (a pod whose run
   is not here, or whose files were not retrieved, may hold results: it is
@@ -26,9 +27,16 @@ from overbrainer_prefect.runpod.deletion import delete_and_confirm
 from overbrainer_prefect.runpod.ending import forget_if_gone, remove, sweep_others
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.listing import PodsError, PodsResult, pod_listing
-from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows, sweep_host_keys
+from overbrainer_prefect.runpod.orphans import (
+    PodRow,
+    files_here,
+    orphan_warnings,
+    pod_rows,
+    sweep_host_keys,
+)
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
-from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.steps import end as end_step
 
 
@@ -146,8 +154,12 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
                     "in the Runpod console"
                 )
             assert record is not None
-            if not record.state.ended:
-                end_step.fail(store, run_id, "its pod was removed with the pods flow")
+            if had is not None:
+                lost = _note_removed(store, run_id)
+                if lost:
+                    result.warnings.append(lost)
+            elif not record.state.ended:
+                end_step.fail(store, run_id, REMOVED)
         else:
             for found in await client.list_pods():
                 if run_of_pod_name(found.name) != run_id or found.status == "TERMINATED":
@@ -168,6 +180,38 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
     for warning in result.warnings:
         logger.warning("%s", warning)
     return result
+
+
+REMOVED = "its pod was removed with the pods flow"
+"""Why a run whose pod the pods flow removed fails."""
+
+
+def _note_removed(store: Runs, run_id: str) -> str | None:
+    """Records in the run `run_id` that the pods flow removed its pod: a run
+    not ended is failed; a job whose files were not retrieved and verified
+    here keeps, as its `not_retrieved` reason, that they never will be.
+    Returns that reason (a warning), or None when nothing was lost. A record
+    that cannot be read or saved is logged, not raised: the pod is gone."""
+    try:
+        record = store.load(run_id)
+        lost = (
+            None
+            if files_here(store, record)
+            else f"{REMOVED}: the job's files were never retrieved"
+        )
+        if record.state.ended and lost is None:
+            return None
+        if not record.state.ended:
+            record.state = RunState.FAILED
+            record.message = REMOVED
+            record.ended = rfc3339()
+        if lost is not None:
+            record.not_retrieved = lost
+        store.save(record)
+    except Exception as error:  # the pod is gone; only its record's words are missing
+        get_run_logger().warning("cannot record in run %s that %s: %s", run_id, REMOVED, error)
+        return None
+    return None if lost is None else f"{subject(record)}: {lost}"
 
 
 async def _credentials(runs: Runs, name: str | None, target: str | None) -> RunpodCredentials:

@@ -30,11 +30,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
 from urllib.parse import quote
 
 import httpx
-from pydantic import SecretStr
+from pydantic import JsonValue, SecretStr
 
 from overbrainer_prefect import __version__
 from overbrainer_prefect.runpod.errors import (
@@ -248,7 +247,7 @@ class RunpodClient:
             if response.status_code != 200:
                 raise self._error(response)
             data = self._json(response)
-            rows = data if isinstance(data, list) else data.get("pods", [])
+            rows = _rows(data, "pods")
             pods.extend(Pod.model_validate(row) for row in rows if isinstance(row, Mapping))
             page = data.get("pagination") if isinstance(data, Mapping) else None
             if not isinstance(page, Mapping):
@@ -325,9 +324,8 @@ class RunpodClient:
         if response.status_code != 200:
             raise self._error(response)
         data = self._json(response)
-        rows = data.get("records", []) if isinstance(data, Mapping) else data
         billed: dict[str, float] = {}
-        for row in rows if isinstance(rows, list) else []:
+        for row in _rows(data, "records"):
             if not isinstance(row, Mapping) or not row.get("podId"):
                 continue
             amount = row.get("totalAmount", row.get("amount", 0.0))
@@ -354,8 +352,9 @@ class RunpodClient:
         if response.status_code != 200:
             raise self._error(response)
         data = self._json(response)
-        rows = data.get("gpus", []) if isinstance(data, Mapping) else data
-        return [GpuType.from_catalog(row) for row in rows if isinstance(row, Mapping)]
+        return [
+            GpuType.from_catalog(row) for row in _rows(data, "gpus") if isinstance(row, Mapping)
+        ]
 
     async def data_centers(self) -> list[DataCenter]:
         """Runpod's data centers (REST v2's `/catalog/datacenters`, or GraphQL's
@@ -367,8 +366,8 @@ class RunpodClient:
         if response.status_code != 200:
             raise self._error(response)
         data = self._json(response)
-        rows = data.get("dataCenters", []) if isinstance(data, Mapping) else data
-        return [DataCenter.model_validate(row) for row in rows if isinstance(row, Mapping)]
+        found = _rows(data, "dataCenters")
+        return [DataCenter.model_validate(row) for row in found if isinstance(row, Mapping)]
 
     # Secrets
 
@@ -385,7 +384,7 @@ class RunpodClient:
             raise ValueError(problem)
         raw = value.get_secret_value()
         self._secrets.add(raw)
-        body: dict[str, Any] = {"name": name, "value": raw}
+        body: dict[str, JsonValue] = {"name": name, "value": raw}
         if description:
             body["description"] = description
         url = self._url("/account/secrets")
@@ -420,7 +419,7 @@ class RunpodClient:
         if response.status_code != 200:
             raise self._error(response)
         data = self._json(response)
-        rows = data.get("secrets", []) if isinstance(data, Mapping) else data
+        rows = _rows(data, "secrets")
         return [Secret.model_validate(row) for row in rows if isinstance(row, Mapping)]
 
     async def delete_secret(self, name: str) -> bool:
@@ -471,7 +470,7 @@ class RunpodClient:
         method: str,
         url: str,
         *,
-        json: Any = None,
+        json: JsonValue = None,
         params: Mapping[str, str] | None = None,
         retry: bool = True,
     ) -> httpx.Response:
@@ -522,7 +521,7 @@ class RunpodClient:
                 continue
             return response
 
-    async def _graphql(self, query: str, field: str) -> list[Mapping[str, Any]]:
+    async def _graphql(self, query: str, field: str) -> list[Mapping[str, JsonValue]]:
         """The list `data.<field>` of a GraphQL `query`; GraphQL's errors come
         with status 200 and raise RunpodError."""
         response = await self._request("POST", self.graphql_url, json={"query": query})
@@ -531,20 +530,23 @@ class RunpodClient:
         data = self._json(response)
         errors = data.get("errors") if isinstance(data, Mapping) else None
         if errors:
-            message = str(errors[0].get("message", "")) if isinstance(errors[0], Mapping) else ""
+            first = errors[0] if isinstance(errors, list) else errors
+            message = str(first.get("message", "")) if isinstance(first, Mapping) else ""
             raise RunpodError(
                 200,
                 "GraphQL error",
                 "check the API key and the graphql_url of the RunpodCredentials block",
                 detail=short_detail(message, self._secrets),
             )
-        rows = (data.get("data") or {}).get(field) if isinstance(data, Mapping) else None
-        return [row for row in rows or [] if isinstance(row, Mapping)]
+        inner = data.get("data") if isinstance(data, Mapping) else None
+        rows = _rows(inner, field) if isinstance(inner, Mapping) else []
+        return [row for row in rows if isinstance(row, Mapping)]
 
-    def _json(self, response: httpx.Response) -> Any:
+    def _json(self, response: httpx.Response) -> JsonValue:
         """The JSON of a 2xx answer; RunpodError when it is not JSON."""
         try:
-            return response.json()
+            answer: JsonValue = response.json()
+            return answer
         except ValueError:
             raise RunpodError(
                 response.status_code,
@@ -687,3 +689,10 @@ def _transport_error(exc: httpx.TransportError) -> RunpodError:
     return RunpodError(
         None, reason, "check the network and the URLs of the RunpodCredentials block"
     )
+
+
+def _rows(data: JsonValue, key: str) -> list[JsonValue]:
+    """The rows of an answer: the answer itself when it is a list, else the
+    list under `key` of an answer that is an object; none otherwise."""
+    rows = data.get(key, []) if isinstance(data, Mapping) else data
+    return rows if isinstance(rows, list) else []

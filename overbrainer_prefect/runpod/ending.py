@@ -32,6 +32,7 @@ from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name, usd
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
+from overbrainer_prefect.steps.context import ENDED_BY
 
 
 class DeleteRefused(PodError):
@@ -64,11 +65,12 @@ def attach_hint(record: RunRecord) -> str:
     return f"follow it again with {follow_again(record)}"
 
 
-async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client") -> None:
+async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = None) -> None:
     """Deletes the run's pod and confirms it is gone (an "already gone" is
     success), recording each step in `pod.json`: `deleting` before the
-    delete, `deleted` once confirmed. Does nothing when there is no pod or it
-    is already recorded deleted.
+    delete, `deleted` once confirmed, by `by` (by default who this process
+    is: `client`, or `collector` in the collect flow). Does nothing when
+    there is no pod or it is already recorded deleted.
 
     Raises PodError when the delete is refused or cannot be confirmed: the pod
     then stays `deleting` in `pod.json`, and may still bill.
@@ -92,7 +94,7 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client
             f"{remove_hint(pod.run_id)}",
             str(error),
         ) from None
-    fate = Fate(by, reason, taken_at) if deleted else found_gone(ctx.runs, pod)
+    fate = Fate(by or ENDED_BY.get(), reason, taken_at) if deleted else found_gone(ctx.runs, pod)
     pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
     reason = fate.reason
@@ -181,7 +183,7 @@ async def forget_if_gone(ctx: PodContext, pod: PodRecord) -> None:
     forget_client_key(ctx.runs, pod.run_id)
 
 
-async def release(ctx: PodContext, pod: PodRecord, reason: str, by: str = "client") -> None:
+async def release(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = None) -> None:
     """Ends every pod of a run that will not run a job (or no longer needs its
     pod): deletes its pod (confirmed; `by` in `pod.json`), sweeps the others,
     then forgets its keys. A failure is logged with how to remove what may be

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from pydantic import BaseModel, Field
 
 from overbrainer_prefect.runpod.orphans import PodRow
+from overbrainer_prefect.runs.ids import rfc3339
 
 
 class PodsError(ValueError):
@@ -25,6 +28,14 @@ class PodListing(BaseModel):
     estimated_spend: float | None
     orphan: bool
     why: str
+    unfollowed: bool = Field(
+        default=False, description="Its pod holds files of a job that nobody follows."
+    )
+    files_lost_at: str | None = Field(
+        default=None,
+        description="When its watchdog deletes it with those files (RFC 3339), when known.",
+    )
+    save_with: str = Field(default="", description="The command that saves those files.")
 
 
 class PodsResult(BaseModel):
@@ -50,4 +61,9 @@ def pod_listing(row: PodRow) -> PodListing:
         estimated_spend=None if row.estimated_spend is None else round(row.estimated_spend, 4),
         orphan=row.orphan,
         why=row.why,
+        unfollowed=row.unfollowed,
+        files_lost_at=None
+        if row.files_lost_at is None
+        else rfc3339(datetime.fromtimestamp(row.files_lost_at, UTC)),
+        save_with=row.save_with,
     )

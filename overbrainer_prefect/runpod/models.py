@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal, SupportsFloat, SupportsIndex, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    field_validator,
+    model_validator,
+)
 
 Cloud = Literal["SECURE", "COMMUNITY"]
 """Runpod's cloud tiers, as the API spells them."""
@@ -84,14 +91,14 @@ class Pod(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_api(cls, data: Any) -> Any:
+    def _from_api(cls, data: object) -> object:
         if not isinstance(data, Mapping):
             return data
         return normalize_pod(data)
 
     @field_validator("env", mode="before")
     @classmethod
-    def _env_strings(cls, env: Any) -> Any:
+    def _env_strings(cls, env: object) -> dict[str, str]:
         if isinstance(env, Mapping):
             return {str(k): "" if v is None else str(v) for k, v in env.items()}
         if isinstance(env, list):  # GraphQL: [{key, value}]
@@ -108,9 +115,9 @@ class Pod(BaseModel):
         return self.status in ACTIVE_STATUSES
 
 
-def normalize_pod(data: Mapping[str, Any]) -> dict[str, Any]:
+def normalize_pod(data: Mapping[str, object]) -> dict[str, object]:
     """A v1, v2 or GraphQL pod answer as the field names `Pod` reads."""
-    out: dict[str, Any] = dict(data)
+    out: dict[str, object] = dict(data)
     if "status" not in out and "desiredStatus" in out:
         out["status"] = out["desiredStatus"]
     if "cost" not in out:
@@ -136,17 +143,18 @@ def normalize_pod(data: Mapping[str, Any]) -> dict[str, Any]:
             out.setdefault("uptime_s", float(uptime))
     if "startedAt" not in out and isinstance(out.get("lastStartedAt"), str):
         out["startedAt"] = out["lastStartedAt"]
-    if out.get("ports") is None:
+    ports = out.get("ports")
+    if ports is None:
         out["ports"] = []
-    elif isinstance(out["ports"], str):  # GraphQL: "22/tcp,8888/http"
-        out["ports"] = [p.strip() for p in out["ports"].split(",") if p.strip()]
+    elif isinstance(ports, str):  # GraphQL: "22/tcp,8888/http"
+        out["ports"] = [p.strip() for p in ports.split(",") if p.strip()]
     ssh = out.get("ssh")
     if not (isinstance(ssh, SshEndpoint) or (isinstance(ssh, Mapping) and "host" in ssh)):
         out["ssh"] = _ssh_endpoint(data)
     return out
 
 
-def _ssh_endpoint(data: Mapping[str, Any]) -> dict[str, Any] | None:
+def _ssh_endpoint(data: Mapping[str, object]) -> dict[str, object] | None:
     """The direct SSH endpoint of a v2 pod (`ssh.direct`), else of a v1 pod
     (`publicIp` and `portMappings["22"]`), else from `runtime.ports`."""
     ssh = data.get("ssh")
@@ -210,32 +218,32 @@ class GpuType(BaseModel):
         return self.max_count_secure if cloud == "SECURE" else self.max_count_community
 
     @classmethod
-    def from_catalog(cls, row: Mapping[str, Any]) -> GpuType:
+    def from_catalog(cls, row: Mapping[str, JsonValue]) -> GpuType:
         """A row of REST v2's `GET /catalog/gpus`."""
-        price = row.get("price") or {}
-        max_count = row.get("maxCount") or {}
+        price = _object(row.get("price"))
+        max_count = _object(row.get("maxCount"))
         return cls(
             id=str(row["id"]),
             display_name=str(row.get("name") or row["id"]),
-            memory_gb=float(row.get("memory") or 0),
+            memory_gb=_float(row.get("memory") or 0),
             secure=bool(row.get("secure", True)),
             community=bool(row.get("community", True)),
             secure_price=_number(price.get("secure")),
             community_price=_number(price.get("community")),
             max_count_secure=_integer(max_count.get("secure")),
             max_count_community=_integer(max_count.get("community")),
-            availability=row.get("availability"),
+            availability=cast(str | None, row.get("availability")),
         )
 
     @classmethod
-    def from_graphql(cls, row: Mapping[str, Any]) -> GpuType:
+    def from_graphql(cls, row: Mapping[str, JsonValue]) -> GpuType:
         """A row of GraphQL's `gpuTypes`."""
         lowest = row.get("lowestPrice") or {}
         stock = lowest.get("stockStatus") if isinstance(lowest, Mapping) else None
         return cls(
             id=str(row["id"]),
             display_name=str(row.get("displayName") or row["id"]),
-            memory_gb=float(row.get("memoryInGb") or 0),
+            memory_gb=_float(row.get("memoryInGb") or 0),
             secure=bool(row.get("secureCloud", True)),
             community=bool(row.get("communityCloud", True)),
             secure_price=_number(row.get("securePrice")),
@@ -276,7 +284,7 @@ class NetworkVolume(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _v2_names(cls, data: Any) -> Any:
+    def _v2_names(cls, data: object) -> object:
         """REST v2 names the data center `dataCenter`; v1 `dataCenterId`."""
         if isinstance(data, Mapping) and "dataCenter" in data and "dataCenterId" not in data:
             data = {**data, "dataCenterId": data["dataCenter"]}
@@ -311,19 +319,19 @@ class PodRequest(BaseModel):
     start-command field, "arguments passed to the container entrypoint"; the
     image's CMD when it has no ENTRYPOINT)."""
 
-    def to_api(self) -> dict[str, Any]:
+    def to_api(self) -> dict[str, JsonValue]:
         """The JSON body of REST v2's `POST /pods`."""
-        body: dict[str, Any] = {
+        body: dict[str, JsonValue] = {
             "name": self.name,
             "image": self.image,
             "gpu": {"id": self.gpu_type_id, "count": self.gpu_count},
             "cloud": self.cloud,
             "disk": self.container_disk_gb,
-            "env": dict(self.env),
-            "ports": list(self.ports),
+            "env": {key: value for key, value in self.env.items()},
+            "ports": [port for port in self.ports],
         }
         if self.data_center_ids:
-            body["dataCenterIds"] = list(self.data_center_ids)
+            body["dataCenterIds"] = [center for center in self.data_center_ids]
         if self.network_volume_id:
             body["mounts"] = {
                 "network": [{"volumeId": self.network_volume_id, "path": self.network_volume_path}]
@@ -335,15 +343,25 @@ class PodRequest(BaseModel):
         return body
 
 
-def _number(value: Any) -> float | None:
+def _object(value: JsonValue) -> Mapping[str, JsonValue]:
+    """A JSON object of an answer; an empty one for null (or another falsy value)."""
+    return cast(Mapping[str, JsonValue], value or {})
+
+
+def _float(value: JsonValue) -> float:
+    """`float(value)`: TypeError or ValueError when the answer's value is no number."""
+    return float(cast(SupportsFloat | str, value))
+
+
+def _number(value: JsonValue) -> float | None:
     try:
-        return None if value is None else float(value)
+        return None if value is None else _float(value)
     except (TypeError, ValueError):
         return None
 
 
-def _integer(value: Any) -> int | None:
+def _integer(value: JsonValue) -> int | None:
     try:
-        return None if value is None else int(value)
+        return None if value is None else int(cast(SupportsIndex | str, value))
     except (TypeError, ValueError):
         return None

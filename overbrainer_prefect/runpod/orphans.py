@@ -1,23 +1,26 @@
 """The pods of the account that are ours (named `ob-<run id>-a<n>`), what
 each costs, and which of them are orphans: pods whose run is not in this runs
-directory, or has ended. Nothing here deletes a pod; the host key secrets of
-runs whose pods are all gone are swept.
+directory, or has ended. A pod whose job's files nobody follows (its job runs
+with no follower, or ended unretrieved) is told with when its watchdog deletes
+it with those files, and the command that saves them. Nothing here deletes a
+pod; the host key secrets of runs whose pods are all gone are swept.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.keys import HOST_KEY_SECRET_PREFIX
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
+from overbrainer_prefect.runs.ids import parse_rfc3339, rfc3339
 from overbrainer_prefect.runs.lock import is_followed
 from overbrainer_prefect.runs.records import RecordError
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, follow_again, subject
 from overbrainer_prefect.steps.retrieve import MANIFEST_FILE
 
 
@@ -44,16 +47,28 @@ class PodRow:
     """Its run has ended with every file retrieved and verified here, or its job
     never started within boot grace and nothing follows it; the pod is not
     kept: nothing is lost by deleting it (the sweep does)."""
+    files_lost_at: float | None = None
+    """When its watchdog deletes it with files nobody retrieved (Unix seconds),
+    when it holds such files and that time is known."""
+    save_with: str = ""
+    """The command that saves the files its pod holds before they are lost,
+    when nobody follows its job; empty otherwise."""
+
+    @property
+    def unfollowed(self) -> bool:
+        """Whether its pod holds files of a job that nobody follows."""
+        return bool(self.save_with)
 
     def line(self) -> str:
         """The row as one line of text."""
         rate = f"${self.rate:.2f}/h" if self.rate is not None else "$?/h"
         spend = f"~${self.estimated_spend:.2f}" if self.estimated_spend is not None else "~$?"
-        flag = "ORPHAN" if self.orphan else "ok"
+        flag = "ORPHAN" if self.orphan else "UNFOLLOWED" if self.unfollowed else "ok"
+        save = f"; save them with {self.save_with}" if self.save_with else ""
         return (
             f"{self.pod_id}  {self.owner or 'run ' + self.run_id}  {self.status}/{self.run_state}  "
             f"{self.gpu}  "
-            f"{rate}  up {self.uptime_s / 3600:.2f} h  {spend}  {flag}: {self.why}"
+            f"{rate}  up {self.uptime_s / 3600:.2f} h  {spend}  {flag}: {self.why}{save}"
         )
 
 
@@ -87,6 +102,8 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
     uptime = max(0.0, now - started) if started else 0.0
     rate = pod.cost_per_hr if pod.cost_per_hr else (local.cost_per_hour if local else None)
     spend = rate * uptime / 3600 if rate is not None else None
+    lost_at: float | None = None
+    save_with = ""
     if record is None:
         orphan, why, state = True, "its run is not in this runs directory", "not here"
     else:
@@ -99,9 +116,12 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
                 if kept
                 else "; its files are retrieved and verified: the sweep deletes it"
                 if retrieved
-                else "; its files were not retrieved: its watchdog deletes it after the retrieve "
-                "grace"
+                else "; its files were not retrieved: its watchdog deletes it with them "
+                + _unretrieved_end(record, local, now)
             )
+            if not kept and not retrieved and record.job is not None:
+                lost_at = _ended_plus_grace(record, local)
+                save_with = _save_with(record)
         elif kept:
             orphan, why = False, "kept (keep_pod)"
         elif record.job is None and local is not None and local.past_boot_bound(now):
@@ -111,7 +131,15 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
                 "the sweep deletes it" if retrieved else "its follower is still there"
             )
         elif local is not None and local.watchdog_shown:
-            orphan, why = False, "bounded by its watchdog"
+            orphan = False
+            if record.job is None:
+                why = "bounded by its watchdog (its job has not started)"
+            elif is_followed(store.run_dir(record.id)):
+                why = "followed; bounded by its watchdog"
+            else:
+                lost_at = _deadline(local)
+                why = _unfollowed_why(local, lost_at, now)
+                save_with = _save_with(record)
         else:
             orphan = False
             why = (
@@ -132,22 +160,98 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
         why=why,
         owner=subject(record) if record is not None else f"run {run_id}",
         retrieved=retrieved,
+        files_lost_at=lost_at,
+        save_with=save_with,
     )
 
 
+def _save_with(record: RunRecord) -> str:
+    """The commands that retrieve the files of `record`'s job nobody follows."""
+    return f"the collect flow (its deployment, or `collect()`), or {follow_again(record)}"
+
+
+def _when(unix: float, now: float) -> str:
+    """`2026-12-02T11:40:00Z (in 52 min)`, or `(… ago)` for a past time."""
+    left = unix - now
+    span = abs(left)
+    amount = f"{span / 3600:.1f} h" if span >= 5400 else f"{max(1, round(span / 60))} min"
+    relative = f"in {amount}" if left >= 0 else f"{amount} ago"
+    return f"{rfc3339(datetime.fromtimestamp(unix, UTC))} ({relative})"
+
+
+def _grace(local: PodRecord | None) -> str:
+    """`retrieve_grace (1 h)`, with its length when `pod.json` has it."""
+    if local is None or local.retrieve_grace_s is None:
+        return "retrieve_grace"
+    seconds = local.retrieve_grace_s
+    length = f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds:g} s"
+    return f"retrieve_grace ({length})"
+
+
+def _deadline(local: PodRecord) -> float | None:
+    """The earlier of the watchdog's max_hours and max_cost_usd deadlines
+    (Unix seconds): a job nobody follows renews no lease, so it applies."""
+    ends = [t for t in (local.deadline_unix, local.cost_deadline_unix) if t is not None]
+    return float(min(ends)) if ends else None
+
+
+def _unfollowed_why(local: PodRecord, deadline: float | None, now: float) -> str:
+    """What becomes of the files of a job that runs with nobody following it."""
+    bound = ""
+    if deadline is not None:
+        which = (
+            "max_cost_usd"
+            if local.cost_deadline_unix is not None
+            and (local.deadline_unix is None or local.cost_deadline_unix <= local.deadline_unix)
+            else "max_hours"
+        )
+        bound = f", and with its job at {which}: {_when(deadline, now)}"
+    return (
+        "its job runs with nobody following it: its watchdog deletes the pod with the job's "
+        f"files {_grace(local)} after the job ends{bound}"
+    )
+
+
+def _ended_plus_grace(record: RunRecord, local: PodRecord | None) -> float | None:
+    """When the watchdog deletes the pod of an ended, unretrieved run: about its
+    end (as seen here) plus its retrieve grace; None when either is unknown."""
+    if record.ended is None or local is None or local.retrieve_grace_s is None:
+        return None
+    try:
+        return parse_rfc3339(record.ended).timestamp() + local.retrieve_grace_s
+    except ValueError:
+        return None
+
+
+def _unretrieved_end(record: RunRecord, local: PodRecord | None, now: float) -> str:
+    """When the watchdog deletes the pod of an ended run whose files were not retrieved."""
+    at = _ended_plus_grace(record, local)
+    if at is None:
+        return f"{_grace(local)} after its job ended"
+    return f"at about {_when(at, now)}, {_grace(local)} after its job ended"
+
+
 def _retrieved(store: Runs, record: RunRecord) -> bool:
-    """Whether an ended run's pod holds nothing that is not here: its job never
-    started, or its files were retrieved and verified (its manifest is here)."""
-    if not record.state.ended or record.not_retrieved is not None:
-        return False
-    return record.job is None or (store.run_dir(record.id) / MANIFEST_FILE).is_file()
+    """Whether an ended run's pod holds nothing that is not here."""
+    return record.state.ended and files_here(store, record)
+
+
+def files_here(store: Runs, record: RunRecord) -> bool:
+    """Whether the run's pod holds nothing of its job that is not here: its job
+    never started, or its files were retrieved and verified (its manifest is
+    here, and no `not_retrieved` reason since)."""
+    if record.job is None:
+        return True
+    return record.not_retrieved is None and (store.run_dir(record.id) / MANIFEST_FILE).is_file()
 
 
 def orphan_warnings(rows: list[PodRow]) -> list[str]:
-    """One warning per orphan: what it costs, why it is one, how to remove it."""
+    """One warning per orphan, and per pod whose job's files nobody follows:
+    what it costs, why, and the command that saves its files (when it holds
+    some nobody retrieved) or removes it."""
     warnings = []
     for row in rows:
-        if not row.orphan:
+        if not row.orphan and not row.unfollowed:
             continue
         rate = f" (${row.rate:.2f}/h" if row.rate is not None else " ($?/h"
         spend = (
@@ -155,10 +259,17 @@ def orphan_warnings(rows: list[PodRow]) -> list[str]:
             if (row.estimated_spend is not None)
             else ")"
         )
+        remove = f"remove it with the pods flow (action=remove, run_id={row.run_id})"
+        if row.unfollowed:
+            then = f"save its files with {row.save_with}" + (
+                f"; or, to lose them, {remove}" if row.orphan else ""
+            )
+        else:
+            then = remove
+        what = "is an orphan" if row.orphan else "holds a job nobody follows"
         warnings.append(
-            f"pod {row.pod_id} of {row.owner or 'run ' + row.run_id}{rate}{spend} is an orphan: "
-            f"{row.why}; remove "
-            f"it with the pods flow (action=remove, run_id={row.run_id})"
+            f"pod {row.pod_id} of {row.owner or 'run ' + row.run_id}{rate}{spend} {what}: "
+            f"{row.why}; {then}"
         )
     return warnings
 

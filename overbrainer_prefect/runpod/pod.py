@@ -117,6 +117,11 @@ class PodRecord(BaseModel):
         "(its watchdog's boot grace, and the bound the collector and the sweep apply "
         "when its start command never ran).",
     )
+    retrieve_grace_s: float | None = Field(
+        default=None,
+        description="How long after its job ended the pod's watchdog keeps it (and the job's "
+        "files) for a retrieval: the `pods` flow says when unfollowed files are lost.",
+    )
     host_key: str = Field(description="The pod's public host key, pinned.")
     host_key_secret: str | None = Field(
         default=None, description="The Runpod secret holding the host key (its name)."
@@ -134,9 +139,9 @@ class PodRecord(BaseModel):
     )
     deleted_by: str | None = Field(
         default=None,
-        description="Who deleted it: `client` (the flow that followed it, a collector), "
-        "`watchdog` (its reason in delete_reason), `reaper` (its boot bound, nothing else "
-        "alive), `pods flow`, or `unknown` (Runpod terminated it, or the console).",
+        description="Who deleted it: `client` (the flow that followed it), `collector` (the "
+        "collect flow), `watchdog` (its reason in delete_reason), `reaper` (its boot bound, "
+        "nothing else alive), `pods flow`, or `unknown` (Runpod terminated it, or the console).",
     )
     delete_reason: str | None = None
     retrieved_marked: bool = Field(

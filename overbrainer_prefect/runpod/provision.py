@@ -65,6 +65,8 @@ from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord
 
 BANNER_TIMEOUT_S = 5.0  # seconds to read sshd's banner on a starting pod
+BANNER_POLL_S = 0.5  # between two knocks on a pod's sshd once Runpod shows its endpoint (billed)
+ARM_POLL_S = 0.25  # between two reads of the watchdog's log for its cost cap (it looks every 0.2 s)
 CONNECT_TIMEOUT_S = 15.0  # seconds to open the first SSH connection to a pod
 DEFAULT_WORKDIR = f"{POD_WORKSPACE}/{WORKDIR_NAME}"
 """Where the run directories are on a real pod."""
@@ -109,6 +111,7 @@ async def provision(
             host_key_secret=host_key_secret(run.id),
             max_cost_usd=settings.max_cost_usd,
             boot_grace_s=settings.boot_grace_s,
+            retrieve_grace_s=settings.retrieve_grace_s,
         )
         pod.save(ctx.runs)
         start_reaper(ctx.runs, run.id, ctx.client)  # bounds the pod until its watchdog runs
@@ -312,10 +315,14 @@ async def wait_ready(
                 )
             if remote.ssh is None:
                 why = f"Runpod shows no SSH endpoint for it yet ({remote.status})"
-            elif not await ssh_banner(
-                remote.ssh.host, remote.ssh.port, min(BANNER_TIMEOUT_S, left)
+            elif not await knock(
+                remote.ssh.host,
+                remote.ssh.port,
+                min(ctx.timing.ready_poll_s, left),
+                min(BANNER_TIMEOUT_S, left),
             ):
                 why = f"nothing answers SSH at {remote.ssh.host}:{remote.ssh.port} yet"
+                continue  # it knocked for a whole poll: look at the pod again at once
             else:
                 pod.ssh = SshAddress(
                     host=remote.ssh.host, port=remote.ssh.port, user=remote.ssh.username
@@ -331,6 +338,21 @@ async def wait_ready(
                     await executor.close()
                     raise PodError(f"pod {pod.pod_id}: {error}; it is deleted") from None
         await asyncio.sleep(max(0.05, min(ctx.timing.ready_poll_s, deadline - time.monotonic())))
+
+
+async def knock(host: str, port: int, span_s: float, timeout: float) -> bool:
+    """Whether an SSH server at `host:port` answers with its banner (each
+    knock waiting up to `timeout` seconds for it) within about `span_s`
+    seconds, knocking every `BANNER_POLL_S`: a pod bills while its sshd
+    starts, so it is used as soon as it answers."""
+    until = time.monotonic() + span_s
+    while True:
+        if await ssh_banner(host, port, timeout):
+            return True
+        rest = until - time.monotonic()
+        if rest <= 0:
+            return False
+        await asyncio.sleep(min(BANNER_POLL_S, rest))
 
 
 async def ssh_banner(host: str, port: int, timeout: float) -> bool:
@@ -429,7 +451,7 @@ async def arm_cost_cap(
                 f"the watchdog of pod {pod.name} did not confirm its cost cap within "
                 f"{timeout:g} s (see runs/{run.id}/{WATCHDOG_LOG}): it is deleted"
             )
-        await asyncio.sleep(min(1.0, ctx.timing.watch_interval_s / 2))
+        await asyncio.sleep(min(ARM_POLL_S, ctx.timing.watch_interval_s / 2))
 
 
 def _utc(unix: int) -> datetime:

@@ -9,7 +9,7 @@ first problem into one line saying what to fix.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -122,7 +122,7 @@ class RunpodSettingsFields(BaseModel):
 
     @field_validator("gpu_types", mode="before")
     @classmethod
-    def _gpu_types(cls, value: Any) -> Any:
+    def _gpu_types(cls, value: object) -> object:
         if isinstance(value, str):
             text = value.strip()
             if text == AUTO:
@@ -165,7 +165,7 @@ class RunpodSettingsFields(BaseModel):
 
     @field_validator("data_center_ids", mode="before")
     @classmethod
-    def _data_centers(cls, value: Any) -> Any:
+    def _data_centers(cls, value: object) -> object:
         if isinstance(value, str):
             value = value.split(",")
         if isinstance(value, list | tuple):
@@ -204,7 +204,7 @@ class SettingsError(ValueError):
     """Runpod target settings that cannot be used; the message is one line."""
 
 
-def settings_from(data: Mapping[str, Any] | RunpodTargetSettings) -> RunpodTargetSettings:
+def settings_from(data: Mapping[str, object] | RunpodTargetSettings) -> RunpodTargetSettings:
     """`data` as checked settings. Raises SettingsError with one line naming
     the first field in error and what to do."""
     if isinstance(data, RunpodTargetSettings):

@@ -7,7 +7,6 @@ target's bound."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.context import PodError
@@ -32,7 +31,7 @@ async def ensure_volume(
     settings: RunpodTargetSettings,
     need_bytes: int | None,
     what: str,
-    log: logging.Logger | logging.LoggerAdapter[Any],
+    log: logging.Logger | logging.LoggerAdapter[logging.Logger],
 ) -> int | None:
     """Checks the target's network volume before a pod of `what` (a job that
     writes about `need_bytes` there; None: not known) is asked for: grows it

@@ -33,7 +33,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, SupportsInt, cast
 
 from pydantic import SecretStr
 
@@ -76,7 +76,7 @@ class ModelShape:
     tie_embeddings: bool = False
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], params: int | None = None) -> ModelShape:
+    def from_config(cls, config: Mapping[str, object], params: int | None = None) -> ModelShape:
         """The shape of a transformers `config.json`, with `params` counted from
         its weights (estimated from the dimensions, Llama-style, when None).
         Raises VramEstimateError when a dimension is missing."""
@@ -86,9 +86,9 @@ class ModelShape:
         hidden = _dim(config, "hidden_size", "n_embd", "d_model")
         layers = _dim(config, "num_hidden_layers", "n_layer", "num_layers")
         heads = _dim(config, "num_attention_heads", "n_head")
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        intermediate = int(config.get("intermediate_size") or config.get("n_inner") or 4 * hidden)
+        kv_heads = _int(config.get("num_key_value_heads") or heads)
+        head_dim = _int(config.get("head_dim") or hidden // heads)
+        intermediate = _int(config.get("intermediate_size") or config.get("n_inner") or 4 * hidden)
         vocab = _dim(config, "vocab_size")
         tied = bool(config.get("tie_word_embeddings", False))
         if params is None:
@@ -289,7 +289,12 @@ def model_shape(
     return fetch_hub_shape(base_model, token=token, endpoint=endpoint)
 
 
-def _dim(config: Mapping[str, Any], *names: str) -> int:
+def _int(value: object) -> int:
+    """`int(value)` of a config.json value: TypeError or ValueError when it is no number."""
+    return int(cast(SupportsInt | str, value))
+
+
+def _dim(config: Mapping[str, object], *names: str) -> int:
     for name in names:
         value = config.get(name)
         if isinstance(value, int) and value > 0:

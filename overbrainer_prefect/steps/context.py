@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from overbrainer_prefect.executors.base import (
@@ -19,6 +20,13 @@ from overbrainer_prefect.steps.reporters import LogReporter, Reporter
 from overbrainer_prefect.trainers.base import TargetFacts
 
 log = logging.getLogger(__name__)
+
+COLLECTOR = "collector"
+"""`ENDED_BY` in the collect flow."""
+
+ENDED_BY: ContextVar[str] = ContextVar("overbrainer_ended_by", default="client")
+"""Who this process is when it deletes what a job ran on (a pod's `deleted_by`):
+`client`, the flow that follows the job; the collect flow sets `COLLECTOR`."""
 
 
 @dataclass

@@ -72,7 +72,7 @@ from overbrainer_prefect.runpod.vram import (
 )
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.steps import retrieve
-from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.context import COLLECTOR, Outcome, RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, RunError, failure_reason
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
@@ -844,7 +844,7 @@ class PodTarget:
             pod = None
         if pod is None:
             return "its pod no longer exists"
-        told = pod.delete_reason if pod.deleted_by not in (None, "client") else None
+        told = pod.delete_reason if pod.deleted_by not in (None, "client", COLLECTOR) else None
         return told or pod.limit_reached() or f"pod {pod.name} no longer exists"
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:
