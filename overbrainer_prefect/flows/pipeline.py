@@ -50,8 +50,7 @@ from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.targets.base import JobNeed
-from overbrainer_prefect.targets.sharing import shared
+from overbrainer_prefect.targets.sharing import after_training, shared
 from overbrainer_prefect.targets.spend import run_spent, spent
 from overbrainer_prefect.trainers.compare import check_max_tokens, load_questions
 
@@ -167,7 +166,7 @@ async def _fine_tune(
     reused: list[str] = []
 
     # one place (a pod) for every job of the fine-tune, sized for the largest; ended with it
-    async with shared(_later_needs(spec), (runs, run.id) if run is not None else None):
+    async with shared(after_training(spec.training), (runs, run.id) if run is not None else None):
         try:
             trained_id, trained = await _train_step(spec, runs, run)
         except Exception as error:
@@ -278,13 +277,6 @@ async def _fine_tune(
     if result.gate is not None and not result.gate.passed:
         return await not_delivered(runs, run_id, result.gate, _deliver_again(spec, run_id), result)
     return result
-
-
-def _later_needs(spec: FineTuneSpec) -> list[JobNeed]:
-    """What the jobs after the training need (the merge into the base model
-    is the largest): a pod made for the fine-tune is sized for them too."""
-    model = spec.training.base_model
-    return [JobNeed(what=f"the merge into {model} (the export)", merge_model=model)]
 
 
 def _deployment_name() -> str:

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.targets.base import JobNeed
+from overbrainer_prefect.trainers.spec import TrainingSpec
 
 
 class Held(Protocol):
@@ -47,6 +48,14 @@ class Sharing:
     """The record a continued pipeline's place may still live with (its run)."""
     held: dict[str, Held] = field(default_factory=dict)
     """What each target (by its name) holds for the pipeline's next jobs."""
+
+
+def after_training(training: TrainingSpec) -> list[JobNeed]:
+    """What a fine-tune's jobs after its training need (the merge into its
+    base model is the largest of them): a pod made for the fine-tune is sized
+    for them too."""
+    model = training.base_model
+    return [JobNeed(what=f"the merge into {model} (the export)", merge_model=model)]
 
 
 _CURRENT: ContextVar[Sharing | None] = ContextVar("overbrainer_sharing", default=None)
