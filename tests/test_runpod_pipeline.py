@@ -377,6 +377,9 @@ def test_a_fine_tune_killed_between_jobs_continues_on_its_pod_while_it_lives(
         sim, pods_of, trained_here, tmp_path, monkeypatch, grace_s=120
     )
     assert not sim.pod(pod_id).deleted
+    listed = run(pods(action="list", runs_dir=str(tmp_path / "runs"), credentials=None))
+    (row,) = [r for r in listed.pods if r.pod_id == pod_id]  # its export ended: not left over
+    assert not row.orphan and "runs the jobs of its pipeline" in row.why
     result = run(fine_tune(fine, run_id=run_id))
     assert isinstance(result, FineTuneResult) and result.compare.state == RunState.SUCCEEDED
     (made,) = sim.pods(include_deleted=True)  # the same pod ran the rest of the fine-tune

@@ -707,6 +707,8 @@ class PodTarget:
             if sharing is not None and self.ref not in sharing.held:  # the pipeline's pod
                 placed.share = PodShare(self, store, record.id, ready.pod, settings.image, plan)
                 sharing.held[self.ref] = placed.share
+                ready.pod.pipeline_job = record.id  # once its job ended, the pod is not left over
+                ready.pod.save(store)
                 if sharing.anchor is not None and sharing.anchor[1] != record.id:
                     # a continued pipeline finds this pod again from its run
                     anchor_store, anchor_id = sharing.anchor
@@ -752,6 +754,8 @@ class PodTarget:
                 f"{subject(record)} cannot be placed on pod {held.pod.name}: {error}"
             ) from None
         held.jobs += 1
+        held.pod.pipeline_job = record.id
+        held.pod.save(held.home)
         return executor, remote
 
     @asynccontextmanager
