@@ -6,5 +6,6 @@ The core here never imports Prefect: `budgets` (what may be spent), `ledger`
 (the ledger's file under a lock a dead holder cannot keep), `pods` (what a
 launch plan asks of the budget and what a pod's record says it cost), `chart`
 (the spend as SVG bars). Where the budgets are set and the spend is shown is
-in `flows/money.py` and `flows/spend.py`.
+in `server_budget.py` and `flows/spend.py`; `limits` names the GPU budget's two
+concurrency limits.
 """

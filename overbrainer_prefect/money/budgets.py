@@ -1,7 +1,7 @@
 """What may be spent: a day's and a month's dollars for every pod together,
 and optionally for the pods of one target, checked once when they are read.
 
-The budgets live on the Prefect server (`flows/money.py`); this module only
+The budgets live on the Prefect server (`server_budget.py`); this module only
 checks them, so any process reads them the same way. Days and months are
 UTC: a day's budget resets at 00:00 UTC, a month's on the 1st at 00:00 UTC.
 """
@@ -77,7 +77,7 @@ HOW_TO_SET = (
 """How the budgets are set, for messages."""
 
 
-def budgets_from(value: Any) -> Budgets:
+def budgets_from(value: object) -> Budgets:
     """`value` (the JSON the budget variable holds) as checked budgets.
     Raises BudgetSettingError with one line naming the first field in error."""
     if isinstance(value, Budgets):
