@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pydantic import SecretStr
@@ -20,7 +21,12 @@ from overbrainer_prefect.delivery.gguf_metadata import read_header
 from overbrainer_prefect.delivery.hub import Committed, HubFile, check_repo_id, commit_to_hub
 from overbrainer_prefect.delivery.modelcard import facts_of_run, model_card
 from overbrainer_prefect.delivery.ollama import ModelSettings, OllamaClient, Pushed, chat_settings
-from overbrainer_prefect.delivery.record import DeliveredFile, Delivery
+from overbrainer_prefect.delivery.record import (
+    DeliveredFile,
+    Delivery,
+    NotDelivered,
+    add_not_delivered,
+)
 from overbrainer_prefect.delivery.result import DeliveryFailed
 from overbrainer_prefect.delivery.sources import (
     ExportedGguf,
@@ -29,6 +35,7 @@ from overbrainer_prefect.delivery.sources import (
     find_gguf,
     normalize_quant,
 )
+from overbrainer_prefect.evaluation.gate import GateDecision
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 
@@ -202,3 +209,24 @@ def link_of(run_id: str, delivery: Delivery) -> tuple[str, str, str]:
     digest = hashlib.sha256(delivery.name.encode()).hexdigest()[:8]
     slug = re.sub(r"[^a-z0-9]+", "-", delivery.name.lower()).strip("-")[:40]
     return text, description, f"{delivery.destination}-{slug}-{digest}"
+
+
+def keep_back(
+    run_dir: Path, run_id: str, gate: GateDecision, again: str, flow_run_id: str | None = None
+) -> str:
+    """Records in the run's `deliveries.json` that `gate` kept run `run_id`
+    back, and returns the line that says so: `not delivered: <reason>; ...`
+    with what was kept and `again`, the command that delivers it anyway.
+    Raises RecordError when the refusal cannot be recorded."""
+    refused = NotDelivered(
+        reason=gate.reason,
+        evaluation_id=gate.evaluation_id,
+        decided=rfc3339(),
+        flow_run_id=flow_run_id,
+    )
+    add_not_delivered(run_dir, refused)
+    evaluation = f" (evaluation {gate.evaluation_id})" if gate.evaluation_id else ""
+    return (
+        f"not delivered: {gate.reason}{evaluation}; run {run_id} and its GGUF are kept: "
+        f"deliver it anyway with {again}"
+    )

@@ -21,7 +21,7 @@ from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
 from overbrainer_prefect.kinds.base import Finished
-from overbrainer_prefect.kinds.base_export import base_gguf, reused_base
+from overbrainer_prefect.kinds.base_export import base_export_job, base_gguf, reused_base
 from overbrainer_prefect.kinds.compare import NAME as COMPARE
 from overbrainer_prefect.kinds.compare import (
     CompareFailed,
@@ -35,7 +35,7 @@ from overbrainer_prefect.kinds.compare import (
     result_of,
     reused_compare,
 )
-from overbrainer_prefect.kinds.export import export_job, running
+from overbrainer_prefect.kinds.export import running
 from overbrainer_prefect.runs.store import Runs, subject
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
@@ -51,7 +51,7 @@ from overbrainer_prefect.trainers.compare import (
     load_questions,
     vram_floor,
 )
-from overbrainer_prefect.trainers.export import DEFAULT_QUANT, BaseExportTrainer, check_quant
+from overbrainer_prefect.trainers.export import DEFAULT_QUANT, check_quant
 
 GB = 10**9
 
@@ -85,20 +85,10 @@ async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: 
             logger.info("%s was left running: following it again", subject(left))
             finished: Finished = await follow_again(runs, store, left, logger)
         else:
-            trainer = BaseExportTrainer(base, quant, cpu_threads=place.cpu_threads)
             logger.info(
                 "the base model %s has no %s GGUF yet: exporting it on %s", base, quant, place.ref
             )
-            job = export_job(
-                store,
-                trainer,
-                {"quant": quant, "keep_intermediate": False, "base_model": base},
-                base,
-                place.python,
-                what=f"the {quant} export of the base model {base}",
-                parent=None,
-                subdir="bases",
-            )
+            job = base_export_job(store, base, quant, place.python, place.cpu_threads)
             finished = await run_new(place, job, logger)
     except (TrainError, RunError) as error:
         raise CompareFailed(

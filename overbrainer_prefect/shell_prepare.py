@@ -1,9 +1,9 @@
-"""The prepare step of a nightly fine-tune: a saved prefect-shell
-`ShellOperation` block (the user's export script: a SQL dump, a dbt run, a
-`curl`), run on the worker before anything else, its output streamed to the
-flow run's log line by line. What it says it wrote (`OVERBRAINER_DATASET=`
-and `OVERBRAINER_EVAL=` lines, see `nightly/prepared.py`) becomes the night's
-data.
+"""The prepare step of a nightly fine-tune (what prefect-shell adds to
+`nightly/prepared.py`): a saved prefect-shell `ShellOperation` block (the
+user's export script: a SQL dump, a dbt run, a `curl`), run on the worker
+before anything else, its output streamed to the flow run's log line by line.
+What it says it wrote (`OVERBRAINER_DATASET=` and `OVERBRAINER_EVAL=` lines)
+becomes the night's data.
 
 Create the block once, in Python or in the UI under Blocks, Shell Operation:
 
@@ -30,9 +30,8 @@ from prefect.blocks.core import Block
 from prefect.client.orchestration import get_client
 from prefect_shell import ShellOperation
 
-from overbrainer_prefect.nightly.prepared import PrepareError, last_lines
+from overbrainer_prefect.nightly.prepared import PREPARE_TIMEOUT_S, PrepareError, last_lines
 
-PREPARE_TIMEOUT_S = 3600.0  # an export that runs past an hour is stopped (a parameter)
 KILL_GRACE_S = 5.0  # after SIGTERM, how long the step's processes have before SIGKILL
 MERGING_SHELLS = frozenset({"bash", "sh", "zsh", "dash", "ksh"})
 """Shells in which `exec 2>&1` sends the step's stderr to its output, so a
