@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from prefect.blocks.core import Block
 from pydantic import Field, HttpUrl, SecretStr, ValidationError
@@ -340,7 +340,7 @@ class RunpodTarget(RunpodSettingsFields, TargetBlock):
     def settings(self) -> RunpodTargetSettings:
         """The checked settings of this target. Raises SettingsError with one
         line naming the first field in error and what to do."""
-        values: dict[str, Any] = {
+        values: dict[str, object] = {
             name: getattr(self, name) for name in RunpodTargetSettings.model_fields
         }
         return settings_from(values)

@@ -9,7 +9,6 @@ UTC: a day's budget resets at 00:00 UTC, a month's on the 1st at 00:00 UTC.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -28,13 +27,13 @@ class Limits(BaseModel):
 
     @field_validator("day_usd", "month_usd", mode="before")
     @classmethod
-    def _dollars(cls, value: Any) -> Any:
+    def _dollars(cls, value: object) -> object:
         if value is None:
             return None
         if isinstance(value, bool):
             raise ValueError(f"{value!r} is not a number of dollars")
         try:
-            number = float(value)
+            number = float(str(value))  # any JSON the variable holds
         except (TypeError, ValueError):
             raise ValueError(f"{str(value)[:40]!r} is not a number of dollars") from None
         if not math.isfinite(number):
