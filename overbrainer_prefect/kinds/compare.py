@@ -243,34 +243,6 @@ def check_comparable(runs: Runs, run_id: str, quant: str) -> tuple[RunRecord, Gg
     return run, tuned, base
 
 
-def reusable_compare(
-    compares: Runs,
-    questions: list[str],
-    max_tokens: int,
-    seed: int,
-    quant: str,
-    tuned: GgufRef,
-    target: str,
-) -> RunRecord | None:
-    """The latest succeeded compare that asked the same questions of the same tuned
-    GGUF the same way on `target`, whose answers are here as retrieved, or None."""
-    found: list[RunRecord] = []
-    for record in compares.list(skipped=lambda _name, _error: None):
-        spec = spec_of(record.spec)
-        if spec is None or record.state != RunState.SUCCEEDED or record.target != target:
-            continue
-        if record.not_retrieved is not None:
-            continue
-        if not spec.asks(questions, max_tokens, seed, quant, tuned.sha256):
-            continue
-        local = compares.run_dir(record.id)
-        entry = next((f for f in retrieve.load_manifest(local) if f.path == ANSWERS_FILE), None)
-        answers = local / ANSWERS_FILE
-        if entry is not None and answers.is_file() and answers.stat().st_size == entry.size:
-            found.append(record)
-    return max(found, key=lambda r: (r.ended or r.created, r.id)) if found else None
-
-
 def running_compare(
     compares: Runs,
     questions: list[str],
@@ -351,12 +323,26 @@ def reused_compare(
     tuned: GgufRef,
     target: str,
 ) -> tuple[RunRecord, CompareResult] | None:
-    """The latest succeeded compare of the same questions, settings and tuned
-    GGUF on `target` and its result (`reused`), None when there is none.
-    Raises NotComparable with one line when such a compare runs now (follow
-    that one)."""
-    done = reusable_compare(compares, questions, max_tokens, seed, quant, tuned, target)
-    if done is not None:
+    """The latest succeeded compare that asked the same questions of the same
+    tuned GGUF the same way on `target`, whose answers are here as retrieved,
+    and its result (`reused`); None when there is none. Raises NotComparable
+    with one line when such a compare runs now (follow that one)."""
+    found: list[RunRecord] = []
+    for record in compares.list(skipped=lambda _name, _error: None):
+        spec = spec_of(record.spec)
+        if spec is None or record.state != RunState.SUCCEEDED or record.target != target:
+            continue
+        if record.not_retrieved is not None:
+            continue
+        if not spec.asks(questions, max_tokens, seed, quant, tuned.sha256):
+            continue
+        local = compares.run_dir(record.id)
+        entry = next((f for f in retrieve.load_manifest(local) if f.path == ANSWERS_FILE), None)
+        answers = local / ANSWERS_FILE
+        if entry is not None and answers.is_file() and answers.stat().st_size == entry.size:
+            found.append(record)
+    if found:
+        done = max(found, key=lambda r: (r.ended or r.created, r.id))
         files = retrieve.load_manifest(compares.run_dir(done.id))
         return done, result_of(compares, done, files, reused=True)
     busy = running_compare(compares, questions, max_tokens, seed, quant, tuned.sha256)
