@@ -27,7 +27,7 @@ from overbrainer_prefect.delivery.record import (
     NotDelivered,
     add_not_delivered,
 )
-from overbrainer_prefect.delivery.result import DeliveryFailed
+from overbrainer_prefect.delivery.result import DEFAULT_HF_BLOCK, DeliveryFailed, deliver_again
 from overbrainer_prefect.delivery.sources import (
     ExportedGguf,
     LocalFile,
@@ -190,8 +190,41 @@ def hub_delivery(
     )
 
 
-def kept_line(todo: ToDeliver) -> str:
-    """What stays when a destination fails: `the GGUF stays verified at ...`."""
+def verified_line(todo: ToDeliver) -> str | None:
+    """`run R: GGUF <path> of export E verified (SHA-256 ...)`, None without a GGUF."""
+    gguf = todo.gguf
+    if gguf is None:
+        return None
+    return (
+        f"run {todo.record.id}: GGUF {gguf.file.shown} of export {gguf.export_id} verified "
+        f"(SHA-256 {gguf.file.sha256})"
+    )
+
+
+def ollama_failure(todo: ToDeliver, error: DeliveryError, ollama: str, model: str | None) -> str:
+    """Why the push to the `OllamaServer` block `ollama` failed, what stays
+    verified, and the deliver flow that delivers it again."""
+    again = deliver_again(todo.record.id, todo.quant, ollama=ollama, model_name=model)
+    return f"{error}; {_kept(todo)}: deliver it again with {again}"
+
+
+def hub_failure(
+    todo: ToDeliver, error: DeliveryError, huggingface: str, private: bool, what: What
+) -> str:
+    """Why the commit to the Hub failed, what stays verified, and the deliver
+    flow that delivers it again (its non-default parameters)."""
+    again = deliver_again(
+        todo.record.id,
+        todo.quant,
+        hub_repo=todo.hub_repo,
+        huggingface=huggingface if huggingface != DEFAULT_HF_BLOCK else None,
+        private=None if private else "false",
+        what=what,
+    )
+    return f"{error}; no commit was made and {_kept(todo)}: deliver again with {again}"
+
+
+def _kept(todo: ToDeliver) -> str:
     if todo.gguf is not None:
         return f"the GGUF stays verified at {todo.gguf.file.shown}"
     return f"the adapter stays verified in runs/{todo.record.id}/output/"

@@ -31,6 +31,7 @@ from overbrainer_prefect.kinds.compare import (
     gguf_job,
     gguf_need,
     job_failure,
+    plan_line,
     result_line,
     result_of,
     reused_compare,
@@ -49,11 +50,8 @@ from overbrainer_prefect.trainers.compare import (
     base_key,
     check_max_tokens,
     load_questions,
-    vram_floor,
 )
 from overbrainer_prefect.trainers.export import DEFAULT_QUANT, check_quant
-
-GB = 10**9
 
 
 async def publish_answers(compare_id: str, markdown: str) -> None:
@@ -180,19 +178,7 @@ async def compare(
         return result
     need = gguf_need(f"the compare of run {run_id}", tuned, image)
     place.check(need)  # a wrong image fails here, before any base export
-    logger.info(
-        "run %s: %d questions to its base model and its fine-tune (%s, at most %d tokens "
-        "each, seed %d) on %s; VRAM floor %.1f GB (the %s GGUF, %.1f MB, plus a fifth, plus 2 GB)",
-        run_id,
-        len(asked),
-        quant,
-        max_tokens,
-        seed,
-        place.ref,
-        vram_floor(tuned.size) / GB,
-        quant,
-        tuned.size / 1e6,
-    )
+    logger.info("%s", plan_line(run_id, len(asked), quant, max_tokens, seed, place.ref, tuned))
     spec = CompareSpec(
         questions=asked,
         max_tokens=max_tokens,

@@ -25,10 +25,12 @@ from overbrainer_prefect.delivery.deliver import (
     check_delivery,
     commit_run,
     hub_delivery,
-    kept_line,
+    hub_failure,
     link_of,
     ollama_delivery,
+    ollama_failure,
     push_to_ollama,
+    verified_line,
 )
 from overbrainer_prefect.delivery.hub import CARD_FILE, Committed
 from overbrainer_prefect.delivery.ollama import Pushed
@@ -37,7 +39,6 @@ from overbrainer_prefect.delivery.result import (
     DEFAULT_HF_BLOCK,
     DeliveryFailed,
     DeliveryResult,
-    deliver_again,
     ollama_model_name,
 )
 from overbrainer_prefect.delivery.sources import ExportedGguf
@@ -81,43 +82,25 @@ async def deliver(
     server = await _load_block(OllamaServer, ollama) if ollama is not None else None
     hub = todo.hub_repo
     credentials = await _load_block(HuggingFaceCredentials, huggingface) if hub else None
-    gguf = todo.gguf
-    if gguf is not None:
-        logger.info(
-            "run %s: GGUF %s of export %s verified (SHA-256 %s)",
-            run_id,
-            gguf.file.shown,
-            gguf.export_id,
-            gguf.file.sha256,
-        )
+    gguf, verified = todo.gguf, verified_line(todo)
+    if verified is not None:
+        logger.info("%s", verified)
     deliveries: list[Delivery] = []
     failures: list[str] = []
     if server is not None and gguf is not None and ollama is not None:
         name = ollama_model_name(todo.record, todo.quant, model_name, server.model_prefix)
-        again = deliver_again(run_id, todo.quant, ollama=ollama, model_name=model_name)
         try:
             pushed = await deliver_to_ollama(server, todo.record, gguf, name)
         except DeliveryError as error:
-            failures.append(f"{error}; {kept_line(todo)}: deliver it again with {again}")
+            failures.append(ollama_failure(todo, error, ollama, model_name))
         else:
             made = ollama_delivery(server.url, pushed, gguf, evaluation_id, flow_run.id)
             deliveries.append(await _recorded(runs, run_id, made))
     if credentials is not None and hub is not None:
-        named = huggingface if huggingface != DEFAULT_HF_BLOCK else None
-        again = deliver_again(
-            run_id,
-            todo.quant,
-            hub_repo=hub,
-            huggingface=named,
-            private=None if private else "false",
-            what=what,
-        )
         try:
             committed = await deliver_to_hub(runs, todo, hub, credentials, private)
         except DeliveryError as error:
-            failures.append(
-                f"{error}; no commit was made and {kept_line(todo)}: deliver again with {again}"
-            )
+            failures.append(hub_failure(todo, error, huggingface, private, what))
         else:
             made = hub_delivery(committed, gguf, evaluation_id, flow_run.id)
             deliveries.append(await _recorded(runs, run_id, made))

@@ -23,7 +23,13 @@ from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.base import Trainer
-from overbrainer_prefect.trainers.compare import CompareTrainer, ModelAnswer, read_answers, spec_of
+from overbrainer_prefect.trainers.compare import (
+    CompareTrainer,
+    ModelAnswer,
+    read_answers,
+    spec_of,
+    vram_floor,
+)
 from overbrainer_prefect.trainers.export import base_model
 from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, MODELS_DIR, GgufRef
 
@@ -397,4 +403,17 @@ def result_line(result: CompareResult, record: RunRecord) -> str:
         f"questions answered by both models, {cut} cut at {result.max_tokens} tokens; "
         f"tokens/s base {number_text(result.mean_tokens_per_s('base'))}, tuned "
         f"{number_text(result.mean_tokens_per_s('tuned'))}. {result.next}"
+    )
+
+
+def plan_line(
+    run_id: str, questions: int, quant: str, max_tokens: int, seed: int, where: str, tuned: GgufRef
+) -> str:
+    """The line a new compare is announced with: what it asks, where, and the
+    GPU memory it needs."""
+    return (
+        f"run {run_id}: {questions} questions to its base model and its fine-tune ({quant}, "
+        f"at most {max_tokens} tokens each, seed {seed}) on {where}; VRAM floor "
+        f"{vram_floor(tuned.size) / 1e9:.1f} GB (the {quant} GGUF, {tuned.size / 1e6:.1f} MB, "
+        "plus a fifth, plus 2 GB)"
     )
