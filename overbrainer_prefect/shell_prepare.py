@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Protocol, cast
 
 from prefect.blocks.core import Block
 from prefect.client.orchestration import get_client
@@ -98,7 +98,7 @@ async def run_prepare(
 def _run(block: ShellOperation, timeout_s: float) -> tuple[list[str], int | None, bool]:
     """(output lines, exit code, whether it was stopped for time): the block run
     with prefect-shell's line-reading sync path, in this thread."""
-    shell = cast(Any, block)  # prefect-shell's sync/async dispatch takes `_sync`
+    shell = cast(_SyncShell, block)  # prefect-shell's sync/async dispatch takes `_sync`
     process = shell.trigger(_sync=True)
     stopped = threading.Event()
 
@@ -120,8 +120,25 @@ def _run(block: ShellOperation, timeout_s: float) -> tuple[list[str], int | None
     finally:
         timer.cancel()
         shell.close(_sync=True)
-    lines: list[str] = process.fetch_result(_sync=True)
-    return lines, process.return_code, stopped.is_set()
+    return process.fetch_result(_sync=True), process.return_code, stopped.is_set()
+
+
+class _SyncProcess(Protocol):
+    """What `_run` uses of prefect-shell's `ShellProcess`, called with `_sync=True`."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def return_code(self) -> int | None: ...
+    def wait_for_completion(self, *, _sync: bool) -> None: ...
+    def fetch_result(self, *, _sync: bool) -> list[str]: ...
+
+
+class _SyncShell(Protocol):
+    """What `_run` uses of a `ShellOperation`, called with `_sync=True`."""
+
+    def trigger(self, *, _sync: bool) -> _SyncProcess: ...
+    def close(self, *, _sync: bool) -> None: ...
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
