@@ -1,3 +1,8 @@
+"""The run flows: `train` (a fine-tune with axolotl on a target), `attach`
+(follow a started run again), `stop` (a checkpoint, then its end) and
+`cancel`. The driver (`flows/driver.py`) runs the job; its kind
+(`kinds/training.py`) says what it checks first, asks and returns."""
+
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
