@@ -36,9 +36,16 @@ from prefect.blocks.core import Block
 from pydantic import SecretStr, ValidationError
 
 from overbrainer_prefect import blocks
-from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, BudgetError, set_budget
-from overbrainer_prefect.flows.money import BUDGET_VARIABLE, read_budgets, set_budgets
 from overbrainer_prefect.money.budgets import BudgetSettingError, budgets_from
+from overbrainer_prefect.server_budget import (
+    BUDGET_VARIABLE,
+    POD_LIMIT,
+    SPEND_LIMIT,
+    BudgetError,
+    read_budgets,
+    set_budget,
+    set_budgets,
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

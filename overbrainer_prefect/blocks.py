@@ -1,17 +1,18 @@
 """Prefect blocks: where runs run (targets) and the credentials they use.
 
 A target block names a machine and how jobs run there; it builds the executor
-the run flows drive. Training settings are not here: they are flow parameters.
+the run flows drive; `target_named` finds the target block a flow names. Training
+settings are not here: they are flow parameters.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from prefect.blocks.core import Block
-from pydantic import Field, HttpUrl, SecretStr
+from pydantic import Field, HttpUrl, SecretStr, ValidationError
 
 from overbrainer_prefect.envfile import read_env_file
 from overbrainer_prefect.executors.base import Executor
@@ -21,6 +22,7 @@ from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.settings import (
     RunpodSettingsFields,
     RunpodTargetSettings,
+    one_line,
     settings_from,
 )
 from overbrainer_prefect.targets.base import Logger, Target
@@ -338,7 +340,7 @@ class RunpodTarget(RunpodSettingsFields, TargetBlock):
     def settings(self) -> RunpodTargetSettings:
         """The checked settings of this target. Raises SettingsError with one
         line naming the first field in error and what to do."""
-        values: dict[str, Any] = {
+        values: dict[str, object] = {
             name: getattr(self, name) for name in RunpodTargetSettings.model_fields
         }
         return settings_from(values)
@@ -359,3 +361,63 @@ class RunpodTarget(RunpodSettingsFields, TargetBlock):
             hub_endpoint=hub.endpoint if hub is not None else None,
             log=log,
         )
+
+
+TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget, SshTarget, RunpodTarget)
+"""The target block types, in the order a bare name is looked up."""
+
+
+class UnknownTarget(ValueError):
+    """No target block has the name a flow was given."""
+
+
+class AmbiguousTarget(ValueError):
+    """A bare name that blocks of two target types share: the message names both."""
+
+
+async def load_target(name: str) -> tuple[str, TargetBlock]:
+    """The target block `name` (`<block-type-slug>/<name>` or a bare block name,
+    looked up in each target type) and its qualified reference.
+
+    Raises UnknownTarget with one line saying how to create it, and
+    AmbiguousTarget, naming each, when a bare name is saved in two target types.
+    """
+    slug, sep, bare = name.rpartition("/")
+    types = [t for t in TARGET_TYPES if not sep or t.get_block_type_slug() == slug]
+    if sep and not types:
+        known = ", ".join(t.get_block_type_slug() for t in TARGET_TYPES)
+        raise UnknownTarget(f"{slug!r} is not a target block type: use one of {known}")
+    found: list[tuple[type[TargetBlock], TargetBlock]] = []
+    for block_type in types:
+        try:
+            found.append((block_type, await block_type.aload(bare)))
+        except ValidationError as error:
+            raise UnknownTarget(
+                f"the {block_type.get_block_type_name()} block {bare!r} holds a setting that is "
+                f"not valid ({one_line(error)}): fix it in the Prefect UI under Blocks"
+            ) from None
+        except ValueError:
+            continue
+    if len(found) > 1:
+        refs = " and ".join(f"{t.get_block_type_slug()}/{bare}" for t, _ in found)
+        raise AmbiguousTarget(
+            f"{len(found)} target blocks are named {bare!r} ({refs}): name the one to use "
+            f"with its type, like {found[0][0].get_block_type_slug()}/{bare}, or save one "
+            "under another name"
+        )
+    if found:
+        block_type, block = found[0]
+        return f"{block_type.get_block_type_slug()}/{bare}", block
+    kinds = " or ".join(f"'{t.get_block_type_name()}'" for t in types)
+    raise UnknownTarget(
+        f"no target block named {bare!r} ({kinds}): create it with "
+        f"`python blocks/create_blocks.py` or in the Prefect UI under Blocks"
+    )
+
+
+async def target_named(name: str, log: Logger) -> Target:
+    """The `Target` of the block `name` (see `load_target`), logging to `log`.
+    Raises UnknownTarget, or SettingsError for settings that cannot be used,
+    each with one line."""
+    ref, block = await load_target(name)
+    return block.target(ref, log)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prefect.client.orchestration import get_client
 
-from overbrainer_prefect.flows.budget import (
+from overbrainer_prefect.server_budget import (
     BudgetError,
     budget_limits,
     cents_per_hour,

@@ -20,8 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from overbrainer_prefect.flows import CompareResult, compare
-from overbrainer_prefect.flows.compare import answers_markdown
-from overbrainer_prefect.kinds.compare import NotComparable
+from overbrainer_prefect.kinds.compare import NotComparable, answers_markdown
 from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.ids import new_run_id, rfc3339
 from overbrainer_prefect.runs.store import RunRecord

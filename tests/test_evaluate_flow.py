@@ -37,10 +37,10 @@ from overbrainer_prefect.evaluation.gate import (
     last_delivered,
     remember_delivered,
 )
+from overbrainer_prefect.evaluation.results import SCORED_FILE
 from overbrainer_prefect.evaluation.spec import BadEvaluationInput, EvalItem, EvaluationSpec
 from overbrainer_prefect.finetune import CompareSettings, DeliverSettings
 from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, evaluate, fine_tune
-from overbrainer_prefect.flows.evaluate import SCORED_FILE
 from overbrainer_prefect.flows.runs import runs as runs_flow
 from overbrainer_prefect.runs import Runs
 from overbrainer_prefect.runs.ids import rfc3339

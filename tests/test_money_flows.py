@@ -22,8 +22,6 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from overbrainer_prefect.blocks import RunpodTarget
 from overbrainer_prefect.flows import cancel, spend, train
-from overbrainer_prefect.flows.budget import PrefectBudget
-from overbrainer_prefect.flows.money import clear_budgets, read_budgets, set_budgets
 from overbrainer_prefect.flows.spend import SPEND_ARTIFACT
 from overbrainer_prefect.money.budgets import BudgetSettingError
 from overbrainer_prefect.money.ledger import BudgetRefused, BudgetTooSmall
@@ -31,6 +29,12 @@ from overbrainer_prefect.money.store import LedgerFile
 from overbrainer_prefect.money.view import SpendError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.server_budget import (
+    PrefectBudget,
+    clear_budgets,
+    read_budgets,
+    set_budgets,
+)
 from overbrainer_prefect.targets.base import JobNeed
 from tests import test_runpod_flows as on_pods
 from tests.runpod_sim import RunpodSim

@@ -614,7 +614,7 @@ def test_the_runpod_target_block_holds_its_settings_with_their_constraints(
 def test_a_pod_dearer_than_the_whole_gpu_budget_is_refused_before_any_run_or_pod_exists(
     prefect_server: None, sim: RunpodSim, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, BudgetError, set_budget
+    from overbrainer_prefect.server_budget import POD_LIMIT, SPEND_LIMIT, BudgetError, set_budget
 
     runs_dir = tmp_path / "runs"
     run(set_budget(2, 0.10))  # ten cents an hour: an A4000 at $0.25/h never fits
@@ -638,7 +638,7 @@ def test_a_pod_dearer_than_the_whole_gpu_budget_is_refused_before_any_run_or_pod
 def test_the_gpu_types_dearer_than_the_whole_budget_are_left_out_of_the_plan(
     prefect_server: None, sim: RunpodSim
 ) -> None:
-    from overbrainer_prefect.flows.budget import POD_LIMIT, SPEND_LIMIT, PrefectBudget, set_budget
+    from overbrainer_prefect.server_budget import POD_LIMIT, SPEND_LIMIT, PrefectBudget, set_budget
     from overbrainer_prefect.targets.base import JobNeed, NoBudget
     from overbrainer_prefect.targets.pod import plan_price
 

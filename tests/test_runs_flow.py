@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from overbrainer_prefect.blocks import LocalTarget, SshTarget
+from overbrainer_prefect.blocks import AmbiguousTarget, LocalTarget, SshTarget, load_target
 from overbrainer_prefect.flows.runs import runs
-from overbrainer_prefect.flows.targets import AmbiguousTarget, load_target
 from overbrainer_prefect.kinds.listing import age_text
 from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.ids import rfc3339

@@ -21,9 +21,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from overbrainer_prefect.blocks import LocalTarget
+from overbrainer_prefect.blocks import LocalTarget, UnknownTarget
 from overbrainer_prefect.flows import RunResult, attach, cancel, stop, train
-from overbrainer_prefect.flows.targets import UnknownTarget
 from overbrainer_prefect.runs import InvalidRunId, RunNotFound, Runs, RunState
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import REPO, job_venv

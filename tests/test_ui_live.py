@@ -339,7 +339,7 @@ def test_the_spend_flow_shows_its_charts_and_what_is_left_of_the_budgets(
 ) -> None:
     from prefect.client.schemas.actions import VariableCreate
 
-    from overbrainer_prefect.flows.money import BUDGET_VARIABLE
+    from overbrainer_prefect.server_budget import BUDGET_VARIABLE
 
     async def set_budget(client: Any) -> None:
         await client.create_variable(

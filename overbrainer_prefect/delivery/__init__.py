@@ -9,7 +9,9 @@
 - `sources`: finds what a run delivers (the GGUF of its export, its adapter)
   and checks each file against the SHA-256 manifest it was retrieved with;
 - `gguf_metadata`: reads a GGUF's header (its chat template) without loading it;
-- `record`: keeps `runs/<run-id>/deliveries.json`.
+- `record`: keeps `runs/<run-id>/deliveries.json`;
+- `deliver`: a delivery from its checks to its record (what the `deliver`
+  flow calls).
 
 None of it imports Prefect: the `deliver` flow adds the logs and the link
 artifacts.

@@ -10,7 +10,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
@@ -67,7 +66,7 @@ class CardFacts:
     run_id: str
     base_model: str
     adapter: str
-    settings: dict[str, Any]
+    settings: dict[str, object]
     dataset_files: list[DatasetFile] = field(default_factory=list)
     hub_datasets: list[str] = field(default_factory=list)
     steps: int = 0
@@ -266,7 +265,7 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:] if text else "A model"
 
 
-def _value(value: Any) -> str:
+def _value(value: object) -> str:
     if isinstance(value, list | tuple):
         return ", ".join(str(v) for v in value)
     return str(value)

@@ -37,7 +37,6 @@ import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -96,7 +95,7 @@ class ModelSettings:
 
     template: str | None = None
     system: str | None = None
-    parameters: Mapping[str, Any] = field(default_factory=dict)
+    parameters: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def described(self) -> str:
@@ -108,7 +107,9 @@ class ModelSettings:
         else:
             kind = "a custom template"
         stop = self.parameters.get("stop")
-        return f"{kind}, stop {' '.join(stop)}" if stop else kind
+        if isinstance(stop, list | tuple) and stop:
+            return f"{kind}, stop {' '.join(str(s) for s in stop)}"
+        return kind
 
 
 def chat_settings(chat_template: str | None, training_template: str | None = None) -> ModelSettings:
@@ -265,9 +266,16 @@ class OllamaClient:
             model=model, digest=digest, file_name=path.name, uploaded=uploaded, statuses=statuses
         )
 
-    async def _send(self, step: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _send(
+        self,
+        step: str,
+        method: str,
+        path: str,
+        content: AsyncIterator[bytes] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
         try:
-            return await self._client.request(method, path, **kwargs)
+            return await self._client.request(method, path, content=content, headers=headers)
         except httpx.TransportError as error:
             raise self._unreachable(error) from None
 
@@ -297,7 +305,7 @@ async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
             yield chunk
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
+def _json_object(text: str) -> dict[str, object] | None:
     try:
         value = json.loads(text)
     except ValueError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -103,11 +103,7 @@ def add_delivery(run_dir: Path, delivery: Delivery) -> Deliveries:
 
     Raises RecordIoError or InvalidRecord when the record cannot be read or written.
     """
-    with _locked(run_dir):
-        record = load_deliveries(run_dir)
-        record.deliveries.append(delivery)
-        save_record(run_dir, DELIVERIES_FILE, record)
-        return record
+    return _changed(run_dir, lambda record: record.deliveries.append(delivery))
 
 
 def add_not_delivered(run_dir: Path, refused: NotDelivered) -> Deliveries:
@@ -116,9 +112,14 @@ def add_not_delivered(run_dir: Path, refused: NotDelivered) -> Deliveries:
 
     Raises RecordIoError or InvalidRecord when the record cannot be read or written.
     """
+    return _changed(run_dir, lambda record: record.not_delivered.append(refused))
+
+
+def _changed(run_dir: Path, change: Callable[[Deliveries], None]) -> Deliveries:
+    """The record of `run_dir` read, changed by `change` and saved, under its lock."""
     with _locked(run_dir):
         record = load_deliveries(run_dir)
-        record.not_delivered.append(refused)
+        change(record)
         save_record(run_dir, DELIVERIES_FILE, record)
         return record
 

@@ -16,12 +16,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from overbrainer_prefect.evaluation.judge import JudgeCall, JudgeOutcome, summarise
+from overbrainer_prefect.evaluation.judge import JudgeCall, JudgeOutcome, OpenAIJudge, summarise
 from overbrainer_prefect.evaluation.scorers import ScorerKind, passes
 from overbrainer_prefect.evaluation.spec import EvalItem, EvaluationPlan, Group
 from overbrainer_prefect.evaluation.stats import mcnemar_exact, wilson
+from overbrainer_prefect.runs.records import write_atomic
 from overbrainer_prefect.trainers.compare import ModelAnswer
 
 RESULTS_FILE = "results.json"
@@ -292,3 +294,22 @@ def job_inputs(plan: EvaluationPlan) -> str:
         "judge": judge,
     }
     return json.dumps(document, ensure_ascii=False, indent=1) + "\n"
+
+
+SCORED_FILE = "evaluation.json"
+"""The scored result of an evaluation, beside its retrieved files (local only)."""
+
+
+def score_retrieved(local: Path, plan: EvaluationPlan, evaluation_id: str) -> EvaluationResult:
+    """Scores the answers an evaluation's job left in `local` (retrieved and
+    verified), asking the plan's endpoint judge both orders here when it has
+    one, and records the result in `local/evaluation.json`. Raises
+    EvaluationError (or the judge's error) with one line."""
+    job = read_job_results(local / RESULTS_FILE)
+    calls = None
+    if plan.judge is not None and plan.judge.endpoint is not None:
+        with httpx.Client() as client:
+            calls = OpenAIJudge(plan.judge, client).judge(judge_pairs(plan, job), plan.seed)
+    result = score(plan, job, calls).model_copy(update={"evaluation_id": evaluation_id})
+    write_atomic(local, SCORED_FILE, result.model_dump_json(indent=2).encode() + b"\n")
+    return result

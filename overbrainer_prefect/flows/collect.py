@@ -29,9 +29,9 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Crashed
 
 from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
+from overbrainer_prefect.blocks import UnknownTarget, target_named
 from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.driver import follow_again
-from overbrainer_prefect.flows.targets import UnknownTarget, target_named
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
 from overbrainer_prefect.kinds.registry import kind_of

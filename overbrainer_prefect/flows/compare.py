@@ -9,47 +9,40 @@ checked against the target's SHA-256 manifest, and shown side by side in a
 markdown artifact. Its record, `compare.json`, holds the questions, the seed and
 both GGUFs' SHA-256, so a compare can be repeated exactly; a compare that
 already succeeded with the same questions, settings, tuned GGUF and target is
-reused, not asked again.
+reused, not asked again (`kinds/compare.py`).
 """
 
 from __future__ import annotations
 
-import shutil
-from typing import Any
-
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
-from prefect.client.schemas.objects import State
-from prefect.states import Cancelled
 
+from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
-from overbrainer_prefect.flows.export import export_job
-from overbrainer_prefect.flows.results import RunFailed
-from overbrainer_prefect.flows.targets import target_named
-from overbrainer_prefect.kinds.base import Finished, NewJob
-from overbrainer_prefect.kinds.base_export import base_gguf, reused_base
+from overbrainer_prefect.flows.results import AnyState, ended
+from overbrainer_prefect.kinds.base import Finished
+from overbrainer_prefect.kinds.base_export import base_export_job, base_gguf, reused_base
 from overbrainer_prefect.kinds.compare import NAME as COMPARE
 from overbrainer_prefect.kinds.compare import (
     CompareFailed,
     CompareResult,
-    NotComparable,
     answers_markdown,
     check_comparable,
+    gguf_job,
+    gguf_need,
     job_failure,
-    number_text,
+    plan_line,
+    result_line,
     result_of,
-    reusable_compare,
-    running_compare,
+    reused_compare,
 )
 from overbrainer_prefect.kinds.export import running
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
-from overbrainer_prefect.steps import retrieve
+from overbrainer_prefect.runs.store import Runs, subject
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
-from overbrainer_prefect.targets.base import JobNeed, Logger, Target
-from overbrainer_prefect.trainers.base import Trainer, TrainError
+from overbrainer_prefect.targets.base import Logger, Target
+from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.compare import (
-    MODELS_DIR,
     CompareSpec,
     CompareTrainer,
     GgufRef,
@@ -57,11 +50,8 @@ from overbrainer_prefect.trainers.compare import (
     base_key,
     check_max_tokens,
     load_questions,
-    vram_floor,
 )
-from overbrainer_prefect.trainers.export import DEFAULT_QUANT, BaseExportTrainer, check_quant
-
-GB = 10**9
+from overbrainer_prefect.trainers.export import DEFAULT_QUANT, check_quant
 
 
 async def publish_answers(compare_id: str, markdown: str) -> None:
@@ -93,20 +83,10 @@ async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: 
             logger.info("%s was left running: following it again", subject(left))
             finished: Finished = await follow_again(runs, store, left, logger)
         else:
-            trainer = BaseExportTrainer(base, quant, cpu_threads=place.cpu_threads)
             logger.info(
                 "the base model %s has no %s GGUF yet: exporting it on %s", base, quant, place.ref
             )
-            job = export_job(
-                store,
-                trainer,
-                {"quant": quant, "keep_intermediate": False, "base_model": base},
-                base,
-                place.python,
-                what=f"the {quant} export of the base model {base}",
-                parent=None,
-                subdir="bases",
-            )
+            job = base_export_job(store, base, quant, place.python, place.cpu_threads)
             finished = await run_new(place, job, logger)
     except (TrainError, RunError) as error:
         raise CompareFailed(
@@ -115,66 +95,25 @@ async def export_base(runs: Runs, base: str, quant: str, place: Target, logger: 
     return base_gguf(runs, store, finished.outcome, subject(finished.outcome.record), logger)
 
 
-def gguf_job(
-    store: Runs, need: JobNeed, kind: str, trainer: Trainer, spec: dict[str, Any], run_id: str
-) -> NewJob:
-    """The new job of run `run_id` that asks its GGUFs (a compare, an
-    evaluation): once its files are copied to the target, the GGUFs staged
-    in its directory (links here) are removed."""
-
-    def unstage(record: RunRecord) -> None:
-        shutil.rmtree(store.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
-
-    return NewJob(
-        store=store,
-        need=need,
-        kind=kind,
-        prepare=lambda _record: trainer,
-        spec=spec,
-        parent=run_id,
-        subdir=f"{kind}s",
-        started=unstage,
-    )
-
-
 async def finish_compare(
     compares: Runs,
     outcome: Outcome,
     where: str,
     *,
     cancelling: bool = False,
-) -> CompareResult | State[Any]:
+) -> CompareResult | AnyState:
     """Publishes the answers side by side and turns the outcome into the flow's
     result: a failed compare fails the flow, a cancelled one cancels it."""
     record = outcome.record
     result = result_of(compares, record, outcome.files)
     await publish_answers(record.id, answers_markdown(result, where))
-    if record.state == RunState.FAILED:
-        reason = job_failure(compares.run_dir(record.id), "compare failed: ")
-        raise RunFailed(
-            f"{subject(record)} failed: {record.message}" + (f": {reason}" if reason else "")
-        )
-    if record.state == RunState.CANCELLED and not cancelling:
-        return Cancelled(message=f"{subject(record)} was cancelled", data=result)
-    _log_result(result, record)
-    return result
-
-
-def _log_result(result: CompareResult, record: RunRecord) -> None:
-    cut = sum(1 for p in result.answers for a in (p.base, p.tuned) if a is not None and a.cut)
-    get_run_logger().info(
-        "%s %s%s: %d questions answered by both models, %d cut at %d tokens; "
-        "tokens/s base %s, tuned %s. %s",
-        subject(record),
-        record.state,
-        " (reused)" if result.reused else "",
-        sum(1 for p in result.answers if p.base is not None and p.tuned is not None),
-        cut,
-        result.max_tokens,
-        number_text(result.mean_tokens_per_s("base")),
-        number_text(result.mean_tokens_per_s("tuned")),
-        result.next,
+    why = (
+        job_failure(compares.run_dir(record.id), "compare failed: ") if record.state.ended else None
     )
+    returned = ended(record, result, cancelling=cancelling, why=why)
+    if returned is result:
+        get_run_logger().info("%s", result_line(result, record))
+    return returned
 
 
 @flow(name="compare", persist_result=True, **HOOKS)
@@ -189,7 +128,7 @@ async def compare(
     runs_dir: str | None = None,
     compare_id: str | None = None,
     image: str | None = None,
-) -> CompareResult | State[Any]:
+) -> CompareResult | AnyState:
     """Asks the base model of run `run_id` and its fine-tune the same questions, side
     by side: the run's `quant` GGUF (from its export) and its base model's GGUF of
     the same type (exported once per base model, target and quant, and reused), on
@@ -224,10 +163,9 @@ async def compare(
     quant = check_quant(quant)
     run, tuned, base = check_comparable(runs, run_id, quant)
     place = await target_named(target or run.target, logger)
-    done = reusable_compare(compares, asked, max_tokens, seed, quant, tuned, place.ref)
-    if done is not None:
-        files = retrieve.load_manifest(compares.run_dir(done.id))
-        result = result_of(compares, done, files, reused=True)
+    reused = reused_compare(compares, run_id, asked, max_tokens, seed, quant, tuned, place.ref)
+    if reused is not None:
+        done, result = reused
         logger.info(
             "reused %s, which asked the same %d questions of the same GGUF on %s: nothing "
             "asked again",
@@ -236,34 +174,11 @@ async def compare(
             done.ended,
         )
         await publish_answers(done.id, answers_markdown(result, place.ref))
-        _log_result(result, done)
+        logger.info("%s", result_line(result, done))
         return result
-    busy = running_compare(compares, asked, max_tokens, seed, quant, tuned.sha256)
-    if busy is not None:
-        raise NotComparable(
-            f"{subject(busy)} of the same questions is already running: follow it with the "
-            f"compare flow (run_id={run_id}, compare_id={busy.id})"
-        )
-    need = JobNeed(
-        what=f"the compare of run {run_id}",
-        gguf_bytes=tuned.size,
-        disk_bytes=2 * tuned.size,  # both GGUFs are copied there
-        image=image,
-    )
+    need = gguf_need(f"the compare of run {run_id}", tuned, image)
     place.check(need)  # a wrong image fails here, before any base export
-    logger.info(
-        "run %s: %d questions to its base model and its fine-tune (%s, at most %d tokens "
-        "each, seed %d) on %s; VRAM floor %.1f GB (the %s GGUF, %.1f MB, plus a fifth, plus 2 GB)",
-        run_id,
-        len(asked),
-        quant,
-        max_tokens,
-        seed,
-        place.ref,
-        vram_floor(tuned.size) / GB,
-        quant,
-        tuned.size / 1e6,
-    )
+    logger.info("%s", plan_line(run_id, len(asked), quant, max_tokens, seed, place.ref, tuned))
     spec = CompareSpec(
         questions=asked,
         max_tokens=max_tokens,

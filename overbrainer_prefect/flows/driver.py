@@ -32,15 +32,15 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Crashed
 
 from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_progress
+from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.executors.base import ExecError
-from overbrainer_prefect.flows.budget import PrefectBudget
-from overbrainer_prefect.flows.targets import target_named
 from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.listing import unfinished_of
 from overbrainer_prefect.kinds.registry import kind_of, trainer_of
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.server_budget import PrefectBudget
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import follow, reporters, retrieve
 from overbrainer_prefect.steps import start as start_step

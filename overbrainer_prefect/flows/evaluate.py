@@ -11,69 +11,50 @@ everything needed to repeat it.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
 
-import httpx
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
-from prefect.client.schemas.objects import State
-from prefect.states import Cancelled
 
+from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.evaluation.items import plan_evaluation
-from overbrainer_prefect.evaluation.judge import OpenAIJudge, check_judge_endpoint
+from overbrainer_prefect.evaluation.judge import check_judge_endpoint
 from overbrainer_prefect.evaluation.results import (
-    RESULTS_FILE,
+    SCORED_FILE,
     EvaluationResult,
-    judge_pairs,
-    read_job_results,
-    score,
+    score_retrieved,
 )
 from overbrainer_prefect.evaluation.spec import EvaluationPlan, EvaluationSpec
 from overbrainer_prefect.evaluation.trainer import EvaluateTrainer
 from overbrainer_prefect.evaluation.verdict import markdown, verdict
-from overbrainer_prefect.flows.compare import export_base, gguf_job
+from overbrainer_prefect.flows.compare import export_base
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
-from overbrainer_prefect.flows.results import RunFailed
-from overbrainer_prefect.flows.targets import target_named
-from overbrainer_prefect.kinds.compare import check_comparable
+from overbrainer_prefect.flows.results import AnyState, ended
+from overbrainer_prefect.kinds.compare import check_comparable, gguf_job, gguf_need
 from overbrainer_prefect.kinds.evaluation import NAME as EVALUATION
-from overbrainer_prefect.runs.records import write_atomic
-from overbrainer_prefect.runs.store import Runs, RunState, subject
+from overbrainer_prefect.runs.store import Runs, subject
 from overbrainer_prefect.steps.context import Outcome
-from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.export import check_quant
-
-SCORED_FILE = "evaluation.json"
-"""The scored result of an evaluation, beside its retrieved files (local only)."""
 
 
 async def finish_evaluation(
     runs: Runs, store: Runs, outcome: Outcome, *, cancelling: bool = False
-) -> EvaluationResult | State[Any]:
-    """Scores the retrieved answers of an ended evaluation (asking an endpoint
-    judge both orders here when there is one), records the result beside them,
-    publishes the artifact (verdict first) and logs the verdict. A failed
-    evaluation fails the flow with its job's cause; a cancelled one cancels it."""
+) -> EvaluationResult | AnyState:
+    """Scores the retrieved answers of an ended evaluation and records the
+    result beside them (`evaluation.results.score_retrieved`), publishes the
+    artifact (verdict first) and logs the verdict. A failed evaluation fails
+    the flow with its job's cause; a cancelled one cancels it."""
     record = outcome.record
-    if record.state == RunState.FAILED:
-        raise RunFailed(f"{subject(record)} failed: {record.message}")
-    if record.state == RunState.CANCELLED and not cancelling:
-        return Cancelled(message=f"{subject(record)} was cancelled")
-    plan = EvaluationPlan.model_validate(record.spec)
+    returned = ended(record, None, cancelling=cancelling)
+    if returned is not None:
+        return returned
     local = store.run_dir(record.id)
-    job = read_job_results(local / RESULTS_FILE)
-    calls = None
-    if plan.judge is not None and plan.judge.endpoint is not None:
-        with httpx.Client() as client:
-            calls = OpenAIJudge(plan.judge, client).judge(judge_pairs(plan, job), plan.seed)
-    result = score(plan, job, calls).model_copy(update={"evaluation_id": record.id})
-    write_atomic(local, SCORED_FILE, result.model_dump_json(indent=2).encode() + b"\n")
+    plan = EvaluationPlan.model_validate(record.spec)
+    result = await asyncio.to_thread(score_retrieved, local, plan, record.id)
     line = verdict(result)
     get_run_logger().info("%s: %s (in %s)", subject(record), line, local / SCORED_FILE)
     await acreate_markdown_artifact(
-        markdown=markdown(result),
-        key=f"evaluation-{record.id}".lower(),
-        description=line[:500],
+        markdown=markdown(result), key=f"evaluation-{record.id}".lower(), description=line[:500]
     )
     return result
 
@@ -86,7 +67,7 @@ async def evaluate(
     runs_dir: str | None = None,
     evaluation_id: str | None = None,
     image: str | None = None,
-) -> EvaluationResult | State[Any]:
+) -> EvaluationResult | AnyState:
     """Evaluates run `run_id`'s shipped GGUF against its base model's (same
     quant, llama.cpp, temperature 0, fixed seed) on the run's target or on
     `target`: the held-out rows the run kept out of training and/or an eval
@@ -115,12 +96,7 @@ async def evaluate(
     # every input checked before anything runs (the base's GGUF stands in for now)
     plan_evaluation(spec, run_dir=run_dir, base_model=base, tuned=tuned, base=tuned)
     place = await target_named(target or run.target, logger)
-    need = JobNeed(
-        what=f"the evaluation of run {run_id}",
-        gguf_bytes=tuned.size,
-        disk_bytes=2 * tuned.size,
-        image=image,
-    )
+    need = gguf_need(f"the evaluation of run {run_id}", tuned, image)
     place.check(need)
     base_ref = await export_base(runs, base, quant, place, logger)
     plan = plan_evaluation(spec, run_dir=run_dir, base_model=base, tuned=tuned, base=base_ref)

@@ -16,15 +16,13 @@ to the API after the run is created.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from overbrainer_prefect.delivery.record import NotDelivered, add_not_delivered
+from overbrainer_prefect.delivery.deliver import keep_back
 from overbrainer_prefect.evaluation.gate import GateDecision
-from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.flows.results import AnyState
 from overbrainer_prefect.runs.store import Runs
 
 NOT_DELIVERED = "Not delivered"
@@ -32,8 +30,8 @@ NOT_DELIVERED = "Not delivered"
 
 
 async def not_delivered(
-    runs: Runs, run_id: str, gate: GateDecision, again: str, data: Any
-) -> State[Any]:
+    runs: Runs, run_id: str, gate: GateDecision, again: str, data: object
+) -> AnyState:
     """Records the gate's refusal in run `run_id`'s `deliveries.json` and returns
     the flow run's final state: `Completed`, named `Not delivered`, its message
     `not delivered: <reason>; ...` with what was kept and `again`, the command
@@ -41,17 +39,7 @@ async def not_delivered(
 
     Raises RecordError when the refusal cannot be recorded.
     """
-    refused = NotDelivered(
-        reason=gate.reason,
-        evaluation_id=gate.evaluation_id,
-        decided=rfc3339(),
-        flow_run_id=flow_run.id,
+    line = await asyncio.to_thread(
+        keep_back, runs.run_dir(run_id), run_id, gate, again, flow_run.id
     )
-    await asyncio.to_thread(add_not_delivered, runs.run_dir(run_id), refused)
-    evaluation = f" (evaluation {gate.evaluation_id})" if gate.evaluation_id else ""
-    return Completed(
-        name=NOT_DELIVERED,
-        message=f"not delivered: {gate.reason}{evaluation}; run {run_id} and its GGUF are "
-        f"kept: deliver it anyway with {again}",
-        data=data,
-    )
+    return Completed(name=NOT_DELIVERED, message=line, data=data)

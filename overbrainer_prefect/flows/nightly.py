@@ -12,34 +12,24 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prefect import get_run_logger
-from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
 from prefect.states import Completed
 from pydantic import BaseModel
 
 from overbrainer_prefect.evaluation.spec import EvaluationSpec
-from overbrainer_prefect.flows.prepare import PREPARE_TIMEOUT_S, load_prepare, run_prepare
+from overbrainer_prefect.flows.results import AnyState
 from overbrainer_prefect.nightly.decision import (
     NightFacts,
-    plan_night,
-    remember_delivered,
-    remember_trained,
-    why,
+    NothingTrained,
+    decide,
+    remember,
 )
-from overbrainer_prefect.nightly.fingerprint import fingerprint, hub_resolver, pinned
-from overbrainer_prefect.nightly.prepared import apply, check_rows, parse_output
+from overbrainer_prefect.nightly.prepared import PREPARE_TIMEOUT_S, take_prepared
 from overbrainer_prefect.nightly.record import NightlyRecordError
+from overbrainer_prefect.shell_prepare import load_prepare, run_prepare
 from overbrainer_prefect.trainers.spec import TrainingSpec
-
-
-class NothingTrained(BaseModel):
-    """What a night that trained nothing returns: why, and its fingerprint."""
-
-    reason: str
-    night: NightFacts
 
 
 @dataclass
@@ -51,7 +41,7 @@ class NightStart:
     training: TrainingSpec
     evaluation: EvaluationSpec | None
     facts: NightFacts
-    skipped: State[Any] | None = None
+    skipped: AnyState | None = None
 
 
 async def begin_night(
@@ -81,30 +71,27 @@ async def begin_night(
         block = await load_prepare(prepare)
         logger.info("preparing the night's data with the Shell Operation block %r", prepare)
         lines, working_dir = await run_prepare(block, prepare, prepare_timeout_s)
-        prepared = parse_output(lines, working_dir, prepare)
-        await asyncio.to_thread(check_rows, prepared, prepare)
-        training, evaluation = apply(training, evaluation, prepared, prepare)
-        logger.info(
-            "prepare %r wrote %s%s",
-            prepare,
-            ", ".join(str(p) for p in prepared.datasets),
-            f" and the eval file {prepared.eval_file}" if prepared.eval_file else "",
+        training, evaluation, wrote = await asyncio.to_thread(
+            take_prepared, lines, working_dir, prepare, training, evaluation
         )
-    print_ = await asyncio.to_thread(fingerprint, training, export, evaluation, hub_resolver())
-    facts = await asyncio.to_thread(
-        plan_night, runs_root, deployment, print_, force=force or resumed, prepared_by=prepare
+        logger.info("%s", wrote)
+    training, facts, said = await asyncio.to_thread(
+        decide,
+        training,
+        export,
+        evaluation,
+        runs_root,
+        deployment,
+        force=force or resumed,
+        prepared_by=prepare,
     )
-    hub = {k: v for k, v in print_.parts.items() if "@" in v and not k.endswith("settings")}
-    if hub:
-        logger.info("Hub commits: %s", ", ".join(f"{k} {v}" for k, v in hub.items()))
-    start = NightStart(pinned(training, print_), evaluation, facts)
+    for line in said:
+        logger.info("%s", line)
+    start = NightStart(training, evaluation, facts)
     if facts.skipped is not None:
-        logger.info("fingerprint %s: %s", print_.short, facts.skipped)
         start.skipped = Completed(
             message=facts.skipped, data=NothingTrained(reason=facts.skipped, night=facts)
         )
-    else:
-        logger.info("fingerprint %s: trains: %s", print_.short, why(facts))
     return start
 
 
@@ -116,17 +103,12 @@ async def end_night(
     the night the next one is compared with. Never fails the pipeline: a record
     that cannot be written is a warning (the next night then trains)."""
     this = str(flow_run.id) if flow_run.id else None
-    logger = get_run_logger()
     try:
-        if not resumed:
-            await asyncio.to_thread(remember_trained, runs_root, start.facts, run_id, this)
-        if delivered:
-            await asyncio.to_thread(remember_delivered, runs_root, start.facts, run_id, this)
-    except NightlyRecordError as error:
-        logger.warning("%s: the next night trains whatever its data", error)
-        return
-    if delivered:
-        logger.info(
-            "fingerprint %s delivered: the next night with the same data trains nothing",
-            start.facts.fingerprint.short,
+        line = await asyncio.to_thread(
+            remember, runs_root, start.facts, run_id, this, trained=not resumed, delivered=delivered
         )
+    except NightlyRecordError as error:
+        get_run_logger().warning("%s: the next night trains whatever its data", error)
+        return
+    if line is not None:
+        get_run_logger().info("%s", line)

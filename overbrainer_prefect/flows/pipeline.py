@@ -39,7 +39,6 @@ from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.gate import not_delivered
 from overbrainer_prefect.flows.nightly import begin_night, end_night
-from overbrainer_prefect.flows.prepare import PREPARE_TIMEOUT_S
 from overbrainer_prefect.flows.train import attach, train
 from overbrainer_prefect.kinds import compare as compare_kind
 from overbrainer_prefect.kinds import export as export_kind
@@ -47,6 +46,7 @@ from overbrainer_prefect.kinds import training as training_kind
 from overbrainer_prefect.kinds.compare import running_compare
 from overbrainer_prefect.kinds.export import running
 from overbrainer_prefect.kinds.training import RunResult
+from overbrainer_prefect.nightly.prepared import PREPARE_TIMEOUT_S
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState

@@ -19,8 +19,7 @@ from typing import Literal
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 
-from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
-from overbrainer_prefect.flows.targets import load_target
+from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget, load_target
 from overbrainer_prefect.kinds.registry import KINDS
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import delete_and_confirm

@@ -1,7 +1,8 @@
 """The `runs` flow: the runs of a runs directory (their exports and compares
 too), newest first, with their kind, state, target, steps, final loss, spend,
 age, what to run next and what became of their model (delivered where, or kept
-back by a gate, and why), as a table artifact and the flow's result."""
+back by a gate, and why), as a table artifact and the flow's result
+(`kinds/listing.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from datetime import UTC, datetime
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 
-from overbrainer_prefect.kinds.listing import RunsListing, list_rows, table_rows
+from overbrainer_prefect.kinds.listing import RunsListing, listing, table_rows
 from overbrainer_prefect.runs.store import Runs, RunState
 
 RUNS_ARTIFACT = "runs"
@@ -25,36 +26,27 @@ async def runs(
     steps, final loss, spend, age, what to run next and delivery, as a table artifact
     (`runs`). `state` keeps only the rows in those states. Unreadable records
     are left out and logged; fails only when the runs directory cannot be read."""
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, not {limit}")
     store = Runs(runs_dir)
-    skipped: list[str] = []
-    rows = list_rows(store, set(state) if state else None, skipped)
+    listed, total = listing(store, state, limit)
     logger = get_run_logger()
-    for line in skipped:
+    for line in listed.skipped:
         logger.warning("left out an unreadable record: %s", line)
-    shown, left_out = rows[:limit], max(0, len(rows) - limit)
     wanted = f" ({', '.join(str(s) for s in state)})" if state else ""
     description = f"Runs in {store.root}{wanted}, newest first"
-    if left_out:
-        description += f"; {left_out} older ones left out (raise limit)"
-    if shown:
-        await acreate_table_artifact(
-            table=table_rows(shown), key=RUNS_ARTIFACT, description=description
-        )
-    else:
-        await acreate_table_artifact(
-            table=[{"run": f"no run{wanted} in {store.root}"}],
-            key=RUNS_ARTIFACT,
-            description=description,
-        )
+    if listed.left_out:
+        description += f"; {listed.left_out} older ones left out (raise limit)"
+    await acreate_table_artifact(
+        table=table_rows(listed.rows) or [{"run": f"no run{wanted} in {store.root}"}],
+        key=RUNS_ARTIFACT,
+        description=description,
+    )
     logger.info(
         "%d of %d rows%s in %s listed (table artifact %r), at %s",
-        len(shown),
-        len(rows),
+        len(listed.rows),
+        total,
         wanted,
         store.root,
         RUNS_ARTIFACT,
         datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     )
-    return RunsListing(runs_dir=str(store.root), rows=shown, left_out=left_out, skipped=skipped)
+    return listed

@@ -1,26 +1,29 @@
+"""The run flows: `train` (a fine-tune with axolotl on a target), `attach`
+(follow a started run again), `stop` (a checkpoint, then its end) and
+`cancel`. The driver (`flows/driver.py`) runs the job; its kind
+(`kinds/training.py`) says what it checks first, asks and returns."""
+
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 from prefect import flow, get_run_logger
-from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
-from prefect.states import Cancelled
 
 from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
+from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, finish, follow_again, reporter_for, run_new
 from overbrainer_prefect.flows.export import export as export_flow
-from overbrainer_prefect.flows.results import RunFailed
-from overbrainer_prefect.flows.targets import target_named
+from overbrainer_prefect.flows.results import AnyState, RunFailed, ended
 from overbrainer_prefect.kinds.base import NewJob
 from overbrainer_prefect.kinds.export import ExportResult, gguf_markdown
 from overbrainer_prefect.kinds.files import FileEntry
-from overbrainer_prefect.kinds.registry import trainer_of
+from overbrainer_prefect.kinds.registry import recorded_end, trainer_of
 from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.kinds.training import (
     RunResult,
+    check_before_anything,
     next_step,
+    result_line,
+    result_of,
     resume_point,
     resumed_spec,
     stage_checkpoint,
@@ -28,16 +31,12 @@ from overbrainer_prefect.kinds.training import (
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps import end as end_step
-from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
-from overbrainer_prefect.targets.base import JobNeed, Logger, Target
+from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.targets.spend import spent
-from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, launch_summary
-from overbrainer_prefect.trainers.base import TrainError
+from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.export import ExportSpec
-from overbrainer_prefect.trainers.holdout import holdout_problem
-from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 __all__ = ["FileEntry", "RunFailed", "RunResult", "attach", "cancel", "stop", "train"]
@@ -50,57 +49,28 @@ async def run_result(
     *,
     cancelling: bool = False,
     exported: ExportResult | str | None = None,
-) -> RunResult | State[Any]:
+) -> RunResult | AnyState:
     """Publishes the metrics table and the run summary, and turns the outcome into
     the flow's result: failed runs fail the flow, cancelled ones cancel it (unless
     this flow is the one that cancelled them). `exported` is the export made after
     training (its GGUF joins the summary and the result), or why it failed (the
     flow then fails, the run staying succeeded)."""
     record = outcome.record
-    logger = get_run_logger()
     await publish_metrics_table(record.id, outcome.summary)
-    step = next_step(record)
     dollars = spent(runs, record)  # what its place cost (issue 20)
+    step = next_step(record)
     markdown = summary_markdown(record, where, outcome.summary, outcome.files, step, dollars)
     if isinstance(exported, str):
-        markdown += f"\n## GGUF\n\nThe export failed: {exported}\n"
-    elif exported is not None:
+        await publish_summary(record.id, markdown + f"\n## GGUF\n\nThe export failed: {exported}\n")
+        raise RunFailed(exported)
+    if exported is not None:
         markdown += gguf_markdown(record.id, exported)
     await publish_summary(record.id, markdown)
-    result = RunResult(
-        run_id=record.id,
-        state=record.state,
-        target=record.target,
-        message=record.message,
-        steps=outcome.summary.last.step if outcome.summary.last else 0,
-        first_loss=outcome.summary.first_loss,
-        final_loss=outcome.summary.final_loss,
-        retrieved=outcome.retrieved,
-        files=[FileEntry.of(f) for f in outcome.files],
-        run_dir=str(runs.run_dir(record.id)),
-        next=step,
-    )
-    if isinstance(exported, str):
-        raise RunFailed(exported)
-    if exported is not None and exported.gguf is not None:
-        result.export_id = exported.export_id
-        result.gguf = exported.gguf.model_copy(
-            update={"path": f"exports/{exported.export_id}/{exported.gguf.path}"}
-        )
-    if record.state == RunState.FAILED:
-        raise RunFailed(f"run {record.id} failed: {record.message}")
-    if record.state == RunState.CANCELLED and not cancelling:
-        return Cancelled(message=f"run {record.id} was cancelled", data=result)
-    logger.info(
-        "run %s %s: %d steps, final loss %s, %d files verified. %s",
-        record.id,
-        record.state,
-        result.steps,
-        result.final_loss,
-        len(result.files),
-        step,
-    )
-    return result
+    result = result_of(runs, outcome, exported)
+    returned = ended(record, result, cancelling=cancelling)
+    if returned is result:
+        get_run_logger().info("%s", result_line(result))
+    return returned
 
 
 @flow(name="train", persist_result=True, **HOOKS)
@@ -110,7 +80,7 @@ async def train(
     resume_from: str | None = None,
     runs_dir: str | None = None,
     export: ExportSpec | None = None,
-) -> RunResult | State[Any]:
+) -> RunResult | AnyState:
     """Fine-tunes a model with axolotl on `target` (a target block's name): creates
     a run, starts its job, follows it live, then retrieves and verifies its files.
 
@@ -157,29 +127,6 @@ async def train(
     return await run_result(runs, outcome, finished.where, exported=exported)
 
 
-async def check_before_anything(spec: TrainingSpec, place: Target, logger: Logger) -> None:
-    """The pre-flight checks of a training run, before its record, pod or job
-    exists: its local files and rows, the model's context, and what the spec
-    asks of the GPUs the job will have (probed on a machine you own; a pod's
-    count). Logs the launch plan and the warnings. Raises TrainError (one line)."""
-    secrets = place.secrets()
-    hub = secrets.get("HF_TOKEN")
-    facts = await place.facts(AxolotlTrainer(spec).probe_modules)
-    warnings = preflight(
-        spec,
-        gpus=facts.gpus,
-        compute_capability=facts.compute_capability,
-        secrets=list(secrets),
-        hub_token=hub.get_secret_value() if hub is not None else None,
-    )
-    problem = holdout_problem(spec)
-    if problem is not None:
-        raise TrainError(problem)
-    for warning in warnings:
-        logger.warning("%s", warning)
-    logger.info("the run will be %s on %s", launch_summary(spec, facts.gpus), place.ref)
-
-
 async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> ExportResult | str:
     """Exports a run that just succeeded (the `export` flow, as a subflow); returns
     its result, or one line saying why it failed and how to export again."""
@@ -199,7 +146,7 @@ async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> 
 
 
 @flow(name="attach", persist_result=True, **HOOKS)
-async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
+async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | AnyState:
     """Follows a started run again (after its first follower died, or its files
     could not be retrieved) until its job ends, then retrieves and verifies its
     files and ends what it ran on. For a run already ended whose files were not
@@ -213,7 +160,7 @@ async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | State[
 
 
 @flow(name="stop", persist_result=True)
-async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
+async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | AnyState:
     """Asks a running job to save a resumable checkpoint and stop, then follows it
     to its end and retrieves its files (checkpoint included). Resume it with the
     `train` flow and `resume_from=<run_id>`."""
@@ -244,7 +191,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | State[An
 
 
 @flow(name="cancel", persist_result=True)
-async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[Any]:
+async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | AnyState:
     """Cancels the job of a run (its whole process group), records it
     `cancelled`, retrieves what it left, best effort, and ends what it ran on.
     A run whose job never started has what its target holds deleted and is
@@ -279,23 +226,10 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | State[
     return await run_result(runs, finished.outcome, finished.where, cancelling=True)
 
 
-FOLLOWER_WAIT_S = 300.0  # how long stop and cancel wait for another follower to record the end
-
-
 async def _wait_for_end(
     runs: Runs, run_id: str, where: str, *, cancelling: bool = False
-) -> RunResult | State[Any]:
+) -> RunResult | AnyState:
     """Waits (bounded) until the run's other follower has recorded its end, and
     reports that outcome; past the bound, says the run is still followed."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + FOLLOWER_WAIT_S
-    while loop.time() < deadline:
-        record = runs.load(run_id)
-        if record.state.ended and not is_followed(runs.run_dir(run_id)):
-            outcome = retrieve.recorded(runs, trainer_of(runs, record), record)
-            return await run_result(runs, outcome, where, cancelling=cancelling)
-        await asyncio.sleep(1.0)
-    raise RunError(
-        f"run {run_id} is still followed by {holder_of(runs.run_dir(run_id))} after "
-        f"{FOLLOWER_WAIT_S:g} s; see its flow run for the outcome"
-    )
+    outcome = await recorded_end(runs, run_id)
+    return await run_result(runs, outcome, where, cancelling=cancelling)

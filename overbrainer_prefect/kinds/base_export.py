@@ -5,13 +5,13 @@ and evaluation of every run of that base."""
 
 from __future__ import annotations
 
-from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.base import JobKind, NewJob
 from overbrainer_prefect.kinds.compare import (
     CompareFailed,
     _base_ref,
     job_failure,
 )
-from overbrainer_prefect.kinds.export import NAME, gguf_entry, reusable
+from overbrainer_prefect.kinds.export import NAME, export_job, gguf_entry, reusable
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import Logger
@@ -75,4 +75,22 @@ def base_gguf(runs: Runs, store: Runs, outcome: Outcome, name: str, logger: Logg
         size=entry.size,
         sha256=entry.sha256,
         export_id=record.id,
+    )
+
+
+def base_export_job(
+    store: Runs, base: str, quant: str, python: str, cpu_threads: int | None
+) -> NewJob:
+    """The new export of the plain base model `base` to `quant` (converted and
+    quantized like a run's; on a pod of its own on Runpod), on a target whose
+    job venv runs `python`."""
+    return export_job(
+        store,
+        BaseExportTrainer(base, quant, cpu_threads=cpu_threads),
+        {"quant": quant, "keep_intermediate": False, "base_model": base},
+        base,
+        python,
+        what=f"the {quant} export of the base model {base}",
+        parent=None,
+        subdir="bases",
     )

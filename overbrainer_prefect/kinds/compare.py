@@ -6,24 +6,32 @@ answers side by side, and how its trainer is made again from its record."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, JsonValue
 
 from overbrainer_prefect.cells import code_cell, table_cell
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.kinds.base import JobKind, child_next_step
+from overbrainer_prefect.kinds.base import JobKind, NewJob, child_next_step
 from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import gguf_entry, reusable
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.base import Trainer
-from overbrainer_prefect.trainers.compare import CompareTrainer, ModelAnswer, read_answers, spec_of
+from overbrainer_prefect.trainers.compare import (
+    CompareTrainer,
+    ModelAnswer,
+    read_answers,
+    spec_of,
+    vram_floor,
+)
 from overbrainer_prefect.trainers.export import base_model
-from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, GgufRef
+from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, MODELS_DIR, GgufRef
 
 NAME = "compare"
 """A compare's records: `<run dir>/compares/<id>/compare.json`."""
@@ -241,34 +249,6 @@ def check_comparable(runs: Runs, run_id: str, quant: str) -> tuple[RunRecord, Gg
     return run, tuned, base
 
 
-def reusable_compare(
-    compares: Runs,
-    questions: list[str],
-    max_tokens: int,
-    seed: int,
-    quant: str,
-    tuned: GgufRef,
-    target: str,
-) -> RunRecord | None:
-    """The latest succeeded compare that asked the same questions of the same tuned
-    GGUF the same way on `target`, whose answers are here as retrieved, or None."""
-    found: list[RunRecord] = []
-    for record in compares.list(skipped=lambda _name, _error: None):
-        spec = spec_of(record.spec)
-        if spec is None or record.state != RunState.SUCCEEDED or record.target != target:
-            continue
-        if record.not_retrieved is not None:
-            continue
-        if not spec.asks(questions, max_tokens, seed, quant, tuned.sha256):
-            continue
-        local = compares.run_dir(record.id)
-        entry = next((f for f in retrieve.load_manifest(local) if f.path == ANSWERS_FILE), None)
-        answers = local / ANSWERS_FILE
-        if entry is not None and answers.is_file() and answers.stat().st_size == entry.size:
-            found.append(record)
-    return max(found, key=lambda r: (r.ended or r.created, r.id)) if found else None
-
-
 def running_compare(
     compares: Runs,
     questions: list[str],
@@ -337,3 +317,103 @@ def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
 
 KIND = JobKind(name=NAME, child=True, rebuild=_rebuild)
 """A run's compare: `<run dir>/compares/<id>/compare.json`."""
+
+
+def reused_compare(
+    compares: Runs,
+    run_id: str,
+    questions: list[str],
+    max_tokens: int,
+    seed: int,
+    quant: str,
+    tuned: GgufRef,
+    target: str,
+) -> tuple[RunRecord, CompareResult] | None:
+    """The latest succeeded compare that asked the same questions of the same
+    tuned GGUF the same way on `target`, whose answers are here as retrieved,
+    and its result (`reused`); None when there is none. Raises NotComparable
+    with one line when such a compare runs now (follow that one)."""
+    found: list[RunRecord] = []
+    for record in compares.list(skipped=lambda _name, _error: None):
+        spec = spec_of(record.spec)
+        if spec is None or record.state != RunState.SUCCEEDED or record.target != target:
+            continue
+        if record.not_retrieved is not None:
+            continue
+        if not spec.asks(questions, max_tokens, seed, quant, tuned.sha256):
+            continue
+        local = compares.run_dir(record.id)
+        entry = next((f for f in retrieve.load_manifest(local) if f.path == ANSWERS_FILE), None)
+        answers = local / ANSWERS_FILE
+        if entry is not None and answers.is_file() and answers.stat().st_size == entry.size:
+            found.append(record)
+    if found:
+        done = max(found, key=lambda r: (r.ended or r.created, r.id))
+        files = retrieve.load_manifest(compares.run_dir(done.id))
+        return done, result_of(compares, done, files, reused=True)
+    busy = running_compare(compares, questions, max_tokens, seed, quant, tuned.sha256)
+    if busy is not None:
+        raise NotComparable(
+            f"{subject(busy)} of the same questions is already running: follow it with the "
+            f"compare flow (run_id={run_id}, compare_id={busy.id})"
+        )
+    return None
+
+
+def gguf_need(what: str, tuned: GgufRef, image: str | None) -> JobNeed:
+    """What a job that asks the tuned GGUF and its base's (a compare, an
+    evaluation) needs: the GGUF's memory, both GGUFs' disk, its image."""
+    return JobNeed(what=what, gguf_bytes=tuned.size, disk_bytes=2 * tuned.size, image=image)
+
+
+def gguf_job(
+    store: Runs,
+    need: JobNeed,
+    kind: str,
+    trainer: Trainer,
+    spec: dict[str, JsonValue],
+    run_id: str,
+) -> NewJob:
+    """The new job of run `run_id` that asks its GGUFs (a compare, an
+    evaluation): once its files are copied to the target, the GGUFs staged
+    in its directory (links here) are removed."""
+
+    def unstage(record: RunRecord) -> None:
+        shutil.rmtree(store.run_dir(record.id) / MODELS_DIR, ignore_errors=True)
+
+    return NewJob(
+        store=store,
+        need=need,
+        kind=kind,
+        prepare=lambda _record: trainer,
+        spec=spec,
+        parent=run_id,
+        subdir=f"{kind}s",
+        started=unstage,
+    )
+
+
+def result_line(result: CompareResult, record: RunRecord) -> str:
+    """The line an ended compare is logged with: how many questions both
+    models answered, how many were cut, their speeds, what to do next."""
+    cut = sum(1 for p in result.answers for a in (p.base, p.tuned) if a is not None and a.cut)
+    both = sum(1 for p in result.answers if p.base is not None and p.tuned is not None)
+    return (
+        f"{subject(record)} {record.state}{' (reused)' if result.reused else ''}: {both} "
+        f"questions answered by both models, {cut} cut at {result.max_tokens} tokens; "
+        f"tokens/s base {number_text(result.mean_tokens_per_s('base'))}, tuned "
+        f"{number_text(result.mean_tokens_per_s('tuned'))}. {result.next}"
+    )
+
+
+def plan_line(
+    run_id: str, questions: int, quant: str, max_tokens: int, seed: int, where: str, tuned: GgufRef
+) -> str:
+    """The line a new compare is announced with: what it asks, where, and the
+    GPU memory it needs."""
+    return (
+        f"run {run_id}: {questions} questions to its base model and its fine-tune ({quant}, "
+        f"at most {max_tokens} tokens each, seed {seed}) on {where}; VRAM floor "
+        f"{vram_floor(tuned.size) / 1e9:.1f} GB (the {quant} GGUF, {tuned.size / 1e6:.1f} MB, "
+        "plus a fifth, plus 2 GB)"
+    )

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, JsonValue
 
 from overbrainer_prefect.cells import size_text, table_cell
-from overbrainer_prefect.executors.base import FileDigest
+from overbrainer_prefect.executors.base import Executor, FileDigest
 from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.kinds.base import JobKind, child_next_step
+from overbrainer_prefect.kinds.base import Check, JobKind, NewJob, child_next_step
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.ids import parse_rfc3339
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
+from overbrainer_prefect.sizing import export_disk
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.targets.base import JobNeed, Logger
 from overbrainer_prefect.trainers.base import METRICS_FILE, Trainer, TrainError
 from overbrainer_prefect.trainers.export import (
     CONFIG_FILE,
@@ -26,6 +28,7 @@ from overbrainer_prefect.trainers.export import (
     OUTPUT_DIR,
     ExportSpec,
     ExportTrainer,
+    converter_path,
     is_lora,
     model_files,
     phases,
@@ -264,3 +267,115 @@ def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
 
 KIND = JobKind(name=NAME, child=True, rebuild=_rebuild)
 """A run's export: `<run dir>/exports/<id>/export.json`."""
+
+
+def check_converter(python: str) -> Check:
+    """The check, before an export's job starts, that its machine has
+    llama.cpp's converter in the job venv of `python`: it raises TrainError with
+    one line when the converter is not there (ExecError when the machine cannot
+    be reached)."""
+
+    async def check(executor: Executor) -> None:
+        path = converter_path(python)
+        result = await executor.run(["test", "-f", path], timeout=60)
+        if result.code != 0:
+            venv = path.rsplit("/share/", 1)[0]
+            raise TrainError(
+                f"llama.cpp's converter is not at {path} on {executor.description}: install "
+                f"the export tools with `scripts/job-env.sh {venv}` there"
+            )
+
+    return check
+
+
+def export_job(
+    store: Runs,
+    trainer: Trainer,
+    spec: dict[str, JsonValue],
+    model: str,
+    python: str,
+    *,
+    what: str,
+    parent: str | None,
+    subdir: str,
+    disk_bytes: int | None = None,
+) -> NewJob:
+    """The new job of an export (of a run's model, or of a base model) by
+    `trainer`, whose merge loads `model`: its machine checked for the converter."""
+    return NewJob(
+        store=store,
+        need=JobNeed(what=what, merge_model=model, disk_bytes=disk_bytes),
+        kind=NAME,
+        prepare=lambda _record: trainer,
+        spec=spec,
+        parent=parent,
+        subdir=subdir,
+        check=check_converter(python),
+    )
+
+
+def run_export(
+    runs: Runs,
+    run: RunRecord,
+    spec: ExportSpec,
+    python: str,
+    cpu_threads: int | None,
+    logger: Logger,
+) -> NewJob:
+    """The new export of the model of `run` (checked exportable) to `spec`'s
+    quant, on a target whose job venv runs `python`; logs the disk it needs
+    (base, merged copy, GGUF) when it can be sized here."""
+    run_dir = runs.run_dir(run.id)
+    trainer = ExportTrainer(run, run_dir, spec, cpu_threads=cpu_threads)
+    need = export_disk(run_dir / OUTPUT_DIR, trainer.base_model, spec.quant)
+    if need is None:
+        logger.info(
+            "run %s: cannot estimate the disk of its export (its base model %s is not a "
+            "directory here)",
+            run.id,
+            trainer.base_model,
+        )
+    else:
+        logger.info("run %s: %s", run.id, need.describe())
+    return export_job(
+        runs.children(run.id, NAME),
+        trainer,
+        spec.model_dump(mode="json"),
+        trainer.base_model or str(run_dir / OUTPUT_DIR),  # full weights: no merge
+        python,
+        what=f"the {spec.quant} export of run {run.id}",
+        parent=run.id,
+        subdir="exports",
+        disk_bytes=need.total - need.base if need is not None else None,  # in the run dir
+    )
+
+
+def reused_export(exports: Runs, run_id: str, quant: str) -> tuple[RunRecord, ExportResult] | None:
+    """The latest succeeded export of `quant` whose GGUF is here and its result
+    (`reused`), None when there is none. Raises NotExportable with one line
+    when an export of `quant` is running now (follow that one)."""
+    done = reusable(exports, quant)
+    if done is not None:
+        result = result_of(exports, done, retrieve.load_manifest(exports.run_dir(done.id)))
+        result.reused = True
+        return done, result
+    busy = running(exports, quant)
+    if busy is not None:
+        raise NotExportable(
+            f"{subject(busy)} ({quant}) is already running: follow it with the export flow "
+            f"(run_id={run_id}, export_id={busy.id})"
+        )
+    return None
+
+
+def result_line(result: ExportResult, record: RunRecord) -> str:
+    """The line an ended export is logged with: its GGUF, size, SHA-256 and
+    phases, and what to do next."""
+    steps = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in result.phases.items())
+    if result.gguf is None:
+        return f"{subject(record)} {record.state}. {result.next}"
+    return (
+        f"{subject(record)} {record.state}{' (reused)' if result.reused else ''}: "
+        f"{result.gguf.path} ({size_text(result.gguf.size)}, sha256 {result.gguf.sha256})"
+        f"{f'; {steps}' if steps else ''}. {result.next}"
+    )

@@ -171,3 +171,20 @@ def unfinished_of(runs: Runs, flow_run_ids: Iterable[str]) -> list[tuple[Runs, R
             if record.flow_run_id in ids and not record.state.ended:
                 found.append((store, record))
     return found
+
+
+def listing(store: Runs, states: list[RunState] | None, limit: int) -> tuple[RunsListing, int]:
+    """The newest `limit` rows of the runs directory `store` (only those in
+    `states` when given) and how many rows there were in all. Raises ValueError
+    for a `limit` below 1; RecordIoError when the directory cannot be read."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    skipped: list[str] = []
+    rows = list_rows(store, set(states) if states else None, skipped)
+    listed = RunsListing(
+        runs_dir=str(store.root),
+        rows=rows[:limit],
+        left_out=max(0, len(rows) - limit),
+        skipped=skipped,
+    )
+    return listed, len(rows)

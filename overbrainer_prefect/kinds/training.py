@@ -12,11 +12,16 @@ from pathlib import PurePosixPath
 from pydantic import BaseModel, Field
 
 from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
+from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
-from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, data_copies
-from overbrainer_prefect.trainers.base import Trainer
+from overbrainer_prefect.targets.base import Logger, Target
+from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, data_copies, launch_summary
+from overbrainer_prefect.trainers.base import Trainer, TrainError
+from overbrainer_prefect.trainers.holdout import holdout_problem
+from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
 
 NAME = "training"
@@ -146,3 +151,60 @@ def next_step(record: RunRecord) -> str:
     if record.state == RunState.SUCCEEDED:
         return f"Its files are in `runs/{record.id}/`; export it with the `export` flow."
     return f"See `runs/{record.id}/job.log`, fix the cause, and start a new run."
+
+
+def result_of(runs: Runs, outcome: Outcome, exported: ExportResult | None = None) -> RunResult:
+    """What a run flow returns for the run of `outcome`: how it ended, its
+    steps and losses, its verified files, what to run next, and the GGUF of
+    `exported`, the export made after it, when there is one."""
+    record, summary = outcome.record, outcome.summary
+    result = RunResult(
+        run_id=record.id,
+        state=record.state,
+        target=record.target,
+        message=record.message,
+        steps=summary.last.step if summary.last else 0,
+        first_loss=summary.first_loss,
+        final_loss=summary.final_loss,
+        retrieved=outcome.retrieved,
+        files=[FileEntry.of(f) for f in outcome.files],
+        run_dir=str(runs.run_dir(record.id)),
+        next=next_step(record),
+    )
+    if exported is not None and exported.gguf is not None:
+        result.export_id = exported.export_id
+        result.gguf = exported.gguf.model_copy(
+            update={"path": f"exports/{exported.export_id}/{exported.gguf.path}"}
+        )
+    return result
+
+
+def result_line(result: RunResult) -> str:
+    """The line an ended run is logged with: its steps, final loss, files, what next."""
+    return (
+        f"run {result.run_id} {result.state}: {result.steps} steps, final loss "
+        f"{result.final_loss}, {len(result.files)} files verified. {result.next}"
+    )
+
+
+async def check_before_anything(spec: TrainingSpec, place: Target, logger: Logger) -> None:
+    """The pre-flight checks of a training run, before its record, pod or job
+    exists: its local files and rows, the model's context, and what the spec
+    asks of the GPUs the job will have (probed on a machine you own; a pod's
+    count). Logs the launch plan and the warnings. Raises TrainError (one line)."""
+    secrets = place.secrets()
+    hub = secrets.get("HF_TOKEN")
+    facts = await place.facts(AxolotlTrainer(spec).probe_modules)
+    warnings = preflight(
+        spec,
+        gpus=facts.gpus,
+        compute_capability=facts.compute_capability,
+        secrets=list(secrets),
+        hub_token=hub.get_secret_value() if hub is not None else None,
+    )
+    problem = holdout_problem(spec)
+    if problem is not None:
+        raise TrainError(problem)
+    for warning in warnings:
+        logger.warning("%s", warning)
+    logger.info("the run will be %s on %s", launch_summary(spec, facts.gpus), place.ref)

@@ -1,7 +1,7 @@
 """What may be spent: a day's and a month's dollars for every pod together,
 and optionally for the pods of one target, checked once when they are read.
 
-The budgets live on the Prefect server (`flows/money.py`); this module only
+The budgets live on the Prefect server (`server_budget.py`); this module only
 checks them, so any process reads them the same way. Days and months are
 UTC: a day's budget resets at 00:00 UTC, a month's on the 1st at 00:00 UTC.
 """
@@ -9,7 +9,6 @@ UTC: a day's budget resets at 00:00 UTC, a month's on the 1st at 00:00 UTC.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -28,13 +27,13 @@ class Limits(BaseModel):
 
     @field_validator("day_usd", "month_usd", mode="before")
     @classmethod
-    def _dollars(cls, value: Any) -> Any:
+    def _dollars(cls, value: object) -> object:
         if value is None:
             return None
         if isinstance(value, bool):
             raise ValueError(f"{value!r} is not a number of dollars")
         try:
-            number = float(value)
+            number = float(str(value))  # any JSON the variable holds
         except (TypeError, ValueError):
             raise ValueError(f"{str(value)[:40]!r} is not a number of dollars") from None
         if not math.isfinite(number):
@@ -77,7 +76,7 @@ HOW_TO_SET = (
 """How the budgets are set, for messages."""
 
 
-def budgets_from(value: Any) -> Budgets:
+def budgets_from(value: object) -> Budgets:
     """`value` (the JSON the budget variable holds) as checked budgets.
     Raises BudgetSettingError with one line naming the first field in error."""
     if isinstance(value, Budgets):

@@ -11,6 +11,7 @@ from overbrainer_prefect.losscurve import data_uri
 from overbrainer_prefect.money.budgets import Budgets
 from overbrainer_prefect.money.chart import columns_svg, rows_svg
 from overbrainer_prefect.money.ledger import (
+    Ask,
     Entry,
     Ledger,
     Left,
@@ -18,6 +19,7 @@ from overbrainer_prefect.money.ledger import (
     usd,
     when,
 )
+from overbrainer_prefect.money.store import Admission
 
 
 class SpendError(ValueError):
@@ -173,3 +175,27 @@ def left_text(left: list[Left]) -> str:
         f"until {when(bound.resets)}"
         for bound in left
     )
+
+
+def admitted_line(ask: Ask, admitted: Admission) -> str | None:
+    """`the run admitted at $1.20 (its pod's cost cap); $3.80 left of ...`, None
+    when no budget bounds the pod."""
+    if admitted.cap_usd is None:
+        return None
+    lowered = ask.most_usd is None or admitted.cap_usd < ask.most_usd - 1e-9
+    why = (
+        f" (lowered from {usd(ask.most_usd or 0)} to what is left: its pod's cost cap)"
+        if lowered
+        else " (its pod's cost cap)"
+    )
+    return (
+        f"budget: {ask.what} admitted at {usd(admitted.cap_usd)}{why}; {left_text(admitted.left)}"
+    )
+
+
+def cost_line(entry: Entry | None) -> str | None:
+    """`budget: W cost $0.12 (admitted at $1.20)` for an ended entry whose cost
+    is known, else None."""
+    if entry is None or not entry.ended or entry.cost_usd is None:
+        return None
+    return f"budget: {entry.who} cost {usd(entry.cost_usd)} (admitted at {usd(entry.max_usd)})"

@@ -13,9 +13,16 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.cells import code_cell, table_cell
-from overbrainer_prefect.nightly.fingerprint import Fingerprint, differences
+from overbrainer_prefect.nightly.fingerprint import (
+    Fingerprint,
+    differences,
+    fingerprint,
+    hub_resolver,
+    pinned,
+)
 from overbrainer_prefect.nightly.record import Night, load_night, save_night
 from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.trainers.spec import TrainingSpec
 
 DELIVERED, LAST = "delivered", "last"
 
@@ -35,6 +42,13 @@ class NightFacts(BaseModel):
     since_delivered: list[str] | None = None
     forced: bool = False
     skipped: str | None = Field(default=None, description="Why nothing trained, if so.")
+
+
+class NothingTrained(BaseModel):
+    """What a night that trained nothing returns: why, and its fingerprint."""
+
+    reason: str
+    night: NightFacts
 
 
 def plan_night(
@@ -139,3 +153,53 @@ def _datasets(print_: Fingerprint) -> list[str]:
         (n for n in print_.sources if n.startswith("dataset ")), key=lambda n: int(n.split()[1])
     )
     return [print_.sources[n] for n in names]
+
+
+def decide(
+    training: TrainingSpec,
+    export: BaseModel,
+    evaluation: BaseModel | None,
+    runs_root: Path,
+    deployment: str,
+    *,
+    force: bool = False,
+    prepared_by: str | None = None,
+) -> tuple[TrainingSpec, NightFacts, list[str]]:
+    """Fingerprints what the night would train (Hub revisions resolved to
+    their commits) and plans it (see `plan_night`): returns the training with
+    those commits pinned, the night's facts, and the lines that say so (the Hub
+    commits, then whether it trains and why). Raises FingerprintError or
+    NightlyRecordError with one line."""
+    print_ = fingerprint(training, export, evaluation, hub_resolver())
+    facts = plan_night(runs_root, deployment, print_, force=force, prepared_by=prepared_by)
+    hub = {k: v for k, v in print_.parts.items() if "@" in v and not k.endswith("settings")}
+    lines = [f"Hub commits: {', '.join(f'{k} {v}' for k, v in hub.items())}"] if hub else []
+    if facts.skipped is not None:
+        lines.append(f"fingerprint {print_.short}: {facts.skipped}")
+    else:
+        lines.append(f"fingerprint {print_.short}: trains: {why(facts)}")
+    return pinned(training, print_), facts, lines
+
+
+def remember(
+    runs_root: Path,
+    facts: NightFacts,
+    run_id: str,
+    flow_run_id: str | None,
+    *,
+    trained: bool,
+    delivered: bool,
+) -> str | None:
+    """Records the night `facts` of run `run_id`: as its deployment's last night
+    that `trained`, and, when it `delivered`, as the night the next one is
+    compared with; returns the line that says so when it delivered. Raises
+    NightlyRecordError with one line when a record cannot be written."""
+    if trained:
+        remember_trained(runs_root, facts, run_id, flow_run_id)
+    if not delivered:
+        return None
+    remember_delivered(runs_root, facts, run_id, flow_run_id)
+    return (
+        f"fingerprint {facts.fingerprint.short} delivered: the next night with the same data "
+        "trains nothing"
+    )

@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from huggingface_hub import HfApi
 from huggingface_hub.errors import (
@@ -266,7 +266,7 @@ def _files(directory: Path) -> Iterator[Path]:
             yield path
 
 
-def _flat(prefix: str, values: Mapping[str, Any]) -> dict[str, str]:
+def _flat(prefix: str, values: Mapping[str, object]) -> dict[str, str]:
     """`values` as `prefix.key` → JSON, dictionaries flattened (`training.extra.x`)."""
     flat: dict[str, str] = {}
     for key, value in values.items():
@@ -278,7 +278,7 @@ def _flat(prefix: str, values: Mapping[str, Any]) -> dict[str, str]:
     return flat
 
 
-def _json(value: Any) -> str:
+def _json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 

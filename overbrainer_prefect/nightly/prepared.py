@@ -30,6 +30,7 @@ DATASET_LINE = "OVERBRAINER_DATASET="
 EVAL_LINE = "OVERBRAINER_EVAL="
 SHOWN_LINES = 5  # output lines a failed prepare's message ends with
 SHOWN_LINE = 200  # characters of each of those lines, at most
+PREPARE_TIMEOUT_S = 3600.0  # an export that runs past an hour is stopped (a parameter)
 
 
 class PrepareError(ValueError):
@@ -158,3 +159,23 @@ def _open(path: Path) -> IO[str]:
     if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
     return path.open(encoding="utf-8")
+
+
+def take_prepared(
+    lines: Sequence[str],
+    working_dir: Path,
+    block: str,
+    training: TrainingSpec,
+    evaluation: EvaluationSpec | None,
+) -> tuple[TrainingSpec, EvaluationSpec | None, str]:
+    """The night's training and evaluation once the prepare block `block` ran
+    in `working_dir` and printed `lines`: its files (checked to hold rows) as
+    the datasets and the eval file (see `apply`), and the line that says what
+    it wrote. Raises PrepareError with one line."""
+    prepared = parse_output(lines, working_dir, block)
+    check_rows(prepared, block)
+    training, evaluation = apply(training, evaluation, prepared, block)
+    wrote = ", ".join(str(p) for p in prepared.datasets)
+    if prepared.eval_file:
+        wrote += f" and the eval file {prepared.eval_file}"
+    return training, evaluation, f"prepare {block!r} wrote {wrote}"

@@ -51,6 +51,9 @@ class RunContext:
     check_facts: Callable[[TargetFacts], None] | None = None
     """The target's own check of the probe before the job starts (a pod: the
     GPUs it bills for); raises TrainError."""
+    probed: dict[tuple[str, ...], TargetFacts] = field(default_factory=dict)
+    """Probes of the same machine's job environment this process already took
+    (its pre-flight's), by the modules asked: not taken again at the start."""
 
 
 @dataclass

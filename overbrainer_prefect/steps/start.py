@@ -142,7 +142,9 @@ async def start(
 async def _launch(
     ctx: RunContext, trainer: Trainer, record: RunRecord, secrets: Mapping[str, SecretStr]
 ) -> JobId:
-    facts = await probe(ctx.executor, ctx.python, trainer.probe_modules)
+    facts = ctx.probed.get(tuple(trainer.probe_modules))
+    if facts is None:
+        facts = await probe(ctx.executor, ctx.python, trainer.probe_modules)
     if ctx.check_facts is not None:
         ctx.check_facts(facts)
     trainer.check(facts)

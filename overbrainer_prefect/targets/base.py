@@ -38,7 +38,7 @@ from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
-Logger = logging.Logger | logging.LoggerAdapter[Any]
+Logger = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 
 @dataclass(frozen=True)

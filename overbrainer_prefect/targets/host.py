@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import SecretStr
 
@@ -49,6 +49,8 @@ class HostPlaced:
 
     executor: Executor
     bounds: Bounds
+    probed: dict[tuple[str, ...], TargetFacts] = field(default_factory=dict)
+    """The machine's probes its target already took (see `RunContext.probed`)."""
 
     @property
     def description(self) -> str:
@@ -56,8 +58,10 @@ class HostPlaced:
         return self.executor.description
 
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
-        """The job's context, with the target's deadline."""
-        return self.bounds.context(store, self.executor, reporter)
+        """The job's context, with the target's deadline and its probes."""
+        ctx = self.bounds.context(store, self.executor, reporter)
+        ctx.probed = self.probed
+        return ctx
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
         """`follow.watch`: follows the job, retrieves and verifies its files."""
@@ -104,6 +108,7 @@ class HostTarget:
         self._bounds = bounds
         self._secrets = secrets
         self._log = log
+        self._probed: dict[tuple[str, ...], TargetFacts] = {}
 
     @property
     def workdir(self) -> str:
@@ -124,12 +129,15 @@ class HostTarget:
             )
 
     async def facts(self, modules: Sequence[str]) -> TargetFacts:
-        """A probe of the machine's job environment."""
+        """A probe of the machine's job environment (kept: a job placed by this
+        target starts without probing for the same modules again)."""
         executor = self._executor()
         try:
-            return await start_step.probe(executor, self.python, modules)
+            facts = await start_step.probe(executor, self.python, modules)
         finally:
             await executor.close()
+        self._probed[tuple(modules)] = facts
+        return facts
 
     @asynccontextmanager
     async def reserve(
@@ -145,7 +153,7 @@ class HostTarget:
         """The job's executor, closed on exit."""
         executor = self._executor()
         try:
-            yield HostPlaced(executor, self._bounds)
+            yield HostPlaced(executor, self._bounds, self._probed)
         finally:
             await executor.close()
 

@@ -1,9 +1,9 @@
-"""The prepare step of a nightly fine-tune: a saved prefect-shell
-`ShellOperation` block (the user's export script: a SQL dump, a dbt run, a
-`curl`), run on the worker before anything else, its output streamed to the
-flow run's log line by line. What it says it wrote (`OVERBRAINER_DATASET=`
-and `OVERBRAINER_EVAL=` lines, see `nightly/prepared.py`) becomes the night's
-data.
+"""The prepare step of a nightly fine-tune (what prefect-shell adds to
+`nightly/prepared.py`): a saved prefect-shell `ShellOperation` block (the
+user's export script: a SQL dump, a dbt run, a `curl`), run on the worker
+before anything else, its output streamed to the flow run's log line by line.
+What it says it wrote (`OVERBRAINER_DATASET=` and `OVERBRAINER_EVAL=` lines)
+becomes the night's data.
 
 Create the block once, in Python or in the UI under Blocks, Shell Operation:
 
@@ -24,15 +24,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Protocol, cast
 
 from prefect.blocks.core import Block
 from prefect.client.orchestration import get_client
 from prefect_shell import ShellOperation
 
-from overbrainer_prefect.nightly.prepared import PrepareError, last_lines
+from overbrainer_prefect.nightly.prepared import PREPARE_TIMEOUT_S, PrepareError, last_lines
 
-PREPARE_TIMEOUT_S = 3600.0  # an export that runs past an hour is stopped (a parameter)
 KILL_GRACE_S = 5.0  # after SIGTERM, how long the step's processes have before SIGKILL
 MERGING_SHELLS = frozenset({"bash", "sh", "zsh", "dash", "ksh"})
 """Shells in which `exec 2>&1` sends the step's stderr to its output, so a
@@ -99,7 +98,7 @@ async def run_prepare(
 def _run(block: ShellOperation, timeout_s: float) -> tuple[list[str], int | None, bool]:
     """(output lines, exit code, whether it was stopped for time): the block run
     with prefect-shell's line-reading sync path, in this thread."""
-    shell = cast(Any, block)  # prefect-shell's sync/async dispatch takes `_sync`
+    shell = cast(_SyncShell, block)  # prefect-shell's sync/async dispatch takes `_sync`
     process = shell.trigger(_sync=True)
     stopped = threading.Event()
 
@@ -121,8 +120,25 @@ def _run(block: ShellOperation, timeout_s: float) -> tuple[list[str], int | None
     finally:
         timer.cancel()
         shell.close(_sync=True)
-    lines: list[str] = process.fetch_result(_sync=True)
-    return lines, process.return_code, stopped.is_set()
+    return process.fetch_result(_sync=True), process.return_code, stopped.is_set()
+
+
+class _SyncProcess(Protocol):
+    """What `_run` uses of prefect-shell's `ShellProcess`, called with `_sync=True`."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def return_code(self) -> int | None: ...
+    def wait_for_completion(self, *, _sync: bool) -> None: ...
+    def fetch_result(self, *, _sync: bool) -> list[str]: ...
+
+
+class _SyncShell(Protocol):
+    """What `_run` uses of a `ShellOperation`, called with `_sync=True`."""
+
+    def trigger(self, *, _sync: bool) -> _SyncProcess: ...
+    def close(self, *, _sync: bool) -> None: ...
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
