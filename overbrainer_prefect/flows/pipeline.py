@@ -165,8 +165,7 @@ async def _fine_tune(
     logger = get_run_logger()
     reused: list[str] = []
 
-    # one place (a pod) for every job of the fine-tune, sized for the largest; ended with it
-    async with shared(after_training(spec.training), (runs, run.id) if run is not None else None):
+    async with shared(after_training(spec.training), (runs, run.id) if run else None):  # one pod
         try:
             trained_id, trained = await _train_step(spec, runs, run)
         except Exception as error:
