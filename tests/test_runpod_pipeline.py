@@ -3,10 +3,9 @@ real local process trees (the real bootstrap + watchdog, a real sshd on
 127.0.0.1) running the real jobs: axolotl's fine-tune, llama.cpp's merge,
 convert and quantize, and llama-cpp-python's answers.
 
-What is shown: `fine_tune` on a pod target runs each step (the training, the
-run's export, the base model's export, the compare) on a new pod of its own,
-each deleted only after its files are verified; `auto` picks each pod's GPU
-from that step's VRAM floor; a compare may name its own image; cancelling an
+What is shown: `fine_tune` on a pod target runs every step (the training, the
+run's export, the base model's export, the compare) on one pod, sized for its
+largest job, each step verified, the pod deleted after the last; cancelling an
 export while its pod boots deletes that pod; an export whose follower died is
 followed again and its pod deleted; a fine-tune cancelled while its run trains
 on a pod cancels the job and deletes the pod (its own hook runs its steps'); a
@@ -41,6 +40,7 @@ from overbrainer_prefect.runs.ids import new_run_id
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.trainers.compare import BASES_DIR
 from overbrainer_prefect.trainers.export import ExportSpec
+from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.test_runpod_flows import (
@@ -84,7 +84,23 @@ def pods_of_store(store: Runs) -> list[PodRecord]:
     return found
 
 
-def test_fine_tune_on_a_pod_target_runs_each_step_on_its_own_pod_deleted_after_verification(
+def fine_tune_steps(runs_dir: Path, run_id: str) -> dict[str, list[Any]]:
+    """The records of each step of the fine-tune of `run_id`: the run, its
+    export, the base model's export, the compare."""
+    runs = Runs(runs_dir)
+    bases = [
+        Runs(path, record_file="export.json", kind="export")
+        for path in sorted((runs_dir / BASES_DIR).glob("*/exports"))
+    ]
+    return {
+        "run": [(runs, runs.load(run_id))],
+        "export": [(s, r) for s in [runs.children(run_id, "export")] for r in s.list()],
+        "base": [(s, r) for s in bases for r in s.list()],
+        "compare": [(s, r) for s in [runs.children(run_id, "compare")] for r in s.list()],
+    }
+
+
+def test_fine_tune_on_a_pod_target_runs_every_step_on_one_pod_deleted_after_the_last(
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
@@ -97,7 +113,7 @@ def test_fine_tune_on_a_pod_target_runs_each_step_on_its_own_pod_deleted_after_v
         target=name,
         training=spec(*tiny),
         export=ExportSpec(quant="q8_0"),
-        compare=CompareSettings(questions=QUESTIONS, max_tokens=4, image=COMPARE_IMAGE),
+        compare=CompareSettings(questions=QUESTIONS, max_tokens=4),
         runs_dir=str(runs_dir),
     )
     state = run(fine_tune(fine, return_state=True))
@@ -110,57 +126,48 @@ def test_fine_tune_on_a_pod_target_runs_each_step_on_its_own_pod_deleted_after_v
     assert [pair.question for pair in result.compare.answers] == QUESTIONS
     assert all(pair.base and pair.tuned for pair in result.compare.answers)
 
-    # one pod per step: the run, its export, the base model's export, the compare
-    exports = runs.children(run_id, "export")
-    compares = runs.children(run_id, "compare")
-    bases = [
-        Runs(path, record_file="export.json", kind="export")
-        for path in sorted((runs_dir / BASES_DIR).glob("*/exports"))
-    ]
-    assert len(bases) == 1
-    steps = {
-        "run": [PodRecord.load(runs, run_id)],
-        "export": pods_of_store(exports),
-        "base": pods_of_store(bases[0]),
-        "compare": pods_of_store(compares),
-    }
-    assert {step: len(pods) for step, pods in steps.items()} == {
+    # one pod: made for the run, its record the run's; every other step links to it
+    (made,) = sim.pods(include_deleted=True)
+    pod = PodRecord.load(runs, run_id)
+    assert pod is not None and pod.pod_id == made.id
+    assert pod.state == PodState.DELETED and pod.deleted_by == "client" and pod.secret_deleted
+    assert made.deleted and not pods_of.running(made.id)
+    assert sim.pods() == [] and sim.secret_names() == []
+    steps = fine_tune_steps(runs_dir, run_id)
+    assert {step: len(found) for step, found in steps.items()} == {
         "run": 1,
         "export": 1,
         "base": 1,
         "compare": 1,
     }
-    ids = set()
-    for step, (pod,) in steps.items():
-        assert pod is not None and pod.pod_id is not None, step
-        assert pod.state == PodState.DELETED, (step, pod.state)
-        assert pod.deleted_by == "client" and pod.secret_deleted, step
-        assert pod.delete_reason == "its run's files were retrieved and verified", step
-        simulated = sim.pod(pod.pod_id)
-        assert simulated.deleted and not pods_of.running(pod.pod_id), step
-        ids.add(pod.pod_id)
-    assert len(ids) == 4
-    assert {p.id for p in sim.pods(include_deleted=True)} == ids
-    assert sim.pods() == [] and sim.secret_names() == []
-    assert sim.pod(steps["compare"][0].pod_id).image == COMPARE_IMAGE  # type: ignore[arg-type]
-    assert sim.pod(steps["export"][0].pod_id).image == "overbrainer/test:1"  # type: ignore[arg-type]
+    ended = []
+    for step, [(store, record)] in steps.items():
+        assert record.state == RunState.SUCCEEDED, (step, record.message)
+        assert record.not_retrieved is None, step
+        if step != "run":
+            assert PodRecord.load(store, record.id) is None, step  # no pod of its own
+            assert (store.run_dir(record.id) / "pod.link").is_file(), step
+        ended.append((record.started, record.ended, step))
+    # in order, one after another, on the one pod
+    assert [step for _, _, step in sorted(ended)] == ["run", "export", "base", "compare"]
 
-    # each pod's files were verified before it went: the GGUFs and the answers are here
+    # each job's files were verified: the GGUFs and the answers are here
     gguf = Path(result.export.gguf_path or "")
     assert gguf.is_file() and gguf.stat().st_size == result.export.gguf.size
     answers = Path(result.compare.answers_path or "")
     assert answers.is_file() and answers.read_text().count("\n") == 2 * len(QUESTIONS)
 
-    # what each pod cost and why its GPU was chosen was logged before anything was spent
-    export_flow_run = exports.list()[0].flow_run_id
-    compare_flow_run = compares.list()[0].flow_run_id
-    assert export_flow_run is not None and compare_flow_run is not None
+    # the pod was sized for the largest job, and the watchdog saw every job in turn
+    train_logs = "\n".join(flow_logs(str(runs.load(run_id).flow_run_id)))
+    assert "the merge into" in train_logs and "GB of VRAM" in train_logs
+    # (a job quicker than one look of the watchdog may pass unseen: the export is not)
+    watchdog = (runs.run_dir(run_id) / ".pod" / "watchdog.log").read_text()
+    assert "job: the pipeline's job 2 on this pod" in watchdog, watchdog
+    assert "between jobs: the files of" in watchdog, watchdog
+    export_flow_run = steps["export"][0][1].flow_run_id
+    assert export_flow_run is not None
     export_logs = "\n".join(flow_logs(export_flow_run))
-    assert "the merge into" in export_logs and "GB of VRAM" in export_logs
-    assert "Runpod: " in export_logs and "/h" in export_logs
-    compare_logs = "\n".join(flow_logs(compare_flow_run))
-    assert f"{len(QUESTIONS)} questions" in compare_logs and COMPARE_IMAGE in compare_logs
-    assert "plus a fifth, plus 2 GB" in compare_logs and "Runpod: " in compare_logs
+    assert f"runs on pod {pod.name} of its pipeline" in export_logs, export_logs
     assert_no_secret_in_files(runs_dir, secrets_of(sim))
 
 
@@ -265,6 +272,123 @@ def test_a_wrong_compare_image_fails_in_one_line_before_any_pod(
     assert "\n" not in str(refused.value) and "the image is missing" in str(refused.value)
     assert sim.pods(include_deleted=True) == []
     assert not Runs(runs_dir).children(run_id, "compare").root.exists()
+
+
+def between_jobs(exports: Runs, pods: SimPods) -> tuple[str, str] | None:
+    """The export and pod of a fine-tune whose pod was told that the export's
+    files were verified and the next job follows (`.pod/between` on the pod)."""
+    for record in exports.list(skipped=lambda _name, _error: None):
+        pod = PodRecord.load(exports, record.id)
+        if pod is None or pod.pod_id is None:
+            continue
+        marker = pods.workspace_of(pod.pod_id) / "overbrainer" / record.id / ".pod" / "between"
+        if marker.exists():
+            return record.id, pod.pod_id
+    return None
+
+
+def killed_between_jobs(
+    sim: RunpodSim,
+    pods: SimPods,
+    trained_here: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    grace_s: int,
+) -> tuple[FineTuneSpec, str, str, str]:
+    """The fine-tune of a run trained here continued on a pod target
+    (`run_id`), in another process killed once its export's files were
+    verified on the pod and before the base model's export started; the
+    watchdog's grace between jobs is `grace_s`. Returns the spec, the run's,
+    the export's and the pod's IDs."""
+    import time
+
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},next_job_grace_s={grace_s}")  # the child's, the pod's
+    runs_dir = tmp_path / "runs"
+    run_id = trained_locally(trained_here, runs_dir)
+    source, trained_id = trained_here
+    fine = FineTuneSpec(
+        target=target(sim),
+        training=TrainingSpec.model_validate(Runs(source).load(trained_id).spec),
+        export=ExportSpec(quant="q8_0"),
+        compare=CompareSettings(questions=QUESTIONS, max_tokens=4),
+        runs_dir=str(runs_dir),
+    )
+    code = (
+        "import asyncio, sys\n"
+        "from overbrainer_prefect.flows import FineTuneSpec, fine_tune\n"
+        "spec = FineTuneSpec.model_validate_json(sys.argv[1])\n"
+        "asyncio.run(fine_tune(spec, run_id=sys.argv[2]))\n"
+    )
+    log = tmp_path / "child.log"
+    child = python_in_child(code, [fine.model_dump_json(), run_id], log)
+    exports = Runs(runs_dir).children(run_id, "export")
+    try:
+        deadline = time.monotonic() + 300
+        while (found := between_jobs(exports, pods)) is None:
+            assert child.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the export's files were never verified"
+            time.sleep(0.05)
+    finally:
+        kill(child)  # the follower dies between two jobs: no hook runs
+    return fine, run_id, *found
+
+
+def test_a_fine_tune_killed_between_jobs_leaves_a_pod_ended_at_its_grace_and_continues_on_a_new_one(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    trained_here: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    fine, run_id, export_id, pod_id = killed_between_jobs(
+        sim, pods_of, trained_here, tmp_path, monkeypatch, grace_s=5
+    )
+    killed = time.time()
+    wait_until(lambda: sim.pod(pod_id).deleted, 30, "the watchdog to end the pod between jobs")
+    assert (sim.pod(pod_id).deleted_at or 0) <= killed + 5 + 3  # its grace, a look, a delete
+    log = pods_of.watchdog_log(pod_id, export_id)
+    assert "no next job of the pipeline started within next_job_grace (5s" in log, log
+
+    result = run(fine_tune(fine, run_id=run_id))
+    assert isinstance(result, FineTuneResult) and result.run_id == run_id
+    assert result.export.export_id == export_id and result.compare.state == RunState.SUCCEEDED
+    (other,) = [p for p in sim.pods(include_deleted=True) if p.id != pod_id]
+    assert other.deleted and sim.pods() == [] and sim.secret_names() == []
+    steps = fine_tune_steps(tmp_path / "runs", run_id)
+    [(bases, base)] = steps["base"]
+    pod = PodRecord.load(bases, base.id)  # the new pod was made for the base model's export
+    assert pod is not None and pod.pod_id == other.id and pod.state == PodState.DELETED
+    [(compares, compared)] = steps["compare"]
+    assert compared.state == RunState.SUCCEEDED and PodRecord.load(compares, compared.id) is None
+
+
+def test_a_fine_tune_killed_between_jobs_continues_on_its_pod_while_it_lives(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    trained_here: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fine, run_id, export_id, pod_id = killed_between_jobs(
+        sim, pods_of, trained_here, tmp_path, monkeypatch, grace_s=120
+    )
+    assert not sim.pod(pod_id).deleted
+    listed = run(pods(action="list", runs_dir=str(tmp_path / "runs"), credentials=None))
+    (row,) = [r for r in listed.pods if r.pod_id == pod_id]  # its export ended: not left over
+    assert not row.orphan and "runs the jobs of its pipeline" in row.why
+    result = run(fine_tune(fine, run_id=run_id))
+    assert isinstance(result, FineTuneResult) and result.compare.state == RunState.SUCCEEDED
+    (made,) = sim.pods(include_deleted=True)  # the same pod ran the rest of the fine-tune
+    assert made.id == pod_id and made.deleted and sim.secret_names() == []
+    exports = Runs(tmp_path / "runs").children(run_id, "export")
+    pod = PodRecord.load(exports, export_id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
+    log = pods_of.watchdog_log(pod_id, export_id)
+    assert "job: the pipeline's job 2 on this pod" in log, log  # the base model's export
 
 
 def fine_tune_in_child(fine: FineTuneSpec, log: Path) -> Any:

@@ -570,6 +570,54 @@ def test_a_deleted_pod_takes_its_job_with_it(bed: Bed) -> None:
     assert not any(alive(pid) for pid in tree)
 
 
+@pytest.mark.slow
+def test_a_pod_shared_by_a_pipeline_watches_each_job_and_ends_at_the_next_job_grace(
+    bed: Bed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from overbrainer_prefect.runpod.shared import job_dir, mark_between, name_job
+
+    monkeypatch.setenv(TIMING_ENV, FAST + ",next_job_grace_s=5")
+
+    async def body(ctx: PodContext) -> tuple[PodRecord, float, float]:
+        ready = await ready_pod(ctx, bed, settings())
+        run_ctx, first = await start(ctx, ready, progressing(2, 0.1))
+        outcome = await follow.watch(run_ctx, ShellTrainer(""), first)
+        assert outcome.record.state == RunState.SUCCEEDED
+        pod_dir = first.remote_dir
+        await mark_between(ready.executor, pod_dir, first.remote_dir)
+        # the pipeline's next job, in its own run directory on the same pod
+        second = start_step.create(
+            ctx.runs, target="sim", target_kind="runpod", workdir=DEFAULT_WORKDIR
+        )
+        second.remote_dir = job_dir(ready.pod.workdir or DEFAULT_WORKDIR, second.id)
+        ctx.runs.save(second)
+        await name_job(ready.executor, pod_dir, second.remote_dir)
+        second = await start_step.start(run_ctx, ShellTrainer(progressing(30, 0.3)), second)
+        outcome = await follow.watch(run_ctx, ShellTrainer(""), second)
+        assert outcome.record.state == RunState.SUCCEEDED  # longer than the grace: not ended
+        assert not bed.sim.pod(ready.pod.pod_id or "").deleted
+        await asyncio.sleep(3)  # ended, its files not yet verified: the retrieve grace holds
+        assert not bed.sim.pod(ready.pod.pod_id or "").deleted
+        await mark_between(ready.executor, pod_dir, second.remote_dir)
+        marked = time.time()
+        await ready.executor.close()
+        await until(lambda: deleted(bed, ready.pod), 30, "the next-job grace to end")
+        return ready.pod, marked, time.time()
+
+    pod, marked, gone = run(bed, body)
+    assert gone - marked >= 4
+    deleted_at = bed.sim.pod(pod.pod_id or "").deleted_at
+    assert deleted_at is not None and deleted_at <= marked + 5 + 3
+    log = log_of(bed, pod)
+    assert "job: the pipeline's job 2 on this pod is in" in log
+    assert log.count("job: started (job.sh is there)") == 2
+    assert "between jobs: the files of" in log
+    assert (
+        "no next job of the pipeline started within next_job_grace (5s after the files of its "
+        "last job were verified)" in log
+    )
+
+
 # -- the records and messages -------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ from overbrainer_prefect.nightly.prepared import PREPARE_TIMEOUT_S
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.targets.sharing import after_training, shared
 from overbrainer_prefect.targets.spend import run_spent, spent
 from overbrainer_prefect.trainers.compare import check_max_tokens, load_questions
 
@@ -164,97 +165,98 @@ async def _fine_tune(
     logger = get_run_logger()
     reused: list[str] = []
 
-    try:
-        trained_id, trained = await _train_step(spec, runs, run)
-    except Exception as error:
-        raise PipelineFailed(f"the fine-tune stopped at training: {error}") from None
-    if isinstance(trained, State):
-        return trained  # the training was cancelled: so is the pipeline
-    if trained is None:
-        reused.append(training_kind.NAME)
-    run_result = trained if isinstance(trained, RunResult) else None
-    run_id = trained_id or (run_result.run_id if run_result else None)
-    if run_id is None or (run_result is not None and run_result.state != RunState.SUCCEEDED):
-        state = run_result.state if run_result else "unknown"
-        raise PipelineFailed(
-            f"the fine-tune stopped at training: run {run_id} is {state}; "
-            f"{kept_text(runs, None, None)}"
-        )
+    async with shared(after_training(spec.training), (runs, run.id) if run else None):  # one pod
+        try:
+            trained_id, trained = await _train_step(spec, runs, run)
+        except Exception as error:
+            raise PipelineFailed(f"the fine-tune stopped at training: {error}") from None
+        if isinstance(trained, State):
+            return trained  # the training was cancelled: so is the pipeline
+        if trained is None:
+            reused.append(training_kind.NAME)
+        run_result = trained if isinstance(trained, RunResult) else None
+        run_id = trained_id or (run_result.run_id if run_result else None)
+        if run_id is None or (run_result is not None and run_result.state != RunState.SUCCEEDED):
+            state = run_result.state if run_result else "unknown"
+            raise PipelineFailed(
+                f"the fine-tune stopped at training: run {run_id} is {state}; "
+                f"{kept_text(runs, None, None)}"
+            )
 
-    quant = spec.export.quant
-    left = running(export_kind.KIND.store(runs, run_id), quant)
-    exported = await _step(
-        "the export",
-        kept_text(runs, run_id, None),
-        export(
-            run_id=run_id,
-            quant=quant,
-            target=spec.target,
-            runs_dir=spec.runs_dir,
-            export_id=left.id if left is not None else None,
-            keep_intermediate=spec.export.keep_intermediate,
-        ),
-    )
-    if exported.reused:
-        reused.append(export_kind.NAME)
-
-    settings = spec.compare
-    kept = kept_text(runs, run_id, exported.export_id)
-    left_compare = running_compare(
-        compare_kind.KIND.store(runs, run_id),
-        questions,
-        settings.max_tokens,
-        settings.seed,
-        quant,
-        exported.gguf.sha256 if exported.gguf is not None else "",
-    )
-    compared = await _step(
-        "the compare",
-        kept,
-        compare(
-            run_id=run_id,
-            questions=questions,
-            quant=quant,
-            max_tokens=settings.max_tokens,
-            seed=settings.seed,
-            target=spec.target,
-            runs_dir=spec.runs_dir,
-            compare_id=left_compare.id if left_compare is not None else None,
-            image=settings.image,
-        ),
-    )
-    if compared.reused:
-        reused.append(compare_kind.NAME)
-
-    logger.info(
-        "fine-tune of run %s%s: GGUF %s, answers in %s",
-        run_id,
-        f" (reused: {', '.join(reused)})" if reused else "",
-        exported.gguf_path,
-        compared.answers_path,
-    )
-    result = FineTuneResult(
-        run_id=run_id,
-        run=run_result,
-        export=exported,
-        compare=compared,
-        reused=reused,
-        next=compared.next,
-        night=night.facts,
-    )
-    if spec.evaluation is not None:
-        evaluated = await _step(
-            "the evaluation",
-            kept,
-            evaluate(
+        quant = spec.export.quant
+        left = running(export_kind.KIND.store(runs, run_id), quant)
+        exported = await _step(
+            "the export",
+            kept_text(runs, run_id, None),
+            export(
                 run_id=run_id,
-                evaluation=spec.evaluation.model_copy(update={"quant": quant}),
+                quant=quant,
                 target=spec.target,
                 runs_dir=spec.runs_dir,
+                export_id=left.id if left is not None else None,
+                keep_intermediate=spec.export.keep_intermediate,
             ),
         )
-        result.evaluation, result.verdict = evaluated, verdict(evaluated)
-        logger.info("run %s: %s", run_id, result.verdict)
+        if exported.reused:
+            reused.append(export_kind.NAME)
+
+        settings = spec.compare
+        kept = kept_text(runs, run_id, exported.export_id)
+        left_compare = running_compare(
+            compare_kind.KIND.store(runs, run_id),
+            questions,
+            settings.max_tokens,
+            settings.seed,
+            quant,
+            exported.gguf.sha256 if exported.gguf is not None else "",
+        )
+        compared = await _step(
+            "the compare",
+            kept,
+            compare(
+                run_id=run_id,
+                questions=questions,
+                quant=quant,
+                max_tokens=settings.max_tokens,
+                seed=settings.seed,
+                target=spec.target,
+                runs_dir=spec.runs_dir,
+                compare_id=left_compare.id if left_compare is not None else None,
+                image=settings.image,
+            ),
+        )
+        if compared.reused:
+            reused.append(compare_kind.NAME)
+
+        logger.info(
+            "fine-tune of run %s%s: GGUF %s, answers in %s",
+            run_id,
+            f" (reused: {', '.join(reused)})" if reused else "",
+            exported.gguf_path,
+            compared.answers_path,
+        )
+        result = FineTuneResult(
+            run_id=run_id,
+            run=run_result,
+            export=exported,
+            compare=compared,
+            reused=reused,
+            next=compared.next,
+            night=night.facts,
+        )
+        if spec.evaluation is not None:
+            evaluated = await _step(
+                "the evaluation",
+                kept,
+                evaluate(
+                    run_id=run_id,
+                    evaluation=spec.evaluation.model_copy(update={"quant": quant}),
+                    target=spec.target,
+                    runs_dir=spec.runs_dir,
+                ),
+            )
+            result.evaluation, result.verdict = evaluated, verdict(evaluated)
+            logger.info("run %s: %s", run_id, result.verdict)
     name = _deployment_name()
     if spec.gate is not None and result.evaluation is not None:
         result.gate = decide(spec.gate, result.evaluation, last_delivered(runs.root, name))

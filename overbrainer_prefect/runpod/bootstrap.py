@@ -43,6 +43,16 @@ the watchdog then deletes the pod at once."""
 CAP_FILE = f"{POD_DIR}/cap"
 """Written by the client before the job starts: the pod's rate and max_cost_usd."""
 
+JOB_FILE = f"{POD_DIR}/job"
+"""On a pod a pipeline shares: the run directory of the job the watchdog watches
+(written by the client before each job after the pod's first)."""
+
+BETWEEN_MARKER = f"{POD_DIR}/between"
+"""On a pod a pipeline shares: written by the client once a job's files were
+retrieved and verified and the pod stays for the pipeline's next job (it holds
+that job's run directory); the watchdog deletes the pod `next_job_grace` after
+it unless a next job started."""
+
 OWNER_FILE = f"{POD_DIR}/owner"
 """The claim of the run directory by the pod: `run=<run id> pod=<pod id>`."""
 
@@ -105,6 +115,10 @@ class PodTiming:
     for a checkpoint stays, so that a collector retrieves that checkpoint (three
     runs of a collector scheduled every five minutes); counted in the plan's
     most the pod can cost."""
+    next_job_grace_s: float = 300.0
+    """How long a pod a pipeline shares stays between two of its jobs, once a
+    job's files were verified, for the next job to start (the watchdog's
+    OVERBRAINER_NEXT_JOB_GRACE): past it, the follower is taken for dead."""
     reaper_unreachable_s: float = 600.0
     """How long the reaper (see `reaper`) goes on without any answer from the
     Runpod API before it ends."""
@@ -180,6 +194,7 @@ def pod_env(
         "OVERBRAINER_WATCH_INTERVAL": str(max(1, math.ceil(timing.watch_interval_s))),
         "OVERBRAINER_CHECKPOINT_LEAD": str(timing.checkpoint_lead(settings.max_hours)),
         "OVERBRAINER_CHECKPOINT_HOLD": str(math.ceil(timing.checkpoint_hold_s)),
+        "OVERBRAINER_NEXT_JOB_GRACE": str(math.ceil(timing.next_job_grace_s)),
         "OVERBRAINER_KEEP_POD": "1" if settings.keep_pod else "0",
     }
 

@@ -24,6 +24,12 @@
 #     cap; a hard cap, which no lease holds off; the job is asked for a
 #     checkpoint a tenth of the budget before (at most
 #     OVERBRAINER_CHECKPOINT_LEAD seconds), as before max_hours.
+# A pipeline (a fine-tune) may run several jobs on the pod, one after another:
+# the client names each job after the first in .pod/job (its run directory),
+# and the watchdog watches that job from then on; once a job's files are
+# verified and another job follows, the client writes .pod/between, and the pod
+# is deleted OVERBRAINER_NEXT_JOB_GRACE seconds later unless the next job
+# started. max_hours, max_cost_usd and the lease bound the pod's whole life.
 # With OVERBRAINER_KEEP_POD=1 only the boot grace applies.
 #
 # Every decision is logged with its reason to <run dir>/.pod/watchdog.log,
@@ -54,6 +60,7 @@ LEASE_TTL=${OVERBRAINER_LEASE_TTL:-900}
 INTERVAL=${OVERBRAINER_WATCH_INTERVAL:-30}
 LEAD=${OVERBRAINER_CHECKPOINT_LEAD:-600}
 HOLD=${OVERBRAINER_CHECKPOINT_HOLD:-900}
+NEXT_GRACE=${OVERBRAINER_NEXT_JOB_GRACE:-300}
 DELETE_MARGIN=5     # seconds a delete takes to stop the billing, kept under the cost cap
 KEEP=${OVERBRAINER_KEEP_POD:-0}
 CREATED=${OVERBRAINER_CREATED_AT:-}
@@ -92,6 +99,7 @@ LEASE_TTL=$(whole "$LEASE_TTL")
 INTERVAL=$(whole "$INTERVAL")
 LEAD=$(whole "$LEAD")
 HOLD=$(whole "$HOLD")
+NEXT_GRACE=$(whole "$NEXT_GRACE")
 [ "$INTERVAL" -ge 1 ] || INTERVAL=1
 
 # -- the Runpod API, with the pod's own key -----------------------------------
@@ -252,11 +260,15 @@ EOF
 RESTARTED=0
 LOST_JOB=0
 claim
+# the job watched: the run's own, or the one a pipeline sharing the pod named last
+JOB_DIR=$RUN_DIR
+named_job() { named=$(cat "$STATE/job" 2>/dev/null) && [ -n "$named" ] && JOB_DIR=$named; }
+named_job
 if [ "$RESTARTED" = 1 ]; then
     # A container restarted (its host, Runpod's restart action) ends every process of
     # the pod: a job it ran without an exit code is lost, not running.
     now > "$STATE/restarted"
-    if [ -e "$RUN_DIR/job.sh" ] && [ ! -e "$RUN_DIR/job.exit" ] && [ ! -e "$RUN_DIR/job.cancelled" ]; then
+    if [ -e "$JOB_DIR/job.sh" ] && [ ! -e "$JOB_DIR/job.exit" ] && [ ! -e "$JOB_DIR/job.cancelled" ]; then
         LOST_JOB=1
         log "container: restarted; the job it ran was lost with it (job.sh, no exit code)"
     else
@@ -276,7 +288,7 @@ else
 fi
 DEADLINE=$((START + $(awk -v h="$MAX_HOURS" 'BEGIN { printf "%d", h * 3600 }')))
 BOOT_DEADLINE=$((START + BOOT_GRACE))
-log "bootstrap: pod $POD_ID of run $RUN_ID, created at $(iso "$START"): max_hours $MAX_HOURS (deadline $(iso "$DEADLINE")), boot_grace ${BOOT_GRACE}s, retrieve_grace ${RETRIEVE_GRACE}s, lease_ttl ${LEASE_TTL}s, keep_pod $KEEP"
+log "bootstrap: pod $POD_ID of run $RUN_ID, created at $(iso "$START"): max_hours $MAX_HOURS (deadline $(iso "$DEADLINE")), boot_grace ${BOOT_GRACE}s, retrieve_grace ${RETRIEVE_GRACE}s, lease_ttl ${LEASE_TTL}s, next_job_grace ${NEXT_GRACE}s, keep_pod $KEEP"
 
 install_keys
 start_sshd
@@ -331,7 +343,7 @@ arm() {
 
 # ask_checkpoint WHY: asks a running job for a resumable checkpoint and a stop.
 ask_checkpoint() {
-    : > "$RUN_DIR/stop.request" 2>/dev/null
+    : > "$JOB_DIR/stop.request" 2>/dev/null
     log "decision: asked the job for a checkpoint (stop.request): $1"
 }
 
@@ -356,11 +368,15 @@ nap() {
 }
 
 JOB_SEEN=0
+ANY_JOB=0
+JOBS=1
+WATCHED=$JOB_DIR
 ENDED_AT=
 ASKED_HOURS=0
 ASKED_COST=0
 HOLD_NOTED=0
 LEASE_NOTED=
+BETWEEN_NOTED=
 
 while :; do
     t=$(now)
@@ -374,17 +390,31 @@ while :; do
     fi
     arm
 
+    named_job
+    if [ "$JOB_DIR" != "$WATCHED" ]; then
+        # the pipeline sharing the pod named its next job: its bounds start afresh
+        WATCHED=$JOB_DIR
+        JOBS=$((JOBS + 1))
+        JOB_SEEN=0
+        ENDED_AT=
+        ASKED_HOURS=0
+        ASKED_COST=0
+        HOLD_NOTED=0
+        LOST_JOB=0
+        log "job: the pipeline's job $JOBS on this pod is in $JOB_DIR"
+    fi
     running=0
-    if [ -e "$RUN_DIR/job.sh" ]; then
+    if [ -e "$JOB_DIR/job.sh" ]; then
         if [ "$JOB_SEEN" != 1 ]; then
             JOB_SEEN=1
+            ANY_JOB=1
             log "job: started (job.sh is there)"
         fi
         if [ -z "$ENDED_AT" ]; then
             how=
-            if [ -e "$RUN_DIR/job.exit" ]; then
-                how="exit code $(cat "$RUN_DIR/job.exit" 2>/dev/null)"
-            elif [ -e "$RUN_DIR/job.cancelled" ]; then
+            if [ -e "$JOB_DIR/job.exit" ]; then
+                how="exit code $(cat "$JOB_DIR/job.exit" 2>/dev/null)"
+            elif [ -e "$JOB_DIR/job.cancelled" ]; then
                 how="cancelled"
             elif [ "$LOST_JOB" = 1 ]; then
                 how="lost: the container restarted"
@@ -407,11 +437,27 @@ while :; do
         delete_pod "the client retrieved and verified the run's files (.pod/retrieved)"
     fi
 
-    if [ "$JOB_SEEN" != 1 ] && [ "$t" -ge "$BOOT_DEADLINE" ]; then
+    if [ "$ANY_JOB" != 1 ] && [ "$t" -ge "$BOOT_DEADLINE" ]; then
         delete_pod "no job started within boot_grace (${BOOT_GRACE}s after the pod was created)"
     fi
 
     if [ "$KEEP" != 1 ]; then
+        # between two jobs of a pipeline: the last job's files were verified (the marker names
+        # the job watched) or the job named next has not started; no next job, no pod
+        if [ "$running" != 1 ] && [ -e "$STATE/between" ]; then
+            verified=$(cat "$STATE/between" 2>/dev/null)
+            if [ "$verified" = "$JOB_DIR" ] || [ ! -e "$JOB_DIR/job.sh" ]; then
+                since=$(mtime "$STATE/between")
+                if [ "$BETWEEN_NOTED" != "$since" ]; then
+                    BETWEEN_NOTED=$since
+                    log "between jobs: the files of $verified were verified; unless the pipeline's next job starts, the pod is deleted at $(iso $((since + NEXT_GRACE))) (next_job_grace ${NEXT_GRACE}s)"
+                fi
+                if [ "$t" -ge $((since + NEXT_GRACE)) ]; then
+                    delete_pod "no next job of the pipeline started within next_job_grace (${NEXT_GRACE}s after the files of its last job were verified)"
+                fi
+            fi
+        fi
+
         if [ -n "$ENDED_AT" ] && [ "$t" -ge $((ENDED_AT + RETRIEVE_GRACE)) ]; then
             delete_pod "the job ended ${RETRIEVE_GRACE}s ago and its files were not retrieved (retrieve_grace)"
         fi

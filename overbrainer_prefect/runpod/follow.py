@@ -152,17 +152,20 @@ async def watch_leased(
     pod: PodRecord,
     timing: PodTiming,
     stall_s: float,
+    pod_dir: str | None = None,
 ) -> Watched:
     """Follows the started run `record` with `follow.watch` until its job
     ends, renewing the pod's lease while the job progresses, until the client's
     own guard fires. Never calls the Runpod API: what it found is acted on by
-    `settle`. A kept pod, or one without a deadline, needs no lease."""
+    `settle`. A kept pod, or one without a deadline, needs no lease. The lease
+    is in `pod_dir` on a pod made for another job of the pipeline (else in
+    the job's own run directory)."""
     progress = LeaseReporter(ctx.reporter, pod)
     leased = dataclasses.replace(ctx, reporter=progress)
     watching = asyncio.create_task(follow.watch(leased, trainer, record))
     tasks: set[asyncio.Task[Any]] = {watching}
     if not pod.keep and pod.deadline_unix is not None:
-        path = f"{record.remote_dir}/{LEASE_FILE}"
+        path = f"{pod_dir or record.remote_dir}/{LEASE_FILE}"
         tasks.add(asyncio.create_task(hold_lease(leased, path, progress, pod, timing, stall_s)))
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

@@ -109,7 +109,13 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
     else:
         state = str(record.state)
         kept = local is not None and local.keep
-        if record.state.ended:
+        if record.state.ended and local is not None and local.pipeline_job and not local.gone:
+            orphan, retrieved = False, False
+            why = (
+                f"runs the jobs of its pipeline (the last placed: {local.pipeline_job}); bounded "
+                "by its watchdog, which deletes it when no next job starts within its grace"
+            )
+        elif record.state.ended:
             orphan = True
             why = f"its run has ended ({record.state})" + (
                 "; kept (keep_pod)"

@@ -144,6 +144,12 @@ class PodRecord(BaseModel):
         "nothing else alive), `pods flow`, or `unknown` (Runpod terminated it, or the console).",
     )
     delete_reason: str | None = None
+    pipeline_job: str | None = Field(
+        default=None,
+        description="For a pod made for the jobs of a pipeline (a fine-tune): the last of them "
+        "placed on it (its ID). The pod stays for the pipeline once its own job ended, bounded "
+        "by its watchdog (its next-job grace between jobs): no sweep takes it for left over.",
+    )
     retrieved_marked: bool = Field(
         default=False,
         description="The client wrote the `retrieved` marker on the pod: its watchdog deletes it.",

@@ -7,6 +7,14 @@ Every step with a pod is in `overbrainer_prefect.runpod`; this module is
 what the job driver sees of them. A job's record lives in its own store,
 and so do its `pod.json`, keys and watchdog log: every pod belongs to
 exactly one record.
+
+Within a pipeline that shares its places (`targets.sharing`: a fine-tune),
+the pod made for its first job is sized for its largest job and runs every
+later job too (a new run directory on it each, the same keys), each job
+with its own record, follow, retrieval and verification; those jobs' records
+link to the pod's owner (`runpod.shared`). Between two jobs the pod stays for
+the next, bounded by its watchdog's next-job grace; once the pipeline ends the
+pod is deleted (its last job's files verified, or the pipeline failed).
 """
 
 from __future__ import annotations
@@ -45,6 +53,15 @@ from overbrainer_prefect.runpod.pod import POD_RECORD, PodRecord, PodState
 from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, provision
 from overbrainer_prefect.runpod.reconnect import reconnect
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings, settings_from
+from overbrainer_prefect.runpod.shared import (
+    LINK_FILE,
+    PIPELINE_LINK,
+    home_of,
+    job_dir,
+    mark_between,
+    name_job,
+    write_link,
+)
 from overbrainer_prefect.runpod.volume import ensure_volume
 from overbrainer_prefect.runpod.vram import (
     GB,
@@ -60,11 +77,12 @@ from overbrainer_prefect.steps.errors import NotRetrieved, RunError, failure_rea
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.targets.host import Bounds
+from overbrainer_prefect.targets.sharing import current
 from overbrainer_prefect.trainers.axolotl import launch_summary
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
 from overbrainer_prefect.trainers.compare import vram_floor
 
-LOCAL_RECORDS = (POD_RECORD, POD_DIR, SSH_DIR)
+LOCAL_RECORDS = (POD_RECORD, POD_DIR, SSH_DIR, LINK_FILE, PIPELINE_LINK)
 """What this machine keeps of a job's pod in its run directory: never uploaded."""
 
 
@@ -93,6 +111,13 @@ class PodPlaced:
     """The job's run directory on the pod, once provisioned for it."""
     job_started: bool = False
     """Whether the job started here (`started` was called)."""
+    pod_dir: str | None = None
+    """Where the pod's state (`.pod`) is on it: its owner's run directory, when
+    the job runs on a pod made for another job of its pipeline (None: its own)."""
+    owner: RunRecord | None = None
+    """The record the pod was made for, when that is another job's."""
+    share: PodShare | None = None
+    """The pipeline that shares the pod: the pod stays for its next job."""
 
     @property
     def executor(self) -> Executor:
@@ -126,7 +151,7 @@ class PodPlaced:
         local files, with the reason (`lost`) the caller fails the record with."""
         try:
             watched = await watch_leased(
-                ctx, trainer, record, self.pod, self.ctx.timing, ctx.stall_s
+                ctx, trainer, record, self.pod, self.ctx.timing, ctx.stall_s, self.pod_dir
             )
             outcome = await settle(self.ctx, self.pod, record.id, watched)
         except PodGone as gone:
@@ -136,7 +161,7 @@ class PodPlaced:
             return outcome
         except NotRetrieved as error:
             self.pod.state = PodState.AWAITING_RETRIEVAL
-            self.pod.save(ctx.runs)
+            self.pod.save(self.ctx.runs)
             await fetch_watchdog_log(ctx.runs, self.ssh, record)
             raise RunError(
                 f"{error}; its pod {self.pod.name}{self.pod.rate_text()} stays until its "
@@ -152,17 +177,23 @@ class PodPlaced:
 
     async def end(self, outcome: Outcome) -> None:
         """Deletes the pod (confirmed) once the job's files are verified, else
-        leaves it to its watchdog's retrieve grace (see `runpod.ending.end_pod`)."""
-        await end_pod(self.ctx, self.pod, self.ssh, outcome.record, outcome.retrieved)
+        leaves it to its watchdog's retrieve grace (see `runpod.ending.end_pod`).
+        On a pod a pipeline shares, the pod stays for the pipeline's next job."""
+        if self.share is not None and not self.pod.gone:
+            await self.share.between(self.ctx, self.ssh, outcome.record, outcome.retrieved)
+            return
+        await end_pod(self.ctx, self.pod, self.ssh, self.owner or outcome.record, outcome.retrieved)
 
     def started(self, store: Runs, record: RunRecord) -> None:
         """Records the pod running its job, and logs what bounds it. Raises
         PodError (with how to remove the pod) when `pod.json` cannot be saved."""
         self.job_started = True
+        if self.share is not None:
+            self.share.running = (store, record.id)
         pod = self.pod
         pod.state = PodState.RUNNING
         try:
-            pod.save(store)
+            pod.save(self.ctx.runs)
         except Exception as error:
             raise PodError(
                 f"the job of {subject(record)} runs on pod {pod.name}{pod.rate_text()}, but "
@@ -187,6 +218,129 @@ class PodPlaced:
     def spend(self) -> float | None:
         """What the pod has cost so far (its GPUs and its disk, by its uptime)."""
         return self.pod.estimated_spend()
+
+
+@dataclass
+class PodShare:
+    """A pod the jobs of a pipeline share (a `targets.sharing.Held`): the
+    record it was made for (its owner: `pod.json`, keys, watchdog log), the
+    pod, the image it runs, and how its last job ended."""
+
+    target: PodTarget
+    home: Runs
+    """The store of the pod's owner."""
+    owner_id: str
+    pod: PodRecord
+    image: str
+    plan: LaunchPlan | None
+    """The plan it was made by (None for a pod a continued pipeline found)."""
+    jobs: int = 1
+    retrieved: bool = True
+    """Whether its last job's files were retrieved and verified."""
+    running: tuple[Runs, str] | None = None
+    """The job started on it and not yet ended here (its store and ID)."""
+
+    def owner(self) -> RunRecord:
+        """The record the pod was made for. Raises when it cannot be read."""
+        return self.home.load(self.owner_id)
+
+    @property
+    def pod_dir(self) -> str:
+        """The owner's run directory on the pod, where the watchdog's state is."""
+        return job_dir(self.pod.workdir or DEFAULT_WORKDIR, self.owner_id)
+
+    async def between(
+        self, ctx: PodContext, executor: Executor, record: RunRecord, retrieved: bool
+    ) -> None:
+        """Keeps the pod for the pipeline's next job once the job `record`
+        ended: its watchdog is told its files were verified (it deletes the pod
+        at its next-job grace unless a next job starts) and the lease renewed.
+        A job whose files were not retrieved leaves the pod to its watchdog's
+        retrieve grace. Never raises: a pod that cannot be told is logged."""
+        self.retrieved = retrieved
+        self.running = None
+        owner = self.owner()
+        await fetch_watchdog_log(self.home, executor, owner)
+        if not retrieved:
+            self.pod.state = PodState.AWAITING_RETRIEVAL
+            self.pod.save(self.home)
+            ctx.log.warning(
+                "the files of %s were not retrieved: pod %s%s stays until its watchdog's "
+                "retrieve grace ends, or %s",
+                subject(record),
+                self.pod.name,
+                self.pod.rate_text(),
+                remove_hint(self.owner_id),
+            )
+            return
+        try:
+            await mark_between(executor, self.pod_dir, record.remote_dir)
+        except ExecError as error:
+            ctx.log.warning("cannot tell the watchdog of pod %s: %s", self.pod.name, error)
+        self.pod.state = PodState.READY
+        self.pod.save(self.home)
+        ctx.log.info(
+            "%s: its files are verified; pod %s%s stays for the next job of the pipeline (its "
+            "watchdog deletes it %.0f s after this unless that job starts)",
+            subject(record),
+            self.pod.name,
+            self.pod.rate_text(),
+            ctx.timing.next_job_grace_s,
+        )
+
+    def _still_running(self) -> bool:
+        """Whether a job started on the pod has not ended (its follower gave up)."""
+        if self.running is None:
+            return False
+        store, record_id = self.running
+        try:
+            return not store.load(record_id).state.ended
+        except Exception:
+            return False
+
+    async def close(self, error: BaseException | None) -> None:
+        """Ends the pod once its pipeline ended: deleted (the `retrieved` marker
+        first, deletion confirmed, keys forgotten) after its last job's files
+        were verified, or because the pipeline failed; left to its watchdog's
+        bounds when its last job's files were not retrieved, or that job keeps
+        running with nobody following it (the pipeline's message says how to
+        follow it again). Never
+        raises: a pod that may be left is logged with how to remove it."""
+        pod = self.pod
+        if pod.gone:
+            return
+        try:
+            async with self.target.account(self.home) as ctx:
+                if error is not None and self._still_running():
+                    return  # its job keeps running unfollowed: the message said how; it is bounded
+                if error is not None:
+                    reason = f"its pipeline ended: {failure_reason(error)}"
+                    await release(ctx, pod, reason)
+                    return
+                if not self.retrieved:
+                    return  # its watchdog's retrieve grace bounds it; the warning was logged
+                owner = self.owner()
+                executor = await reconnect(ctx, pod, owner, self.target.ref)
+                if executor is None:
+                    return
+                try:
+                    await end_pod(ctx, pod, executor, owner, True)
+                finally:
+                    await executor.close()
+                ctx.log.info(
+                    "pod %s ran %d jobs of the pipeline; up %.0f s, about $%.4f",
+                    pod.name,
+                    self.jobs,
+                    pod.uptime_s(),
+                    pod.estimated_spend() or 0.0,
+                )
+        except Exception as failure:
+            self.target._log.warning(
+                "pod %s of the pipeline may be left (%s); %s",
+                pod.name,
+                failure,
+                remove_hint(self.owner_id),
+            )
 
 
 def pod_spent(store: Runs, record: RunRecord) -> float | None:
@@ -276,7 +430,9 @@ class PodTarget:
         return TargetFacts(python=self.python, gpus=self.settings.gpu_count)
 
     @asynccontextmanager
-    async def _account(self, store: Runs) -> AsyncIterator[PodContext]:
+    async def account(self, store: Runs) -> AsyncIterator[PodContext]:
+        """The Runpod account for the length of the block, with `store` the
+        store of the pod records it works on."""
         async with self._client() as client:
             yield PodContext(client=client, runs=store, log=self._log)
 
@@ -296,9 +452,35 @@ class PodTarget:
         BudgetRefused or BudgetError with one line; nothing is created.
         """
         settings = self._settings(need)
-        async with self._account(store) as ctx:
-            await ensure_volume(ctx.client, settings, need.disk_bytes, need.what, ctx.log)
+        held = await self._shared_pod(store, settings)
+        if held is not None:  # the pipeline's pod is up: nothing new to plan, admit or hold
+            self._log.info(
+                "%s runs on pod %s of its pipeline (%s, job %d on it): no new pod",
+                need.what,
+                held.pod.name,
+                f"{held.pod.gpu_type_id}{held.pod.rate_text()}",
+                held.jobs + 1,
+            )
+            yield Reservation(plan=held.plan, need=need)  # type: ignore[arg-type]
+            return
+        later = self._later(settings)
+        async with self.account(store) as ctx:
+            disk = max([n.disk_bytes or 0 for n in (need, *later)]) or None
+            await ensure_volume(ctx.client, settings, disk, need.what, ctx.log)
             floor = await self._vram_floor(settings, need)
+            largest = need.what
+            for other in later:  # a pod for a pipeline is sized for its largest job
+                found = await self._vram_floor(settings, other)
+                if found is not None and (floor is None or found > floor):
+                    floor, largest = found, other.what
+            if later:
+                self._log.info(
+                    "one pod runs every job of the pipeline: sized for its largest, %s (%s)",
+                    largest,
+                    f"at least {floor:g} GB of VRAM per GPU"
+                    if floor is not None
+                    else "by the target's GPU types",
+                )
             launch = (
                 launch_summary(need.training, settings.gpu_count)
                 if need.training is not None
@@ -314,6 +496,66 @@ class PodTarget:
             plan = capped(plan, admitted.cap_usd if admitted is not None else None)
             async with budget.hold(plan_price(plan)):
                 yield Reservation(plan=plan, need=need, admission=admitted)
+
+    def _later(self, settings: RunpodTargetSettings) -> list[JobNeed]:
+        """What the later jobs of the pipeline this pod would be made for need
+        (those on the same image), or nothing outside a pipeline."""
+        sharing = current()
+        if sharing is None or self.ref in sharing.held:
+            return []
+        return [n for n in sharing.later if self._settings(n).image == settings.image]
+
+    def _held(self, settings: RunpodTargetSettings) -> PodShare | None:
+        """The pod the pipeline this job is part of holds on this target, when
+        it is up and runs the job's image."""
+        sharing = current()
+        held = sharing.held.get(self.ref) if sharing is not None else None
+        if not isinstance(held, PodShare) or held.pod.gone or held.image != settings.image:
+            return None
+        return held
+
+    async def _shared_pod(self, store: Runs, settings: RunpodTargetSettings) -> PodShare | None:
+        """The pipeline's pod for a job of `settings`: the one it holds, or,
+        for a pipeline continued (`fine_tune(run_id=...)`), the pod its run's
+        records name while it lives (found again, then held). None when there
+        is none: a new pod is made."""
+        held = self._held(settings)
+        sharing = current()
+        if held is not None or sharing is None or sharing.anchor is None:
+            return held
+        if self.ref in sharing.held:
+            return None
+        anchor_store, anchor_id = sharing.anchor
+        home, owner_id = home_of(anchor_store, anchor_id, PIPELINE_LINK)
+        try:
+            pod = PodRecord.load(home, owner_id)
+            owner = home.load(owner_id)
+        except Exception:
+            return None
+        if pod is None or pod.gone or pod.keep or owner.target != self.ref:
+            return None
+        async with self.account(home) as ctx:
+            try:
+                executor = await reconnect(ctx, pod, owner, self.ref)
+            except PodError as error:
+                ctx.log.warning("the pipeline's pod %s cannot be used again: %s", pod.name, error)
+                return None
+            if executor is None:
+                ctx.log.info("the pipeline's pod %s is gone: a new pod is made", pod.name)
+                return None
+            await executor.close()
+        if self._settings_image(owner) != settings.image:
+            return None
+        share = PodShare(self, home, owner_id, pod, settings.image, None)
+        sharing.held[self.ref] = share
+        self._log.info("the pipeline continues on its pod %s, still up", pod.name)
+        return share
+
+    def _settings_image(self, owner: RunRecord) -> str:
+        """The image the pod made for `owner` runs (this target's, unless that
+        job asked for its own)."""
+        image = owner.spec.get("image") if isinstance(owner.spec, dict) else None
+        return image if isinstance(image, str) and image.strip() else self.settings.image
 
     async def billed(self, since: datetime) -> dict[str, float]:
         """What Runpod billed each pod of the account since `since`, by pod id
@@ -409,14 +651,46 @@ class PodTarget:
         record failed with the reason; a started one keeps its pod (its
         follower ended it, or its watchdog bounds it).
 
+        Within a pipeline that shares its places, the pipeline's pod (when it
+        is up and runs the job's image) is placed on instead (the job's own
+        run directory on it, its record linked to the pod's owner), and a pod
+        made here stays for the pipeline's next jobs once this job started.
+
         Raises PodError (every pod deleted; `kept` is what the record keeps)
         when the pod cannot be had or readied."""
         plan = reservation.plan
         settings = self._settings(reservation.need) if reservation.need else self.settings
+        held = self._held(settings)
+        if held is not None:
+            async with self.account(held.home) as ctx:
+                rejoined = await self._rejoin(ctx, held, store, record)
+                if rejoined is not None:
+                    executor, remote = rejoined
+                    try:
+                        yield PodPlaced(
+                            ctx,
+                            held.pod,
+                            executor,
+                            self._bounds,
+                            settings.retrieve_grace_s,
+                            remote_dir_here=remote,
+                            pod_dir=held.pod_dir,
+                            owner=held.owner(),
+                            share=held,
+                        )
+                    finally:
+                        await executor.close()
+                    return
+        if plan is None:  # reserved on a pod that went since: no plan to make another by
+            raise PodError(
+                f"the pod of the pipeline is gone before {subject(record)} could start on it; "
+                "continue the pipeline with fine_tune (run_id=...)",
+                kept="its pipeline's pod is gone",
+            )
         settings = settings_capped(settings, plan)  # issue 20: the cost cap the budget admitted
         if reservation.admission is not None:  # issue 20: the ledger's entry names this record
             reservation.admission.bind(store, record.id)
-        async with self._account(store) as ctx:
+        async with self.account(store) as ctx:
             ready = await provision(
                 ctx, record, settings, plan, api_url=self._api_url, name=self.ref
             )
@@ -429,6 +703,19 @@ class PodTarget:
                 settings.retrieve_grace_s,
                 remote_dir_here=ready.remote_dir,
             )
+            sharing = current()
+            if sharing is not None and self.ref not in sharing.held:  # the pipeline's pod
+                placed.share = PodShare(self, store, record.id, ready.pod, settings.image, plan)
+                sharing.held[self.ref] = placed.share
+                ready.pod.pipeline_job = record.id  # once its job ended, the pod is not left over
+                ready.pod.save(store)
+                if sharing.anchor is not None and sharing.anchor[1] != record.id:
+                    # a continued pipeline finds this pod again from its run
+                    anchor_store, anchor_id = sharing.anchor
+                    try:
+                        write_link(anchor_store, anchor_id, store, record.id, PIPELINE_LINK)
+                    except OSError as error:  # the pipeline continued again makes a new pod
+                        ctx.log.warning("cannot link run %s to its pod: %s", anchor_id, error)
             try:
                 yield placed
             except BaseException as error:
@@ -441,51 +728,122 @@ class PodTarget:
             finally:
                 await ready.executor.close()
 
+    async def _rejoin(
+        self, ctx: PodContext, held: PodShare, store: Runs, record: RunRecord
+    ) -> tuple[SshExecutor, str] | None:
+        """Places the new job `record` on the pipeline's pod: the pod reached
+        again, the job's record linked to the pod's owner, its watchdog told
+        of the job's run directory (the lease renewed). Returns the executor
+        and that directory, or None when the pod is gone (no longer held).
+
+        Raises PodError when the pod cannot be reached or told now."""
+        executor = await reconnect(ctx, held.pod, held.owner(), self.ref)
+        if executor is None:
+            sharing = current()
+            if sharing is not None and sharing.held.get(self.ref) is held:
+                del sharing.held[self.ref]
+            ctx.log.info("the pipeline's pod %s is gone: a new pod is made", held.pod.name)
+            return None
+        remote = job_dir(held.pod.workdir or DEFAULT_WORKDIR, record.id)
+        try:
+            write_link(store, record.id, held.home, held.owner_id)
+            await name_job(executor, held.pod_dir, remote)
+        except (OSError, ExecError) as error:
+            await executor.close()
+            raise PodError(
+                f"{subject(record)} cannot be placed on pod {held.pod.name}: {error}"
+            ) from None
+        held.jobs += 1
+        held.pod.pipeline_job = record.id
+        held.pod.save(held.home)
+        return executor, remote
+
     @asynccontextmanager
     async def reach(self, store: Runs, record: RunRecord) -> AsyncIterator[PodPlaced | None]:
         """The job's pod reached again from `pod.json` (looked up first: its
         port may have changed), or None when it is gone (confirmed: `lost`
-        says why).
+        says why). A job run on another job's pod (a pipeline's) reaches that
+        pod; within a pipeline that shares its places, the pod stays for the
+        pipeline's next job once this one ended.
 
         Raises RunError when the job never asked for a pod; PodError when the
         pod is stopped, has no SSH endpoint, or cannot be reached or looked up."""
-        pod = PodRecord.load(store, record.id)
+        home, owner_id = home_of(store, record.id)
+        pod = PodRecord.load(home, owner_id)
         if pod is None:
             raise RunError(
                 f"{subject(record)} has no pod record ({record.id}/pod.json): it never asked "
                 "for a pod, so there is nothing to reach"
             )
-        async with self._account(store) as ctx:
+        owner = home.load(owner_id) if owner_id != record.id else record
+        async with self.account(home) as ctx:
             if record.state.ended and pod.state == PodState.DELETING:
                 # its files were settled before the delete was sent: confirm that delete
                 await release(ctx, pod, pod.delete_reason or "its job ended")
                 yield None
                 return
-            executor = await reconnect(ctx, pod, record, record.target)
+            executor = await reconnect(ctx, pod, owner, record.target)
             if executor is None:
                 ctx.log.info("%s: pod %s no longer exists", subject(record), pod.name)
                 yield None
                 return
+            linked = owner_id != record.id
             try:
-                yield PodPlaced(ctx, pod, executor, self._bounds, self.settings.retrieve_grace_s)
+                yield PodPlaced(
+                    ctx,
+                    pod,
+                    executor,
+                    self._bounds,
+                    self.settings.retrieve_grace_s,
+                    pod_dir=job_dir(pod.workdir or DEFAULT_WORKDIR, owner_id) if linked else None,
+                    owner=owner if linked else None,
+                    share=self._share_of(home, owner, pod),
+                )
             finally:
                 await executor.close()
 
+    def _share_of(self, home: Runs, owner: RunRecord, pod: PodRecord) -> PodShare | None:
+        """The pipeline's hold on `pod`, reached again within a pipeline that
+        shares its places (held from now on); None outside one, or for a pod
+        it does not hold."""
+        sharing = current()
+        if sharing is None or pod.keep:
+            return None
+        held = sharing.held.get(self.ref)
+        if held is None:
+            held = PodShare(self, home, owner.id, pod, self._settings_image(owner), None)
+            sharing.held[self.ref] = held
+        return held if isinstance(held, PodShare) and held.pod.pod_id == pod.pod_id else None
+
+    def _pod_of(self, store: Runs, record: RunRecord) -> tuple[Runs, PodRecord | None]:
+        """The store of the pod record of the job `record` (its own, or that of
+        the job its pipeline's pod was made for) and that record."""
+        home, owner_id = home_of(store, record.id)
+        return home, PodRecord.load(home, owner_id)
+
     async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
         """Deletes every pod of the job (confirmed) with `reason`, sweeps its
-        other pods, removes its client key and host key secret. Returns
-        whether no pod may be left."""
-        pod = PodRecord.load(store, record.id)
+        other pods, removes its client key and host key secret; a job run on
+        its pipeline's pod ends that pod. Returns whether no pod may be left."""
+        home, pod = self._pod_of(store, record)
+        if pod is not None and pod.run_id != record.id and self._holds(pod):
+            return False  # the pipeline's pod, for its next job: its end (or watchdog) ends it
         if pod is not None:
-            async with self._account(store) as ctx:
+            async with self.account(home) as ctx:
                 await release(ctx, pod, reason)
         return pod is None or pod.gone
+
+    def _holds(self, pod: PodRecord) -> bool:
+        """Whether the pipeline this code runs in holds `pod` for its next jobs."""
+        sharing = current()
+        held = sharing.held.get(self.ref) if sharing is not None else None
+        return isinstance(held, PodShare) and held.pod.pod_id == pod.pod_id
 
     def lost(self, store: Runs, record: RunRecord) -> str:
         """Why the job's pod is gone: the bound its watchdog deleted it at, or
         that it no longer exists."""
         try:
-            pod = PodRecord.load(store, record.id)
+            _, pod = self._pod_of(store, record)
         except Exception:
             pod = None
         if pod is None:
@@ -497,7 +855,7 @@ class PodTarget:
         """Whether a pod of the job may still exist (`pod.json` not gone) or
         its keys and secret are still here."""
         try:
-            pod = PodRecord.load(store, record.id)
+            _, pod = self._pod_of(store, record)
         except Exception:
             return False
         if pod is None:
@@ -507,7 +865,7 @@ class PodTarget:
     def detached(self, store: Runs, record: RunRecord) -> str:
         """What bounds a started job's pod with nobody following it, and how
         to follow it again or remove the pod."""
-        pod = PodRecord.load(store, record.id)
+        _, pod = self._pod_of(store, record)
         if pod is None:
             return f"{subject(record)} has no pod record: nothing of it bills"
         return detached_message(
