@@ -15,7 +15,6 @@ Nothing here asks which target it holds.
 
 from __future__ import annotations
 
-import asyncio
 import posixpath
 from typing import Any
 from uuid import UUID
@@ -33,7 +32,6 @@ from prefect.states import Cancelled, Crashed
 
 from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_progress
 from overbrainer_prefect.blocks import target_named
-from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.listing import unfinished_of
 from overbrainer_prefect.kinds.registry import kind_of, trainer_of
@@ -42,15 +40,15 @@ from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.server_budget import PrefectBudget
 from overbrainer_prefect.steps import end as end_step
-from overbrainer_prefect.steps import follow, reporters, retrieve
+from overbrainer_prefect.steps import follow, retrieve
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import INTERRUPTED, RunError, failure_reason
+from overbrainer_prefect.steps.hooks import cancel_recorded, crashed_recorded
 from overbrainer_prefect.steps.reporters import JobReporter, Reporter
 from overbrainer_prefect.targets.base import Logger, Placed, Reservation, Target
 from overbrainer_prefect.trainers.base import Trainer
 
-HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends cancelling and retrieving a job
 MAX_DEPTH = 3  # fine_tune → train → export: the deepest subflows go
 
 
@@ -330,78 +328,33 @@ async def subflow_runs(flow_run_id: UUID) -> list[FlowRun]:
 async def cancel_job(
     runs: Runs, store: Runs, record: RunRecord, holder: str, logger: Logger
 ) -> None:
-    """What a cancelled flow run leaves of one of its jobs, from its records
-    alone: a job not started has what its target holds deleted and is failed;
-    a started one is cancelled, what it left retrieved (bounded in time), and
-    what it ran on deleted. A failure is logged with what to do."""
-    name = subject(record)
+    """What a cancelled flow run leaves of one of its jobs (`cancel_recorded`,
+    on the target its record names). A failure is logged with what to do."""
     try:
         target = await target_named(record.target, logger)
-        with follow_lock(store.run_dir(record.id), holder):
-            record = store.load(record.id)
-            if record.state.ended:
-                return
-            if record.job is None:
-                left = not await target.abandon(store, record, INTERRUPTED)
-                end_step.fail(store, record.id, INTERRUPTED)
-                logger.warning(
-                    "%s: interrupted before its job started; %s",
-                    name,
-                    "something of it may be left: " + target.detached(store, record)
-                    if left
-                    else "nothing of it is left",
-                )
-                return
-            retrieved = False
-            try:
-                trainer: Trainer | None = trainer_of(runs, record, target.cpu_threads)
-            except Exception as error:
-                logger.warning("%s: its trainer cannot be rebuilt (%s)", name, error)
-                trainer = None
-            async with target.reach(store, record) as placed:
-                if placed is not None:
-                    try:
-                        if trainer is None:
-                            await placed.executor.cancel(record.job)
-                        else:
-                            ctx = placed.context(store, reporters.LogReporter())
-                            _, status, retrieved = await asyncio.wait_for(
-                                end_step.cancel(ctx, trainer, record), HOOK_RETRIEVE_S
-                            )
-                            logger.info("%s: job %s on %s", name, status, placed.description)
-                    except (ExecError, RunError, TimeoutError) as error:
-                        logger.warning("%s: cannot cancel its job cleanly: %s", name, error)
-            end_step.fail(store, record.id, "its flow run was cancelled")
-            gone = await target.abandon(store, record, "its flow run was cancelled")
-            logger.info(
-                "%s: its files were %sretrieved; %s",
-                name,
-                "" if retrieved else "not ",
-                "nothing of it is left"
-                if gone
-                else "something may be left: " + target.detached(store, record),
-            )
+        await cancel_recorded(
+            target,
+            store,
+            record,
+            holder,
+            lambda rec: trainer_of(runs, rec, target.cpu_threads),
+            logger,
+        )
     except Exception as error:  # a hook must not fail the cancellation itself
         logger.warning(
             "%s: cannot end it (%s); cancel it again with the cancel flow, or remove its pod with "
             "the pods flow (action=remove, run_id=%s)",
-            name,
+            subject(record),
             error,
             record.id,
         )
 
 
 async def crashed_job(store: Runs, record: RunRecord, logger: Logger) -> None:
-    """What a crashed flow run leaves of one of its jobs: a started job keeps
-    running (bounded by its target), and the log says how to follow it again;
-    one that never started has what its target holds deleted and is failed."""
+    """What a crashed flow run leaves of one of its jobs (`crashed_recorded`,
+    on the target its record names)."""
     try:
-        target = await target_named(record.target, logger)
-        if record.job is not None:
-            logger.warning("%s", target.detached(store, record))
-            return
-        await target.abandon(store, record, INTERRUPTED)
-        end_step.fail(store, record.id, INTERRUPTED)
+        await crashed_recorded(await target_named(record.target, logger), store, record, logger)
     except Exception as error:
         logger.warning(
             "%s: it may keep something billing (%s); remove it with the pods flow "
