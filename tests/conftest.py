@@ -83,3 +83,12 @@ def tiny_compared(tiny_run: TinyRun, tmp_path_factory: pytest.TempPathFactory) -
     from tests.tiny_runs import compare_tiny
 
     return compare_tiny(tiny_run.copied(tmp_path_factory.mktemp("tiny-compared")))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One xdist group per module (or per shared session fixture), longest first:
+    see tests/scheduling.py."""
+    from tests.scheduling import assign
+
+    assign(items)
