@@ -32,7 +32,7 @@ lint: $(VENV)/.ok
 TEST_WORKERS ?= 3
 test: setup lint
 	scripts/test-deps.sh
-	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadgroup \
+	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope \
 		--no-loadscope-reorder -m 'not alone'
 	$(VENV)/bin/pytest -ra --durations=15 -m alone
 

@@ -1,81 +1,122 @@
 """How `make test` spreads the suite over pytest-xdist workers (`-n 3 --dist
-loadgroup --no-loadscope-reorder`): most tests wait (on sshd, simulated boots,
+loadscope --no-loadscope-reorder`): most tests wait (on sshd, simulated boots,
 Prefect servers, sleeps), so workers overlap the waits.
 
-- Every test module is one xdist group, so a module's fixtures are made once,
-  on one worker.
-- The modules that use one of the session's costly shared things (`SHARED`:
-  the tiny model's fine-tune, the deployed Prefect stack) form one group, so
-  that thing is made once per session, on one worker, and what it left in that
-  worker's Prefect database (artifacts, flow runs) is there for every user.
-- Groups go out longest first (`MEASURED_S`, seconds measured on this 2-core
-  machine with 3 workers), so the long ones do not start last.
+- Every test module is one unit of work, so its module fixtures are made once,
+  on one worker (`GroupScheduling`, the conftest's `pytest_xdist_make_scheduler`).
+- The modules that use one of the session's costly shared fixtures (`SHARED`:
+  the tiny model's fine-tune, the deployed Prefect stack) are one unit
+  (`GROUPS`), so that fixture is made once per session, on one worker, and
+  what it left in that worker's Prefect database (artifacts, flow runs) is
+  there for every module that reads it. Collection fails, naming the fix, when
+  a module uses a SHARED fixture and is not in its group.
+- Units go out longest first (`MEASURED_S`), so the long ones do not start last.
 - A module marked `alone` (it loads every core on purpose) is left out of the
   parallel run; the Makefile runs those afterwards, on their own.
+
+(`--dist loadgroup` cannot do this: from pytest 9.2 on, the group suffix xdist
+writes into node IDs is lost, pytest-dev/pytest-xdist#1386.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 SHARED = {
     "tiny_run": "tiny-run",  # the tiny model's fine-tune and export (tests/tiny_runs.py)
     "deployed": "deployed",  # the Prefect server with every deployment (tests/prefect_server.py)
 }
-"""Session fixture -> the group of every module that uses it."""
+"""Session fixture -> the unit of every module that uses it."""
+
+GROUPS = {
+    "tests/test_compare.py": "tiny-run",
+    "tests/test_evaluation_job.py": "tiny-run",
+    "tests/test_export.py": "tiny-run",
+    "tests/test_runpod_pipeline.py": "tiny-run",
+    "tests/test_deployments.py": "deployed",
+    "tests/test_ui.py": "deployed",
+    "tests/test_ui_live.py": "deployed",
+}
+"""Module -> its unit, for the modules that share one (every other module is its own)."""
 
 MEASURED_S: dict[str, float] = {
     "deployed": 600,
     "tiny-run": 500,
-    "test_runpod_flows": 400,
-    "test_watchdog": 200,
-    "test_recovery": 150,
-    "test_readme": 75,
-    "test_pipeline": 90,
-    "test_evaluate_flow": 90,
-    "test_runpod_gpus": 90,
+    "tests/test_runpod_flows.py": 400,
+    "tests/test_watchdog.py": 200,
+    "tests/test_recovery.py": 150,
+    "tests/test_pipeline.py": 90,
+    "tests/test_evaluate_flow.py": 90,
+    "tests/test_runpod_gpus.py": 90,
+    "tests/test_readme.py": 75,
 }
-"""Group -> its seconds in the last measured parallel run; a group not listed
-counts 5 s a test (most modules of fast tests)."""
+"""Unit -> its seconds, measured; a unit not listed counts 5 s a test."""
 
 UNMEASURED_S_PER_TEST = 5.0
 
 
-def group_of(module: str, fixtures: Iterable[str]) -> str:
-    """The xdist group of a module whose tests use `fixtures` (their closure):
-    the first SHARED fixture's group, else the module's own name."""
-    for fixture, group in SHARED.items():
-        if fixture in fixtures:
-            return group
-    return module
+def unit_of(path: str) -> str:
+    """The unit of work of a test module, by its path from the repository root."""
+    return GROUPS.get(path, path)
 
 
-def assign(items: list[pytest.Item]) -> None:
-    """Marks every item with its module's xdist group and orders the items by
-    group, the longest groups first (the order loadgroup hands them out in);
-    within a group, items keep their collection order."""
+class GroupScheduling(LoadScopeScheduling):
+    """xdist's `loadscope` with one scope per unit (`unit_of`) instead of per module."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return unit_of(nodeid.split("::", 1)[0])
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> GroupScheduling | None:
+    """The scheduler for `--dist loadscope`; None (xdist's own) for any other mode."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    return GroupScheduling(config, log)
+
+
+def path_of(item: pytest.Item) -> str:
+    """The item's module path as node IDs spell it (`tests/test_x.py`)."""
+    return item.nodeid.split("::", 1)[0]
+
+
+def misplaced(path: str, fixtures: Iterable[str]) -> str | None:
+    """What is wrong with the unit of a module whose tests use `fixtures`, or None."""
+    for fixture, unit in SHARED.items():
+        if fixture in fixtures and unit_of(path) != unit:
+            return (
+                f"{path} uses the session fixture `{fixture}`: add it to GROUPS in "
+                f"tests/scheduling.py as {unit!r}, so that `{fixture}` is made once per session"
+            )
+    return None
+
+
+def order(items: list[pytest.Item], sort: bool) -> None:
+    """Checks every module's unit (pytest.UsageError naming the fix when a module
+    using a SHARED fixture is outside its unit) and, when `sort`, orders the
+    items by unit, the longest units first; within a unit, items keep their
+    collection order."""
     used: dict[str, set[str]] = {}
     for item in items:
-        used.setdefault(module_of(item), set()).update(getattr(item, "fixturenames", ()))
-    groups = {module: group_of(module.rsplit(".", 1)[-1], names) for module, names in used.items()}
+        used.setdefault(path_of(item), set()).update(getattr(item, "fixturenames", ()))
+    for path, fixtures in used.items():
+        wrong = misplaced(path, fixtures)
+        if wrong is not None:
+            raise pytest.UsageError(wrong)
+    if not sort:
+        return
     sizes: dict[str, int] = {}
     first_seen: dict[str, int] = {}
     for index, item in enumerate(items):
-        group = groups[module_of(item)]
-        item.add_marker(pytest.mark.xdist_group(group))
-        sizes[group] = sizes.get(group, 0) + 1
-        first_seen.setdefault(group, index)
+        unit = unit_of(path_of(item))
+        sizes[unit] = sizes.get(unit, 0) + 1
+        first_seen.setdefault(unit, index)
 
-    def order(item: pytest.Item) -> tuple[float, int]:
-        group = groups[module_of(item)]
-        return (-MEASURED_S.get(group, sizes[group] * UNMEASURED_S_PER_TEST), first_seen[group])
+    def key(item: pytest.Item) -> tuple[float, int]:
+        unit = unit_of(path_of(item))
+        return (-MEASURED_S.get(unit, sizes[unit] * UNMEASURED_S_PER_TEST), first_seen[unit])
 
-    items.sort(key=order)
-
-
-def module_of(item: pytest.Item) -> str:
-    """The dotted name of the item's module (its node ID for an item without one)."""
-    module = getattr(item, "module", None)
-    return str(module.__name__) if module is not None else item.nodeid
+    items.sort(key=key)
