@@ -33,8 +33,8 @@ TEST_WORKERS ?= 3
 test: setup lint
 	scripts/test-deps.sh
 	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope \
-		--no-loadscope-reorder -m 'not alone'
-	$(VENV)/bin/pytest -ra --durations=15 -m alone
+		--no-loadscope-reorder -m 'not alone'; parallel=$$?; \
+	$(VENV)/bin/pytest -ra --durations=15 -m alone && exit $$parallel
 
 demo: setup
 	$(VENV)/bin/python demo/run_demo.py
