@@ -26,9 +26,15 @@ lint: $(VENV)/.ok
 	$(VENV)/bin/mypy
 
 # The system packages the tests need (sshd, PostgreSQL, Chromium) are installed when missing.
+# Most tests wait (sshd, simulated boots, Prefect servers), so TEST_WORKERS pytest-xdist
+# workers overlap the waits, one module (or one shared session fixture) per worker
+# (tests/scheduling.py); then the tests marked `alone`, which load every core on purpose.
+TEST_WORKERS ?= 3
 test: setup lint
 	scripts/test-deps.sh
-	$(VENV)/bin/pytest -ra --durations=15
+	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope \
+		--no-loadscope-reorder -m 'not alone'; parallel=$$?; \
+	$(VENV)/bin/pytest -ra --durations=15 -m alone && exit $$parallel
 
 demo: setup
 	$(VENV)/bin/python demo/run_demo.py

@@ -9,7 +9,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -83,3 +83,19 @@ def tiny_compared(tiny_run: TinyRun, tmp_path_factory: pytest.TempPathFactory) -
     from tests.tiny_runs import compare_tiny
 
     return compare_tiny(tiny_run.copied(tmp_path_factory.mktemp("tiny-compared")))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Checks that the modules sharing a costly session fixture share a unit of
+    work and, on an xdist worker, puts the longest units first (tests/scheduling.py)."""
+    from tests.scheduling import order
+
+    order(items, sort=hasattr(config, "workerinput"))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadscope` with the modules that share a session fixture in one
+    scope (tests/scheduling.py)."""
+    from tests.scheduling import make_scheduler
+
+    return make_scheduler(config, log)

@@ -22,7 +22,7 @@ from tests.conftest import REPO, job_venv
 from tests.prefect_server import clean_env
 from tests.procs import kill_pids
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 RUN_TIMEOUT_S = 1800.0  # train, two exports and a compare of the tiny model, on a busy machine
 

@@ -6,7 +6,7 @@ Python (`tests/tiny_model_build.py`, about 10 s). They are cached under
 `cache_root/tiny-model-<hash>`, the hash being that of the build script, so
 every test session reuses them until the script changes. A build goes to a
 temporary directory renamed into place, so concurrent sessions never see a
-half-built model.
+half-built model, under a file lock, so the workers of one session build it once.
 
     model = tiny_model(REPO / ".cache")
     data = tiny_dataset(REPO / ".cache")
@@ -22,6 +22,8 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
+
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "tests" / "tiny_model_build.py"
@@ -42,6 +44,14 @@ def build_dir(cache_root: Path = CACHE_ROOT) -> Path:
     if (target / "model" / "model.safetensors").is_file():
         return target
     cache_root.mkdir(parents=True, exist_ok=True)
+    # one build at a time: the xdist workers of a session wait for the first one's
+    with FileLock(cache_root / ".tiny-model.lock", timeout=BUILD_TIMEOUT_S * 2):
+        if (target / "model" / "model.safetensors").is_file():
+            return target
+        return _build_into(target, cache_root)
+
+
+def _build_into(target: Path, cache_root: Path) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=cache_root))
     try:
         build_tiny_model(scratch)

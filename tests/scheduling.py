@@ -1,0 +1,131 @@
+"""How `make test` spreads the suite over pytest-xdist workers (`-n 3 --dist
+loadscope --no-loadscope-reorder`): most tests wait (on sshd, simulated boots,
+Prefect servers, sleeps), so workers overlap the waits.
+
+- Every test module is one unit of work, so its module fixtures are made once,
+  on one worker (`GroupScheduling`, the conftest's `pytest_xdist_make_scheduler`).
+- The modules that use one of the session's costly shared fixtures (`SHARED`:
+  the tiny model's fine-tune, the deployed Prefect stack) are one unit
+  (`GROUPS`), so that fixture is made once per session, on one worker, and
+  what it left in that worker's Prefect database (artifacts, flow runs) is
+  there for every module that reads it. Collection fails, naming the fix, when
+  a module uses a SHARED fixture and is not in its group.
+- Units go out longest first (`MEASURED_S`), so the long ones do not start last.
+- A module marked `alone` (it loads every core on purpose) is left out of the
+  parallel run; the Makefile runs those afterwards, on their own.
+
+(`--dist loadgroup` cannot do this: from pytest 9.2 on, the group suffix xdist
+writes into node IDs is lost, pytest-dev/pytest-xdist#1386.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+from xdist.scheduler import LoadScopeScheduling
+
+SHARED = {
+    "tiny_run": "tiny-run",  # the tiny model's fine-tune and export (tests/tiny_runs.py)
+    "deployed": "deployed",  # the Prefect server with every deployment (tests/prefect_server.py)
+}
+"""Session fixture -> the unit of every module that uses it."""
+
+GROUPS = {
+    "tests/test_compare.py": "tiny-run",
+    "tests/test_evaluation_job.py": "tiny-run",
+    "tests/test_export.py": "tiny-run",
+    "tests/test_runpod_pipeline.py": "tiny-run",
+    "tests/test_deployments.py": "deployed",
+    "tests/test_ui.py": "deployed",
+    "tests/test_ui_live.py": "deployed",
+}
+"""Module -> its unit, for the modules that share one (every other module is its own)."""
+
+MEASURED_S: dict[str, float] = {
+    "deployed": 1123,
+    "tests/test_runpod_flows.py": 701,
+    "tiny-run": 666,
+    "tests/test_recovery.py": 282,
+    "tests/test_train_flow.py": 230,
+    "tests/test_watchdog.py": 149,
+    "tests/test_readme.py": 137,
+    "tests/test_pipeline.py": 136,
+    "tests/test_axolotl_trainer.py": 136,
+    "tests/test_gpu_spec.py": 100,
+    "tests/test_ssh_flows.py": 98,
+    "tests/test_evaluate_flow.py": 90,
+    "tests/test_resume_anywhere.py": 76,
+    "tests/test_money_flows.py": 60,
+    "tests/test_collect.py": 47,
+    "tests/test_pod_fate.py": 47,
+}
+"""Unit -> its seconds (setup, call and teardown of its tests) in a run of `make
+test` on 3 workers beside other load (2026-12-02); a unit not listed counts 5 s
+a test. Only their order matters."""
+
+UNMEASURED_S_PER_TEST = 5.0
+
+
+def unit_of(path: str) -> str:
+    """The unit of work of a test module, by its path from the repository root."""
+    return GROUPS.get(path, path)
+
+
+class GroupScheduling(LoadScopeScheduling):
+    """xdist's `loadscope` with one scope per unit (`unit_of`) instead of per module."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return unit_of(nodeid.split("::", 1)[0])
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> GroupScheduling | None:
+    """The scheduler for `--dist loadscope`; None (xdist's own) for any other mode."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    return GroupScheduling(config, log)
+
+
+def path_of(item: pytest.Item) -> str:
+    """The item's module path as node IDs spell it (`tests/test_x.py`)."""
+    return item.nodeid.split("::", 1)[0]
+
+
+def misplaced(path: str, fixtures: Iterable[str]) -> str | None:
+    """What is wrong with the unit of a module whose tests use `fixtures`, or None."""
+    for fixture, unit in SHARED.items():
+        if fixture in fixtures and unit_of(path) != unit:
+            return (
+                f"{path} uses the session fixture `{fixture}`: add it to GROUPS in "
+                f"tests/scheduling.py as {unit!r}, so that `{fixture}` is made once per session"
+            )
+    return None
+
+
+def order(items: list[pytest.Item], sort: bool) -> None:
+    """Checks every module's unit (pytest.UsageError naming the fix when a module
+    using a SHARED fixture is outside its unit) and, when `sort`, orders the
+    items by unit, the longest units first; within a unit, items keep their
+    collection order."""
+    used: dict[str, set[str]] = {}
+    for item in items:
+        used.setdefault(path_of(item), set()).update(getattr(item, "fixturenames", ()))
+    for path, fixtures in used.items():
+        wrong = misplaced(path, fixtures)
+        if wrong is not None:
+            raise pytest.UsageError(wrong)
+    if not sort:
+        return
+    sizes: dict[str, int] = {}
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        unit = unit_of(path_of(item))
+        sizes[unit] = sizes.get(unit, 0) + 1
+        first_seen.setdefault(unit, index)
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        unit = unit_of(path_of(item))
+        return (-MEASURED_S.get(unit, sizes[unit] * UNMEASURED_S_PER_TEST), first_seen[unit])
+
+    items.sort(key=key)
