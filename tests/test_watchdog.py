@@ -580,7 +580,8 @@ def test_a_pod_shared_by_a_pipeline_watches_each_job_and_ends_at_the_next_job_gr
 
     async def body(ctx: PodContext) -> tuple[PodRecord, float, float]:
         ready = await ready_pod(ctx, bed, settings())
-        run_ctx, first = await start(ctx, ready, progressing(2, 0.1))
+        # a first job of 3 s: several of the watchdog's 1 s looks see it run
+        run_ctx, first = await start(ctx, ready, progressing(6, 0.5))
         outcome = await follow.watch(run_ctx, ShellTrainer(""), first)
         assert outcome.record.state == RunState.SUCCEEDED
         pod_dir = first.remote_dir

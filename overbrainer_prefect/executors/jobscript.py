@@ -74,12 +74,16 @@ def parse_launch(run_dir: str, stat_line: str) -> JobId:
 
 
 def status_command(job: JobId) -> str:
-    """A shell command printing what `parse_status` needs: the exit file, the
-    job's stat line and whether it was cancelled, one section each."""
+    """A shell command printing what `parse_status` needs: the job's stat
+    line, the exit file and whether it was cancelled, one section each. The
+    stat line is read first: a job that ends between the reads has written
+    its exit file (or the cancel file) before it died, so a dead job's exit
+    code is never missed (read the other way round, a job ending between the
+    reads looked lost)."""
     run_dir = shlex.quote(job.dir)
     return (
-        f"cd {run_dir} 2>/dev/null; printf 'exit:'; cat {EXIT_FILE} 2>/dev/null; echo; "
-        f"printf 'stat:'; cat /proc/{job.pid}/stat 2>/dev/null; echo; "
+        f"cd {run_dir} 2>/dev/null; printf 'stat:'; cat /proc/{job.pid}/stat 2>/dev/null; echo; "
+        f"printf 'exit:'; cat {EXIT_FILE} 2>/dev/null; echo; "
         f"printf 'cancelled:'; [ -e {CANCEL_FILE} ] && printf yes; echo"
     )
 

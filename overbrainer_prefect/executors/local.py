@@ -343,10 +343,11 @@ def _read_text(path: Path) -> str:
 
 
 def _status_output(job: JobId) -> str:
-    """What `jobscript.status_command` prints for `job`, read directly."""
+    """What `jobscript.status_command` prints for `job`, read directly (in
+    its order: the stat line before the exit file)."""
     run_dir = Path(job.dir)
-    exit_text = _read_text(run_dir / EXIT_FILE).strip()
     stat_line = _read_text(Path(f"/proc/{job.pid}/stat")).strip()
+    exit_text = _read_text(run_dir / EXIT_FILE).strip()
     cancelled = "yes" if (run_dir / CANCEL_FILE).exists() else ""
     return f"exit:{exit_text}\nstat:{stat_line}\ncancelled:{cancelled}\n"
 
