@@ -33,6 +33,7 @@ from overbrainer_prefect.flows import (
     fine_tune,
     pods,
 )
+from overbrainer_prefect.money.store import LedgerFile
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.settings import SettingsError
@@ -133,6 +134,10 @@ def test_fine_tune_on_a_pod_target_runs_every_step_on_one_pod_deleted_after_the_
     assert pod.state == PodState.DELETED and pod.deleted_by == "client" and pod.secret_deleted
     assert made.deleted and not pods_of.running(made.id)
     assert sim.pods() == [] and sim.secret_names() == []
+    # its one ledger entry closed with the pipeline, at what the pod cost over all its jobs
+    (entry,) = LedgerFile.of(runs).read().entries
+    assert entry.pod_id == made.id and entry.run_id == run_id and entry.ended
+    assert entry.cost_usd == pytest.approx(pod.estimated_spend(), rel=0.01)
     steps = fine_tune_steps(runs_dir, run_id)
     assert {step: len(found) for step, found in steps.items()} == {
         "run": 1,

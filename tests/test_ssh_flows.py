@@ -19,6 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from overbrainer_prefect.blocks import HuggingFaceCredentials, SshTarget
+from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.flows import RunResult, attach, train
 from overbrainer_prefect.runs.store import Runs, RunState
@@ -26,6 +27,7 @@ from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, Unreachable
+from overbrainer_prefect.steps.retrieve import load_manifest
 from tests.conftest import job_venv
 from tests.shelljobs import WRITE_METRICS, ShellTrainer
 from tests.sshd import Sshd
@@ -203,17 +205,33 @@ def test_a_file_changed_after_its_manifest_is_never_reported_succeeded(
     async def go() -> None:
         ctx = RunContext(runs=runs, executor=executor(sshd, remote), python="python3", poll_s=0.2)
         trainer = ShellTrainer(script)
-        record = start_step.create(
-            runs, target="box", target_kind="ssh", workdir=ctx.executor.workdir
-        )
-        record = await start_step.start(ctx, trainer, record)
         try:
-            with pytest.raises(NotRetrieved, match="differs from the target|is not on the target"):
-                for _ in range(20):  # each try races the writer; one of them must lose
-                    await follow.watch(ctx, trainer, runs.load(record.id))
-            assert runs.load(record.id).state == RunState.RUNNING
+            # each job's retrieval races its writer: one that falls between two writes rightly
+            # verifies what it got (its files are its manifest's); one that loses stays running
+            for _ in range(20):
+                record = start_step.create(
+                    runs, target="box", target_kind="ssh", workdir=ctx.executor.workdir
+                )
+                record = await start_step.start(ctx, trainer, record)
+                try:
+                    outcome = await follow.watch(ctx, trainer, record)
+                except NotRetrieved as lost:
+                    # changed between its manifest and its download, or during its download
+                    why = ("differs from the target", "is not on the target", "cannot download")
+                    assert any(text in str(lost) for text in why), lost
+                    assert runs.load(record.id).state == RunState.RUNNING
+                    return
+                finally:
+                    (Path(record.remote_dir) / "writer.stop").touch()  # the stray writer ends
+                assert outcome.record.state == RunState.SUCCEEDED
+                verify(
+                    runs.run_dir(record.id),
+                    ["output", "metrics.jsonl", "job.log"],
+                    (),
+                    load_manifest(runs.run_dir(record.id)),
+                )
+            pytest.fail("20 retrievals all fell between two writes of a file rewritten every 20 ms")
         finally:
-            (Path(record.remote_dir) / "writer.stop").touch()  # the stray writer ends
             await ctx.executor.close()
 
     asyncio.run(go())

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -218,6 +218,24 @@ class PodPlaced:
     def spend(self) -> float | None:
         """What the pod has cost so far (its GPUs and its disk, by its uptime)."""
         return self.pod.estimated_spend()
+
+
+@dataclass
+class BudgetKept:
+    """A pipeline pod's budget hold and ledger entry (a `targets.sharing.Held`),
+    kept past the job that made the pod until the pipeline ends; the entry is
+    then brought up to date with what the pod cost over all its jobs."""
+
+    stack: AsyncExitStack
+    log: Logger
+
+    async def close(self, error: BaseException | None) -> None:
+        """Releases the hold and records what the pod cost. Never raises: a
+        failure is logged (the ledger keeps the entry at the pod's most)."""
+        try:
+            await self.stack.aclose()
+        except Exception as failure:
+            self.log.warning("budget: cannot close the pipeline pod's entry: %s", failure)
 
 
 @dataclass
@@ -491,11 +509,19 @@ class PodTarget:
             self._log.info("%s%s", plan.describe(), image)
             await self._warn_orphans(ctx, store)
         plan = await self._within(plan, budget)
-        # issue 20: the day's and month's dollars admit the plan's most; its cap is what is left
-        async with budget.admit(store, ask_of(plan, need.what, self.ref), cost_facts) as admitted:
+        sharing = current() if later else None
+        async with AsyncExitStack() as stack:
+            # issue 20: the day's and month's dollars admit the plan's most; its cap is what is left
+            admitted = await stack.enter_async_context(
+                budget.admit(store, ask_of(plan, need.what, self.ref), cost_facts)
+            )
             plan = capped(plan, admitted.cap_usd if admitted is not None else None)
-            async with budget.hold(plan_price(plan)):
-                yield Reservation(plan=plan, need=need, admission=admitted)
+            await stack.enter_async_context(budget.hold(plan_price(plan)))
+            if sharing is not None:
+                # the pipeline's pod bills past this job: its budget hold and its ledger
+                # entry last until the pod ends with the pipeline (closed after it)
+                sharing.held[f"{self.ref} budget"] = BudgetKept(stack.pop_all(), self._log)
+            yield Reservation(plan=plan, need=need, admission=admitted)
 
     def _later(self, settings: RunpodTargetSettings) -> list[JobNeed]:
         """What the later jobs of the pipeline this pod would be made for need

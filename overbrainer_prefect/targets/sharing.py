@@ -83,6 +83,6 @@ async def shared(
         raise
     finally:
         _CURRENT.reset(token)
-        for held in list(sharing.held.values()):
+        for held in reversed(list(sharing.held.values())):  # the last held, first closed
             await asyncio.shield(held.close(error))
         sharing.held.clear()
