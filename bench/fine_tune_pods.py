@@ -23,7 +23,6 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,11 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from kit.lines import bench, note, progress, run_main  # noqa: E402
 from kit.process import started_unix  # noqa: E402
-from kit.server import prefect_server  # noqa: E402
+from pod_billing import BOOT_S, simulated_pods  # noqa: E402
 from pod_billing import training as training_of  # noqa: E402
 
-BOOT_S = 5.0  # the simulated image's boot: billed by Runpod, not ours to shorten
 OUTSIDE_GOAL_S = BOOT_S + 20.0  # one boot, plus what the pod's jobs need between them
 STEPS = 2  # steps of the fine-tune (the jobs' length is not what is measured)
-GPU = "NVIDIA RTX A4000"
 QUESTIONS = ["What colour is the sky?", "Name a fruit."]
 
 
@@ -91,35 +88,12 @@ def fine_tune_once(target: str, model: Path, dataset: Path, runs_dir: Path) -> s
 
 def main() -> None:
     """Starts the simulator, its pods and a server; runs one fine-tune; prints its bill."""
-    from tests.runpod_sim import running_sim
-    from tests.runpod_sim.pods import SimPods
     from tests.tinymodel import tiny_dataset, tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="bench-fine-tune-pods-"))
     model, dataset = tiny_model(REPO / ".cache"), tiny_dataset(REPO / ".cache")
     try:
-        with (
-            prefect_server(root),
-            running_sim() as sim,
-            SimPods(root / "pods", boot_delay_s=BOOT_S).attached(sim),
-        ):
-            from pydantic import SecretStr
-
-            from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
-
-            target = f"bench-fine-tune-{uuid.uuid4().hex[:8]}"
-            RunpodTarget(
-                credentials=RunpodCredentials(
-                    api_key=SecretStr(sim.api_key),
-                    rest_url=sim.rest_url,
-                    graphql_url=sim.graphql_url,
-                ),
-                job_venv=str(REPO / ".venv-job"),
-                gpu_types=[GPU],
-                image="overbrainer/bench:1",
-                max_hours=1.0,
-                cpu_threads=1,
-            ).save(target)
+        with simulated_pods(root, "bench-fine-tune") as (sim, target):
             progress("a fine-tune (train, export, base export, compare) on a pod target")
             runs_dir = root / "runs"
             run_id = fine_tune_once(target, model, dataset, runs_dir)

@@ -33,7 +33,8 @@ import sys
 import tempfile
 import time
 import uuid
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,37 +177,46 @@ def recovered(target: str, spec: Any, runs_dir: Path, log: Path) -> str:
     return str(record.id)
 
 
-def main() -> None:
-    """Starts the simulator, its pods and a server; bills both cases; prints them."""
+@contextmanager
+def simulated_pods(root: Path, prefix: str) -> Iterator[tuple[Any, str]]:
+    """A private Prefect server, the Runpod simulator with its pods (booting in
+    BOOT_S) under `root`, and a saved Runpod target block on it; yields the
+    simulator and the block's name. Everything is stopped on exit."""
+    from pydantic import SecretStr
+
+    from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
     from tests.runpod_sim import running_sim
     from tests.runpod_sim.pods import SimPods
+
+    with (
+        prefect_server(root),
+        running_sim() as sim,
+        SimPods(root / "pods", boot_delay_s=BOOT_S).attached(sim),
+    ):
+        target = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        RunpodTarget(
+            credentials=RunpodCredentials(
+                api_key=SecretStr(sim.api_key),
+                rest_url=sim.rest_url,
+                graphql_url=sim.graphql_url,
+            ),
+            job_venv=str(REPO / ".venv-job"),
+            gpu_types=[GPU],
+            image="overbrainer/bench:1",
+            max_hours=1.0,
+            cpu_threads=1,
+        ).save(target)
+        yield sim, target
+
+
+def main() -> None:
+    """Starts the simulator, its pods and a server; bills both cases; prints them."""
     from tests.tinymodel import tiny_dataset, tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="bench-pods-"))
     model, dataset = tiny_model(REPO / ".cache"), tiny_dataset(REPO / ".cache")
     try:
-        with (
-            prefect_server(root),
-            running_sim() as sim,
-            SimPods(root / "pods", boot_delay_s=BOOT_S).attached(sim),
-        ):
-            from pydantic import SecretStr
-
-            from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
-
-            target = f"bench-pod-{uuid.uuid4().hex[:8]}"
-            RunpodTarget(
-                credentials=RunpodCredentials(
-                    api_key=SecretStr(sim.api_key),
-                    rest_url=sim.rest_url,
-                    graphql_url=sim.graphql_url,
-                ),
-                job_venv=str(REPO / ".venv-job"),
-                gpu_types=[GPU],
-                image="overbrainer/bench:1",
-                max_hours=1.0,
-                cpu_threads=1,
-            ).save(target)
+        with simulated_pods(root, "bench-pod") as (sim, target):
             bills = {}
             progress("happy path: train on a pod")
             runs_dir = root / "runs-happy"

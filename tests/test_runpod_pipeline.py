@@ -15,6 +15,7 @@ wrong compare image fails in one line before any pod exists.
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,7 +306,6 @@ def killed_between_jobs(
     verified on the pod and before the base model's export started; the
     watchdog's grace between jobs is `grace_s`. Returns the spec, the run's,
     the export's and the pod's IDs."""
-    import time
 
     monkeypatch.setenv(TIMING_ENV, f"{FAST},next_job_grace_s={grace_s}")  # the child's, the pod's
     runs_dir = tmp_path / "runs"
@@ -346,7 +346,6 @@ def test_a_fine_tune_killed_between_jobs_leaves_a_pod_ended_at_its_grace_and_con
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import time
 
     fine, run_id, export_id, pod_id = killed_between_jobs(
         sim, pods_of, trained_here, tmp_path, monkeypatch, grace_s=5
