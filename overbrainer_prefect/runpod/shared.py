@@ -19,6 +19,7 @@ from pathlib import Path
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.runpod.bootstrap import BETWEEN_MARKER, JOB_FILE, LEASE_FILE
 from overbrainer_prefect.runs.ids import is_valid_run_id
+from overbrainer_prefect.runs.records import write_atomic
 from overbrainer_prefect.runs.store import RECORD_FILE, Runs
 
 LINK_FILE = "pod.link"
@@ -34,15 +35,12 @@ def write_link(
     store: Runs, record_id: str, home: Runs, owner_id: str, name: str = LINK_FILE
 ) -> None:
     """Records that the job `record_id` of `store` runs on the pod of
-    `owner_id` (of `home`) (`name`: which link). Raises OSError when it
-    cannot be written."""
-    path = store.run_dir(record_id) / name
+    `owner_id` (of `home`) (`name`: which link). Raises RecordIoError when
+    it cannot be written."""
     text = json.dumps(
         {"root": str(home.root), "record_file": home.record_file, "kind": home.kind, "id": owner_id}
     )
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_atomic(store.run_dir(record_id), name, (text + "\n").encode())
 
 
 def home_of(store: Runs, record_id: str, name: str = LINK_FILE) -> tuple[Runs, str]:

@@ -70,6 +70,7 @@ from overbrainer_prefect.runpod.vram import (
     model_shape,
     training_vram,
 )
+from overbrainer_prefect.runs.records import RecordIoError
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.context import COLLECTOR, Outcome, RunContext
@@ -740,7 +741,7 @@ class PodTarget:
                     anchor_store, anchor_id = sharing.anchor
                     try:
                         write_link(anchor_store, anchor_id, store, record.id, PIPELINE_LINK)
-                    except OSError as error:  # the pipeline continued again makes a new pod
+                    except RecordIoError as error:  # the pipeline continued again: a new pod
                         ctx.log.warning("cannot link run %s to its pod: %s", anchor_id, error)
             try:
                 yield placed
@@ -774,7 +775,7 @@ class PodTarget:
         try:
             write_link(store, record.id, held.home, held.owner_id)
             await name_job(executor, held.pod_dir, remote)
-        except (OSError, ExecError) as error:
+        except (RecordIoError, ExecError) as error:
             await executor.close()
             raise PodError(
                 f"{subject(record)} cannot be placed on pod {held.pod.name}: {error}"
