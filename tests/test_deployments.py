@@ -4,7 +4,7 @@ train deployment to completion, `prefect flow-run cancel` through the
 cancellation hook, a worker and its flow process SIGKILLed and the run
 finished by the collector on a second worker (another clone, the same runs
 root), both also on a simulated Runpod pod (its pod deleted), the nightly
-schedule, bad parameters and blocks; once on PostgreSQL."""
+schedule, bad parameters and blocks (once on PostgreSQL: tests/test_deployments_postgres.py)."""
 
 from __future__ import annotations
 
@@ -35,16 +35,15 @@ from tests.prefect_server import (
     Trained,
     Worker,
     clone,
-    start_stack,
     tiny_training,
     wait_until,
 )
-from tests.procs import alive, group_alive
+from tests.procs import group_alive
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.test_runpod_flows import A4000, FAST
 
-pytest_plugins = ["tests.prefect_server", "tests.postgres"]
+pytest_plugins = ["tests.prefect_server"]
 pytestmark = pytest.mark.slow
 
 SECRET = "hf_" + secrets.token_hex(16)  # made at test time, never committed
@@ -528,25 +527,3 @@ def test_create_blocks_refuses_an_ssh_target_without_a_pinned_host_key(deployed:
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert "--ssh-host-key" in lines[-1] and "ssh-keyscan" in lines[-1]
-
-
-def test_the_train_deployment_runs_to_completion_on_postgresql(
-    postgres: Any, tiny: tuple[Path, Path], tmp_path: Path
-) -> None:
-    stack = start_stack(tmp_path / "pg", postgres.url, names=["train/local"])
-    try:
-        flow_run_id = stack.run_deployment(
-            "train/local", target=stack.target, training=tiny_training(*tiny, max_steps=2)
-        )
-        flow_run = stack.wait_final(flow_run_id)
-        assert flow_run.state.is_completed(), flow_run.state
-        (run_id,) = [p.name for p in stack.runs.glob("*")]
-        assert Runs(stack.runs).load(run_id).state == RunState.SUCCEEDED
-        assert_verified(stack.runs, run_id)
-        # the server kept it in PostgreSQL
-        assert postgres.query(f"select state_type from flow_run where id = '{flow_run_id}'") == [
-            "COMPLETED"
-        ]
-    finally:
-        stack.stop()
-    assert not any(alive(w.process.pid) for w in stack.workers if w.process is not None)
