@@ -5,11 +5,11 @@ Prefect servers, sleeps), so workers overlap the waits.
 - Every test module is one unit of work, so its module fixtures are made once,
   on one worker (`GroupScheduling`, the conftest's `pytest_xdist_make_scheduler`).
 - The modules that use one of the session's costly shared fixtures (`SHARED`:
-  the tiny model's fine-tune, the deployed Prefect stack) are one unit
-  (`GROUPS`), so that fixture is made once per session, on one worker, and
-  what it left in that worker's Prefect database (artifacts, flow runs) is
-  there for every module that reads it. Collection fails, naming the fix, when
-  a module uses a SHARED fixture and is not in its group.
+  the tiny model's fine-tune, the deployed Prefect stack) are grouped in units
+  (`GROUPS`), so that fixture is made once per unit, on one worker, and what it
+  left in that worker's Prefect database (artifacts, flow runs) is there for
+  every module of the unit that reads it. Collection fails, naming the fix,
+  when a module uses a SHARED fixture and is in none of its units.
 - Units go out longest first (`MEASURED_S`), so the long ones do not start last.
 - A module marked `alone` (it loads every core on purpose) is left out of the
   parallel run; the Makefile runs those afterwards, on their own.
@@ -27,10 +27,13 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 SHARED = {
-    "tiny_run": "tiny-run",  # the tiny model's fine-tune and export (tests/tiny_runs.py)
-    "deployed": "deployed",  # the Prefect server with every deployment (tests/prefect_server.py)
+    "tiny_run": frozenset({"tiny-run"}),  # the tiny model's fine-tune and export (tiny_runs.py)
+    # the Prefect server with every deployment (prefect_server.py): two units, each its own
+    # stack, since one unit of both the deployments' and the UI's tests was the suite's
+    # critical path (its stack costs about a minute; its tests, about fifteen)
+    "deployed": frozenset({"deployed", "deployed-ui"}),
 }
-"""Session fixture -> the unit of every module that uses it."""
+"""Session fixture -> the units its modules may be in (each unit makes it once)."""
 
 GROUPS = {
     "tests/test_compare.py": "tiny-run",
@@ -38,8 +41,8 @@ GROUPS = {
     "tests/test_export.py": "tiny-run",
     "tests/test_runpod_pipeline.py": "tiny-run",
     "tests/test_deployments.py": "deployed",
-    "tests/test_ui.py": "deployed",
-    "tests/test_ui_live.py": "deployed",
+    "tests/test_ui.py": "deployed-ui",
+    "tests/test_ui_live.py": "deployed-ui",
 }
 """Module -> its unit, for the modules that share one (every other module is its own)."""
 
@@ -95,11 +98,12 @@ def path_of(item: pytest.Item) -> str:
 
 def misplaced(path: str, fixtures: Iterable[str]) -> str | None:
     """What is wrong with the unit of a module whose tests use `fixtures`, or None."""
-    for fixture, unit in SHARED.items():
-        if fixture in fixtures and unit_of(path) != unit:
+    for fixture, units in SHARED.items():
+        if fixture in fixtures and unit_of(path) not in units:
             return (
                 f"{path} uses the session fixture `{fixture}`: add it to GROUPS in "
-                f"tests/scheduling.py as {unit!r}, so that `{fixture}` is made once per session"
+                f"tests/scheduling.py as one of {sorted(units)}, so that `{fixture}` is made "
+                "once per unit"
             )
     return None
 
