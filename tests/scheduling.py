@@ -47,26 +47,26 @@ GROUPS = {
 """Module -> its unit, for the modules that share one (every other module is its own)."""
 
 MEASURED_S: dict[str, float] = {
-    "deployed": 1040,
-    "tests/test_runpod_flows.py": 701,
-    "tiny-run": 666,
-    "tests/test_recovery.py": 282,
-    "tests/test_train_flow.py": 230,
-    "tests/test_watchdog.py": 149,
-    "tests/test_readme.py": 137,
-    "tests/test_pipeline.py": 136,
-    "tests/test_axolotl_trainer.py": 136,
-    "tests/test_deployments_postgres.py": 85,
-    "tests/test_gpu_spec.py": 100,
-    "tests/test_ssh_flows.py": 98,
-    "tests/test_evaluate_flow.py": 90,
-    "tests/test_resume_anywhere.py": 76,
-    "tests/test_money_flows.py": 60,
-    "tests/test_collect.py": 47,
-    "tests/test_pod_fate.py": 47,
+    "tiny-run": 700,
+    "tests/test_runpod_flows.py": 628,
+    "deployed": 560,
+    "deployed-ui": 250,
+    "tests/test_recovery.py": 171,
+    "tests/test_watchdog.py": 171,
+    "tests/test_train_flow.py": 159,
+    "tests/test_ssh_flows.py": 127,
+    "tests/test_readme.py": 86,
+    "tests/test_deployments_postgres.py": 82,
+    "tests/test_gpu_spec.py": 78,
+    "tests/test_evaluate_flow.py": 77,
+    "tests/test_axolotl_trainer.py": 71,
+    "tests/test_resume_anywhere.py": 60,
+    "tests/test_pipeline.py": 59,
+    "tests/test_pod_fate.py": 46,
+    "tests/test_money_flows.py": 36,
 }
 """Unit -> its seconds (setup, call and teardown of its tests) in a run of `make
-test` on 3 workers beside other load (2026-12-02); a unit not listed counts 5 s
+test` on 3 workers (2026-12-02, junit times); a unit not listed counts 5 s
 a test. Only their order matters."""
 
 UNMEASURED_S_PER_TEST = 5.0
