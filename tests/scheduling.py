@@ -5,11 +5,11 @@ Prefect servers, sleeps), so workers overlap the waits.
 - Every test module is one unit of work, so its module fixtures are made once,
   on one worker (`GroupScheduling`, the conftest's `pytest_xdist_make_scheduler`).
 - The modules that use one of the session's costly shared fixtures (`SHARED`:
-  the tiny model's fine-tune, the deployed Prefect stack) are one unit
-  (`GROUPS`), so that fixture is made once per session, on one worker, and
-  what it left in that worker's Prefect database (artifacts, flow runs) is
-  there for every module that reads it. Collection fails, naming the fix, when
-  a module uses a SHARED fixture and is not in its group.
+  the tiny model's fine-tune, the deployed Prefect stack) are grouped in units
+  (`GROUPS`), so that fixture is made once per unit, on one worker, and what it
+  left in that worker's Prefect database (artifacts, flow runs) is there for
+  every module of the unit that reads it. Collection fails, naming the fix,
+  when a module uses a SHARED fixture and is in none of its units.
 - Units go out longest first (`MEASURED_S`), so the long ones do not start last.
 - A module marked `alone` (it loads every core on purpose) is left out of the
   parallel run; the Makefile runs those afterwards, on their own.
@@ -27,10 +27,13 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 SHARED = {
-    "tiny_run": "tiny-run",  # the tiny model's fine-tune and export (tests/tiny_runs.py)
-    "deployed": "deployed",  # the Prefect server with every deployment (tests/prefect_server.py)
+    "tiny_run": frozenset({"tiny-run"}),  # the tiny model's fine-tune and export (tiny_runs.py)
+    # the Prefect server with every deployment (prefect_server.py): two units, each its own
+    # stack, since one unit of both the deployments' and the UI's tests was the suite's
+    # critical path (its stack costs about a minute; its tests, about fifteen)
+    "deployed": frozenset({"deployed", "deployed-ui"}),
 }
-"""Session fixture -> the unit of every module that uses it."""
+"""Session fixture -> the units its modules may be in (each unit makes it once)."""
 
 GROUPS = {
     "tests/test_compare.py": "tiny-run",
@@ -38,32 +41,32 @@ GROUPS = {
     "tests/test_export.py": "tiny-run",
     "tests/test_runpod_pipeline.py": "tiny-run",
     "tests/test_deployments.py": "deployed",
-    "tests/test_ui.py": "deployed",
-    "tests/test_ui_live.py": "deployed",
+    "tests/test_ui.py": "deployed-ui",
+    "tests/test_ui_live.py": "deployed-ui",
 }
 """Module -> its unit, for the modules that share one (every other module is its own)."""
 
 MEASURED_S: dict[str, float] = {
-    "deployed": 1040,
-    "tests/test_runpod_flows.py": 701,
-    "tiny-run": 666,
-    "tests/test_recovery.py": 282,
-    "tests/test_train_flow.py": 230,
-    "tests/test_watchdog.py": 149,
-    "tests/test_readme.py": 137,
-    "tests/test_pipeline.py": 136,
-    "tests/test_axolotl_trainer.py": 136,
-    "tests/test_deployments_postgres.py": 85,
-    "tests/test_gpu_spec.py": 100,
-    "tests/test_ssh_flows.py": 98,
-    "tests/test_evaluate_flow.py": 90,
-    "tests/test_resume_anywhere.py": 76,
-    "tests/test_money_flows.py": 60,
-    "tests/test_collect.py": 47,
-    "tests/test_pod_fate.py": 47,
+    "tiny-run": 700,
+    "tests/test_runpod_flows.py": 628,
+    "deployed": 560,
+    "deployed-ui": 250,
+    "tests/test_recovery.py": 171,
+    "tests/test_watchdog.py": 171,
+    "tests/test_train_flow.py": 159,
+    "tests/test_ssh_flows.py": 127,
+    "tests/test_readme.py": 86,
+    "tests/test_deployments_postgres.py": 82,
+    "tests/test_gpu_spec.py": 78,
+    "tests/test_evaluate_flow.py": 77,
+    "tests/test_axolotl_trainer.py": 71,
+    "tests/test_resume_anywhere.py": 60,
+    "tests/test_pipeline.py": 59,
+    "tests/test_pod_fate.py": 46,
+    "tests/test_money_flows.py": 36,
 }
 """Unit -> its seconds (setup, call and teardown of its tests) in a run of `make
-test` on 3 workers beside other load (2026-12-02); a unit not listed counts 5 s
+test` on 3 workers (2026-12-02, junit times); a unit not listed counts 5 s
 a test. Only their order matters."""
 
 UNMEASURED_S_PER_TEST = 5.0
@@ -95,11 +98,12 @@ def path_of(item: pytest.Item) -> str:
 
 def misplaced(path: str, fixtures: Iterable[str]) -> str | None:
     """What is wrong with the unit of a module whose tests use `fixtures`, or None."""
-    for fixture, unit in SHARED.items():
-        if fixture in fixtures and unit_of(path) != unit:
+    for fixture, units in SHARED.items():
+        if fixture in fixtures and unit_of(path) not in units:
             return (
                 f"{path} uses the session fixture `{fixture}`: add it to GROUPS in "
-                f"tests/scheduling.py as {unit!r}, so that `{fixture}` is made once per session"
+                f"tests/scheduling.py as one of {sorted(units)}, so that `{fixture}` is made "
+                "once per unit"
             )
     return None
 

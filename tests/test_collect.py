@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -30,6 +32,9 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.procs import alive
 from tests.shelljobs import WRITE_OUTPUT, wait_for
+
+collect_module = importlib.import_module("overbrainer_prefect.flows.collect")
+"""The module (`overbrainer_prefect.flows.collect` names the flow, which the package exports)."""
 
 LOOKS_TRAINED = (
     'printf \'%s\\n\' \'{"event":"begin","max_steps":2}\' > metrics.jsonl && '
@@ -144,8 +149,9 @@ def test_collect_follows_a_job_still_running_to_its_end(
 
 
 def test_collect_cancels_the_job_of_a_run_whose_flow_run_was_cancelled(
-    target: tuple[str, LocalTarget], tmp_path: Path
+    target: tuple[str, LocalTarget], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(collect_module, "HOOK_GRACE_S", 0.0)  # no hook is coming
     runs = Runs(tmp_path / "runs")
     cancelling = flow_run_in(StateType.CANCELLING)
     record = started_run(runs, target, "sleep 600", cancelling)
@@ -157,6 +163,31 @@ def test_collect_cancels_the_job_of_a_run_whose_flow_run_was_cancelled(
     assert record.job is not None
     assert not alive(record.job.pid)
     assert flow_run_state(cancelling).type == StateType.CANCELLED
+
+
+def test_collect_leaves_a_job_whose_flow_run_was_just_cancelled_to_its_cancellation_hook(
+    target: tuple[str, LocalTarget], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # between the runner killing a cancelled flow run's process and its hook taking
+    # the run's lock, nothing holds the run: a collect then leaves it to the hook
+    grace = 10.0
+    monkeypatch.setattr(collect_module, "HOOK_GRACE_S", grace)
+    runs = Runs(tmp_path / "runs")
+    cancelled = flow_run_in(StateType.CANCELLED)
+    since = time.monotonic()
+    record = started_run(runs, target, "sleep 600", cancelled)
+    before = (runs.run_dir(record.id) / "run.json").read_text()
+
+    assert asyncio.run(collect(runs_dir=str(runs.root))) == []
+
+    assert time.monotonic() - since < grace, "the first collect came after the grace"
+    assert (runs.run_dir(record.id) / "run.json").read_text() == before
+    assert record.job is not None and alive(record.job.pid)
+    # once the hook had its time and did not come, a collect cancels the job
+    time.sleep(max(0.0, grace + 1 - (time.monotonic() - since)))
+    rows = asyncio.run(collect(runs_dir=str(runs.root)))
+    assert [(r.action, r.state) for r in rows] == [("job cancelled", RunState.CANCELLED)]
+    assert not alive(record.job.pid)
 
 
 def test_collect_never_touches_a_run_another_process_follows(

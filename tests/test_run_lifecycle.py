@@ -130,6 +130,19 @@ def test_a_success_without_output_is_a_permanent_failure(tmp_path: Path) -> None
     assert outcome.retrieved
 
 
+def test_a_job_killed_by_someone_else_is_looked_at_again_then_failed_lost(
+    tmp_path: Path,
+) -> None:
+    # its wrapper killed: no exit code; its host still answers the second look
+    reporter = Collected()
+    outcome = run_job(tmp_path, f"{WRITE_METRICS}; kill -9 $PPID; sleep 1", reporter=reporter)
+    assert outcome.record.state == RunState.FAILED
+    message = outcome.record.message
+    assert message is not None and message.startswith("the job stopped without an exit code")
+    assert reporter.statuses[-1] == JobStatus.lost()
+    assert reporter.statuses.count(JobStatus.lost()) == 1 and not reporter.warnings
+
+
 def test_a_job_past_max_hours_is_cancelled_and_the_run_failed(tmp_path: Path) -> None:
     outcome = run_job(tmp_path, f"{WRITE_METRICS}; sleep 60", max_hours=1.0 / 3600)
     assert outcome.record.state == RunState.FAILED

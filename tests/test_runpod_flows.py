@@ -47,7 +47,7 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim, running_sim
-from tests.runpod_sim.pods import SimPods
+from tests.runpod_sim.pods import SimPods, deleted_once_verified
 from tests.test_train_flow import kill, spec, wait_until
 
 pytestmark = pytest.mark.slow
@@ -358,7 +358,7 @@ def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth
     assert saved.checkpoint and (Runs(runs_dir).run_dir(record.id) / saved.checkpoint).is_dir()
     assert saved.message is not None and f"resume_from={record.id}" in saved.message
     pod = PodRecord.load(Runs(runs_dir), record.id)
-    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
+    assert pod is not None and deleted_once_verified(pod), pod
     assert not (Runs(runs_dir).run_dir(record.id) / SSH_DIR / CLIENT_KEY).exists()
 
 
@@ -767,7 +767,7 @@ def test_stop_from_another_process_checkpoints_a_run_whose_follower_died_and_end
     assert saved.checkpoint is not None and saved.checkpoint.startswith("output/checkpoint-")
     assert (Runs(runs_dir).run_dir(record.id) / saved.checkpoint / "trainer_state.json").is_file()
     pod = PodRecord.load(Runs(runs_dir), record.id)
-    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
+    assert pod is not None and deleted_once_verified(pod), pod
     assert pod.pod_id is not None and sim.pod(pod.pod_id).deleted
 
 

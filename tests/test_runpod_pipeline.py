@@ -44,7 +44,7 @@ from overbrainer_prefect.trainers.compare import BASES_DIR
 from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.runpod_sim import RunpodSim, running_sim
-from tests.runpod_sim.pods import SimPods
+from tests.runpod_sim.pods import SimPods, deleted_once_verified
 from tests.test_runpod_flows import (
     FAST,
     assert_no_secret_in_files,
@@ -132,7 +132,7 @@ def test_fine_tune_on_a_pod_target_runs_every_step_on_one_pod_deleted_after_the_
     (made,) = sim.pods(include_deleted=True)
     pod = PodRecord.load(runs, run_id)
     assert pod is not None and pod.pod_id == made.id
-    assert pod.state == PodState.DELETED and pod.deleted_by == "client" and pod.secret_deleted
+    assert deleted_once_verified(pod) and pod.secret_deleted, pod
     assert made.deleted and not pods_of.running(made.id)
     assert sim.pods() == [] and sim.secret_names() == []
     # its one ledger entry closed with the pipeline, at what the pod cost over all its jobs
@@ -390,7 +390,7 @@ def test_a_fine_tune_killed_between_jobs_continues_on_its_pod_while_it_lives(
     assert made.id == pod_id and made.deleted and sim.secret_names() == []
     exports = Runs(tmp_path / "runs").children(run_id, "export")
     pod = PodRecord.load(exports, export_id)
-    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
+    assert pod is not None and deleted_once_verified(pod), pod
     log = pods_of.watchdog_log(pod_id, export_id)
     assert "job: the pipeline's job 2 on this pod" in log, log  # the base model's export
 
@@ -491,7 +491,7 @@ def test_an_export_on_a_pod_whose_follower_died_is_followed_again_and_its_pod_de
     assert result.state == RunState.SUCCEEDED and result.export_id == export_id
     assert result.gguf is not None and Path(result.gguf_path or "").is_file()
     pod = PodRecord.load(exports, export_id)
-    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client"
+    assert pod is not None and deleted_once_verified(pod), pod
     assert sim.pod(pod.pod_id).deleted and sim.pods() == [] and sim.secret_names() == []  # type: ignore[arg-type]
 
 

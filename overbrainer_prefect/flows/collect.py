@@ -8,7 +8,8 @@ running on its target, bounded by its max_hours, and its record says
 minutes, finds those runs and finishes them: it follows each job to its end
 (at once when it has already ended), retrieves and verifies its files, and
 records the outcome. A run whose flow run was cancelled while nothing could
-run its cancellation hook has its job cancelled instead.
+run its cancellation hook has its job cancelled instead, once the hook had
+`HOOK_GRACE_S` to do it.
 
 A run is never followed by two processes: the collector takes the run's lock
 before it touches the run and leaves alone any run another live process holds.
@@ -58,10 +59,17 @@ concurrency slot)."""
 
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
 
+HOOK_GRACE_S = 90.0
+"""How long after its flow run was cancelled a job is left to that flow run's
+cancellation hook: between the runner killing the flow's process and the hook
+taking the run's follow lock, the run is unlocked, and a collect that came then
+would take the job from the hook. A job whose hook never ran (its worker died
+too) is cancelled by the first collect after this."""
 
-async def flow_run_state(flow_run_id: str | None) -> StateType | None:
+
+async def flow_run_state(flow_run_id: str | None) -> State[object] | None:
     """The state of the flow run that created a job, None when the record names
-    none or this Prefect server does not know it."""
+    none, this Prefect server does not know it, or it has none."""
     if flow_run_id is None:
         return None
     try:
@@ -69,7 +77,14 @@ async def flow_run_state(flow_run_id: str | None) -> StateType | None:
             found = await client.read_flow_run(UUID(flow_run_id))
     except (ObjectNotFound, ValueError):
         return None
-    return found.state.type if found.state is not None else None
+    return found.state
+
+
+def _cancelled_since_s(state: State[object] | None) -> float | None:
+    """Seconds since the flow run was cancelled (or asked to be), None when it was not."""
+    if state is None or state.type not in CANCELLED_FLOW_RUN:
+        return None
+    return max(0.0, time.time() - state.timestamp.timestamp())
 
 
 async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
@@ -148,7 +163,8 @@ async def collect_job(
     """Takes the follow lock of a job nobody follows and brings it to a final
     state (see `driver.finish`): a job never started has what its target holds
     deleted and is failed; a running one is followed to its end (its job
-    cancelled when its flow run was cancelled); an ended one whose target still
+    cancelled when its flow run was cancelled, once its cancellation hook had
+    HOOK_GRACE_S to do it); an ended one whose target still
     holds something has its files retrieved again when they were not, then
     what it ran on ended. Its dead flow run is settled. Returns what was done,
     or None when there was nothing to do (another process took it, or it is
@@ -162,8 +178,17 @@ async def collect_job(
     )
     if record.job is None and not record.state.ended and _age_s(record) < CREATE_GRACE_S:
         return None  # its creator may not hold its lock yet
-    state = await flow_run_state(record.flow_run_id)
-    cancel = state in CANCELLED_FLOW_RUN
+    cancelled_since = _cancelled_since_s(await flow_run_state(record.flow_run_id))
+    cancel = cancelled_since is not None
+    if cancelled_since is not None and cancelled_since < HOOK_GRACE_S and not record.state.ended:
+        logger.info(
+            "%s: its flow run was cancelled %.0f s ago; its cancellation hook ends it "
+            "(a collect after %.0f s does, when no hook came)",
+            name,
+            cancelled_since,
+            HOOK_GRACE_S,
+        )
+        return None
     try:
         if record.job is None and not record.state.ended:
             logger.info("%s never started its job and nobody prepares it: abandoning it", name)

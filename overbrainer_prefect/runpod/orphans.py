@@ -117,16 +117,17 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
             )
         elif record.state.ended:
             orphan = True
+            deleted_at = _ended_plus_grace(record, local)
             why = f"its run has ended ({record.state})" + (
                 "; kept (keep_pod)"
                 if kept
                 else "; its files are retrieved and verified: the sweep deletes it"
                 if retrieved
                 else "; its files were not retrieved: its watchdog deletes it with them "
-                + _unretrieved_end(record, local, now)
+                + _unretrieved_end(deleted_at, local, now)
             )
             if not kept and not retrieved and record.job is not None:
-                lost_at = _ended_plus_grace(record, local)
+                lost_at = deleted_at
                 save_with = _save_with(record)
         elif kept:
             orphan, why = False, "kept (keep_pod)"
@@ -229,9 +230,9 @@ def _ended_plus_grace(record: RunRecord, local: PodRecord | None) -> float | Non
         return None
 
 
-def _unretrieved_end(record: RunRecord, local: PodRecord | None, now: float) -> str:
-    """When the watchdog deletes the pod of an ended run whose files were not retrieved."""
-    at = _ended_plus_grace(record, local)
+def _unretrieved_end(at: float | None, local: PodRecord | None, now: float) -> str:
+    """When (`at`, from `_ended_plus_grace`) the watchdog deletes the pod of an
+    ended run whose files were not retrieved, in words."""
     if at is None:
         return f"{_grace(local)} after its job ended"
     return f"at about {_when(at, now)}, {_grace(local)} after its job ended"

@@ -41,6 +41,11 @@ MAX_FAILURES = 5  # failures in a row to reach the job that a watch retries; a s
 RETRIEVE_TRIES = 3  # tries of a retrieval before its files are noted not retrieved
 RETRIEVE_PAUSE_S = 1.0  # seconds between two tries: a restarting container's sshd is back by then
 
+LOST_CONFIRM_S = 1.0
+"""Seconds before a job found gone without an exit code is looked at again: a
+host going down (a pod deleted at its bound) loses its jobs a moment before its
+sshd, and the second look, failing to reach it, makes the watch end unreachable
+(its target then says why) instead of recording a job lost."""
 ENDING_POLL_S = 0.25  # seconds between looks at a job that wrote its end event
 
 STALL_LOG_LINES = 20  # lines of job.log shown when a job makes no progress
@@ -176,14 +181,16 @@ async def _follow(
     """Reads new metric lines and the job's status until the job ends, then reads
     the rest of the metrics file. Up to MAX_FAILURES failures in a row are
     retried; a success resets the count, and the final drain spends what is left.
-    A job past its deadline is cancelled. Returns the final status and whether
-    the deadline was what ended it."""
+    A job found lost is looked at again after LOST_CONFIRM_S. A job past its
+    deadline is cancelled. Returns the final status and whether the deadline was
+    what ended it."""
     failures = 0
     last: JobStatus | None = None
     deadline = parse_rfc3339(record.deadline) if record.deadline else None
     timed_out = False
     last_progress = time.monotonic()
     stall_reported = False
+    lost_once = False
     while True:
         try:
             seen = len(summary.metrics)
@@ -193,6 +200,11 @@ async def _follow(
             failures = _retry(ctx, record, failures, error)
         else:
             failures = 0
+            if status.kind == "lost" and not lost_once:
+                lost_once = True  # look again: is its host still there?
+                await asyncio.sleep(LOST_CONFIRM_S)
+                continue
+            lost_once = False
             if status != last:
                 ctx.reporter.status(status)
                 last = status

@@ -325,3 +325,18 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
 def descendants(root: int) -> list[int]:
     """The PIDs below `root` (children first), from /proc; zombies left out."""
     return _descendants(root, zombies=False)
+
+
+def deleted_once_verified(pod: object) -> bool:
+    """Whether a run's pod (a `PodRecord`) was deleted after its client verified the
+    run's files: by the client's delete, or by its watchdog at a look that came between
+    the client's `retrieved` marker (written first, so that a refused delete still ends
+    the pod) and that delete. Both are the design; which one wins is a race."""
+    from overbrainer_prefect.runpod.fate import RETRIEVED_REASON
+    from overbrainer_prefect.runpod.pod import PodRecord, PodState
+
+    assert isinstance(pod, PodRecord), pod
+    return pod.state == PodState.DELETED and (
+        pod.deleted_by == "client"
+        or (pod.deleted_by == "watchdog" and pod.delete_reason == RETRIEVED_REASON)
+    )
