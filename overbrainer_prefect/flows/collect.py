@@ -43,6 +43,7 @@ from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
+from overbrainer_prefect.steps.hooks import HOOK_GRACE_S
 from overbrainer_prefect.targets.base import Target
 from overbrainer_prefect.targets.spend import spent
 
@@ -59,17 +60,11 @@ concurrency slot)."""
 
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
 
-HOOK_GRACE_S = 90.0
-"""How long after its flow run was cancelled a job is left to that flow run's
-cancellation hook: between the runner killing the flow's process and the hook
-taking the run's follow lock, the run is unlocked, and a collect that came then
-would take the job from the hook. A job whose hook never ran (its worker died
-too) is cancelled by the first collect after this."""
 
-
-async def flow_run_state(flow_run_id: str | None) -> State[object] | None:
-    """The state of the flow run that created a job, None when the record names
-    none, this Prefect server does not know it, or it has none."""
+async def cancelled_at(flow_run_id: str | None) -> float | None:
+    """When the flow run that created a job was cancelled (or asked to be), as
+    a Unix time; None when it was not, or the record names none this Prefect
+    server knows."""
     if flow_run_id is None:
         return None
     try:
@@ -77,14 +72,10 @@ async def flow_run_state(flow_run_id: str | None) -> State[object] | None:
             found = await client.read_flow_run(UUID(flow_run_id))
     except (ObjectNotFound, ValueError):
         return None
-    return found.state
-
-
-def _cancelled_since_s(state: State[object] | None) -> float | None:
-    """Seconds since the flow run was cancelled (or asked to be), None when it was not."""
+    state = found.state
     if state is None or state.type not in CANCELLED_FLOW_RUN:
         return None
-    return max(0.0, time.time() - state.timestamp.timestamp())
+    return state.timestamp.timestamp()
 
 
 async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
@@ -178,16 +169,10 @@ async def collect_job(
     )
     if record.job is None and not record.state.ended and _age_s(record) < CREATE_GRACE_S:
         return None  # its creator may not hold its lock yet
-    cancelled_since = _cancelled_since_s(await flow_run_state(record.flow_run_id))
-    cancel = cancelled_since is not None
-    if cancelled_since is not None and cancelled_since < HOOK_GRACE_S and not record.state.ended:
-        logger.info(
-            "%s: its flow run was cancelled %.0f s ago; its cancellation hook ends it "
-            "(a collect after %.0f s does, when no hook came)",
-            name,
-            cancelled_since,
-            HOOK_GRACE_S,
-        )
+    since = await cancelled_at(record.flow_run_id)
+    cancel = since is not None
+    if since is not None and time.time() - since < HOOK_GRACE_S and not record.state.ended:
+        logger.info("%s: its flow run was just cancelled: left to its cancellation hook", name)
         return None
     try:
         if record.job is None and not record.state.ended:

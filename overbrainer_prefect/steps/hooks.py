@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from overbrainer_prefect.targets.base import Logger, Target
 
 HOOK_RETRIEVE_S = 120.0  # how long a cancellation hook spends cancelling and retrieving a job
+HOOK_GRACE_S = 90.0
+"""How long after its flow run was cancelled a job is left to that flow run's
+cancellation hook: between the runner killing the flow's process and the hook
+taking the run's follow lock, the run is unlocked, and a collect then would take
+the job from the hook. A job no hook came for is cancelled by a collect after."""
 
 
 async def cancel_recorded(
