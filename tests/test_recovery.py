@@ -221,9 +221,13 @@ def test_a_follower_killed_once_its_files_are_verified_has_its_pod_deleted_by_co
     sim.fail(500, times=1000, method="DELETE", path="/v2/pods/")  # its follower cannot delete it
     name = target(sim, retrieve_grace_s=3000.0)
 
-    def verified() -> bool:
+    def verified() -> bool:  # its manifest is written, then its record saved succeeded
         record = only(runs_dir)
-        return record is not None and (Runs(runs_dir).run_dir(record.id) / MANIFEST_FILE).exists()
+        return (
+            record is not None
+            and record.state == RunState.SUCCEEDED
+            and (Runs(runs_dir).run_dir(record.id) / MANIFEST_FILE).exists()
+        )
 
     record = killed_when(name, spec(*tiny), runs_dir, tmp_path, verified, "the verified files")
     saved = Runs(runs_dir).load(record.id)

@@ -375,6 +375,12 @@ def test_the_spend_flow_shows_its_charts_and_what_is_left_of_the_budgets(
             f"{artifact_id(deployed, flow_run_id, 'spend')}"
         )
         images_v2 = browser.wait_for(SPEND_IMAGES_V2, PAGE_TIMEOUT_S, "the V2 UI's spend charts")
+        # its text may render after its images: wait for the budgets' line too
+        browser.wait_for(
+            "document.body.innerText.includes('month: $300.00') || null",
+            PAGE_TIMEOUT_S,
+            "the V2 UI's budget line",
+        )
         text_v2 = browser.text()
         browser.screenshot(tmp_path / "spend-v2.png")
     assert [alt for alt, _ in images_v2] == [alt for alt, _ in images]
