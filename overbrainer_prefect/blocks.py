@@ -36,23 +36,22 @@ standards want a square image 45 to 1000 px wide)."""
 LOGO_URL = f"https://raw.githubusercontent.com/overbrainer/overbrainer-prefect/main/{LOGO_FILE}"
 
 
-class HuggingFaceCredentials(Block):
+class Branded:
+    """The logo and documentation link every block of this package shows in the
+    Prefect UI. A mixin, not a block: it registers no block type. Each block's
+    slug is its `_block_type_name` slugified, and its code example (import and
+    `.load("BLOCK_NAME")`) is the one Prefect generates."""
+
+    _logo_url: ClassVar[HttpUrl | None] = HttpUrl(LOGO_URL)
+    _documentation_url: ClassVar[HttpUrl | None] = HttpUrl(DOCS_URL)
+
+
+class HuggingFaceCredentials(Branded, Block):
     """A Hugging Face token: it reaches jobs as `HF_TOKEN` through their
     environment only, and the Hub client when a model is pushed.
-
-    Example:
-        Load saved Hugging Face credentials:
-        ```python
-        from overbrainer_prefect.blocks import HuggingFaceCredentials
-
-        hugging_face_credentials_block = HuggingFaceCredentials.load("BLOCK_NAME")
-        ```
     """
 
     _block_type_name = "Overbrainer Hugging Face Credentials"
-    _block_type_slug = "overbrainer-hugging-face-credentials"
-    _logo_url = HttpUrl(LOGO_URL)
-    _documentation_url = HttpUrl(DOCS_URL)
 
     token: SecretStr = Field(description="A Hugging Face access token (read, or write to push).")
     endpoint: str | None = Field(
@@ -61,13 +60,11 @@ class HuggingFaceCredentials(Block):
     )
 
 
-class TargetBlock(Block, ABC):
+class TargetBlock(Branded, Block, ABC):
     """What every target has: the job environment, the bounds of a job, and
     the `Target` (in the core) the flows drive. Not a block type of its own:
     save a `LocalTarget`, an `SshTarget` or a `RunpodTarget`."""
 
-    _logo_url = HttpUrl(LOGO_URL)
-    _documentation_url = HttpUrl(DOCS_URL)
     kind: ClassVar[str] = "target"
 
     job_venv: str = Field(
@@ -149,18 +146,9 @@ class LocalTarget(TargetBlock):
     """This machine: jobs run as detached processes in a venv, in a work
     directory of their own, and their files are copied back and verified like
     any target's.
-
-    Example:
-        Load a saved local target:
-        ```python
-        from overbrainer_prefect import LocalTarget
-
-        local_target_block = LocalTarget.load("BLOCK_NAME")
-        ```
     """
 
     _block_type_name = "Overbrainer Local Target"
-    _block_type_slug = "overbrainer-local-target"
     kind: ClassVar[str] = "local"
 
     work_dir: str = Field(
@@ -184,18 +172,9 @@ class SshTarget(TargetBlock):
 
     The host's public key must be pinned (`host_key`): a host whose key cannot
     be checked is refused before anything is sent.
-
-    Example:
-        Load a saved SSH target:
-        ```python
-        from overbrainer_prefect.blocks import SshTarget
-
-        ssh_target_block = SshTarget.load("BLOCK_NAME")
-        ```
     """
 
     _block_type_name = "Overbrainer SSH Target"
-    _block_type_slug = "overbrainer-ssh-target"
     kind: ClassVar[str] = "ssh"
 
     host: str = Field(description="The machine's host name or address.")
@@ -238,24 +217,13 @@ class SshTarget(TargetBlock):
         return host_target(self, ref, log)
 
 
-class OllamaServer(Block):
+class OllamaServer(Branded, Block):
     """An Ollama server that delivered models are created on: the `deliver`
     flow pushes a run's verified GGUF to it as a blob named by its SHA-256
     and creates the model with its chat template through the REST API.
-
-    Example:
-        Load a saved Ollama server:
-        ```python
-        from overbrainer_prefect.blocks import OllamaServer
-
-        ollama_server_block = OllamaServer.load("BLOCK_NAME")
-        ```
     """
 
     _block_type_name = "Overbrainer Ollama Server"
-    _block_type_slug = "overbrainer-ollama-server"
-    _logo_url = HttpUrl(LOGO_URL)
-    _documentation_url = HttpUrl(DOCS_URL)
 
     url: str = Field(
         default="http://127.0.0.1:11434",
@@ -268,27 +236,16 @@ class OllamaServer(Block):
     )
 
 
-class RunpodCredentials(Block):
+class RunpodCredentials(Branded, Block):
     """A Runpod API key, and the URLs of the API it is sent to.
 
     The key goes only in the `Authorization` header of requests to `rest_url`
     and `graphql_url`; it never appears in a log, an error, a file or a pod's
     environment. The URLs are Runpod's by default; point them at a gateway,
     or at the simulator in tests.
-
-    Example:
-        Load saved Runpod credentials:
-        ```python
-        from overbrainer_prefect.blocks import RunpodCredentials
-
-        runpod_credentials_block = RunpodCredentials.load("BLOCK_NAME")
-        ```
     """
 
     _block_type_name = "Overbrainer Runpod Credentials"
-    _block_type_slug = "overbrainer-runpod-credentials"
-    _logo_url = HttpUrl(LOGO_URL)
-    _documentation_url = HttpUrl(DOCS_URL)
 
     api_key: SecretStr = Field(
         description="A Runpod API key that may manage pods and secrets (Settings > API Keys)."
@@ -321,18 +278,9 @@ class RunpodTarget(RunpodSettingsFields, TargetBlock):
     constraints; what only Runpod can tell (an unknown GPU type or data
     center, a price limit nothing meets) is checked when a job starts, in one
     line, before any pod is created.
-
-    Example:
-        Load a saved Runpod target:
-        ```python
-        from overbrainer_prefect.blocks import RunpodTarget
-
-        runpod_target_block = RunpodTarget.load("BLOCK_NAME")
-        ```
     """
 
     _block_type_name = "Overbrainer Runpod Target"
-    _block_type_slug = "overbrainer-runpod-target"
     kind: ClassVar[str] = "runpod"
 
     credentials: RunpodCredentials = Field(description="The Runpod account pods are created in.")

@@ -23,7 +23,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.evaluation.results import EvaluationResult
-from overbrainer_prefect.runs.records import RecordError, load_record, save_record
+from overbrainer_prefect.runs.records import (
+    DeploymentRecord,
+    RecordError,
+    load_deployment_record,
+    save_record,
+)
 from overbrainer_prefect.trainers.export import NAME_CHARS
 
 DELIVERED_DIR = ".delivered"
@@ -71,12 +76,9 @@ class GateRule(BaseModel):
         return ", ".join(parts)
 
 
-class Delivered(BaseModel):
+class Delivered(DeploymentRecord):
     """The last model delivered for a deployment, and how it did on held-out."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    deployment: str
     run_id: str
     evaluation_id: str | None = None
     gguf_path: str = Field(description="The delivered GGUF, relative to the runs directory.")
@@ -194,16 +196,12 @@ def last_delivered(runs_root: Path, deployment: str) -> Delivered | None:
     """The last model delivered for `deployment`, or None before the first.
 
     Raises GateError with one line when the record is there but cannot be read."""
-    path = delivered_path(runs_root, deployment)
     try:
-        record = load_record(path, Delivered, "delivered-model")
-    except FileNotFoundError:
-        return None
+        return load_deployment_record(
+            delivered_path(runs_root, deployment), Delivered, "delivered-model", deployment
+        )
     except RecordError as error:
         raise GateError(f"{error}: remove it to gate the next model against none") from None
-    if record.deployment != deployment:
-        raise GateError(f"{path} is the record of another deployment: remove it")
-    return record
 
 
 def remember_delivered(runs_root: Path, record: Delivered) -> None:

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from overbrainer_prefect.evaluation.gate import delivered_path
 from overbrainer_prefect.nightly.fingerprint import Fingerprint
-from overbrainer_prefect.runs.records import RecordError, load_record, save_record
+from overbrainer_prefect.runs.records import (
+    DeploymentRecord,
+    RecordError,
+    load_deployment_record,
+    save_record,
+)
 
 NIGHTLY_DIR = ".nightly"
 """Under the runs directory: the fingerprints of each deployment's nights."""
@@ -30,13 +35,10 @@ class NightlyRecordError(Exception):
     """A night's record cannot be read or written. The message is one line."""
 
 
-class Night(BaseModel):
+class Night(DeploymentRecord):
     """One night of a deployment: what it trained (its fingerprint), its run
     once it has one, its flow run and when."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    deployment: str
     fingerprint: Fingerprint
     run_id: str | None = Field(default=None, description="The training run, once there is one.")
     flow_run_id: str | None = Field(default=None, description="The fine-tune's flow run.")
@@ -55,16 +57,12 @@ def load_night(runs_root: Path, deployment: str, which: str) -> Night | None:
 
     Raises NightlyRecordError with one line when the record cannot be read.
     """
-    path = night_path(runs_root, deployment, which)
     try:
-        night = load_record(path, Night, "night")
-    except FileNotFoundError:
-        return None
+        return load_deployment_record(
+            night_path(runs_root, deployment, which), Night, "night", deployment
+        )
     except RecordError as error:
         raise NightlyRecordError(f"{error}: remove it, the next night then trains") from None
-    if night.deployment != deployment:
-        raise NightlyRecordError(f"{path} is the record of another deployment: remove it")
-    return night
 
 
 def save_night(runs_root: Path, night: Night, which: str) -> None:

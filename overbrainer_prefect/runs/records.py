@@ -11,7 +11,7 @@ import secrets
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,10 @@ class RecordIoError(RecordError):
     def __init__(self, path: Path, error: OSError) -> None:
         super().__init__(f"cannot access {path}: {error.strerror or error}")
         self.path = path
+
+
+class ForeignRecord(RecordError):
+    """A deployment's record file holds another deployment's record."""
 
 
 class InvalidRecord(RecordError):
@@ -131,3 +135,29 @@ def _position_of(content: str, loc: tuple[int | str, ...]) -> tuple[int, int]:
                 return line, column
     lines = content.splitlines() or [""]
     return len(lines), len(lines[-1]) + 1
+
+
+class DeploymentRecord(BaseModel):
+    """A record kept per deployment (its last delivered model, its nights)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: str
+
+
+D = TypeVar("D", bound=DeploymentRecord)
+
+
+def load_deployment_record(path: Path, model: type[D], kind: str, deployment: str) -> D | None:
+    """The `kind` record of `deployment` at `path`, or None when there is none yet.
+
+    Raises RecordError (see `load_record`) when it cannot be read, and
+    ForeignRecord when it is another deployment's.
+    """
+    try:
+        record = load_record(path, model, kind)
+    except FileNotFoundError:
+        return None
+    if record.deployment != deployment:
+        raise ForeignRecord(f"{path} is the record of another deployment")
+    return record
