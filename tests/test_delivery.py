@@ -585,7 +585,7 @@ def test_a_gguf_that_differs_from_its_manifest_is_never_sent(
     data = bytearray(fake.gguf.read_bytes())
     data[-1] ^= 0xFF
     fake.gguf.write_bytes(bytes(data))
-    with pytest.raises(SourceError, match="does not match its verified manifest"):
+    with pytest.raises(SourceError, match="differs from the file retrieved and verified"):
         find_gguf(fake.runs, fake.record, "Q4_K_M")
 
 

@@ -15,7 +15,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from overbrainer_prefect.delivery import DeliveryError
-from overbrainer_prefect.executors.manifest import sha256_file
+from overbrainer_prefect.executors.manifest import recheck
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps.retrieve import load_manifest
 
@@ -149,14 +149,6 @@ def verified(path: Path, shown: str, size: int, sha256: str, again: str) -> Loca
     Raises SourceError naming it as `shown`, with `again` as the next step, when it
     is missing, unreadable or different.
     """
-    try:
-        actual_size, actual = sha256_file(path)
-    except FileNotFoundError:
-        raise SourceError(f"{shown} is missing: {again}") from None
-    except OSError as error:
-        raise SourceError(f"cannot read {shown} ({error.strerror or error}): {again}") from None
-    if actual != sha256 or actual_size != size:
-        raise SourceError(
-            f"{shown} does not match its verified manifest (SHA-256 mismatch): {again}"
-        )
+    if (wrong := recheck(path, size, sha256)) is not None:
+        raise SourceError(f"{shown} {wrong}: {again}")
     return LocalFile(path=path, shown=shown, size=size, sha256=sha256)

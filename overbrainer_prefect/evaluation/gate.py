@@ -18,6 +18,7 @@ held-out pass rate is compared with the rate the delivered one had.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -122,66 +123,76 @@ def decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> 
 
 
 def _decide(rule: GateRule, result: EvaluationResult, last: Delivered | None) -> GateDecision:
+    checked = []
+    for passed, what in _criteria(rule, result, last):
+        if not passed:
+            return GateDecision(passed=False, reason=what)
+        checked.append(what)
+    return GateDecision(passed=True, reason="; ".join(checked))
+
+
+def _criteria(
+    rule: GateRule, result: EvaluationResult, last: Delivered | None
+) -> Iterator[tuple[bool, str]]:
+    """The rule's criteria in order, each as (passed, what was checked or why it failed)."""
     held = result.heldout
     tuned = f"{held.tuned.passed}/{held.tuned.total}"
     regressions = result.controls.pass_to_fail if result.controls is not None else []
-    checked = []
     if len(regressions) > rule.max_control_regressions:
         allowed = rule.max_control_regressions or "none"
-        return GateDecision(
-            passed=False,
-            reason=f"{len(regressions)} control regression"
-            f"{'s' * (len(regressions) > 1)} ({', '.join(regressions)}), the rule allows "
-            f"{allowed}",
+        yield (
+            False,
+            f"{len(regressions)} control regression{'s' * (len(regressions) > 1)} "
+            f"({', '.join(regressions)}), the rule allows {allowed}",
         )
-    checked.append(
+    yield (
+        True,
         f"{len(regressions)} control regression{'s' * (len(regressions) != 1)}"
         if regressions
-        else "no control regression"
+        else "no control regression",
     )
     if rule.min_heldout_rate is not None:
-        if held.tuned.rate < rule.min_heldout_rate:
-            return GateDecision(
-                passed=False,
-                reason=f"held-out {tuned} = {held.tuned.rate:.0%}, below the "
-                f"rule's {rule.min_heldout_rate:.0%}",
-            )
-        checked.append(f"held-out {tuned} ≥ {rule.min_heldout_rate:.0%}")
+        yield (
+            held.tuned.rate >= rule.min_heldout_rate,
+            f"held-out {tuned} ≥ {rule.min_heldout_rate:.0%}"
+            if held.tuned.rate >= rule.min_heldout_rate
+            else f"held-out {tuned} = {held.tuned.rate:.0%}, below the rule's "
+            f"{rule.min_heldout_rate:.0%}",
+        )
     if rule.must_beat_base:
-        if not (held.tuned.passed > held.base.passed and held.p_value < result.plan.alpha):
-            return GateDecision(
-                passed=False,
-                reason=f"held-out {tuned} vs base {held.base.passed}/"
-                f"{held.base.total} (McNemar p = {held.p_value:.2g}) is not significantly better",
-            )
-        checked.append(f"beats base {held.base.passed}/{held.base.total}")
+        base = f"{held.base.passed}/{held.base.total}"
+        beats = held.tuned.passed > held.base.passed and held.p_value < result.plan.alpha
+        yield (
+            beats,
+            f"beats base {base}"
+            if beats
+            else f"held-out {tuned} vs base {base} (McNemar p = {held.p_value:.2g}) is not "
+            "significantly better",
+        )
     if rule.heldout_at_least_last:
-        if last is None:
-            checked.append("no model delivered before")
-        elif last.gguf_sha256 == result.plan.base.sha256:
-            # measured against the delivered GGUF itself: the same items, paired
-            if held.tuned.passed < held.base.passed:
-                return GateDecision(
-                    passed=False,
-                    reason=f"held-out {tuned}, below the last delivered model's "
-                    f"{held.base.passed}/{held.base.total} on the same items (run {last.run_id})",
-                )
-            checked.append(
-                f"held-out {tuned} ≥ the last delivered model's {held.base.passed}/"
-                f"{held.base.total} on the same items (run {last.run_id})"
-            )
-        else:
-            was = f"{last.heldout_passed}/{last.heldout_total}"
-            if held.tuned.rate < last.heldout_rate:
-                return GateDecision(
-                    passed=False,
-                    reason=f"held-out {tuned} = {held.tuned.rate:.0%}, below the "
-                    f"last delivered model's {was} = {last.heldout_rate:.0%} (run {last.run_id})",
-                )
-            checked.append(
-                f"held-out {tuned} ≥ the last delivered model's {was} (run {last.run_id})"
-            )
-    return GateDecision(passed=True, reason="; ".join(checked))
+        yield _against_last(tuned, result, last)
+
+
+def _against_last(tuned: str, result: EvaluationResult, last: Delivered | None) -> tuple[bool, str]:
+    """The criterion `heldout_at_least_last`: paired on the same items when the
+    evaluation's base was the delivered GGUF itself, else by rate."""
+    held = result.heldout
+    if last is None:
+        return True, "no model delivered before"
+    run = f"(run {last.run_id})"
+    if last.gguf_sha256 == result.plan.base.sha256:
+        # measured against the delivered GGUF itself: the same items, paired
+        was = f"{held.base.passed}/{held.base.total} on the same items {run}"
+        if held.tuned.passed < held.base.passed:
+            return False, f"held-out {tuned}, below the last delivered model's {was}"
+        return True, f"held-out {tuned} ≥ the last delivered model's {was}"
+    was = f"{last.heldout_passed}/{last.heldout_total}"
+    if held.tuned.rate < last.heldout_rate:
+        return False, (
+            f"held-out {tuned} = {held.tuned.rate:.0%}, below the last delivered model's "
+            f"{was} = {last.heldout_rate:.0%} {run}"
+        )
+    return True, f"held-out {tuned} ≥ the last delivered model's {was} {run}"
 
 
 def delivered_path(runs_root: Path, deployment: str) -> Path:

@@ -134,6 +134,22 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def recheck(path: Path, size: int, sha256: str) -> str | None:
+    """Hashes a retrieved file again: None when `path` still has the `size` and
+    `sha256` it was verified with, else what is wrong, worded to follow the
+    file's name in a message (it is missing, cannot be read, or differs).
+    Never raises."""
+    try:
+        found = sha256_file(path)
+    except FileNotFoundError:
+        return "is missing on this machine (it was retrieved and verified, then removed)"
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if found != (size, sha256):
+        return "differs from the file retrieved and verified (SHA-256)"
+    return None
+
+
 def _digest(root: Path, rel: str) -> FileDigest:
     try:
         size, sha256 = sha256_file(root / rel)

@@ -110,10 +110,7 @@ async def finish_compare(
     why = (
         job_failure(compares.run_dir(record.id), "compare failed: ") if record.state.ended else None
     )
-    returned = ended(record, result, cancelling=cancelling, why=why)
-    if returned is result:
-        get_run_logger().info("%s", result_line(result, record))
-    return returned
+    return ended(record, result, cancelling=cancelling, why=why, line=result_line(result, record))
 
 
 @flow(name="compare", persist_result=True, **HOOKS)

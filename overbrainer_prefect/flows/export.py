@@ -45,10 +45,7 @@ async def finish_export(
         key=f"export-{record.id}-summary".lower(),
         description=f"Summary of export {record.id}",
     )
-    returned = ended(record, result, cancelling=cancelling)
-    if returned is result:
-        get_run_logger().info("%s", result_line(result, record))
-    return returned
+    return ended(record, result, cancelling=cancelling, line=result_line(result, record))
 
 
 @flow(name="export", persist_result=True, **HOOKS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, TypeAlias, TypeVar
 
+from prefect import get_run_logger
 from prefect.client.schemas.objects import State
 from prefect.states import Cancelled
 
@@ -20,14 +21,22 @@ class RunFailed(Exception):
 
 
 def ended(
-    record: RunRecord, result: ResultT, *, cancelling: bool = False, why: str | None = None
+    record: RunRecord,
+    result: ResultT,
+    *,
+    cancelling: bool = False,
+    why: str | None = None,
+    line: str | None = None,
 ) -> ResultT | AnyState:
     """`result`, the result of the ended job `record`, as its flow returns it:
     a cancelled job's (unless this flow cancelled it) as a `Cancelled` state
-    holding it. Raises RunFailed for a failed job: `<subject> failed: <message>`
-    and `why` after it when given."""
+    holding it, and `line` logged when the result is returned as is. Raises
+    RunFailed for a failed job: `<subject> failed: <message>` and `why` after
+    it when given."""
     if record.state == RunState.FAILED:
         raise RunFailed(f"{subject(record)} failed: {record.message}" + (f": {why}" if why else ""))
     if record.state == RunState.CANCELLED and not cancelling:
         return Cancelled(message=f"{subject(record)} was cancelled", data=result)
+    if line is not None:
+        get_run_logger().info("%s", line)
     return result

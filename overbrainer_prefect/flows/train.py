@@ -67,10 +67,7 @@ async def run_result(
         markdown += gguf_markdown(record.id, exported)
     await publish_summary(record.id, markdown)
     result = result_of(runs, outcome, exported)
-    returned = ended(record, result, cancelling=cancelling)
-    if returned is result:
-        get_run_logger().info("%s", result_line(result))
-    return returned
+    return ended(record, result, cancelling=cancelling, line=result_line(result))
 
 
 @flow(name="train", persist_result=True, **HOOKS)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from pydantic import JsonValue
+from pydantic import BaseModel, Field, JsonValue
 
 from overbrainer_prefect.executors.base import Executor
+from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
@@ -18,6 +19,27 @@ from overbrainer_prefect.trainers.base import Trainer
 Rebuild = Callable[[Runs, RunRecord, int | None], Trainer]
 """Makes a job's trainer from the runs directory, its record and the CPU
 threads it may use; raises TrainError or RunError with one line."""
+
+
+class JobResult(BaseModel):
+    """What the flow of every kind returns (and Prefect persists) of its job:
+    the run it is or belongs to, where it ran, how it ended, its retrieved
+    files and what to do next."""
+
+    run_id: str
+    state: RunState
+    target: str
+    message: str | None = None
+    files: list[FileEntry] = Field(default_factory=list)
+    next: str
+
+
+class ChildResult(JobResult):
+    """The result of a job that belongs to a run (an export, a compare)."""
+
+    reused: bool = Field(
+        default=False, description="An earlier succeeded job of the same inputs, returned as is."
+    )
 
 
 @dataclass(frozen=True)

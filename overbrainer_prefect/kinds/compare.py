@@ -13,8 +13,8 @@ from pydantic import BaseModel, Field, JsonValue
 
 from overbrainer_prefect.cells import code_cell, table_cell
 from overbrainer_prefect.executors.base import FileDigest
-from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.kinds.base import JobKind, NewJob, child_next_step
+from overbrainer_prefect.executors.manifest import recheck
+from overbrainer_prefect.kinds.base import ChildResult, JobKind, NewJob, child_next_step
 from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import gguf_entry, reusable
 from overbrainer_prefect.kinds.files import FileEntry
@@ -45,28 +45,19 @@ class AnswerPair(BaseModel):
     tuned: ModelAnswer | None = None
 
 
-class CompareResult(BaseModel):
+class CompareResult(ChildResult):
     """What the compare flow returns (and Prefect persists): the compare and its answers."""
 
     compare_id: str
-    run_id: str
-    state: RunState
-    target: str
     quant: str
     seed: int
     max_tokens: int
     base_model: str
     base_gguf: GgufRef
     tuned_gguf: GgufRef
-    message: str | None = None
-    reused: bool = Field(
-        default=False, description="An earlier succeeded compare of the same, returned as is."
-    )
     answers: list[AnswerPair] = Field(default_factory=list)
-    files: list[FileEntry] = Field(default_factory=list)
     compare_dir: str
     answers_path: str | None = Field(default=None, description="answers.jsonl on this machine.")
-    next: str
 
     def mean_tokens_per_s(self, model: str) -> float | None:
         """The mean decoding speed of `model` (`base` or `tuned`) over its answers."""
@@ -220,15 +211,8 @@ def tuned_gguf(runs: Runs, run_id: str, quant: str) -> GgufRef:
 
 
 def _check_gguf(path: Path, entry: FileDigest, what: str) -> None:
-    try:
-        size, digest = sha256_file(path)
-    except OSError as error:
-        raise NotComparable(f"cannot read {what} ({path}): {error.strerror or error}") from None
-    if size != entry.size or digest != entry.sha256:
-        raise NotComparable(
-            f"{what} ({path}) differs from the file retrieved and verified (SHA-256): "
-            "export it again"
-        )
+    if (wrong := recheck(path, entry.size, entry.sha256)) is not None:
+        raise NotComparable(f"{what} ({path}) {wrong}: export it again")
 
 
 def check_comparable(runs: Runs, run_id: str, quant: str) -> tuple[RunRecord, GgufRef, str]:
@@ -275,16 +259,12 @@ def _base_ref(store: Runs, record: RunRecord, runs: Runs) -> GgufRef | None:
     if entry is None:
         return None
     path = store.run_dir(record.id) / entry.path
-    try:
-        size, digest = sha256_file(path)
-    except OSError:
-        return None
-    if size != entry.size or digest != entry.sha256:
+    if recheck(path, entry.size, entry.sha256) is not None:
         return None
     return GgufRef(
         path=path.relative_to(runs.root).as_posix(),
-        size=size,
-        sha256=digest,
+        size=entry.size,
+        sha256=entry.sha256,
         export_id=record.id,
     )
 

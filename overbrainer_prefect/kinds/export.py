@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, JsonValue
+from pydantic import Field, JsonValue
 
 from overbrainer_prefect.cells import size_text, table_cell
 from overbrainer_prefect.executors.base import Executor, FileDigest
-from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.kinds.base import Check, JobKind, NewJob, child_next_step
+from overbrainer_prefect.executors.manifest import recheck
+from overbrainer_prefect.kinds.base import Check, ChildResult, JobKind, NewJob, child_next_step
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
@@ -39,18 +39,11 @@ NAME = "export"
 `.bases/<key>/exports/<id>/export.json`)."""
 
 
-class ExportResult(BaseModel):
+class ExportResult(ChildResult):
     """What the export flow returns (and Prefect persists): the export, and its GGUF."""
 
     export_id: str
-    run_id: str
     quant: str
-    state: RunState
-    target: str
-    message: str | None = None
-    reused: bool = Field(
-        default=False, description="An earlier succeeded export of the same quant, returned as is."
-    )
     gguf: FileEntry | None = Field(
         default=None, description="The GGUF, its path relative to the export directory."
     )
@@ -58,9 +51,7 @@ class ExportResult(BaseModel):
     phases: dict[str, float] = Field(
         default_factory=dict, description="Seconds of each step: merge, convert, quantize."
     )
-    files: list[FileEntry] = Field(default_factory=list)
     export_dir: str
-    next: str
 
 
 def gguf_entry(files: list[FileDigest]) -> FileDigest | None:
@@ -209,20 +200,8 @@ def check_exportable(runs: Runs, run: RunRecord) -> list[Path]:
 
 
 def _check_file(path: Path, shown: str, entry: FileDigest) -> None:
-    try:
-        size, digest = sha256_file(path)
-    except FileNotFoundError:
-        raise NotExportable(
-            f"{shown} is missing on this machine (it was retrieved and verified, then removed): "
-            "restore it, or train the run again"
-        ) from None
-    except OSError as error:
-        raise NotExportable(f"cannot read {shown}: {error.strerror or error}") from None
-    if size != entry.size or digest != entry.sha256:
-        raise NotExportable(
-            f"{shown} differs from the file retrieved and verified (SHA-256): restore it, "
-            "or train the run again"
-        )
+    if (wrong := recheck(path, entry.size, entry.sha256)) is not None:
+        raise NotExportable(f"{shown} {wrong}: restore it, or train the run again")
 
 
 def reusable(exports: Runs, quant: str) -> RunRecord | None:

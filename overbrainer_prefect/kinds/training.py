@@ -9,9 +9,9 @@ from __future__ import annotations
 import shutil
 from pathlib import PurePosixPath
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from overbrainer_prefect.kinds.base import JobKind
+from overbrainer_prefect.kinds.base import JobKind, JobResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
@@ -111,20 +111,14 @@ def resumed_spec(
     return spec.model_copy(update={"datasets": datasets})
 
 
-class RunResult(BaseModel):
+class RunResult(JobResult):
     """What a run flow returns (and Prefect persists): how the run ended."""
 
-    run_id: str
-    state: RunState
-    target: str
-    message: str | None = None
     steps: int = 0
     first_loss: float | None = None
     final_loss: float | None = None
     retrieved: bool = False
-    files: list[FileEntry] = Field(default_factory=list)
     run_dir: str
-    next: str
     export_id: str | None = Field(default=None, description="The export made after training.")
     gguf: FileEntry | None = Field(
         default=None, description="Its GGUF, the path relative to the run directory."

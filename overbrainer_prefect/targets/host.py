@@ -86,7 +86,34 @@ class HostPlaced:
         return None
 
 
-class HostTarget:
+class BlockTarget:
+    """What every target made from a target block holds: its name (`ref`), the
+    job venv's Python and the bounds of its jobs, its CPU threads, its secrets
+    (read when a job starts) and the log its warnings go to."""
+
+    def __init__(
+        self,
+        ref: str,
+        bounds: Bounds,
+        *,
+        secrets: Callable[[], Mapping[str, SecretStr]],
+        cpu_threads: int | None,
+        log: Logger,
+    ) -> None:
+        self.ref = ref
+        self.python = bounds.python
+        self.cpu_threads = cpu_threads
+        self._bounds = bounds
+        self._secrets = secrets
+        self._log = log
+
+    def secrets(self) -> Mapping[str, SecretStr]:
+        """The target's secrets (env file, Hugging Face token). Raises ValueError
+        with one line when its env file cannot be read."""
+        return self._secrets()
+
+
+class HostTarget(BlockTarget):
     """A `Target` over one machine reached by an executor."""
 
     def __init__(
@@ -100,24 +127,15 @@ class HostTarget:
         cpu_threads: int | None,
         log: Logger,
     ) -> None:
-        self.ref = ref
+        super().__init__(ref, bounds, secrets=secrets, cpu_threads=cpu_threads, log=log)
         self.kind = kind
-        self.python = bounds.python
-        self.cpu_threads = cpu_threads
         self._executor = executor
-        self._bounds = bounds
-        self._secrets = secrets
-        self._log = log
         self._probed: dict[tuple[str, ...], TargetFacts] = {}
 
     @property
     def workdir(self) -> str:
         """The executor's work directory."""
         return self._executor().workdir
-
-    def secrets(self) -> Mapping[str, SecretStr]:
-        """The target's secrets (env file, Hugging Face token)."""
-        return self._secrets()
 
     def check(self, need: JobNeed) -> None:
         """Accepts any job; an image asked for is said to be ignored."""

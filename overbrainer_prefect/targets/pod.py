@@ -77,7 +77,7 @@ from overbrainer_prefect.steps.context import COLLECTOR, Outcome, RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, RunError, failure_reason
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
-from overbrainer_prefect.targets.host import Bounds
+from overbrainer_prefect.targets.host import BlockTarget, Bounds
 from overbrainer_prefect.targets.sharing import current
 from overbrainer_prefect.trainers.axolotl import launch_summary
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
@@ -280,32 +280,30 @@ class PodShare:
         self.running = None
         owner = self.owner()
         await fetch_watchdog_log(self.home, executor, owner)
-        if not retrieved:
-            self.pod.state = PodState.AWAITING_RETRIEVAL
-            self.pod.save(self.home)
-            ctx.log.warning(
-                "the files of %s were not retrieved: pod %s%s stays until its watchdog's "
-                "retrieve grace ends, or %s",
+        if retrieved:
+            try:
+                await mark_between(executor, self.pod_dir, record.remote_dir)
+            except ExecError as error:
+                ctx.log.warning("cannot tell the watchdog of pod %s: %s", self.pod.name, error)
+        self.pod.state = PodState.READY if retrieved else PodState.AWAITING_RETRIEVAL
+        self.pod.save(self.home)
+        pod = f"pod {self.pod.name}{self.pod.rate_text()}"
+        if retrieved:
+            ctx.log.info(
+                "%s: its files are verified; %s stays for the next job of the pipeline (its "
+                "watchdog deletes it %.0f s after this unless that job starts)",
                 subject(record),
-                self.pod.name,
-                self.pod.rate_text(),
+                pod,
+                ctx.timing.next_job_grace_s,
+            )
+        else:
+            ctx.log.warning(
+                "the files of %s were not retrieved: %s stays until its watchdog's retrieve "
+                "grace ends, or %s",
+                subject(record),
+                pod,
                 remove_hint(self.owner_id),
             )
-            return
-        try:
-            await mark_between(executor, self.pod_dir, record.remote_dir)
-        except ExecError as error:
-            ctx.log.warning("cannot tell the watchdog of pod %s: %s", self.pod.name, error)
-        self.pod.state = PodState.READY
-        self.pod.save(self.home)
-        ctx.log.info(
-            "%s: its files are verified; pod %s%s stays for the next job of the pipeline (its "
-            "watchdog deletes it %.0f s after this unless that job starts)",
-            subject(record),
-            self.pod.name,
-            self.pod.rate_text(),
-            ctx.timing.next_job_grace_s,
-        )
 
     def _still_running(self) -> bool:
         """Whether a job started on the pod has not ended (its follower gave up)."""
@@ -394,7 +392,7 @@ def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
     return rows
 
 
-class PodTarget:
+class PodTarget(BlockTarget):
     """A `Target` that makes a Runpod pod for each job (see the module)."""
 
     kind = "runpod"
@@ -413,25 +411,18 @@ class PodTarget:
         hub_endpoint: str | None,
         log: Logger,
     ) -> None:
-        self.ref = ref
+        # the pod's watchdog bounds a job's hours, not the client
+        bounds = replace(bounds, max_hours=None)
+        super().__init__(ref, bounds, secrets=secrets, cpu_threads=cpu_threads, log=log)
         self.settings = settings
-        self.python = bounds.python
-        self.cpu_threads = cpu_threads
         self._client = client
         self._api_url = api_url
-        self._bounds = replace(bounds, max_hours=None)
-        self._secrets = secrets
         self._hub = (hub_token, hub_endpoint)
-        self._log = log
 
     @property
     def workdir(self) -> str:
         """Where the run directories are on a real pod (a pod says its own once up)."""
         return DEFAULT_WORKDIR
-
-    def secrets(self) -> Mapping[str, SecretStr]:
-        """The target's secrets (env file, Hugging Face token)."""
-        return self._secrets()
 
     def check(self, need: JobNeed) -> None:
         """Refuses, with one line, settings (with the job's own image) that
