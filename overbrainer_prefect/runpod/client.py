@@ -26,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
+from typing import TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -54,6 +55,8 @@ from overbrainer_prefect.runpod.models import (
 )
 
 log = logging.getLogger(__name__)
+
+_Row = TypeVar("_Row")  # what a catalog row is read as
 
 DEFAULT_REST_URL = "https://api.runpod.io/v2"
 """REST v2: pods, secrets, catalog. (REST v1 answers 410 since 2026-11-15.)"""
@@ -346,28 +349,21 @@ class RunpodClient:
         response = await self._request("GET", self._url("/catalog/gpus"), params=params)
         if response.status_code == 400:  # availability filters refused: the plain list
             response = await self._request("GET", self._url("/catalog/gpus"))
-        if response.status_code in (404, 405, 410):
-            rows = await self._graphql(GPU_TYPES_QUERY, "gpuTypes")
-            return [GpuType.from_graphql(row) for row in rows if row.get("id")]
-        if response.status_code != 200:
-            raise self._error(response)
-        data = self._json(response)
-        return [
-            GpuType.from_catalog(row) for row in _rows(data, "gpus") if isinstance(row, Mapping)
-        ]
+        return await self._catalog(
+            response,
+            ("gpus", GpuType.from_catalog),
+            (GPU_TYPES_QUERY, "gpuTypes", GpuType.from_graphql),
+        )
 
     async def data_centers(self) -> list[DataCenter]:
         """Runpod's data centers (REST v2's `/catalog/datacenters`, or GraphQL's
         `dataCenters`). Raises RunpodError on failure."""
         response = await self._request("GET", self._url("/catalog/datacenters"))
-        if response.status_code in (404, 405, 410):
-            rows = await self._graphql(DATA_CENTERS_QUERY, "dataCenters")
-            return [DataCenter.model_validate(row) for row in rows if row.get("id")]
-        if response.status_code != 200:
-            raise self._error(response)
-        data = self._json(response)
-        found = _rows(data, "dataCenters")
-        return [DataCenter.model_validate(row) for row in found if isinstance(row, Mapping)]
+        return await self._catalog(
+            response,
+            ("dataCenters", DataCenter.model_validate),
+            (DATA_CENTERS_QUERY, "dataCenters", DataCenter.model_validate),
+        )
 
     # Secrets
 
@@ -520,6 +516,27 @@ class RunpodClient:
                 await asyncio.sleep(wait)
                 continue
             return response
+
+    async def _catalog(
+        self,
+        response: httpx.Response,
+        rest: tuple[str, Callable[[Mapping[str, JsonValue]], _Row]],
+        graphql: tuple[str, str, Callable[[Mapping[str, JsonValue]], _Row]],
+    ) -> list[_Row]:
+        """The rows of a REST v2 catalog `response` (the list under `rest`'s
+        key, each read by its function), or, when it answered 404, 405 or 410,
+        those of GraphQL's query (`graphql`: the query, its field, and how a
+        row is read), the rows without an id left out. Raises RunpodError
+        when either answer is an error."""
+        if response.status_code in (404, 405, 410):
+            query, field, read_graphql = graphql
+            rows = await self._graphql(query, field)
+            return [read_graphql(row) for row in rows if row.get("id")]
+        if response.status_code != 200:
+            raise self._error(response)
+        key, read = rest
+        found = _rows(self._json(response), key)
+        return [read(row) for row in found if isinstance(row, Mapping)]
 
     async def _graphql(self, query: str, field: str) -> list[Mapping[str, JsonValue]]:
         """The list `data.<field>` of a GraphQL `query`; GraphQL's errors come

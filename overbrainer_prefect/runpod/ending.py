@@ -203,19 +203,38 @@ async def is_gone(ctx: PodContext, pod: PodRecord) -> bool:
 
     Raises PodError when Runpod cannot be asked: the pod is undetermined.
     """
+    return await look_up_pod(ctx, pod, f"pod {pod.pod_id}") is None
+
+
+async def look_up_pod(ctx: PodContext, pod: PodRecord, named: str) -> Pod | None:
+    """The run's pod as Runpod shows it, or None when it no longer exists
+    (none recorded, already recorded deleted, terminated, or 404s in a row and
+    absent from the list): then `pod.json` records it deleted, by its watchdog
+    when one of its bounds passed, and the run's keys are forgotten. Never
+    deletes anything. `named` names the pod in the error.
+
+    Raises PodError when Runpod cannot be asked: the pod is undetermined.
+    """
     if pod.pod_id is None or pod.state == PodState.DELETED:
-        return True
+        return None
     try:
         found = await look_up(ctx.client, pod.pod_id, interval_s=ctx.timing.gone_interval_s)
     except RunpodError as error:
-        raise PodError(f"cannot look pod {pod.pod_id} up: {error}") from None
+        raise PodError(f"cannot look {named} up: {error}") from None
     if found is not None and found.status != "TERMINATED":
-        return False
+        return found
+    _record_found_gone(ctx, pod)
+    await forget_if_gone(ctx, pod)
+    return None
+
+
+def _record_found_gone(ctx: PodContext, pod: PodRecord) -> Fate:
+    """Records in `pod.json` the pod found gone without this process deleting
+    it, by whom `found_gone` tells; returns that fate."""
     fate = found_gone(ctx.runs, pod)
     pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
-    await forget_if_gone(ctx, pod)
-    return True
+    return fate
 
 
 async def end_pod(
@@ -305,9 +324,7 @@ async def watchdog_deletes(ctx: PodContext, pod: PodRecord, refused: str) -> Non
         except RunpodError:
             found = Pod(id=pod.pod_id)  # Runpod does not answer: not known gone
         if found is None or found.status == "TERMINATED":
-            fate = found_gone(ctx.runs, pod)
-            pod.mark_deleted(fate.by, fate.reason, fate.at)
-            pod.save(ctx.runs)
+            fate = _record_found_gone(ctx, pod)
             ctx.log.info(
                 "pod %s of run %s is gone: deleted by its %s (%s); up %s, about %s spent",
                 pod.pod_id,

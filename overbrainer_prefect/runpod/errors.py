@@ -147,11 +147,6 @@ class PodNotGone(RunpodError):
         return f"cannot confirm that pod {self.pod_id} is deleted: {self.hint}"
 
     @property
-    def kept(self) -> str:
-        """What a record keeps of this error: its `run_message`."""
-        return self.run_message
-
-    @property
     def run_message(self) -> str:
         """What a run record keeps: that the pod may still exist."""
         return f"pod {self.pod_id} may still exist"

@@ -37,14 +37,9 @@ def watchdog_deletion(runs: Runs, run_id: str) -> Fate | None:
     """The deletion the pod's watchdog logged, from the local copy of its log:
     its reason and the time Runpod answered its delete; None when the copy
     shows no decision to delete."""
-    path = runs.run_dir(run_id) / WATCHDOG_LOG
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
     reason: str | None = None
     at: float | None = None
-    for line in text.splitlines():
+    for line in _watchdog_log_lines(runs, run_id):
         decided = _DECISION.match(line)
         if decided:
             reason, at = decided[2], _unix(decided[1])
@@ -53,6 +48,15 @@ def watchdog_deletion(runs: Runs, run_id: str) -> Fate | None:
         if done and reason is not None:
             at = float(done[2]) if done[2] else _unix(done[1])
     return Fate("watchdog", reason, at) if reason is not None else None
+
+
+def _watchdog_log_lines(runs: Runs, run_id: str) -> list[str]:
+    """The lines of the local copy of the run's watchdog log; none when it
+    cannot be read (not copied yet)."""
+    try:
+        return (runs.run_dir(run_id) / WATCHDOG_LOG).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 def found_gone(runs: Runs, pod: PodRecord) -> Fate:
@@ -102,13 +106,8 @@ class Restart:
 def container_restart(runs: Runs, run_id: str) -> Restart | None:
     """The last restart of the pod's container its watchdog logged (the local
     copy of its log), or None."""
-    path = runs.run_dir(run_id) / WATCHDOG_LOG
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
     found: Restart | None = None
-    for line in text.splitlines():
+    for line in _watchdog_log_lines(runs, run_id):
         match = _RESTARTED.match(line)
         if match:
             found = Restart(match[1], bool(match[2]))

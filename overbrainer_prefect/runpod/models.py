@@ -219,7 +219,8 @@ class GpuType(BaseModel):
 
     @classmethod
     def from_catalog(cls, row: Mapping[str, JsonValue]) -> GpuType:
-        """A row of REST v2's `GET /catalog/gpus`."""
+        """A row of REST v2's `GET /catalog/gpus`. Raises KeyError for a row
+        without an `id`, TypeError or ValueError for a `memory` that is no number."""
         price = _object(row.get("price"))
         max_count = _object(row.get("maxCount"))
         return cls(
@@ -237,20 +238,22 @@ class GpuType(BaseModel):
 
     @classmethod
     def from_graphql(cls, row: Mapping[str, JsonValue]) -> GpuType:
-        """A row of GraphQL's `gpuTypes`."""
+        """A row of GraphQL's `gpuTypes`, read as the row of REST v2's catalog
+        it stands for; raises as `from_catalog` does."""
         lowest = row.get("lowestPrice") or {}
         stock = lowest.get("stockStatus") if isinstance(lowest, Mapping) else None
-        return cls(
-            id=str(row["id"]),
-            display_name=str(row.get("displayName") or row["id"]),
-            memory_gb=_float(row.get("memoryInGb") or 0),
-            secure=bool(row.get("secureCloud", True)),
-            community=bool(row.get("communityCloud", True)),
-            secure_price=_number(row.get("securePrice")),
-            community_price=_number(row.get("communityPrice")),
-            max_count_secure=_integer(row.get("maxGpuCount")),
-            max_count_community=_integer(row.get("maxGpuCount")),
-            availability=str(stock).upper() if stock else None,
+        max_count = row.get("maxGpuCount")
+        return cls.from_catalog(
+            {
+                "id": row["id"],
+                "name": row.get("displayName"),
+                "memory": row.get("memoryInGb"),
+                "secure": row.get("secureCloud", True),
+                "community": row.get("communityCloud", True),
+                "price": {"secure": row.get("securePrice"), "community": row.get("communityPrice")},
+                "maxCount": {"secure": max_count, "community": max_count},
+                "availability": str(stock).upper() if stock else None,
+            }
         )
 
 

@@ -242,7 +242,7 @@ async def _provision(
     workdir = await _workdir(executor)
     if workdir != executor.workdir:
         await executor.close()
-        executor = _executor(ctx, pod, name, workdir)
+        executor = pod_executor(ctx, pod, workdir, f"{name}: pod {pod.name}")
     pod.workdir = workdir
     run = run.model_copy(update={"remote_dir": posixpath.join(workdir, run.id)})
     assert pod.ssh is not None
@@ -264,8 +264,14 @@ async def _provision(
     return Provisioned(pod=pod, executor=executor, remote_dir=run.remote_dir)
 
 
-def _executor(ctx: PodContext, pod: PodRecord, name: str, workdir: str) -> SshExecutor:
-    """An executor reaching the pod with the run's key and its pinned host key."""
+def pod_executor(ctx: PodContext, pod: PodRecord, workdir: str, name: str) -> SshExecutor:
+    """An executor reaching the pod at its SSH address in `pod.json` (which
+    must be set) with the run's client key and the pod's pinned host key, in
+    `workdir`; `name` names it in messages. It connects on its first command.
+
+    Raises ExecError when `workdir` is not absolute, no host key is pinned or
+    the client key cannot be read.
+    """
     assert pod.ssh is not None
     return SshExecutor(
         pod.ssh.host,
@@ -274,7 +280,7 @@ def _executor(ctx: PodContext, pod: PodRecord, name: str, workdir: str) -> SshEx
         key_path=client_key_path(ctx.runs, pod.run_id),
         known_host_key=pod.host_key,
         workdir=workdir,
-        name=f"{name}: pod {pod.name}",
+        name=name,
         connect_timeout=CONNECT_TIMEOUT_S,
     )
 
@@ -327,7 +333,7 @@ async def wait_ready(
                 pod.ssh = SshAddress(
                     host=remote.ssh.host, port=remote.ssh.port, user=remote.ssh.username
                 )
-                executor = _executor(ctx, pod, name, DEFAULT_WORKDIR)
+                executor = pod_executor(ctx, pod, DEFAULT_WORKDIR, f"{name}: pod {pod.name}")
                 try:
                     await executor.run(["true"], timeout=max(5.0, min(30.0, left)))
                     return executor

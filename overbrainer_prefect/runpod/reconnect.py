@@ -8,15 +8,11 @@ from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.bootstrap import ALIVE_FILE
 from overbrainer_prefect.runpod.context import PodContext, PodError
-from overbrainer_prefect.runpod.deletion import look_up
-from overbrainer_prefect.runpod.ending import forget_if_gone, remove_hint
-from overbrainer_prefect.runpod.errors import RunpodError
-from overbrainer_prefect.runpod.fate import found_gone
+from overbrainer_prefect.runpod.ending import look_up_pod, remove_hint
 from overbrainer_prefect.runpod.keys import client_key_path, write_ssh_config
-from overbrainer_prefect.runpod.pod import PodRecord, PodState, SshAddress
+from overbrainer_prefect.runpod.pod import PodRecord, SshAddress
+from overbrainer_prefect.runpod.provision import pod_executor
 from overbrainer_prefect.runs.store import RunRecord
-
-CONNECT_TIMEOUT_S = 15.0  # seconds to open a connection to a pod
 
 
 async def reconnect(
@@ -30,17 +26,8 @@ async def reconnect(
     Raises PodError when the pod is stopped, has no SSH endpoint, the run's
     client key is gone, Runpod cannot be asked, or the pod cannot be reached.
     """
-    if pod.pod_id is None or pod.state == PodState.DELETED:
-        return None
-    try:
-        remote = await look_up(ctx.client, pod.pod_id, interval_s=ctx.timing.gone_interval_s)
-    except RunpodError as error:
-        raise PodError(f"cannot look pod {pod.pod_id} of run {pod.run_id} up: {error}") from None
-    if remote is None or remote.status == "TERMINATED":
-        fate = found_gone(ctx.runs, pod)
-        pod.mark_deleted(fate.by, fate.reason, fate.at)
-        pod.save(ctx.runs)
-        await forget_if_gone(ctx, pod)
+    remote = await look_up_pod(ctx, pod, f"pod {pod.pod_id} of run {pod.run_id}")
+    if remote is None:
         return None
     if remote.status == "EXITED":
         raise PodError(
@@ -60,16 +47,7 @@ async def reconnect(
         )
     pod.ssh = SshAddress(host=remote.ssh.host, port=remote.ssh.port, user=remote.ssh.username)
     workdir = pod.workdir or record.remote_dir.rsplit("/", 1)[0]
-    executor = SshExecutor(
-        remote.ssh.host,
-        port=remote.ssh.port,
-        user=remote.ssh.username,
-        key_path=key,
-        known_host_key=pod.host_key,
-        workdir=workdir,
-        name=f"{name}: pod {pod.pod_id}",
-        connect_timeout=CONNECT_TIMEOUT_S,
-    )
+    executor = pod_executor(ctx, pod, workdir, f"{name}: pod {pod.pod_id}")
     try:
         await executor.run(["true"], timeout=30)
     except ExecError as error:
