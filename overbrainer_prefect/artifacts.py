@@ -4,6 +4,7 @@ its metrics, and a summary of how it ended with its verified files."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -38,6 +39,7 @@ from overbrainer_prefect.runs.store import RunRecord
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often
 CURVE_EVERY_S = 10.0  # the loss curve artifact is redrawn at most this often
+PUMP_EVERY_S = 1.0  # how often a live run's artifacts are looked at (each at its own pace above)
 LOG_EVERY_PERCENT = 10.0  # a progress line each time training passes another 10 %...
 LOG_EVERY_S = 60.0  # ...or a minute after the last one, whichever comes first
 JOB_LOG_EVERY_S = 30.0  # how often the job's log is read for the warnings that matter
@@ -93,10 +95,12 @@ async def live_progress(reporter: object) -> AsyncIterator[None]:
         yield
         return
     await reporter.open()
+    stop = asyncio.Event()
 
     async def pump() -> None:
-        while True:
-            await asyncio.sleep(1.0)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), PUMP_EVERY_S)
             await reporter.flush()
             await reporter.scan_job_log()
 
@@ -104,7 +108,11 @@ async def live_progress(reporter: object) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        pumping.cancel()
+        # the pump ends its update rather than being cancelled in it: a cancelled
+        # request may still reach the server after the last one, and a finished
+        # run would then show the progress of a moment before its end
+        stop.set()
+        await asyncio.gather(pumping, return_exceptions=True)
         await reporter.scan_job_log(force=True)
         await reporter.flush(force=True)
 
