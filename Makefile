@@ -9,10 +9,12 @@ UV := $(VENV)/bin/uv
 setup: $(VENV)/.ok $(JOB_VENV)/.ok
 
 # The orchestrator's environment: Prefect and the package; never torch or axolotl.
+# Compiled to bytecode once here: where PYTHONDONTWRITEBYTECODE is set (it is on these
+# machines), each process would otherwise compile Prefect again (about 5 s of a core).
 $(VENV)/.ok: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check uv
-	$(UV) pip install -q --python $(VENV)/bin/python -e '.[dev]'
+	$(UV) pip install -q --compile-bytecode --python $(VENV)/bin/python -e '.[dev]'
 	touch $@
 
 # The job environment the local target names: torch (CPU build here) and axolotl.
@@ -29,9 +31,11 @@ lint: $(VENV)/.ok
 # Most tests wait (sshd, simulated boots, Prefect servers), so TEST_WORKERS pytest-xdist
 # workers overlap the waits, one module (or one shared session fixture) per worker
 # (tests/scheduling.py); then the tests marked `alone`, which load every core on purpose.
+# The package and the tests are compiled first, as the venv is (PYTHONDONTWRITEBYTECODE).
 TEST_WORKERS ?= 3
 test: setup lint
 	scripts/test-deps.sh
+	$(VENV)/bin/python -m compileall -q overbrainer_prefect tests bench demo > /dev/null
 	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope \
 		--no-loadscope-reorder -m 'not alone'; parallel=$$?; \
 	$(VENV)/bin/pytest -ra --durations=15 -m alone && exit $$parallel
