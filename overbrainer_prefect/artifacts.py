@@ -4,7 +4,6 @@ its metrics, and a summary of how it ended with its verified files."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import re
@@ -95,23 +94,24 @@ async def live_progress(reporter: object) -> AsyncIterator[None]:
         yield
         return
     await reporter.open()
-    stop = asyncio.Event()
+    updating = asyncio.Lock()
 
     async def pump() -> None:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), PUMP_EVERY_S)
-            await reporter.flush()
-            await reporter.scan_job_log()
+        while True:
+            await asyncio.sleep(PUMP_EVERY_S)
+            async with updating:
+                await reporter.flush()
+                await reporter.scan_job_log()
 
     pumping = asyncio.create_task(pump())
     try:
         yield
     finally:
-        # the pump ends its update rather than being cancelled in it: a cancelled
+        # the pump is cancelled between two updates, never in one: a cancelled
         # request may still reach the server after the last one, and a finished
         # run would then show the progress of a moment before its end
-        stop.set()
+        async with updating:
+            pumping.cancel()
         await asyncio.gather(pumping, return_exceptions=True)
         await reporter.scan_job_log(force=True)
         await reporter.flush(force=True)

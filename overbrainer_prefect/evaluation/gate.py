@@ -145,6 +145,7 @@ def _criteria(
             f"{len(regressions)} control regression{'s' * (len(regressions) > 1)} "
             f"({', '.join(regressions)}), the rule allows {allowed}",
         )
+        return
     yield (
         True,
         f"{len(regressions)} control regression{'s' * (len(regressions) != 1)}"
