@@ -153,10 +153,11 @@ def _criteria(
         else "no control regression",
     )
     if rule.min_heldout_rate is not None:
+        floor = held.tuned.rate >= rule.min_heldout_rate
         yield (
-            held.tuned.rate >= rule.min_heldout_rate,
+            floor,
             f"held-out {tuned} ≥ {rule.min_heldout_rate:.0%}"
-            if held.tuned.rate >= rule.min_heldout_rate
+            if floor
             else f"held-out {tuned} = {held.tuned.rate:.0%}, below the rule's "
             f"{rule.min_heldout_rate:.0%}",
         )
