@@ -97,7 +97,11 @@ class Browser:
         port = int(port_file.read_text().split()[0])
         pages = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
         page = next(p for p in pages if p.get("type") == "page")
-        self.socket = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
+        # no keepalive pings: every call is bounded by CALL_TIMEOUT_S already, and a
+        # Chromium busy rendering on a loaded machine may answer a ping late
+        self.socket = connect(
+            page["webSocketDebuggerUrl"], max_size=None, open_timeout=30, ping_interval=None
+        )
         self.call("Page.enable")
         self.call("Runtime.enable")
 
