@@ -230,18 +230,17 @@ def test_an_admission_never_bound_to_a_record_leaves_the_ledger(tmp_path: Path) 
 ADMIT = textwrap.dedent(
     """
     import sys, time
-    from datetime import UTC, datetime
+    from datetime import datetime
     from pathlib import Path
     from overbrainer_prefect.money.budgets import Budgets
     from overbrainer_prefect.money.ledger import Ask, BudgetRefused, Who
     from overbrainer_prefect.money.store import LedgerFile, admit_into
-    root, go = Path(sys.argv[1]), Path(sys.argv[2])
+    root, go, now = Path(sys.argv[1]), Path(sys.argv[2]), datetime.fromisoformat(sys.argv[3])
     while not go.exists():
         time.sleep(0.01)
     ask = Ask(most_usd=0.5, least_usd=0.1, least_text="x", what="the run", target="t/a")
     try:
-        admit_into(LedgerFile(root), Budgets(day_usd=1.0), ask, Who("d"), lambda e: None,
-                   datetime.now(UTC))
+        admit_into(LedgerFile(root), Budgets(day_usd=1.0), ask, Who("d"), lambda e: None, now)
         print("admitted")
     except BudgetRefused as refused:
         print("refused", refused)
@@ -257,7 +256,7 @@ def test_two_processes_asking_for_the_last_dollars_at_once_get_them_once(tmp_pat
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", ADMIT, str(tmp_path), str(go)],
+            [sys.executable, "-c", ADMIT, str(tmp_path), str(go), NOW.isoformat()],
             stdout=subprocess.PIPE,
             text=True,
             env=env,

@@ -397,13 +397,18 @@ def test_a_flow_killed_before_the_job_leaves_nothing_billing_past_boot_grace(
 def test_max_cost_usd_reached_deletes_the_pod_and_fails_the_run_with_that_reason(
     prefect_server: None,
     sim: RunpodSim,
-    pods_of: SimPods,
     tiny: tuple[Path, Path],
     tmp_path: Path,
 ) -> None:
     runs_dir = tmp_path / "runs"
     name = target(sim, max_cost_usd=0.0025)  # 35 s at $0.26/h (GPU and container disk)
-    with pytest.raises(Exception, match=r"max_cost_usd reached \(\$0\.0025 at \$0\.26/h\)"):
+    # the pod's sshd outlives its job by 5 s (a loaded machine): the follower finds the
+    # job lost on a host that still answers, and asks Runpod whether the pod is gone
+    pods = SimPods(tmp_path / "pods", sshd_outlives_s=5.0)
+    with (
+        pods.attached(sim) as pods_of,
+        pytest.raises(Exception, match=r"max_cost_usd reached \(\$0\.0025 at \$0\.26/h\)"),
+    ):
         run(train(target=name, training=spec(*tiny, max_steps=LONG), runs_dir=str(runs_dir)))
     record = only_run(runs_dir)
     assert record.state == RunState.FAILED

@@ -199,11 +199,13 @@ async def release(ctx: PodContext, pod: PodRecord, reason: str, by: str | None =
 async def is_gone(ctx: PodContext, pod: PodRecord) -> bool:
     """Whether the run's pod no longer exists (404s in a row and absent from
     the list); if so `pod.json` records it deleted, by its watchdog when one of
-    its bounds passed. Never deletes anything.
-
-    Raises PodError when Runpod cannot be asked: the pod is undetermined.
-    """
-    return await look_up_pod(ctx, pod, f"pod {pod.pod_id}") is None
+    its bounds passed. Never deletes anything. False, with a warning logged,
+    when Runpod cannot be asked: the pod is undetermined."""
+    try:
+        return await look_up_pod(ctx, pod, f"pod {pod.pod_id}") is None
+    except PodError as error:
+        ctx.log.warning("%s", error)
+        return False
 
 
 async def look_up_pod(ctx: PodContext, pod: PodRecord, named: str) -> Pod | None:

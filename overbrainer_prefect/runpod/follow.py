@@ -21,7 +21,7 @@ from typing import Any
 
 from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
 from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, PodTiming
-from overbrainer_prefect.runpod.context import PodContext, PodError, PodGone
+from overbrainer_prefect.runpod.context import PodContext, PodGone
 from overbrainer_prefect.runpod.ending import is_gone, remove
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
@@ -201,15 +201,9 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
         raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}", kept=MAX_HOURS_REACHED)
     if watched.error is not None:
         error = watched.error
-        if isinstance(error, Unreachable):
-            try:
-                gone = await is_gone(ctx, pod)
-            except PodError as look_error:
-                ctx.log.warning("%s", look_error)
-                gone = False
-            if gone:
-                reason = pod.delete_reason or pod.limit_reached() or f"pod {pod.name} is gone"
-                raise PodGone(f"run {run_id} failed: {reason}", kept=reason) from None
+        if isinstance(error, Unreachable) and await is_gone(ctx, pod):
+            reason = pod.delete_reason or pod.limit_reached() or f"pod {pod.name} is gone"
+            raise PodGone(f"run {run_id} failed: {reason}", kept=reason) from None
         raise error
     assert watched.outcome is not None
     return watched.outcome

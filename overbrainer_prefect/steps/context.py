@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -54,6 +54,10 @@ class RunContext:
     probed: dict[tuple[str, ...], TargetFacts] = field(default_factory=dict)
     """Probes of the same machine's job environment this process already took
     (its pre-flight's), by the modules asked: not taken again at the start."""
+    host_gone: Callable[[], Awaitable[bool]] | None = None
+    """The target's own look at whether the machine under a job found lost is
+    gone (a pod deleted at its bound): then the watch ends unreachable and the
+    target says why, however long the machine's sshd outlived the job."""
 
 
 @dataclass

@@ -45,7 +45,8 @@ LOST_CONFIRM_S = 1.0
 """Seconds before a job found gone without an exit code is looked at again: a
 host going down (a pod deleted at its bound) loses its jobs a moment before its
 sshd, and the second look, failing to reach it, makes the watch end unreachable
-(its target then says why) instead of recording a job lost."""
+(its target then says why) instead of recording a job lost. Where the sshd
+outlives that second (a loaded machine), the target's `host_gone` decides."""
 ENDING_POLL_S = 0.25  # seconds between looks at a job that wrote its end event
 
 STALL_LOG_LINES = 20  # lines of job.log shown when a job makes no progress
@@ -181,7 +182,8 @@ async def _follow(
     """Reads new metric lines and the job's status until the job ends, then reads
     the rest of the metrics file. Up to MAX_FAILURES failures in a row are
     retried; a success resets the count, and the final drain spends what is left.
-    A job found lost is looked at again after LOST_CONFIRM_S. A job past its
+    A job found lost is looked at again after LOST_CONFIRM_S; still lost on a
+    machine its target says is gone, the watch ends Unreachable. A job past its
     deadline is cancelled. Returns the final status and whether the deadline was
     what ended it."""
     failures = 0
@@ -204,6 +206,10 @@ async def _follow(
                 lost_once = True  # look again: is its host still there?
                 await asyncio.sleep(LOST_CONFIRM_S)
                 continue
+            if status.kind == "lost" and ctx.host_gone is not None and await ctx.host_gone():
+                raise Unreachable(
+                    f"the machine that ran the job of {subject(record)} is gone under it"
+                )
             lost_once = False
             if status != last:
                 ctx.reporter.status(status)

@@ -38,6 +38,7 @@ from overbrainer_prefect.runpod.ending import (
     detached_message,
     end_pod,
     fetch_watchdog_log,
+    is_gone,
     kept_message,
     release,
     remove_hint,
@@ -137,12 +138,14 @@ class PodPlaced:
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
         """The job's context on its pod (its pod record, keys and watchdog log
         never uploaded): its probe must see the GPUs the pod bills for
-        (`runpod.gpucheck`)."""
+        (`runpod.gpucheck`), and a job found lost is asked of Runpod: a pod
+        deleted under it ends the watch unreachable, `settle` says why."""
         pod = self.pod
         return replace(
             self.bounds.context(store, self.ssh, reporter),
             local_only=LOCAL_RECORDS,
             check_facts=lambda facts: check_gpus(pod, facts),
+            host_gone=lambda: is_gone(self.ctx, pod),
         )
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:

@@ -146,8 +146,10 @@ class SimPods:
         sshd: str = SSHD,
         start_command: list[str] | None = None,
         restart_delay_s: tuple[float, float] = (2.0, 4.0),
+        sshd_outlives_s: float = 0.0,
     ) -> None:
         self.root = root
+        self.sshd_outlives_s = sshd_outlives_s
         self.boot_delay_s = boot_delay_s
         self.never_ssh = never_ssh
         self.start_command = start_command
@@ -284,7 +286,7 @@ class SimPods:
         with self._lock:
             proc = self._procs.get(pod.id)
         if proc is not None:
-            kill_tree(proc)
+            kill_tree(proc, sshd_outlives_s=self.sshd_outlives_s)
         with self._lock:
             self._procs.pop(pod.id, None)
 
@@ -297,14 +299,20 @@ class SimPods:
             kill_tree(proc)
 
 
-def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+def kill_tree(proc: subprocess.Popen[bytes], sshd_outlives_s: float = 0.0) -> None:
     """Stops `proc` and every process below it, by PID. `proc` (the pod's
     root, its child subreaper) is frozen first, so that it starts nothing
     more and what it holds stays below it; the others get SIGTERM; after `TERM_GRACE_S`,
-    what is left gets SIGKILL, `proc` last; then `proc` is reaped."""
+    what is left gets SIGKILL, `proc` last; then `proc` is reaped. With
+    `sshd_outlives_s`, the pod's sshd processes get their SIGTERM that long after
+    the others (a loaded machine ends a container's sshd late): its jobs are gone
+    while it still answers."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGSTOP)
+    if sshd_outlives_s > 0:
+        kill_pids([pid for pid in descendants(proc.pid) if not _is_sshd(pid)], signal.SIGTERM)
+        time.sleep(sshd_outlives_s)
     kill_pids(descendants(proc.pid), signal.SIGTERM)
     deadline = time.monotonic() + TERM_GRACE_S
     while time.monotonic() < deadline and descendants(proc.pid):
@@ -320,6 +328,13 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
             os.kill(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=WAIT_S)
+
+
+def _is_sshd(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "sshd"
+    except OSError:
+        return False
 
 
 def descendants(root: int) -> list[int]:
