@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,7 +138,9 @@ def wait_until(check: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def python_in_child(code: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def python_in_child(
+    code: str, args: list[str], log: Path, cwd: Path = REPO
+) -> subprocess.Popen[bytes]:
     """Runs `code` (a flow call) in another Python process with `args` as its
     argv, against this session's Prefect server, in a session of its own."""
     from prefect.settings import PREFECT_API_URL
@@ -145,7 +148,7 @@ def python_in_child(code: str, args: list[str], log: Path) -> subprocess.Popen[b
     env = dict(os.environ, PREFECT_API_URL=str(PREFECT_API_URL.value()))
     return subprocess.Popen(
         [sys.executable, "-c", code, *args],
-        cwd=REPO,
+        cwd=cwd,
         env=env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
@@ -154,9 +157,10 @@ def python_in_child(code: str, args: list[str], log: Path) -> subprocess.Popen[b
 
 
 def start_in_child(
-    target: str, training: TrainingSpec, runs_dir: Path, log: Path
+    target: str, training: TrainingSpec, runs_dir: Path, log: Path, cwd: Path = REPO
 ) -> subprocess.Popen[bytes]:
-    """Runs the train flow in another Python process, against this session's server."""
+    """Runs the train flow in another Python process, against this session's
+    server, in `cwd`."""
     code = (
         "import asyncio, json, sys\n"
         "from overbrainer_prefect.flows import train\n"
@@ -164,7 +168,7 @@ def start_in_child(
         "spec = TrainingSpec.model_validate(json.loads(sys.argv[2]))\n"
         "asyncio.run(train(target=sys.argv[1], training=spec, runs_dir=sys.argv[3]))\n"
     )
-    return python_in_child(code, [target, training.model_dump_json(), str(runs_dir)], log)
+    return python_in_child(code, [target, training.model_dump_json(), str(runs_dir)], log, cwd)
 
 
 def first_running(runs_dir: Path) -> Any:
@@ -221,12 +225,23 @@ def test_cancel_stops_a_training_job_and_retrieves_what_it_left(
     assert not alive(record.job.pid)
 
 
-def test_stop_saves_a_checkpoint_and_a_new_run_resumes_from_it(
-    target: str, tiny: tuple[Path, Path], tmp_path: Path
+def test_stop_saves_a_checkpoint_and_a_new_run_resumes_from_it_in_another_directory(
+    target: str, tiny: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Stop from another process, then resume from another working directory
+    with the data only in the stopped run's own copy; the resumed job starts at
+    the checkpoint's step and trains step + 1 on. (Holds what the trainer-level
+    stop/resume test and `test_resume_anywhere`'s real resume asserted: one pair
+    of trainings shows all three.)"""
+    model, data = tiny
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    shutil.copyfile(data, project / "data" / "chat.jsonl")
     runs_dir = tmp_path / "runs"
-    training = spec(*tiny, max_steps=200)
-    child = start_in_child(target, training, runs_dir, tmp_path / "child.log")
+    relative = Path("data/chat.jsonl")  # relative to where the run starts
+    child = start_in_child(
+        target, spec(model, relative, max_steps=200), runs_dir, tmp_path / "child.log", project
+    )
     try:
         wait_until(lambda: first_running(runs_dir) is not None, 240, "the job to train")
         record = first_running(runs_dir)
@@ -239,13 +254,23 @@ def test_stop_saves_a_checkpoint_and_a_new_run_resumes_from_it(
     step = int(saved.checkpoint.rpartition("-")[2])
     assert 0 < step < 200
     checkpoint = Runs(runs_dir).run_dir(record.id) / saved.checkpoint
-    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "trainer_state.json").is_file()
+    for name in ("optimizer.pt", "trainer_state.json", "adapter_model.safetensors"):
+        assert (checkpoint / name).is_file(), name
     assert f"resume_from={record.id}" in (saved.message or "")
+    ended = json.loads(
+        (Runs(runs_dir).run_dir(record.id) / "metrics.jsonl").read_text().splitlines()[-1]
+    )
+    assert ended | {"event": "end", "step": step, "stopped": True} == ended
+    assert ended["checkpoint"] == saved.checkpoint
 
+    shutil.rmtree(project)  # the data is only in the stopped run now
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     resumed = run(
         train(
             target=target,
-            training=spec(*tiny, max_steps=step + 3),
+            training=spec(model, relative, max_steps=step + 3),
             resume_from=record.id,
             runs_dir=str(runs_dir),
         )
@@ -255,8 +280,10 @@ def test_stop_saves_a_checkpoint_and_a_new_run_resumes_from_it(
     assert new.resumed_from is not None and new.resumed_from.run_id == record.id
     assert new.resumed_from.step == step
     lines = (Runs(runs_dir).run_dir(new.id) / "metrics.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["step"] for line in lines if '"log"' in line]
-    assert steps and steps[0] == step + 1 and steps[-1] == step + 3
+    events = [json.loads(line) for line in lines]
+    assert events[0]["event"] == "begin" and events[0]["step"] == step
+    assert [e["step"] for e in events if e["event"] == "log"] == [step + 1, step + 2, step + 3]
+    assert events[-1] | {"event": "end", "step": step + 3, "stopped": False} == events[-1]
 
 
 def test_an_unknown_target_block_fails_before_any_run_exists(
