@@ -12,6 +12,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -468,3 +469,30 @@ def test_an_export_whose_follower_died_is_finished_by_the_collector(
     # the collected export is reused by the next export of the same quant
     again = run(export(run_id=run_id, quant="q8_0", runs_dir=str(trained.runs_dir)))
     assert again.reused and again.export_id == record.id
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "said"),
+    [
+        ("import sys\nsys.exit(3)", 3, "the converter exited with code 3"),
+        ("raise ValueError('no tensor')", 1, "the converter failed: ValueError: no tensor"),
+        ("import sys\nopen(sys.argv[sys.argv.index('--outfile') + 1], 'w').write('x')", 0, ""),
+    ],
+)
+def test_the_converter_runs_in_the_export_job_and_its_failure_is_one_line_with_its_code(
+    tmp_path: Path, body: str, code: int, said: str
+) -> None:
+    from overbrainer_prefect.jobs.overbrainer_export import ExportFailed, convert
+
+    converter = tmp_path / "convert_hf_to_gguf.py"
+    converter.write_text(body + "\n")
+    out = tmp_path / "out.gguf"
+    argv, path = list(sys.argv), list(sys.path)
+    if code:
+        with pytest.raises(ExportFailed) as failed:
+            convert(converter, tmp_path / "model", out, "t")
+        assert failed.value.code == code and str(failed.value) == said
+    else:
+        convert(converter, tmp_path / "model", out, "t")
+        assert out.read_text() == "x"
+    assert sys.argv == argv and sys.path == path  # the job's own state is left as it was

@@ -44,12 +44,14 @@ a failing converter's exit code is returned as is.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import runpy
 import shutil
-import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -208,23 +210,30 @@ def working_copy(model: Path, out: Path) -> Path:
 
 def convert(converter: Path, model: Path, out: Path, title: str) -> None:
     """Converts the Hugging Face model in `model` into the f16 GGUF `out`, whose
-    `general.name` is `title`, with llama.cpp's converter, run with this Python
-    (its output goes to the job log)."""
-    command = [
-        sys.executable,
-        str(converter),
-        str(model),
-        "--outtype",
-        "f16",
-        "--outfile",
-        str(out),
-        "--model-name",
-        title,
-    ]
-    print(f"export: {' '.join(command)}", flush=True)
-    done = subprocess.run(command, check=False)
-    if done.returncode != 0:
-        raise ExportFailed(f"the converter exited with code {done.returncode}", done.returncode)
+    `general.name` is `title`, with llama.cpp's converter run in this process:
+    the torch and transformers the merge imported are not imported a second
+    time (seconds a pod bills). Its output goes to the job log; raises
+    ExportFailed with its exit code when it exits with one, or with 1 and its
+    error when it fails."""
+    argv = [str(converter), str(model), "--outtype", "f16", "--outfile", str(out)]
+    argv += ["--model-name", title]
+    print(f"export: {sys.executable} {' '.join(argv)}", flush=True)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = argv
+    sys.path.insert(0, str(converter.parent))  # its `conversion` package, as a script has
+    try:
+        runpy.run_path(str(converter), run_name="__main__")
+    except SystemExit as exited:
+        code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
+        if code != 0:
+            raise ExportFailed(f"the converter exited with code {code}", code) from None
+    except Exception as error:
+        traceback.print_exc()
+        raise ExportFailed(f"the converter failed: {type(error).__name__}: {error}", 1) from None
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def quantize(source: Path, out: Path, quant: str, threads: int) -> None:
@@ -273,6 +282,7 @@ def export(args: argparse.Namespace, metrics: Metrics) -> None:
     if base is not None:
         merged = WORK_DIR / "merged"
         merge(base, merged)
+        gc.collect()  # the merged model's memory, before the converter loads it again
         metrics.write("phase", name="merge", seconds=round(time.monotonic() - mark, 3))
     else:
         merged = working_copy(source, WORK_DIR / "model")
