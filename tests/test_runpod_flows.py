@@ -252,7 +252,7 @@ def attempts_of(runs_dir: Path, run_id: str) -> list[tuple[str, str]]:
     return [(a.gpu_type_id, a.result) for a in pod.attempts]
 
 
-def test_no_capacity_429s_and_a_500_after_the_create_still_leave_exactly_one_pod(
+def test_no_capacity_429s_and_a_500_to_a_create_whose_pod_the_list_shows_20_s_late_leave_one_pod(
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
@@ -262,41 +262,23 @@ def test_no_capacity_429s_and_a_500_after_the_create_still_leave_exactly_one_pod
     runs_dir = tmp_path / "runs"
     sim.set_capacity(A4000, 0)  # the first type has no machine
     sim.rate_limit(times=2, retry_after=1.0, method="POST", path="/v2/pods")
-    sim.fail_after_create(1)  # Runpod creates the pod, then answers 500
+    sim.fail_after_create(1)  # Runpod creates the pod, then answers 500...
+    sim.lag_after_create(seconds=20.0)  # ...and its list shows the pod only 20 s later
     name = target(sim, gpu_types=[A4000, A5000])
     result = run(train(target=name, training=spec(*tiny, max_steps=3), runs_dir=str(runs_dir)))
     assert result.state == RunState.SUCCEEDED, result.message
     creates = [r.status for r in sim.requests if r.method == "POST" and r.path == "/v2/pods"]
+    # the 500 is never followed by another create while the list could still hide its pod
     assert creates == [429, 429, 400, 500]
-    mine = [p for p in sim.pods(include_deleted=True) if result.run_id in p.name]
-    assert len(mine) == 1 and mine[0].gpu_type_id == A5000 and mine[0].deleted
+    (pod,) = sim.pods(include_deleted=True)
+    assert pod.gpu_type_id == A5000 and pod.deleted and result.run_id in pod.name
     assert attempts_of(runs_dir, result.run_id) == [
         (A4000, "refused (no capacity or no access)"),
         (A5000, "created"),
     ]
-    pod = PodRecord.load(Runs(runs_dir), result.run_id)
-    assert pod is not None and pod.state == PodState.DELETED and pod.strays == []
-
-
-def test_a_500_to_a_create_whose_pod_the_list_shows_20_s_late_still_leaves_one_pod(
-    prefect_server: None,
-    sim: RunpodSim,
-    pods_of: SimPods,
-    tiny: tuple[Path, Path],
-    tmp_path: Path,
-) -> None:
-    runs_dir = tmp_path / "runs"
-    sim.fail_after_create(1)  # Runpod creates the pod, then answers 500...
-    sim.lag_after_create(seconds=20.0)  # ...and its list shows the pod only 20 s later
-    name = target(sim)
-    result = run(train(target=name, training=spec(*tiny, max_steps=3), runs_dir=str(runs_dir)))
-    assert result.state == RunState.SUCCEEDED, result.message
-    creates = [r.status for r in sim.requests if r.method == "POST" and r.path == "/v2/pods"]
-    assert creates == [500]  # never sent again while the list could still hide the first
-    (pod,) = sim.pods(include_deleted=True)
-    assert pod.deleted and result.run_id in pod.name
     saved = PodRecord.load(Runs(runs_dir), result.run_id)
     assert saved is not None and saved.pod_id == pod.id and saved.state == PodState.DELETED
+    assert saved.strays == []
 
 
 def start_in_child(name: str, training: Any, runs_dir: Path, log: Path) -> Any:

@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from overbrainer_prefect.blocks import HuggingFaceCredentials, SshTarget
 from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.executors.ssh import SshExecutor
-from overbrainer_prefect.flows import RunResult, attach, train
+from overbrainer_prefect.flows import attach, train
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
@@ -80,39 +80,6 @@ def executor(sshd: Sshd, work: Path) -> SshExecutor:
     )
 
 
-def test_a_real_fine_tune_on_an_ssh_target_is_retrieved_and_verified(
-    prefect_server: None, sshd: Sshd, tiny: tuple[Path, Path], tmp_path: Path
-) -> None:
-    block = ssh_target(sshd, tmp_path / "remote", huggingface=HuggingFaceCredentials(token=SECRET))
-    name = saved(block)
-    runs_dir = tmp_path / "runs"
-    result = asyncio.run(train(target=name, training=spec(*tiny), runs_dir=str(runs_dir)))
-    assert isinstance(result, RunResult)
-    assert result.state == RunState.SUCCEEDED, result.message
-    local = Runs(runs_dir).run_dir(result.run_id)
-    assert "output/adapter_model.safetensors" in {f.path for f in result.files}
-    remote_dir = tmp_path / "remote" / result.run_id
-    for entry in result.files:
-        assert (local / entry.path).read_bytes() == (remote_dir / entry.path).read_bytes()
-    record = Runs(runs_dir).load(result.run_id)
-    assert record.target_kind == "ssh" and record.remote_dir == str(remote_dir)
-    # the token reached the job's environment only
-    for root in (runs_dir, tmp_path / "remote"):
-        for path in root.rglob("*"):
-            if path.is_file():
-                assert SECRET.encode() not in path.read_bytes(), path
-
-    async def artifacts() -> list[Any]:
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_=result.run_id))
-            )
-
-    found = asyncio.run(artifacts())
-    assert found and all(SECRET not in str(a.data) for a in found)
-    assert any("ssh target" in str(a.data) for a in found)
-
-
 def stop_when(check: Any, sshd: Sshd, timeout: float) -> threading.Thread:
     """Stops sshd (dropping its connections) as soon as `check()` holds."""
 
@@ -132,8 +99,11 @@ def stop_when(check: Any, sshd: Sshd, timeout: float) -> threading.Thread:
 def test_a_box_that_goes_away_leaves_the_job_running_and_attach_completes_it(
     prefect_server: None, sshd: Sshd, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    """A real fine-tune over SSH, its box gone while it trains: the job keeps
+    running, attach completes it, and its files are retrieved and verified, the
+    token only ever in the job's environment."""
     remote = tmp_path / "remote"
-    name = saved(ssh_target(sshd, remote))
+    name = saved(ssh_target(sshd, remote, huggingface=HuggingFaceCredentials(token=SECRET)))
     runs_dir = tmp_path / "runs"
 
     def training() -> bool:
@@ -152,6 +122,28 @@ def test_a_box_that_goes_away_leaves_the_job_running_and_attach_completes_it(
     result = asyncio.run(attach(run_id=record.id, runs_dir=str(runs_dir)))
     assert result.state == RunState.SUCCEEDED, result.message
     assert result.steps == 60
+    local = Runs(runs_dir).run_dir(result.run_id)
+    assert "output/adapter_model.safetensors" in {f.path for f in result.files}
+    remote_dir = remote / result.run_id
+    for entry in result.files:
+        assert (local / entry.path).read_bytes() == (remote_dir / entry.path).read_bytes()
+    record = Runs(runs_dir).load(result.run_id)
+    assert record.target_kind == "ssh" and record.remote_dir == str(remote_dir)
+    # the token reached the job's environment only
+    for root in (runs_dir, remote):
+        for path in root.rglob("*"):
+            if path.is_file():
+                assert SECRET.encode() not in path.read_bytes(), path
+
+    async def artifacts() -> list[Any]:
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_=result.run_id))
+            )
+
+    found = asyncio.run(artifacts())
+    assert found and all(SECRET not in str(a.data) for a in found)
+    assert any("ssh target" in str(a.data) for a in found)
 
 
 def test_a_download_cut_midway_leaves_the_run_running_and_attach_retrieves_it(
