@@ -1,18 +1,15 @@
 """The training spec, the axolotl trainer, its probe and its metrics plugin.
 
-The fast tests check what the spec accepts and refuses and what the trainer
-writes into a run directory. The slow ones run real axolotl jobs on the tiny
-model, on this machine's CPU, exactly as a target would: the trainer's
-commands, in the run directory, with the trainer's environment.
+The tests check what the spec accepts and refuses, what the trainer writes
+into a run directory, and the probe of the job venv. Real axolotl jobs of the
+tiny model (the metrics plugin's events, a stop's checkpoint and the resume from
+it) run through the train flow, in tests/test_train_flow.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +30,6 @@ from overbrainer_prefect.trainers.base import (
 from overbrainer_prefect.trainers.probe import parse_probe, probe_command
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec, spec_problem
 
-JOB_TIMEOUT_S = 300.0  # one axolotl job on the tiny model: about 30 s, mostly imports
-POLL_S = 0.05
 GPU = TargetFacts(python="/venv/bin/python", gpus=1, modules={"torch": "2", "axolotl": "0.19"})
 CPU = TargetFacts(python="/venv/bin/python", gpus=0, modules={"torch": "2", "axolotl": "0.19"})
 
@@ -354,102 +349,3 @@ def test_a_probe_that_prints_no_answer_is_refused() -> None:
 
 
 # Real axolotl jobs on the tiny model
-
-
-def tiny_spec(tiny: tuple[Path, Path], **changes: Any) -> TrainingSpec:
-    model, dataset = tiny
-    values: dict[str, Any] = {
-        "base_model": str(model),
-        "datasets": [str(dataset)],
-        "sequence_len": 64,
-        "micro_batch_size": 4,
-        "gradient_accumulation_steps": 1,
-        "max_steps": 6,
-        "learning_rate": 5e-3,
-        "lr_scheduler": "linear",
-        "warmup_steps": 0,
-        "lora_r": 8,
-        "lora_alpha": 16,
-        "seed": 0,
-    }
-    values.update(changes)
-    return TrainingSpec.model_validate(values)
-
-
-def events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / METRICS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def run_job(
-    trainer: AxolotlTrainer,
-    run_dir: Path,
-    job_python: str,
-) -> float:
-    """Prepares `run_dir` and runs the trainer's commands there as a target would;
-    returns the job's wall time."""
-    facts = TargetFacts(python=job_python, gpus=0, modules={"torch": "2", "axolotl": "0.19"})
-    ctx = JobContext(
-        run_id=run_dir.name,
-        run_dir=str(run_dir),
-        cache_dir=str(run_dir.parent / "hf"),
-        facts=facts,
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer.prepare(run_dir, ctx)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | trainer.env(ctx)
-    started = time.monotonic()
-    for argv in trainer.commands(ctx):
-        with (run_dir / "job.log").open("ab") as log:
-            proc = subprocess.Popen(
-                argv,
-                cwd=run_dir,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        try:
-            deadline = started + JOB_TIMEOUT_S
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"the job ran past {JOB_TIMEOUT_S:.0f} s")
-                time.sleep(POLL_S)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        tail = (run_dir / "job.log").read_text(errors="replace")[-3000:]
-        assert proc.returncode == 0, tail
-    return time.monotonic() - started
-
-
-@pytest.mark.slow
-def test_a_real_axolotl_job_trains_the_tiny_model_and_reports_each_step(
-    tiny: tuple[Path, Path], job_python: str, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "r1"
-    trainer = AxolotlTrainer(tiny_spec(tiny), cpu_threads=1)
-    wall = run_job(trainer, run_dir, job_python)
-    print(f"axolotl job of 6 steps: {wall:.1f} s")
-
-    found = events(run_dir)
-    assert [e["event"] for e in found] == ["begin"] + ["log"] * 6 + ["end"]
-    assert found[0]["max_steps"] == 6 and found[0]["step"] == 0
-    logs = found[1:-1]
-    assert [e["step"] for e in logs] == [1, 2, 3, 4, 5, 6]
-    assert all({"loss", "learning_rate", "grad_norm", "epoch", "time"} <= e.keys() for e in logs)
-    assert logs[-1]["loss"] < logs[0]["loss"]
-    times = [e["time"] for e in found]
-    assert times == sorted(times)
-    end = found[-1]
-    assert end["step"] == 6 and end["stopped"] is False and end["checkpoint"] is None
-    assert end["train_loss"] > 0
-    assert not list((run_dir / "output").glob("checkpoint-*"))  # nothing heavy to bring back
-    assert (run_dir / "output" / "adapter_model.safetensors").stat().st_size > 0
-    assert (run_dir / "output" / "adapter_config.json").is_file()
-    log = (run_dir / "job.log").read_text(errors="replace")
-    assert "overbrainer metrics plugin loaded" in log
-    assert "Plugin loaded successfully: overbrainer_metrics.MetricsPlugin" in log

@@ -256,14 +256,12 @@ def test_a_wrong_compare_image_fails_in_one_line_before_any_pod(
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
-    trained_here: tuple[Path, str],
+    tiny_run: TinyRun,
     tmp_path: Path,
 ) -> None:
-    runs_dir = tmp_path / "runs"
-    run_id = trained_locally(trained_here, runs_dir)
+    exported = tiny_run.copied(tmp_path)  # a succeeded run with its q8_0 export
+    runs_dir, run_id = exported.runs_dir, exported.run_id
     name = target(sim)
-    exported = run(export(run_id=run_id, quant="q8_0", runs_dir=str(runs_dir)))
-    assert exported.state == RunState.SUCCEEDED
     with pytest.raises(SettingsError) as refused:
         run(
             compare(

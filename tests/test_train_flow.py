@@ -98,6 +98,9 @@ def assert_no_secret_under(*roots: Path) -> None:
 def test_a_real_fine_tune_through_the_train_flow_is_retrieved_and_verified(
     target: str, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    """A real axolotl job of 6 steps through the train flow: its metrics plugin's
+    events (what the trainer-level test of test_axolotl_trainer asserted of its own
+    job), its files retrieved and verified, its artifacts, and no secret anywhere."""
     runs_dir = tmp_path / "runs"
     result = run(train(target=target, training=spec(*tiny), runs_dir=str(runs_dir)))
     assert isinstance(result, RunResult)
@@ -111,10 +114,22 @@ def test_a_real_fine_tune_through_the_train_flow_is_retrieved_and_verified(
         assert (local / entry.path).stat().st_size == entry.size
     record = Runs(runs_dir).load(result.run_id)
     assert record.state == RunState.SUCCEEDED and record.job is not None
-    events = [
-        json.loads(line)["event"] for line in (local / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert events[0] == "begin" and events[-1] == "end" and events.count("log") == 6
+    # what the metrics plugin wrote, a flushed line each, in order
+    found = [json.loads(line) for line in (local / "metrics.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in found] == ["begin"] + ["log"] * 6 + ["end"]
+    assert found[0]["max_steps"] == 6 and found[0]["step"] == 0
+    logs = found[1:-1]
+    assert [e["step"] for e in logs] == [1, 2, 3, 4, 5, 6]
+    assert all({"loss", "learning_rate", "grad_norm", "epoch", "time"} <= e.keys() for e in logs)
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    assert [e["time"] for e in found] == sorted(e["time"] for e in found)
+    assert found[-1] | {"step": 6, "stopped": False, "checkpoint": None} == found[-1]
+    assert found[-1]["train_loss"] > 0
+    assert "output/adapter_config.json" in paths
+    assert not any(p.startswith("output/checkpoint-") for p in paths)  # nothing heavy retrieved
+    log = (local / "job.log").read_text(errors="replace")
+    assert "overbrainer metrics plugin loaded" in log
+    assert "Plugin loaded successfully: overbrainer_metrics.MetricsPlugin" in log
     artifacts = read_artifacts(result.run_id)
     assert {f"run-{result.run_id}-{k}" for k in ("progress", "metrics", "summary")} <= set(
         artifacts
