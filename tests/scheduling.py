@@ -59,8 +59,6 @@ MEASURED_S: dict[str, float] = {
     "tests/test_deployments_postgres.py": 82,
     "tests/test_gpu_spec.py": 78,
     "tests/test_evaluate_flow.py": 77,
-    "tests/test_axolotl_trainer.py": 71,
-    "tests/test_resume_anywhere.py": 60,
     "tests/test_pipeline.py": 59,
     "tests/test_pod_fate.py": 46,
     "tests/test_money_flows.py": 36,
