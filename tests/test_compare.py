@@ -8,7 +8,6 @@ that start nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 from dataclasses import dataclass
@@ -35,13 +34,10 @@ from overbrainer_prefect.trainers.compare import (
     vram_floor,
 )
 from overbrainer_prefect.trainers.export import UnknownQuant
+from tests.flowrun import run
 from tests.tiny_runs import COMPARE_MAX_TOKENS, QUESTIONS, TinyCompared
 
 MAX_TOKENS = COMPARE_MAX_TOKENS  # the tiny model never ends its answers: every one is cut
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 def sha256(path: Path) -> str:

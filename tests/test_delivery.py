@@ -13,7 +13,6 @@ are the ones a real run has.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -62,6 +61,7 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import METRICS_FILE, Artifacts
 from overbrainer_prefect.trainers.spec import TrainingSpec
+from tests.flowrun import run
 from tests.ports import free_port
 from tests.standins.hub_server import HubStandIn
 from tests.standins.ollama_server import OllamaStandIn
@@ -99,10 +99,6 @@ writer.write_kv_data_to_file()
 writer.write_tensors_to_file()
 writer.close()
 """
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 def sha256(data: bytes) -> str:

@@ -10,7 +10,6 @@ data trains nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import uuid
@@ -46,6 +45,7 @@ from overbrainer_prefect.runs import Runs
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.trainers.export import ExportSpec
 from tests.conftest import job_venv
+from tests.flowrun import run
 from tests.standins.ollama_server import OllamaStandIn
 from tests.test_runpod_flows import flow_logs
 from tests.test_train_flow import spec
@@ -60,10 +60,6 @@ NEVER = EvalItem.model_validate(
     }
 )
 """A held-out item no model passes: the gate's outcome does not hang on the tiny model."""
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 @dataclass

@@ -7,7 +7,6 @@ nothing, and the sizing of an export's disk."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import shutil
@@ -37,6 +36,7 @@ from overbrainer_prefect.trainers.export import (
 )
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import job_venv
+from tests.flowrun import run
 from tests.sshd import Sshd
 from tests.test_ssh_flows import saved, ssh_target
 from tests.tiny_runs import TinyRun
@@ -63,10 +63,6 @@ for token in llm.generate(tokens, temp=0.0, top_k=1):
 print(json.dumps({"tokens": out, "text": llm.detokenize(out).decode(errors="replace"),
                   "template": "<|im_start|>" in template, "prompt_tokens": len(tokens)}))
 """
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 def sha256(path: Path) -> str:

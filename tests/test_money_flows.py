@@ -14,7 +14,6 @@ import logging
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -37,6 +36,7 @@ from overbrainer_prefect.server_budget import (
 )
 from overbrainer_prefect.targets.base import JobNeed
 from tests import test_runpod_flows as on_pods
+from tests.flowrun import run
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
 from tests.test_runpod_flows import follower_killed_while_training, target
@@ -45,10 +45,6 @@ from tests.test_train_flow import spec
 pytestmark = pytest.mark.slow
 
 fast, sim, pods_of = on_pods.fast, on_pods.sim, on_pods.pods_of  # the simulator's fixtures
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 def svgs_of(markdown: str) -> list[ET.Element]:

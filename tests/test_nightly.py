@@ -13,7 +13,6 @@ and then runs the same night again."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import uuid
@@ -54,6 +53,7 @@ from overbrainer_prefect.nightly.prepared import (
 from overbrainer_prefect.nightly.record import NightlyRecordError, night_path
 from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
+from tests.flowrun import run
 from tests.standins.hub_server import Commit, HubStandIn, Repo
 
 ROW = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hi."}]}
@@ -281,10 +281,6 @@ def test_an_unreadable_night_record_is_one_line(tmp_path: Path) -> None:
 
 
 # the flow, up to where it would train
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 def subflows(flow_run_id: Any) -> list[Any]:

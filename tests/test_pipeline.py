@@ -8,7 +8,6 @@ compares again; and bad input that starts nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +27,10 @@ from overbrainer_prefect.runs import RunNotFound, Runs, RunState
 from overbrainer_prefect.trainers.compare import BadQuestions
 from overbrainer_prefect.trainers.export import ExportSpec
 from tests.conftest import job_venv
+from tests.flowrun import run
 from tests.test_train_flow import spec
 
 QUESTIONS = ["What colour is the sky?", "Name a fruit."]
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 def children_of(flow_run_id: UUID) -> list[FlowRun]:

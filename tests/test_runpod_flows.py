@@ -13,7 +13,6 @@ result or an artifact; bad input fails in one line before any pod exists.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -46,6 +45,7 @@ from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import job_venv
+from tests.flowrun import run
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, deleted_once_verified
 from tests.test_train_flow import kill, spec, wait_until
@@ -102,10 +102,6 @@ def target(sim: RunpodSim, **changes: Any) -> str:
     name = f"pod-{uuid.uuid4().hex[:8]}"
     RunpodTarget(**values).save(name)
     return name
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 def only_run(runs_dir: Path) -> Any:

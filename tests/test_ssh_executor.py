@@ -34,6 +34,7 @@ from overbrainer_prefect.executors import (
     TargetUnreachable,
     local_manifest,
     remote_manifest,
+    ssh,
     verify,
 )
 from overbrainer_prefect.executors.jobscript import JOB_SCRIPT
@@ -385,7 +386,7 @@ def test_an_executor_without_a_pinned_host_key_refuses_with_the_keyscan_command(
 
 
 def test_a_stopped_sshd_is_unreachable_and_once_restarted_the_same_executor_works_again(
-    own_sshd: Sshd, tmp_path: Path
+    own_sshd: Sshd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     remote = tmp_path / "remote"
     key_text = own_sshd.client_key_text
@@ -407,7 +408,19 @@ def test_a_stopped_sshd_is_unreachable_and_once_restarted_the_same_executor_work
         own_sshd.restart()  # the connection is lost while nothing uses it
         await executor.touch(str(remote / "c"))
         assert (await executor.run(["echo", "again"])).stdout == "again\n"
+        # an SFTP server that never answers, on a host whose keepalives and commands do
+        stuck = own_sshd.config_path.read_text().replace(
+            "Subsystem sftp internal-sftp", "Subsystem sftp cat > /dev/null"
+        )
+        own_sshd.config_path.write_text(stuck)
+        own_sshd.restart()
+        started = time.monotonic()
+        with pytest.raises(TargetUnreachable, match="did not answer within 2 s"):
+            await executor.read_from(str(remote / "b"), 0)
+        assert time.monotonic() - started < WAIT_S
+        assert (await executor.run(["echo", "still"])).stdout == "still\n"
 
+    monkeypatch.setattr(ssh, "SFTP_ANSWER_S", 2.0)
     with_executor(own_sshd, remote, scenario)
     assert not (remote / "a").exists()
     assert (remote / "b").exists()

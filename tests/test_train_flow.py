@@ -4,7 +4,6 @@ and resume, attach after the first follower was killed, and bad input."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -27,6 +26,7 @@ from overbrainer_prefect.flows import RunResult, attach, cancel, stop, train
 from overbrainer_prefect.runs import InvalidRunId, RunNotFound, Runs, RunState
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import REPO, job_venv
+from tests.flowrun import run
 from tests.procs import alive
 
 pytestmark = pytest.mark.slow
@@ -67,10 +67,6 @@ def target(prefect_server: None, tmp_path: Path) -> str:
         cpu_threads=1,
     ).save(name)
     return name
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
 
 
 def sha256(path: Path) -> str:

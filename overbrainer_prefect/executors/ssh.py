@@ -56,6 +56,7 @@ CONNECT_TIMEOUT_S = 15.0  # seconds to open and authenticate a connection
 KEEPALIVE_S = 15.0  # seconds between keepalives, so a dead link is noticed mid-command
 KEEPALIVE_MISSES = 4  # keepalives unanswered before the connection is declared lost
 COMMAND_TIMEOUT_S = 60.0  # seconds a short command (status, launch, listing) may take
+SFTP_ANSWER_S = COMMAND_TIMEOUT_S  # seconds a small SFTP call (a read, a touch) may take
 HASH_TIMEOUT_S = 6 * 3600.0  # hashing 100s of GB takes minutes; keepalives catch a dead link
 WINDOW = 16 << 20  # bytes in flight per channel: keeps a long fat pipe full
 MAX_PACKET = 256 << 10  # largest SSH packet we accept: fewer packets per GB downloaded
@@ -182,7 +183,10 @@ class SshExecutor:
             raise ExecError("upload", f"{local} is not a directory")
         remote = self._inside("upload", remote)
         await self._sftp_call(
-            "upload", lambda sftp: sftp_transfer.upload_tree(sftp, local, remote, skip), remote
+            "upload",
+            lambda sftp: sftp_transfer.upload_tree(sftp, local, remote, skip),
+            remote,
+            bounded=False,
         )
 
     async def spawn(self, job: JobSpec) -> JobId:
@@ -325,6 +329,7 @@ class SshExecutor:
             "download",
             lambda sftp: sftp_transfer.download_files(sftp, remote, local, paths),
             remote,
+            bounded=False,
         )
 
     async def touch(self, path: str) -> None:
@@ -480,16 +485,34 @@ class SshExecutor:
         )
 
     async def _sftp_call(
-        self, action: str, call: Callable[[asyncssh.SFTPClient], Awaitable[T]], subject: str
+        self,
+        action: str,
+        call: Callable[[asyncssh.SFTPClient], Awaitable[T]],
+        subject: str,
+        bounded: bool = True,
     ) -> T:
         """`call` with the connection's SFTP session (started once per
         connection); an SFTP or local file error is ExecError(`action`), naming
-        the file, else `subject`."""
+        the file, else `subject`. A `bounded` call (its session's start
+        included) that gets no answer within `SFTP_ANSWER_S` is
+        TargetUnreachable, and its connection is dropped: a host whose
+        keepalives still answer while its SFTP server is stuck never holds a
+        watch. Transfers are not bounded: their size is, and keepalives catch a
+        dead link."""
+        timeout = SFTP_ANSWER_S if bounded else None
 
         async def with_sftp(conn: asyncssh.SSHClientConnection) -> T:
-            sftp = await self._sftp_of(conn)
             try:
-                return await call(sftp)
+                async with asyncio.timeout(timeout):
+                    sftp = await self._sftp_of(conn)
+                    return await call(sftp)
+            except TimeoutError as error:
+                if timeout is None:
+                    raise ExecError(action, f"{subject}: {_reason(error)}") from None
+                self._drop(conn)
+                raise TargetUnreachable(
+                    action, f"{self.description} did not answer within {timeout:g} s"
+                ) from None
             except _LOST:
                 raise
             except asyncssh.SFTPError as error:
