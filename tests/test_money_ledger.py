@@ -33,6 +33,7 @@ from overbrainer_prefect.money.pods import ask_of, capped
 from overbrainer_prefect.money.store import LedgerFile, Spent, admit_into, runs_root_of
 from overbrainer_prefect.runpod.gpus import GpuChoice, LaunchPlan
 from overbrainer_prefect.runpod.models import GpuType
+from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.store import Runs
 
 NOW = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
@@ -192,12 +193,7 @@ def plan(max_cost: float | None = None, keep: bool = False) -> LaunchPlan:
 
     return LaunchPlan(
         choices=(choice("A", 0.25), choice("B", 0.50)),
-        cloud="SECURE",
-        max_hours=2.0,
-        max_cost_usd=max_cost,
-        boot_grace_s=60,
-        retrieve_grace_s=60,
-        keep_pod=keep,
+        settings=RunpodTargetSettings(max_hours=2.0, max_cost_usd=max_cost, keep_pod=keep),
         disk_per_hour=0.01,
     )
 

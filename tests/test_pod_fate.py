@@ -70,7 +70,7 @@ async def main():
         )
         plan = await plan_from_api(client, wanted)
         record = start_step.create(ctx.runs, target="sim", target_kind="runpod", workdir="/w")
-        await provision(ctx, record, wanted, plan, api_url=rest, name="sim")
+        await provision(ctx, record, plan, api_url=rest, name="sim")
 asyncio.run(main())
 """
 """A follower in a process of its own: provisions a pod (and is killed)."""

@@ -139,7 +139,7 @@ async def ready_pod(ctx: PodContext, bed: Bed, wanted: RunpodTargetSettings) -> 
         ctx.runs, target="sim", target_kind="runpod", workdir=DEFAULT_WORKDIR
     )
     try:
-        ready = await provision(ctx, record, wanted, plan, api_url=bed.sim.rest_url, name="sim")
+        ready = await provision(ctx, record, plan, api_url=bed.sim.rest_url, name="sim")
     except PodError as error:
         end_step.fail(ctx.runs, record.id, error.kept)  # the driver's part: it fails the record
         raise
@@ -544,7 +544,7 @@ def test_a_pod_billing_above_the_price_limit_is_deleted(bed: Bed) -> None:
         bed.sim.gpus[A4000].secure_price = 0.5  # the scheduler placed a pricier machine
         record = start_step.create(ctx.runs, target="sim", target_kind="runpod", workdir="/w")
         try:
-            await provision(ctx, record, wanted, plan, api_url=bed.sim.rest_url, name="sim")
+            await provision(ctx, record, plan, api_url=bed.sim.rest_url, name="sim")
         except PodError as error:
             return error
         raise AssertionError("an overpriced pod was kept")

@@ -182,11 +182,8 @@ class SshExecutor:
         if not local.is_dir():
             raise ExecError("upload", f"{local} is not a directory")
         remote = self._inside("upload", remote)
-        await self._sftp_call(
-            "upload",
-            lambda sftp: sftp_transfer.upload_tree(sftp, local, remote, skip),
-            remote,
-            bounded=False,
+        await self._transfer(
+            "upload", lambda sftp: sftp_transfer.upload_tree(sftp, local, remote, skip), remote
         )
 
     async def spawn(self, job: JobSpec) -> JobId:
@@ -325,11 +322,10 @@ class SshExecutor:
         paths = sorted(files)
         if not paths:
             return
-        await self._sftp_call(
+        await self._transfer(
             "download",
             lambda sftp: sftp_transfer.download_files(sftp, remote, local, paths),
             remote,
-            bounded=False,
         )
 
     async def touch(self, path: str) -> None:
@@ -522,6 +518,13 @@ class SshExecutor:
                 raise ExecError(action, f"{subject}: {_reason(error)}") from None
 
         return await self._attempt(action, with_sftp)
+
+    async def _transfer(
+        self, action: str, call: Callable[[asyncssh.SFTPClient], Awaitable[None]], subject: str
+    ) -> None:
+        """A transfer over SFTP: `_sftp_call` without its bound (a transfer's
+        size bounds it, and keepalives catch a dead link)."""
+        await self._sftp_call(action, call, subject, bounded=False)
 
     async def _sftp_of(self, conn: asyncssh.SSHClientConnection) -> asyncssh.SFTPClient:
         assert self._lock is not None

@@ -17,7 +17,6 @@ from overbrainer_prefect.money.ledger import Ask, Entry, usd
 from overbrainer_prefect.money.store import Spent
 from overbrainer_prefect.runpod.gpus import LaunchPlan
 from overbrainer_prefect.runpod.pod import PodRecord
-from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.store import Runs
 
 LEAST_HOURS = 1 / 6  # ten minutes: a pod boots, runs a short job and is retrieved in no less
@@ -47,19 +46,12 @@ def ask_of(plan: LaunchPlan, what: str, target: str) -> Ask:
 
 
 def capped(plan: LaunchPlan, cap_usd: float | None) -> LaunchPlan:
-    """`plan` with its cost cap lowered to `cap_usd` (unchanged without one)."""
+    """`plan` with its cost cap lowered to `cap_usd` (unchanged without one):
+    the cap the pod's record and its watchdog are armed with."""
     if cap_usd is None:
         return plan
     cap = cap_usd if plan.max_cost_usd is None else min(plan.max_cost_usd, cap_usd)
-    return replace(plan, max_cost_usd=cap)
-
-
-def settings_capped(settings: RunpodTargetSettings, plan: LaunchPlan) -> RunpodTargetSettings:
-    """`settings` with the cost cap of `plan` (what the budget admitted), which
-    the pod's record and its watchdog are armed with."""
-    if plan.max_cost_usd == settings.max_cost_usd:
-        return settings
-    return settings.model_copy(update={"max_cost_usd": plan.max_cost_usd})
+    return replace(plan, settings=plan.settings.model_copy(update={"max_cost_usd": cap}))
 
 
 def cost_facts(entry: Entry) -> Spent | None:

@@ -60,20 +60,36 @@ class LaunchPlan:
     `describe()`) before anything is spent."""
 
     choices: tuple[GpuChoice, ...]
-    cloud: Cloud
-    max_hours: float
-    max_cost_usd: float | None
-    boot_grace_s: float
-    retrieve_grace_s: float
-    keep_pod: bool
+    settings: RunpodTargetSettings
+    """The target's settings the pod is made with and bounded by; their
+    `max_cost_usd` is the cap the budget admitted (`money.pods.capped`)."""
     vram_floor_gb: float | None = None
-    data_center_ids: tuple[str, ...] = ()
     disk_per_hour: float = 0.0
     """What the container disk bills an hour, beside the GPUs."""
     checkpoint_hold_s: float = 0.0
     """How long past max_hours a job that saved the checkpoint asked for keeps its pod."""
     job_launch: str | None = None
     """How the job uses the pod's GPUs (`launch_summary`): processes and sharding."""
+
+    @property
+    def cloud(self) -> Cloud:
+        """The cloud the pod is asked on."""
+        return self.settings.api_cloud
+
+    @property
+    def max_hours(self) -> float:
+        """Hours after which the pod's watchdog deletes it (without a renewed lease)."""
+        return self.settings.max_hours
+
+    @property
+    def max_cost_usd(self) -> float | None:
+        """Dollars at which the pod's watchdog deletes it, if any."""
+        return self.settings.max_cost_usd
+
+    @property
+    def keep_pod(self) -> bool:
+        """Whether nothing deletes the pod when its run ends."""
+        return self.settings.keep_pod
 
     @property
     def first(self) -> GpuChoice:
@@ -98,8 +114,8 @@ class LaunchPlan:
         cloud = self.cloud.lower()
         first = self.first
         text = f"Runpod: {first.label()} on the {cloud} cloud at ${first.price_per_hour:.2f}/h"
-        if self.data_center_ids:
-            text += f" in {', '.join(self.data_center_ids)}"
+        if self.settings.data_center_ids:
+            text += f" in {', '.join(self.settings.data_center_ids)}"
         if self.vram_floor_gb is not None:
             text += f" (at least {self.vram_floor_gb:g} GB of VRAM per GPU)"
         if self.job_launch:
@@ -122,8 +138,8 @@ class LaunchPlan:
         ]
         if self.max_cost_usd is not None:
             ends.append(f"at max_cost_usd (${self.max_cost_usd:.2f})")
-        ends.append(f"{_minutes(self.retrieve_grace_s)} after its job ends unretrieved")
-        ends.append(f"{_minutes(self.boot_grace_s)} after it starts if no job starts")
+        ends.append(f"{_minutes(self.settings.retrieve_grace_s)} after its job ends unretrieved")
+        ends.append(f"{_minutes(self.settings.boot_grace_s)} after it starts if no job starts")
         text += ". The pod is deleted " + ", ".join(ends[:-1]) + ", and " + ends[-1]
         if self.checkpoint_hold_s:
             text += (
@@ -269,14 +285,8 @@ def plan_launch(
     floor = settings.min_vram_gb if settings.min_vram_gb is not None else vram_floor_gb
     return LaunchPlan(
         choices=tuple(choices),
-        cloud=settings.api_cloud,
-        max_hours=settings.max_hours,
-        max_cost_usd=settings.max_cost_usd,
-        boot_grace_s=settings.boot_grace_s,
-        retrieve_grace_s=settings.retrieve_grace_s,
-        keep_pod=settings.keep_pod,
+        settings=settings,
         vram_floor_gb=floor,
-        data_center_ids=tuple(settings.data_center_ids),
         disk_per_hour=disk_per_hour(settings.container_disk_gb),
         checkpoint_hold_s=PodTiming.from_env().checkpoint_hold_s,
         job_launch=job_launch,

@@ -85,7 +85,6 @@ class Provisioned:
 async def provision(
     ctx: PodContext,
     run: RunRecord,
-    settings: RunpodTargetSettings,
     plan: LaunchPlan,
     *,
     api_url: str,
@@ -101,6 +100,7 @@ async def provision(
     the run's record keeps) with every pod of the run deleted; on
     cancellation, every pod deleted, and the cancellation goes on.
     """
+    settings = plan.settings
     try:
         keys = generate(ctx.runs, run.id)
         pod = PodRecord(

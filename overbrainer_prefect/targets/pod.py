@@ -30,7 +30,7 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.ssh import SshExecutor
-from overbrainer_prefect.money.pods import ask_of, capped, cost_facts, settings_capped
+from overbrainer_prefect.money.pods import ask_of, capped, cost_facts
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
@@ -708,13 +708,11 @@ class PodTarget(BlockTarget):
                 "continue the pipeline with fine_tune (run_id=...)",
                 kept="its pipeline's pod is gone",
             )
-        settings = settings_capped(settings, plan)  # issue 20: the cost cap the budget admitted
+        settings = plan.settings  # issue 20: with the cost cap the budget admitted
         if reservation.admission is not None:  # issue 20: the ledger's entry names this record
             reservation.admission.bind(store, record.id)
         async with self.account(store) as ctx:
-            ready = await provision(
-                ctx, record, settings, plan, api_url=self._api_url, name=self.ref
-            )
+            ready = await provision(ctx, record, plan, api_url=self._api_url, name=self.ref)
             await sweep_others(ctx, ready.pod)  # a twin of an answer lost on the way: at once
             placed = PodPlaced(
                 ctx,
