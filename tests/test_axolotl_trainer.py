@@ -315,6 +315,33 @@ def test_the_job_runs_axolotl_without_telemetry_and_with_the_plugin_on_its_path(
     assert not any("checkpoint" in pattern for pattern in artifacts.exclude)
 
 
+SAVE_ONCE = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+from datasets import Dataset, load_from_disk
+from overbrainer_metrics import MetricsPlugin
+MetricsPlugin().register({})
+MetricsPlugin().register({})  # a second registration wraps nothing more
+rows = {"input_ids": [[1, 2, 3]] * 300}
+Dataset.from_dict(rows).save_to_disk(sys.argv[2], num_proc=1)  # as axolotl saves its own
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+assert load_from_disk(sys.argv[2]).to_dict() == rows
+print(children.ru_utime + children.ru_stime, Dataset.save_to_disk.__wrapped__.__name__)
+"""
+
+
+def test_the_plugin_saves_the_prepared_dataset_in_the_jobs_own_process(
+    job_python: str, tmp_path: Path
+) -> None:
+    jobs = Path(AxolotlTrainer.__module__.replace(".", "/")).parents[1] / "jobs"
+    argv = [job_python, "-c", SAVE_ONCE, str(jobs.resolve()), str(tmp_path / "prepared")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    children_cpu, wrapped = done.stdout.split()
+    # datasets would spawn a pool of one and its manager: two Pythons, seconds of a core
+    assert float(children_cpu) == 0.0 and wrapped == "save_to_disk"
+
+
 # The probe
 
 
