@@ -160,6 +160,15 @@ class Browser:
         text = self.text()[:2000]
         raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; page: {text}")
 
+    def wait_for_text(self, needles: list[str], timeout: float, what: str) -> str:
+        """The page's visible text once it holds every one of `needles`, read in
+        the same look that finds them (a page that re-renders can drop its text
+        between two looks); fails as `wait_for` does."""
+        script = f"(t => {json.dumps(needles)}.every(n => t.includes(n)) ? t : null)" + (
+            "(document.body ? document.body.innerText : '')"
+        )
+        return str(self.wait_for(script, timeout, what))
+
     def text(self) -> str:
         """The page's visible text."""
         value = self.evaluate("document.body ? document.body.innerText : ''")
