@@ -260,7 +260,9 @@ def test_no_capacity_429s_and_a_500_to_a_create_whose_pod_the_list_shows_20_s_la
     sim.rate_limit(times=2, retry_after=1.0, method="POST", path="/v2/pods")
     sim.fail_after_create(1)  # Runpod creates the pod, then answers 500...
     sim.lag_after_create(seconds=20.0)  # ...and its list shows the pod only 20 s later
-    name = target(sim, gpu_types=[A4000, A5000])
+    # boot grace counts from the last create: the list hides the pod 20 s of it, and a loaded
+    # machine boots a simulated pod in tens of seconds more
+    name = target(sim, gpu_types=[A4000, A5000], boot_grace_s=120.0)
     result = run(train(target=name, training=spec(*tiny, max_steps=3), runs_dir=str(runs_dir)))
     assert result.state == RunState.SUCCEEDED, result.message
     creates = [r.status for r in sim.requests if r.method == "POST" and r.path == "/v2/pods"]
