@@ -17,6 +17,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+import overbrainer_prefect.jobs as overbrainer_jobs
 from overbrainer_prefect.executors.base import CommandResult
 from overbrainer_prefect.trainers import Trainer
 from overbrainer_prefect.trainers.axolotl import CPU_FLAGS, AxolotlTrainer
@@ -333,8 +334,8 @@ print(children.ru_utime + children.ru_stime, Dataset.save_to_disk.__wrapped__.__
 def test_the_plugin_saves_the_prepared_dataset_in_the_jobs_own_process(
     job_python: str, tmp_path: Path
 ) -> None:
-    jobs = Path(AxolotlTrainer.__module__.replace(".", "/")).parents[1] / "jobs"
-    argv = [job_python, "-c", SAVE_ONCE, str(jobs.resolve()), str(tmp_path / "prepared")]
+    jobs = Path(overbrainer_jobs.__file__).parent
+    argv = [job_python, "-c", SAVE_ONCE, str(jobs), str(tmp_path / "prepared")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     children_cpu, wrapped = done.stdout.split()

@@ -498,12 +498,13 @@ class SshExecutor:
         timeout = SFTP_ANSWER_S if bounded else None
 
         async def with_sftp(conn: asyncssh.SSHClientConnection) -> T:
+            bound = asyncio.timeout(timeout)
             try:
-                async with asyncio.timeout(timeout):
+                async with bound:
                     sftp = await self._sftp_of(conn)
                     return await call(sftp)
             except TimeoutError as error:
-                if timeout is None:
+                if not bound.expired():  # a socket's own timeout: an OSError like the others
                     raise ExecError(action, f"{subject}: {_reason(error)}") from None
                 self._drop(conn)
                 raise TargetUnreachable(
