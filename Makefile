@@ -30,15 +30,13 @@ lint: $(VENV)/.ok
 # The system packages the tests need (sshd, PostgreSQL, Chromium) are installed when missing.
 # Most tests wait (sshd, simulated boots, Prefect servers), so TEST_WORKERS pytest-xdist
 # workers overlap the waits, one module (or one shared session fixture) per worker
-# (tests/scheduling.py); then the tests marked `alone`, which load every core on purpose.
+# (tests/scheduling.py).
 # The package and the tests are compiled first, as the venv is (PYTHONDONTWRITEBYTECODE).
 TEST_WORKERS ?= 3
 test: setup lint
 	scripts/test-deps.sh
 	$(VENV)/bin/python -m compileall -q overbrainer_prefect tests bench demo > /dev/null
-	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope \
-		--no-loadscope-reorder -m 'not alone'; parallel=$$?; \
-	$(VENV)/bin/pytest -ra --durations=15 -m alone && exit $$parallel
+	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 demo: setup
 	$(VENV)/bin/python demo/run_demo.py

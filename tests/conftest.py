@@ -36,12 +36,24 @@ def job_venv() -> Path:
 @pytest.fixture(scope="session")
 def prefect_server() -> Iterator[None]:
     """A real Prefect API server on a temporary database, for the whole session,
-    with flow heartbeats off (they add a second to every flow)."""
+    with flow heartbeats off (they add a second to every flow). Its database is
+    migrated before the server starts (`migrated_sqlite`): the harness names it
+    `prefect-test.db` in a directory of its own `mkdtemp`, which makes it there."""
+    from unittest import mock
+
+    import prefect.testing.utilities as harness
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
+
+    from tests.prefect_server import migrated_sqlite
+
+    def seeded_mkdtemp() -> str:
+        directory = tempfile.mkdtemp(prefix="prefect-test-")
+        migrated_sqlite(Path(directory) / "prefect-test.db")
+        return directory
 
     with (
-        prefect_test_harness(server_startup_timeout=120),
+        mock.patch.object(harness, "mkdtemp", seeded_mkdtemp),
+        harness.prefect_test_harness(server_startup_timeout=120),
         temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
     ):
         yield

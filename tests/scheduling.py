@@ -11,8 +11,6 @@ Prefect servers, sleeps), so workers overlap the waits.
   every module of the unit that reads it. Collection fails, naming the fix,
   when a module uses a SHARED fixture and is in none of its units.
 - Units go out longest first (`MEASURED_S`), so the long ones do not start last.
-- A module marked `alone` (it loads every core on purpose) is left out of the
-  parallel run; the Makefile runs those afterwards, on their own.
 
 (`--dist loadgroup` cannot do this: from pytest 9.2 on, the group suffix xdist
 writes into node IDs is lost, pytest-dev/pytest-xdist#1386.)
@@ -48,6 +46,8 @@ GROUPS = {
 
 MEASURED_S: dict[str, float] = {
     "tiny-run": 700,
+    # the demo on a busy machine: first, while the rest of the suite keeps every core busy
+    "tests/test_demo_busy.py": 650,
     "tests/test_runpod_flows.py": 628,
     "deployed": 560,
     "deployed-ui": 250,
