@@ -2,27 +2,35 @@
 server of the deployment tests: the train flow run's loss curve while its job
 trains and at its end (an image that loaded, whose SVG holds the logged steps),
 the `fine_tune` flow run's own summary linking each step to its subflow run,
-the `runs` flow's table, and table cells that show what they hold. Screenshots
-are kept in each test's directory."""
+and its train subflow run's page with its run summary, metrics table and
+progress artifacts (`assert_the_ui_shows_a_finished_train_run`), the `runs`
+flow's table, and table cells that show what they hold. Chromium is Debian's
+`chromium` (`scripts/test-deps.sh`). Screenshots are kept in each test's directory."""
 
 from __future__ import annotations
 
 import base64
+import html
 import json
+import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from overbrainer_prefect.runs import Runs, RunState
-from tests.browser import Browser
+from tests.browser import HEADLESS, Browser, chromium
 from tests.prefect_server import Stack, tiny_training, wait_until
 
 pytest_plugins = ["tests.prefect_server"]
 pytestmark = pytest.mark.slow
 
 PAGE_TIMEOUT_S = 90.0  # the UI's scripts and API calls, on a loaded machine
+BROWSER_TIMEOUT_S = 120.0  # one page, its scripts and API calls, on a loaded machine
+RENDER_BUDGET_MS = 15000  # virtual time the page gets to fetch and render
 LIVE_STEPS = 160  # long enough for the curve to be seen mid-training (about 1 s a step here)
 
 CURVE_IMAGE = """(() => {
@@ -128,6 +136,93 @@ def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its
     # shown on a real log line in tests/test_artifacts_text.py)
 
 
+def browse(url: str, profile: Path, *, screenshot: Path | None = None) -> str:
+    """Renders `url` in headless Chromium; returns its DOM (or takes a screenshot).
+    The browser is killed by PID if it runs past BROWSER_TIMEOUT_S."""
+    args = [
+        chromium(),
+        *HEADLESS,
+        f"--user-data-dir={profile}",
+        "--window-size=1400,2000",
+        f"--virtual-time-budget={RENDER_BUDGET_MS}",
+    ]
+    args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
+    process = subprocess.Popen(
+        [*args, url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        out, _ = process.communicate(timeout=BROWSER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError(f"chromium ran past {BROWSER_TIMEOUT_S:g} s on {url}") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, f"chromium failed ({process.returncode}) on {url}"
+    return out.decode(errors="replace")
+
+
+def text_of(dom: str) -> str:
+    """The visible text of a DOM, whitespace collapsed."""
+    dom = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom)))
+
+
+def assert_the_ui_shows_a_finished_train_run(
+    deployed: Stack, flow_run: Any, run_id: str, tmp_path: Path
+) -> None:
+    """The train flow run's page (its name, Completed, its log line with the run
+    ID, a screenshot), and its run summary, metrics table (the last step's row,
+    rounded as a person reads it) and progress (100 %) artifacts, each as
+    Chromium renders its page."""
+    profile = tmp_path / "chromium-profile"
+    ui = deployed.server.url
+
+    page = text_of(browse(f"{ui}/runs/flow-run/{flow_run.id}", profile))
+    (tmp_path / "flow-run.txt").write_text(page)
+    assert flow_run.name in page and "Completed" in page
+    assert f"run {run_id} succeeded" in page  # its log, with the run ID
+    shot = tmp_path / "flow-run.png"
+    browse(f"{ui}/runs/flow-run/{flow_run.id}", profile, screenshot=shot)
+    assert shot.stat().st_size > 20_000
+
+    artifacts = artifacts_by_key(deployed, flow_run.id)
+    summary = artifacts[f"run-{run_id}-summary"]
+    text = text_of(browse(f"{ui}/artifacts/artifact/{summary.id}", profile))
+    (tmp_path / "summary.txt").write_text(text)
+    assert f"Run {run_id}" in text and "final loss" in text and "succeeded" in text
+    assert "output/adapter_model.safetensors" in text
+    browse(f"{ui}/artifacts/artifact/{summary.id}", profile, screenshot=tmp_path / "summary.png")
+
+    metrics = artifacts[f"run-{run_id}-metrics"]
+    text = text_of(browse(f"{ui}/artifacts/artifact/{metrics.id}", profile))
+    (tmp_path / "metrics.txt").write_text(text)
+    local = Runs(deployed.runs).run_dir(run_id)
+    logged = [
+        json.loads(line)
+        for line in (local / "metrics.jsonl").read_text().splitlines()
+        if '"log"' in line
+    ]
+    assert "step" in text and "loss" in text and "learning_rate" in text
+    last = logged[-1]
+    # the last step's row, rounded as a person reads it
+    loss = float(format(last["loss"], ".4g"))
+    assert f"{last['step']} {loss} " in text
+    assert f"{last['learning_rate']:.2e}" in text
+    if len(str(last["loss"])) > 6:  # the unrounded float is not shown
+        assert str(last["loss"]) not in text
+
+    progress = artifacts[f"run-{run_id}-progress"]
+    text = text_of(browse(f"{ui}/artifacts/artifact/{progress.id}", profile))
+    (tmp_path / "progress.txt").write_text(text)
+    assert f"Training progress of run {run_id}" in text
+    assert "Progress: 100%" in text
+
+
 def base64_svg(markdown: Any) -> str:
     """The SVG a loss curve artifact's markdown carries."""
     found = re.search(r"data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)", str(markdown))
@@ -208,6 +303,15 @@ def test_the_fine_tune_flow_run_shows_its_summary_with_each_step_linked_to_its_s
     gguf = next((deployed.runs / run_id / "exports" / exported["id"] / "gguf").glob("*.gguf"))
     assert gguf.name == f"run-{run_id}-q8_0.gguf"  # named for the run, not its base
     assert gguf.name in text
+
+    # the train subflow run is a train flow run like any other, as the UI shows it
+    async def train_run(client: Any) -> Any:
+        return await client.read_flow_run(subflows["train"])
+
+    trained = deployed.server.call(train_run)
+    assert trained.state.is_completed(), trained.state
+    (tmp_path / "train-run").mkdir()
+    assert_the_ui_shows_a_finished_train_run(deployed, trained, run_id, tmp_path / "train-run")
 
 
 def test_the_runs_flow_lists_the_runs_as_a_table_filtered_by_state(
