@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, job_venv
-from tests.prefect_server import clean_env
+from tests.prefect_server import clean_env, migrated_sqlite
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +72,9 @@ def test_every_readme_python_snippet_runs_as_written_twice(
     work = tmp_path / "work"
     runs = tmp_path / "runs"
     prepared = [(line, adapted(code, tiny, work)) for line, code in found]
+    # Prefect's temporary server finds its database migrated (its own default path in
+    # PREFECT_HOME); the demo's test starts one on a new database, as a new user's first run
+    migrated_sqlite(tmp_path / "prefect-home" / "prefect.db")
     env = clean_env(
         PREFECT_HOME=str(tmp_path / "prefect-home"),
         OVERBRAINER_RUNS_DIR=str(runs),

@@ -16,6 +16,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import signal
 import subprocess
 import time
 import uuid
@@ -324,6 +326,21 @@ def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth
     pod = PodRecord.load(Runs(runs_dir), record.id)
     assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
     assert pod.deadline_unix is not None
+    # Until the watchdog asks for its checkpoint, the job waits stopped (SIGSTOP to its
+    # process group), as a job in one long step would: nothing on the pod waits on its
+    # steps before then, and the cores it leaves go to the rest of the suite.
+    assert record.job is not None
+    os.killpg(record.job.pid, signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: (
+                "asked the job for a checkpoint" in pods_of.watchdog_log(str(pod.pod_id), record.id)
+            ),
+            150,
+            "the watchdog to ask for a checkpoint before max_hours",
+        )
+    finally:
+        os.killpg(record.job.pid, signal.SIGCONT)
     wait_until(
         lambda: "hold: max_hours passed" in pods_of.watchdog_log(str(pod.pod_id), record.id),
         150,
