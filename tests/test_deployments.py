@@ -308,6 +308,12 @@ def test_a_run_on_a_simulated_pod_whose_worker_was_killed_is_finished_by_the_col
     saved = Runs(deployed.runs).load(record.id)
     assert saved.state == RunState.SUCCEEDED, saved
     assert_verified(deployed.runs, record.id)
+    # the run succeeds once its files are verified; its pod is deleted after that
+    wait_until(
+        lambda: pod_of(deployed, record.id).state == PodState.DELETED,
+        120,
+        "the pod of the finished run to be deleted",
+    )
     pod = pod_of(deployed, record.id)
     assert pod.state == PodState.DELETED and pod.deleted_by == "collector", pod
     assert on_sim.sim.pod(pod_id).deleted and not on_sim.pods.running(pod_id)

@@ -10,6 +10,7 @@ flow's table, and table cells that show what they hold. Chromium is Debian's
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 import os
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.slow
 PAGE_TIMEOUT_S = 90.0  # the UI's scripts and API calls, on a loaded machine
 BROWSER_TIMEOUT_S = 120.0  # one page, its scripts and API calls, on a loaded machine
 RENDER_BUDGET_MS = 15000  # virtual time the page gets to fetch and render
-LIVE_STEPS = 160  # long enough for the curve to be seen mid-training (about 1 s a step here)
+LIVE_STEPS = 40  # the job is held stopped while the page is looked at mid-training
 
 CURVE_IMAGE = """(() => {
   const img = [...document.querySelectorAll('.markdown-renderer img')]
@@ -91,6 +92,16 @@ def steps_logged(stack: Stack, run_id: str) -> int:
     return sum(1 for line in text.splitlines() if '"log"' in line)
 
 
+def logging_job(stack: Stack, run_id: str) -> int | None:
+    """The process group of the run's job once its metrics file (the job writes
+    it in the run's directory on the local target) holds a logged step."""
+    record = Runs(stack.runs).load(run_id)
+    metrics = Path(record.remote_dir) / "metrics.jsonl"
+    if record.job is None or not metrics.is_file() or '"log"' not in metrics.read_text():
+        return None
+    return record.job.pid
+
+
 def new_run_id(stack: Stack, before: set[str]) -> str | None:
     """The run the deployment made since `before`, once its record exists."""
     made = [p.name for p in stack.runs.glob("*-*-*") if p.name not in before]
@@ -106,24 +117,33 @@ def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its
     flow_run_id = deployed.run_deployment("train/local", target=deployed.target, training=training)
     run_id: str = wait_until(lambda: new_run_id(deployed, before), 300, "the run's record")
     key = f"run-{run_id}-loss-curve"
+    # once it has logged a step, the job is held stopped (SIGSTOP to its process group)
+    # while the page is looked at: mid-training however fast this machine trains
+    job = wait_until(lambda: logging_job(deployed, run_id), 300, "the job's first step", every=0.1)
 
     def curve_has_points() -> bool:
         artifact = artifacts_by_key(deployed, flow_run_id).get(key)
         return artifact is not None and 'data-points="' in base64_svg(artifact.data)
 
-    wait_until(curve_has_points, 300, "the loss curve to show a first step", every=2.0)
-    with Browser(tmp_path / "profile") as browser:
-        open_artifact(browser, ui, flow_run_id, key)
-        during = curve(browser)
-        browser.screenshot(tmp_path / "loss-curve-training.png")
-        state_then = Runs(deployed.runs).load(run_id).state
-        final = deployed.wait_final(flow_run_id)
-        assert final.state.is_completed(), final.state
+    os.killpg(job, signal.SIGSTOP)
+    try:
+        wait_until(curve_has_points, 300, "the loss curve to show a first step", every=2.0)
+        with Browser(tmp_path / "profile") as browser:
+            open_artifact(browser, ui, flow_run_id, key)
+            during = curve(browser)
+            browser.screenshot(tmp_path / "loss-curve-training.png")
+            state_then = Runs(deployed.runs).load(run_id).state
+            os.killpg(job, signal.SIGCONT)
+            final = deployed.wait_final(flow_run_id)
+            assert final.state.is_completed(), final.state
 
-        open_artifact(browser, ui, flow_run_id, key)
-        at_end = curve(browser)
-        browser.screenshot(tmp_path / "loss-curve-end.png")
-        (tmp_path / "loss-curve-end.svg").write_text(at_end["svg"])
+            open_artifact(browser, ui, flow_run_id, key)
+            at_end = curve(browser)
+            browser.screenshot(tmp_path / "loss-curve-end.png")
+            (tmp_path / "loss-curve-end.svg").write_text(at_end["svg"])
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a job that ended is gone
+            os.killpg(job, signal.SIGCONT)  # when the test failed while it was held
 
     assert during["width"] == at_end["width"] == 720 and during["height"] == 320
     assert state_then == RunState.RUNNING  # the first picture was taken while it trained
