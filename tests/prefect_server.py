@@ -114,7 +114,9 @@ def migrated_sqlite(database: Path) -> Path:
                     check=False,
                 )
                 if done.returncode != 0:
-                    raise AssertionError(f"prefect server database upgrade failed: {done.stdout}")
+                    raise AssertionError(
+                        f"prefect server database upgrade failed: {done.stdout}{done.stderr}"
+                    )
                 partial = template.with_suffix(".partial")
                 with sqlite3.connect(fresh) as source, sqlite3.connect(partial) as copy:
                     source.backup(copy)  # one file, whatever was left in the write-ahead log
@@ -398,6 +400,19 @@ class Stack:
         except AssertionError:
             logs = "\n".join(w.log_tail() for w in self.workers)
             raise AssertionError(f"flow run {flow_run_id} did not end; workers:\n{logs}") from None
+
+
+def training_now(stack: Stack, known: set[str]) -> Any:
+    """A run not in `known` whose job has logged a training step, if any."""
+    from overbrainer_prefect.runs import Runs, RunState
+
+    for record in Runs(stack.runs).list():
+        if record.id in known or record.state != RunState.RUNNING or record.job is None:
+            continue
+        metrics = Path(record.remote_dir) / "metrics.jsonl"
+        if metrics.exists() and '"log"' in metrics.read_text():
+            return record
+    return None
 
 
 def start_stack(

@@ -36,6 +36,7 @@ from tests.prefect_server import (
     Worker,
     clone,
     tiny_training,
+    training_now,
     wait_until,
 )
 from tests.procs import group_alive
@@ -61,17 +62,6 @@ def assert_verified(runs: Path, run_id: str) -> None:
     assert {"job.log", "metrics.jsonl", "output/adapter_model.safetensors"} <= paths
     for entry in manifest:
         assert sha256(local / entry["path"]) == entry["sha256"], entry["path"]
-
-
-def training_now(stack: Stack, known: set[str]) -> Any:
-    """A run not in `known` whose job has logged a training step, if any."""
-    for record in Runs(stack.runs).list():
-        if record.id in known or record.state != RunState.RUNNING or record.job is None:
-            continue
-        metrics = Path(record.remote_dir) / "metrics.jsonl"
-        if metrics.exists() and '"log"' in metrics.read_text():
-            return record
-    return None
 
 
 def run_ids(stack: Stack) -> set[str]:

@@ -24,7 +24,7 @@ import pytest
 
 from overbrainer_prefect.runs import Runs, RunState
 from tests.browser import HEADLESS, Browser, chromium
-from tests.prefect_server import Stack, tiny_training, wait_until
+from tests.prefect_server import Stack, tiny_training, training_now, wait_until
 
 pytest_plugins = ["tests.prefect_server"]
 pytestmark = pytest.mark.slow
@@ -92,16 +92,6 @@ def steps_logged(stack: Stack, run_id: str) -> int:
     return sum(1 for line in text.splitlines() if '"log"' in line)
 
 
-def logging_job(stack: Stack, run_id: str) -> int | None:
-    """The process group of the run's job once its metrics file (the job writes
-    it in the run's directory on the local target) holds a logged step."""
-    record = Runs(stack.runs).load(run_id)
-    metrics = Path(record.remote_dir) / "metrics.jsonl"
-    if record.job is None or not metrics.is_file() or '"log"' not in metrics.read_text():
-        return None
-    return record.job.pid
-
-
 def new_run_id(stack: Stack, before: set[str]) -> str | None:
     """The run the deployment made since `before`, once its record exists."""
     made = [p.name for p in stack.runs.glob("*-*-*") if p.name not in before]
@@ -119,13 +109,15 @@ def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its
     key = f"run-{run_id}-loss-curve"
     # once it has logged a step, the job is held stopped (SIGSTOP to its process group)
     # while the page is looked at: mid-training however fast this machine trains
-    job = wait_until(lambda: logging_job(deployed, run_id), 300, "the job's first step", every=0.1)
+    job = wait_until(lambda: training_now(deployed, before), 300, "the job's first step", every=0.2)
+    assert job.id == run_id and job.job is not None
+    group = job.job.pid
 
     def curve_has_points() -> bool:
         artifact = artifacts_by_key(deployed, flow_run_id).get(key)
         return artifact is not None and 'data-points="' in base64_svg(artifact.data)
 
-    os.killpg(job, signal.SIGSTOP)
+    os.killpg(group, signal.SIGSTOP)
     try:
         wait_until(curve_has_points, 300, "the loss curve to show a first step", every=2.0)
         with Browser(tmp_path / "profile") as browser:
@@ -133,7 +125,7 @@ def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its
             during = curve(browser)
             browser.screenshot(tmp_path / "loss-curve-training.png")
             state_then = Runs(deployed.runs).load(run_id).state
-            os.killpg(job, signal.SIGCONT)
+            os.killpg(group, signal.SIGCONT)
             final = deployed.wait_final(flow_run_id)
             assert final.state.is_completed(), final.state
 
@@ -143,7 +135,7 @@ def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its
             (tmp_path / "loss-curve-end.svg").write_text(at_end["svg"])
     finally:
         with contextlib.suppress(ProcessLookupError):  # a job that ended is gone
-            os.killpg(job, signal.SIGCONT)  # when the test failed while it was held
+            os.killpg(group, signal.SIGCONT)  # when the test failed while it was held
 
     assert during["width"] == at_end["width"] == 720 and during["height"] == 320
     assert state_then == RunState.RUNNING  # the first picture was taken while it trained
