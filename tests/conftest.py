@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from tests.s3server import S3Server
     from tests.tiny_runs import TinyCompared, TinyRun
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +27,17 @@ os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.pop("PREFECT_API_URL", None)
+# boto3 finds these before any other source (it never asks an instance's metadata service);
+# they are moto's own test keys, and every store of the tests is on 127.0.0.1.
+os.environ.update(
+    AWS_ACCESS_KEY_ID="AKIAOVERBRAINERTEST0",
+    AWS_SECRET_ACCESS_KEY="overbrainer-test-secret",
+    AWS_DEFAULT_REGION="us-east-1",
+    AWS_REGION="us-east-1",
+    AWS_EC2_METADATA_DISABLED="true",
+)
+for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+    os.environ.pop(_name, None)
 
 
 def job_venv() -> Path:
@@ -57,6 +69,19 @@ def prefect_server() -> Iterator[None]:
         temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
     ):
         yield
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3 server (moto's) on 127.0.0.1 for this worker's session; each
+    test takes a bucket of its own (`s3.bucket_url()`)."""
+    from tests.s3server import S3Server
+
+    server = S3Server.start(tmp_path_factory.mktemp("s3") / "moto.log")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

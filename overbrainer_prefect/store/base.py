@@ -1,0 +1,278 @@
+"""The store protocol: where the runs directory lives, a local directory or an
+object store (`s3://bucket/prefix`), behind one interface, so that nothing
+above it learns which.
+
+A store holds objects by key (a relative POSIX path: `R/run.json`,
+`.ledger/ledger.json`). Every record change is a compare-and-swap: `create`
+refuses a key that exists, `replace` refuses a key whose version (`etag`) is
+no longer the one read, so two writers on two machines never overwrite each
+other: the loser re-reads and decides again (`update`). A lock (`lock`) is
+held by one live holder at a time: a kernel lock on a local directory, a
+lease with an expiry renewed by compare-and-swap on an object store.
+
+An object store also hands a target short-lived URLs to put and get files
+itself (`sign_put`, `sign_get`), so that a model's bytes go from the job to
+the store and back without passing through the worker.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+UPDATE_TRIES = 30  # compare-and-swap rounds an update makes before it gives up (a hot key)
+RACE_PAUSE_S = 0.005  # the first pause after a lost race (doubled each time, randomised)
+RACE_PAUSE_MAX_S = 0.5
+
+
+class StoreError(Exception):
+    """The store cannot do what was asked. The message is one line; it never
+    quotes a credential or an object's content."""
+
+
+class StoreUnreachable(StoreError):
+    """The store did not answer (refused, timed out, a 5xx): transient, tried
+    again with backoff within the store's outage bound."""
+
+
+class StoreRefused(StoreError):
+    """The store answered no for good: wrong credentials, no such bucket, no
+    permission, an endpoint that ignores conditional writes."""
+
+
+class AlreadyExists(StoreError):
+    """A create over a key that exists: another writer made it first."""
+
+
+class Changed(StoreError):
+    """A replace whose version is no longer the one read (or whose key is
+    gone): another writer changed it first."""
+
+
+class Busy(StoreError):
+    """A lock another live holder holds. `holder` says who, for messages."""
+
+    def __init__(self, key: str, holder: str) -> None:
+        super().__init__(f"{key} is held by {holder}")
+        self.holder = holder
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """An object's content and its version, read together (never a version of
+    other content)."""
+
+    data: bytes
+    etag: str
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object: its key (relative to the store), size, and the SHA-256 (lowercase
+    hex) the store checked or computed for it, when it keeps one."""
+
+    key: str
+    size: int
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class SignedPart:
+    """One request a target makes to put part of a file: the URL, the headers
+    it must send as they are, and the bytes of the file it carries."""
+
+    url: str
+    headers: Mapping[str, str]
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SignedPut:
+    """How a target puts one file into the store: one request per part (one
+    part below the store's part size). `upload_id` names a multipart upload
+    the store completes once every part is in."""
+
+    key: str
+    parts: Sequence[SignedPart]
+    upload_id: str | None = None
+    part_sha256: Sequence[str] = field(default_factory=tuple)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Objects by key, changed only by compare-and-swap. Every method raises
+    StoreUnreachable when the store stays unreachable past its outage bound,
+    StoreRefused when it refuses for good; keys are checked (`check_key`)."""
+
+    @property
+    def url(self) -> str:
+        """How messages name the store (`/path/runs`, `s3://bucket/prefix`), never
+        with a credential."""
+        ...
+
+    @property
+    def direct(self) -> bool:
+        """Whether a target puts and gets files itself by signed URLs (an
+        object store); otherwise they pass through this machine (a local one)."""
+        ...
+
+    def local_path(self, key: str) -> Path | None:
+        """The file that holds `key` on this machine (a local store), else None."""
+        ...
+
+    def where(self, key: str) -> str:
+        """How messages name `key` (a path, or an `s3://` URL)."""
+        ...
+
+    def read(self, key: str) -> Versioned | None:
+        """The object `key` and its version, None when there is none."""
+        ...
+
+    def create(self, key: str, data: bytes) -> str:
+        """Creates `key`; returns its version. Raises AlreadyExists when it exists."""
+        ...
+
+    def replace(self, key: str, data: bytes, etag: str) -> str:
+        """Replaces `key` if its version is still `etag`; returns the new version.
+        Raises Changed when it is not (or the key is gone)."""
+        ...
+
+    def write(self, key: str, data: bytes) -> None:
+        """Writes `key` whatever it holds: only for a file one writer owns (a
+        log, a manifest), never a record two processes change."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Deletes `key`; nothing when it is not there."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """What the store knows of `key` (its size and checked SHA-256), None
+        when it is not there."""
+        ...
+
+    def objects(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under the directory `prefix` (`''`: all), by key."""
+        ...
+
+    def names(self, prefix: str) -> list[str]:
+        """The names directly below the directory `prefix` (files and
+        directories alike), sorted."""
+        ...
+
+    def put_file(self, path: Path, key: str) -> None:
+        """Copies the local file `path` to `key`."""
+        ...
+
+    def get_file(self, key: str, path: Path) -> None:
+        """Copies `key` to the local file `path` (replaced atomically). Raises
+        FileNotFoundError when there is no such object."""
+        ...
+
+    def sign_put(self, key: str, size: int, part_sha256: Sequence[str]) -> SignedPut:
+        """The requests that put a file of `size` bytes at `key`, each part's
+        SHA-256 (lowercase hex, one per `part_size` bytes) checked or computed
+        by the store. Raises StoreError on a store that is not `direct`."""
+        ...
+
+    def complete(self, signed: SignedPut, etags: Sequence[str]) -> None:
+        """Completes a multipart put once its parts are in (`etags`, in order);
+        nothing for a single-part one."""
+        ...
+
+    def sign_get(self, key: str) -> str:
+        """A URL that gets `key` for a short while. Raises StoreError on a store
+        that is not `direct`."""
+        ...
+
+    @property
+    def part_size(self) -> int:
+        """Bytes a part of a signed put holds (a file is hashed in such parts)."""
+        ...
+
+    def lock(self, key: str, holder: Mapping[str, object]) -> AbstractContextManager[None]:
+        """Holds the lock `key` for the length of the block, as `holder`
+        (said in messages). Raises Busy, at once, when another live holder
+        holds it. A holder that dies loses it (a local store's at once, an
+        object store's lease when it expires)."""
+        ...
+
+    def holder(self, key: str) -> str | None:
+        """Who holds the lock `key` now (`pid P on H, ...`), None when nobody live does."""
+        ...
+
+
+def check_key(key: str) -> str:
+    """`key` if it names an object inside a store: relative, POSIX, no `..`,
+    no empty part. Raises ValueError otherwise, so nothing outside the store
+    is ever read or written."""
+    if not key or key.startswith("/") or "\\" in key or "\0" in key:
+        raise ValueError(f"{key!r} is not a key inside the store")
+    parts = key.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"{key!r} is not a key inside the store")
+    return key
+
+
+def join(*parts: str) -> str:
+    """The key of `parts` joined (empty parts dropped)."""
+    return posixpath.join(*[p.strip("/") for p in parts if p.strip("/")]) if parts else ""
+
+
+Change = Callable[[bytes | None], bytes | None]
+"""What an update makes of an object's content (None: absent), None to leave it."""
+
+
+def update(store: Store, key: str, change: Change, tries: int = UPDATE_TRIES) -> bytes | None:
+    """Changes `key` by compare-and-swap: reads it, asks `change` for its new
+    content (None: leave it as it is), then creates or replaces it on the
+    version read; a lost race reads again and asks `change` again, so
+    `change` must decide from what it is given alone. Returns what was
+    written (or left).
+
+    Raises Changed after `tries` lost races in a row, and what the store raises.
+    """
+    for attempt in range(tries):
+        if attempt:  # a lost race: the winners are writing now, let them finish
+            time.sleep(random.uniform(0, min(RACE_PAUSE_MAX_S, RACE_PAUSE_S * 2**attempt)))
+        current = store.read(key)
+        new = change(current.data if current is not None else None)
+        if new is None:
+            return current.data if current is not None else None
+        try:
+            if current is None:
+                store.create(key, new)
+            else:
+                store.replace(key, new, current.etag)
+        except (AlreadyExists, Changed):
+            continue
+        return new
+    raise Changed(f"{store.where(key)} changed {tries} times while this process changed it")
+
+
+def holder_text(data: Mapping[str, object]) -> str:
+    """A lock holder as messages say it: `pid P on H, flow run F, since T`."""
+    text = f"pid {data.get('pid')} on {data.get('host')}"
+    if data.get("flow_run_id"):
+        text += f", flow run {data['flow_run_id']}"
+    return f"{text}, since {data.get('since')}"
+
+
+def parts_of(size: int, part_size: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of each part of a file of `size` bytes (one empty part
+    for an empty file)."""
+    if size == 0:
+        yield 0, 0
+        return
+    offset = 0
+    while offset < size:
+        length = min(part_size, size - offset)
+        yield offset, length
+        offset += length

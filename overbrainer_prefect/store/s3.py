@@ -1,0 +1,557 @@
+"""A store in an S3-compatible bucket (AWS, MinIO, R2...), through boto3: every
+record change a conditional put (`If-None-Match: *` to create, `If-Match:
+<ETag>` to replace), files put by targets themselves with presigned URLs whose
+parts' SHA-256 the store checks (or, where it only computes them, reports),
+and a lock a lease object renewed by compare-and-swap (`store/lease.py`).
+
+A store that does not answer is tried again with backoff for
+`OVERBRAINER_STORE_OUTAGE_S` seconds before StoreUnreachable; a conditional
+write tried again after a lost answer is checked against what it wrote, so a
+retry never reports a race it did not lose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import secrets
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+import boto3
+import botocore.exceptions
+from botocore.config import Config
+
+from overbrainer_prefect.store.base import (
+    AlreadyExists,
+    Changed,
+    ObjectInfo,
+    SignedPart,
+    SignedPut,
+    StoreError,
+    StoreRefused,
+    StoreUnreachable,
+    Versioned,
+    check_key,
+    join,
+    parts_of,
+)
+from overbrainer_prefect.store.check import check_s3
+from overbrainer_prefect.store.digest import b64_sha256, hex_sha256
+from overbrainer_prefect.store.lease import Lease, lease_holder
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import ListObjectsV2OutputTypeDef, ObjectIdentifierTypeDef
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+OUTAGE_ENV = "OVERBRAINER_STORE_OUTAGE_S"
+OUTAGE_S = 600.0
+"""How long a store that does not answer is tried again before StoreUnreachable:
+a night's run waits out a short outage of its store instead of failing."""
+BACKOFF_FIRST_S = 0.5  # the first pause before a store is tried again; doubled each time
+BACKOFF_MAX_S = 15.0  # the longest pause between two tries
+
+PART_ENV = "OVERBRAINER_STORE_PART_MB"
+PART_SIZE = 512 << 20
+"""Bytes a part of a presigned put holds: S3 takes at most 5 GiB in one put and
+10,000 parts a file, so a 16 GB GGUF is 32 parts."""
+MIN_PART = 5 << 20  # S3's smallest part (but the last)
+
+SIGNED_MIN_S = 900  # how long a presigned URL is valid at least
+SLOWEST_BPS = 1 << 20  # the slowest transfer a URL's lifetime allows for (1 MiB/s)
+SIGNED_MAX_S = 7 * 24 * 3600  # SigV4's longest presigned URL
+
+WRITE_TOKEN = "overbrainer-write"
+"""Metadata each conditional put carries: a token of that write's own."""
+
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 60.0
+
+ChecksumMode = Literal["checked", "computed"]
+"""How the store knows a put's SHA-256: `checked`, it refuses a part whose
+`x-amz-checksum-sha256` is not its content's (AWS, MinIO); `computed`, it
+computes it from what it received when asked (`x-amz-sdk-checksum-algorithm`)
+and reports it, and the manifest is compared with that."""
+
+Client = Callable[[], "S3Client"]
+"""Makes the boto3 S3 client of a store (credentials and endpoint inside)."""
+
+_REFUSED = {
+    "InvalidAccessKeyId": "its access key is not known: check the credentials",
+    "SignatureDoesNotMatch": "its secret key does not match: check the credentials",
+    "AccessDenied": "access denied: check the credentials and the bucket's policy",
+    "Forbidden": "access denied: check the credentials and the bucket's policy",
+    "403": "access denied: check the credentials and the bucket's policy",
+    "ExpiredToken": "its session token expired: renew the credentials",
+    "InvalidToken": "its session token is not valid: check the credentials",
+    "NoSuchBucket": "there is no such bucket: create it, or fix the runs directory's URL",
+    "404": "there is no such bucket: create it, or fix the runs directory's URL",
+    "InvalidBucketName": "the bucket name is not valid: fix the runs directory's URL",
+    "PermanentRedirect": "the bucket is in another region: set AWS_REGION to its region",
+    "AuthorizationHeaderMalformed": "the bucket is in another region: set AWS_REGION to it",
+}
+
+
+def outage_s() -> float:
+    """`$OVERBRAINER_STORE_OUTAGE_S`, else OUTAGE_S."""
+    try:
+        return float(os.environ.get(OUTAGE_ENV) or OUTAGE_S)
+    except ValueError:
+        return OUTAGE_S
+
+
+def part_size() -> int:
+    """`$OVERBRAINER_STORE_PART_MB` MiB (at least S3's 5), else PART_SIZE."""
+    try:
+        wanted = int(float(os.environ.get(PART_ENV) or 0) * (1 << 20))
+    except ValueError:
+        wanted = 0
+    return max(wanted, MIN_PART) if wanted else PART_SIZE
+
+
+def client_config() -> Config:
+    """The boto3 client settings of every store: SigV4, path-style addressing
+    (MinIO, R2 and local endpoints), bounded connects and reads, botocore's own
+    retries kept short (the store's backoff does the rest), and checksums only
+    where this code asks for them."""
+    return Config(
+        signature_version="s3v4",
+        s3={"addressing_style": "path"},
+        connect_timeout=CONNECT_TIMEOUT_S,
+        read_timeout=READ_TIMEOUT_S,
+        retries={"max_attempts": 1, "mode": "standard"},  # the store's own backoff tries again
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+
+
+def default_client(endpoint_url: str | None) -> S3Client:
+    """An S3 client from boto3's own credential chain (environment, profile,
+    the instance's or pod's role), at `endpoint_url` when given (else boto3's:
+    `AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, or AWS)."""
+    session = boto3.session.Session()
+    client: S3Client = session.client("s3", endpoint_url=endpoint_url, config=client_config())
+    return client
+
+
+@dataclass(frozen=True)
+class _Failure:
+    code: str
+    status: int
+
+
+def _failure(error: botocore.exceptions.ClientError) -> _Failure:
+    err = error.response.get("Error", {})
+    meta = error.response.get("ResponseMetadata", {})
+    return _Failure(str(err.get("Code", "")), int(meta.get("HTTPStatusCode", 0) or 0))
+
+
+class S3Store:
+    """A `Store` in `bucket` under `prefix` (see the module)."""
+
+    direct = True
+
+    def __init__(self, bucket: str, prefix: str, client: Client) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self._make_client = client
+        self._client: S3Client | None = None
+        self.checksums: ChecksumMode | None = None
+        """How the store knows a put's SHA-256, once `store.check` found out."""
+        self.outage_s = outage_s()
+        self._part_size = part_size()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r})"
+
+    @property
+    def url(self) -> str:
+        """`s3://bucket/prefix`."""
+        return f"s3://{join(self.bucket, self.prefix)}"
+
+    @property
+    def part_size(self) -> int:
+        """Bytes a part of a presigned put holds (`$OVERBRAINER_STORE_PART_MB`)."""
+        return self._part_size
+
+    @property
+    def client(self) -> S3Client:
+        """The boto3 client, made on first use."""
+        if self._client is None:
+            self._client = self._make_client()
+        return self._client
+
+    def local_path(self, key: str) -> None:
+        """None: nothing of an object store is a local file."""
+        return None
+
+    def full(self, key: str) -> str:
+        """The object's key in the bucket."""
+        return join(self.prefix, check_key(key))
+
+    def where(self, key: str) -> str:
+        """`s3://bucket/prefix/key`."""
+        return f"s3://{join(self.bucket, self.full(key))}"
+
+    def _call(self, what: str, call: Callable[[], T]) -> T:
+        """`call`, tried again with backoff while the store does not answer,
+        for at most `outage_s`; a refusal raises StoreRefused at once."""
+        deadline = time.monotonic() + self.outage_s
+        pause = BACKOFF_FIRST_S
+        while True:
+            try:
+                return call()
+            except botocore.exceptions.ClientError as error:
+                failure = _failure(error)
+                if failure.status >= 500 or failure.code in ("SlowDown", "RequestTimeout"):
+                    reason = f"it answered {failure.status or failure.code}"
+                else:
+                    raise
+            except (
+                botocore.exceptions.EndpointConnectionError,
+                botocore.exceptions.ConnectionError,
+                botocore.exceptions.ConnectTimeoutError,
+                botocore.exceptions.ReadTimeoutError,
+                botocore.exceptions.ResponseStreamingError,
+            ) as error:
+                reason = type(error).__name__
+            except botocore.exceptions.NoCredentialsError:
+                raise StoreRefused(
+                    f"no credentials for {self.url}: give a credentials block "
+                    "(OVERBRAINER_STORE_CREDENTIALS) or the AWS environment variables"
+                ) from None
+            if time.monotonic() + pause > deadline:
+                raise StoreUnreachable(
+                    f"the store {self.url} did not answer for {self.outage_s:g} s "
+                    f"({what}: {reason}); everything it did not take is left where it was"
+                ) from None
+            log.warning("the store %s did not answer (%s: %s); again", self.url, what, reason)
+            time.sleep(pause * (0.5 + random.random() / 2))
+            pause = min(pause * 2, BACKOFF_MAX_S)
+
+    def refused(self, error: botocore.exceptions.ClientError, what: str) -> StoreRefused:
+        """The one-line refusal of a client error (its code and status, never its body)."""
+        failure = _failure(error)
+        why = _REFUSED.get(failure.code) or _REFUSED.get(str(failure.status))
+        if why is None:
+            why = f"it answered {failure.code or failure.status}"
+        return StoreRefused(f"the store {self.url} refused to {what}: {why}")
+
+    def read(self, key: str) -> Versioned | None:
+        """The object and its ETag, from one GET."""
+        full = self.full(key)
+
+        def get() -> Versioned | None:
+            try:
+                answer = self.client.get_object(Bucket=self.bucket, Key=full)
+            except botocore.exceptions.ClientError as error:
+                if _failure(error).code in ("NoSuchKey", "404"):
+                    return None
+                raise
+            return Versioned(answer["Body"].read(), answer["ETag"])
+
+        try:
+            return self._call(f"read {key}", get)
+        except botocore.exceptions.ClientError as error:
+            raise self.refused(error, f"read {key}") from None
+
+    def _put(
+        self, key: str, data: bytes, condition: Literal["create", "replace", ""], etag: str = ""
+    ) -> str:
+        """PUT with `condition`, tagged with a token of this write's own: a
+        conditional put tried again after an answer was lost is this write's
+        when the object carries its token, a lost race otherwise."""
+        full = self.full(key)
+        token = secrets.token_hex(12)
+        tries = 0
+
+        def put() -> str:
+            nonlocal tries
+            tries += 1
+            meta = {WRITE_TOKEN: token}
+            if condition == "create":
+                answer = self.client.put_object(
+                    Bucket=self.bucket, Key=full, Body=data, Metadata=meta, IfNoneMatch="*"
+                )
+            elif condition == "replace":
+                answer = self.client.put_object(
+                    Bucket=self.bucket, Key=full, Body=data, Metadata=meta, IfMatch=etag
+                )
+            else:
+                answer = self.client.put_object(Bucket=self.bucket, Key=full, Body=data)
+            return answer["ETag"]
+
+        try:
+            return self._call(f"write {key}", put)
+        except botocore.exceptions.ClientError as error:
+            failure = _failure(error)
+            lost = failure.status in (409, 412) or failure.code in (
+                "PreconditionFailed",
+                "ConditionalRequestConflict",
+                "NoSuchKey",
+            )
+            if not lost or not condition:
+                raise self.refused(error, f"write {key}") from None
+            if tries > 1:
+                mine = self._written_by(full, token)
+                if mine is not None:
+                    return mine
+            if condition == "create":
+                raise AlreadyExists(f"{self.where(key)} exists") from None
+            raise Changed(f"{self.where(key)} changed since it was read") from None
+
+    def _written_by(self, full: str, token: str) -> str | None:
+        """The object's ETag when the write `token` made it, else None."""
+        try:
+            answer = self._call(
+                "look at a write", lambda: self.client.head_object(Bucket=self.bucket, Key=full)
+            )
+        except botocore.exceptions.ClientError:
+            return None
+        return answer["ETag"] if answer.get("Metadata", {}).get(WRITE_TOKEN) == token else None
+
+    def create(self, key: str, data: bytes) -> str:
+        """PUT with `If-None-Match: *`. Raises AlreadyExists."""
+        return self._put(key, data, "create")
+
+    def replace(self, key: str, data: bytes, etag: str) -> str:
+        """PUT with `If-Match: <etag>`. Raises Changed."""
+        return self._put(key, data, "replace", etag)
+
+    def write(self, key: str, data: bytes) -> None:
+        """PUT, whatever the key holds."""
+        self._put(key, data, "")
+
+    def delete(self, key: str) -> None:
+        """DELETE the object, and every object under it as a directory."""
+        keys = [self.full(key)] + [self.full(info.key) for info in self.objects(key)]
+        for chunk in range(0, len(keys), 1000):
+            batch: list[ObjectIdentifierTypeDef] = [{"Key": k} for k in keys[chunk : chunk + 1000]]
+
+            def delete(batch: list[ObjectIdentifierTypeDef] = batch) -> None:
+                self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+
+            try:
+                self._call(f"delete {key}", delete)
+            except botocore.exceptions.ClientError as error:
+                raise self.refused(error, f"delete {key}") from None
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """HEAD with the checksum asked for: size and the store's SHA-256
+        (hex; for a multipart object, the SHA-256 of its parts' digests)."""
+        full = self.full(key)
+
+        def head() -> ObjectInfo | None:
+            try:
+                answer = self.client.head_object(
+                    Bucket=self.bucket, Key=full, ChecksumMode="ENABLED"
+                )
+            except botocore.exceptions.ClientError as error:
+                if _failure(error).code in ("NoSuchKey", "404", "NotFound"):
+                    return None
+                raise
+            checksum = answer.get("ChecksumSHA256")
+            digest = hex_sha256(checksum) if checksum else None
+            return ObjectInfo(key, int(answer["ContentLength"]), digest)
+
+        try:
+            return self._call(f"look at {key}", head)
+        except botocore.exceptions.ClientError as error:
+            raise self.refused(error, f"look at {key}") from None
+
+    def _pages(self, prefix: str, delimiter: bool) -> Iterator[ListObjectsV2OutputTypeDef]:
+        full = join(self.prefix, prefix)
+        start = f"{full}/" if full else ""
+        token = ""
+
+        def page() -> ListObjectsV2OutputTypeDef:
+            return (
+                self.client.list_objects_v2(
+                    Bucket=self.bucket,
+                    Prefix=start,
+                    Delimiter="/" if delimiter else "",
+                    ContinuationToken=token,
+                )
+                if token
+                else self.client.list_objects_v2(
+                    Bucket=self.bucket, Prefix=start, Delimiter="/" if delimiter else ""
+                )
+            )
+
+        while True:
+            try:
+                answer = self._call(f"list {prefix or 'the store'}", page)
+            except botocore.exceptions.ClientError as error:
+                raise self.refused(error, f"list {prefix or 'the store'}") from None
+            yield answer
+            if not answer.get("IsTruncated"):
+                return
+            token = answer.get("NextContinuationToken", "")
+
+    def _relative(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    def objects(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under `prefix/`."""
+        found: list[ObjectInfo] = []
+        for page in self._pages(prefix, delimiter=False):
+            for item in page.get("Contents", []):
+                found.append(ObjectInfo(self._relative(item["Key"]), int(item["Size"])))
+        return sorted(found, key=lambda info: info.key)
+
+    def names(self, prefix: str) -> list[str]:
+        """The names directly below `prefix/` (objects and common prefixes)."""
+        names: set[str] = set()
+        for page in self._pages(prefix, delimiter=True):
+            for item in page.get("Contents", []):
+                names.add(item["Key"].rsplit("/", 1)[-1])
+            for common in page.get("CommonPrefixes", []):
+                names.add(common["Prefix"].rstrip("/").rsplit("/", 1)[-1])
+        return sorted(n for n in names if n)
+
+    def put_file(self, path: Path, key: str) -> None:
+        """Uploads the local file `path` (boto3's managed transfer, in parts)."""
+        full = self.full(key)
+        try:
+            self._call(
+                f"write {key}",
+                lambda: self.client.upload_file(str(path), self.bucket, full),
+            )
+        except botocore.exceptions.ClientError as error:
+            raise self.refused(error, f"write {key}") from None
+        except boto3.exceptions.S3UploadFailedError as error:
+            raise StoreUnreachable(f"cannot write {self.where(key)}: {error}") from None
+
+    def get_file(self, key: str, path: Path) -> None:
+        """Downloads `key` to `path` (replaced atomically). Raises FileNotFoundError."""
+        full = self.full(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            self._call(
+                f"read {key}", lambda: self.client.download_file(self.bucket, full, str(tmp))
+            )
+            os.replace(tmp, path)
+        except botocore.exceptions.ClientError as error:
+            if _failure(error).code in ("NoSuchKey", "404"):
+                raise FileNotFoundError(self.where(key)) from None
+            raise self.refused(error, f"read {key}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _expires(self, size: int) -> int:
+        return min(SIGNED_MAX_S, SIGNED_MIN_S + size // SLOWEST_BPS)
+
+    def _checksum_params(self, sha256_hex: str) -> tuple[dict[str, str], dict[str, str]]:
+        """(presign parameters, headers the target sends) that make the store
+        check (or compute) a part's SHA-256."""
+        if self.checksums == "computed":
+            return {"ChecksumAlgorithm": "SHA256"}, {"x-amz-sdk-checksum-algorithm": "SHA256"}
+        value = b64_sha256(sha256_hex)
+        return {"ChecksumSHA256": value}, {"x-amz-checksum-sha256": value}
+
+    def sign_put(self, key: str, size: int, part_sha256: Sequence[str]) -> SignedPut:
+        """One presigned PUT per part: a single PUT for one part, else a
+        multipart upload (created here, completed by `complete`)."""
+        if self.checksums is None:
+            check_s3(self)
+        full = self.full(key)
+        spans = list(parts_of(size, self.part_size))
+        if len(spans) != len(part_sha256):
+            raise StoreError(
+                f"{key}: {len(part_sha256)} part digests for {len(spans)} parts of "
+                f"{self.part_size} bytes"
+            )
+        expires = self._expires(size)
+        try:
+            if len(spans) == 1:
+                params, headers = self._checksum_params(part_sha256[0])
+                url = self.client.generate_presigned_url(
+                    "put_object",
+                    Params={"Bucket": self.bucket, "Key": full, **params},
+                    ExpiresIn=expires,
+                )
+                return SignedPut(
+                    key, [SignedPart(url, headers, 0, size)], part_sha256=tuple(part_sha256)
+                )
+            upload = self._call(
+                f"start a multipart put of {key}",
+                lambda: self.client.create_multipart_upload(
+                    Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256"
+                ),
+            )
+        except botocore.exceptions.ClientError as error:
+            raise self.refused(error, f"write {key}") from None
+        parts = []
+        numbered = enumerate(zip(spans, part_sha256, strict=True), start=1)
+        for number, ((offset, length), digest) in numbered:
+            params, headers = self._checksum_params(digest)
+            url = self.client.generate_presigned_url(
+                "upload_part",
+                Params={
+                    "Bucket": self.bucket,
+                    "Key": full,
+                    "UploadId": upload["UploadId"],
+                    "PartNumber": number,
+                    **params,
+                },
+                ExpiresIn=expires,
+            )
+            parts.append(SignedPart(url, headers, offset, length))
+        return SignedPut(key, parts, upload["UploadId"], tuple(part_sha256))
+
+    def complete(self, signed: SignedPut, etags: Sequence[str]) -> None:
+        """Completes a multipart put with its parts' ETags and SHA-256s."""
+        if signed.upload_id is None:
+            return
+        parts = [
+            {"PartNumber": number, "ETag": etag, "ChecksumSHA256": b64_sha256(digest)}
+            for number, (etag, digest) in enumerate(
+                zip(etags, signed.part_sha256, strict=True), start=1
+            )
+        ]
+        full = self.full(signed.key)
+        upload_id = signed.upload_id
+        try:
+            self._call(
+                f"complete the put of {signed.key}",
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},  # type: ignore[typeddict-item]
+                ),
+            )
+        except botocore.exceptions.ClientError as error:
+            raise self.refused(error, f"complete the put of {signed.key}") from None
+
+    def sign_get(self, key: str) -> str:
+        """A presigned GET of `key`, valid SIGNED_MIN_S seconds at least."""
+        info = self.head(key)
+        size = info.size if info is not None else 0
+        return self.client.generate_presigned_url(
+            "get_object",
+            Params={"Bucket": self.bucket, "Key": self.full(key)},
+            ExpiresIn=self._expires(size),
+        )
+
+    @contextmanager
+    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[None]:
+        """A lease on `key` (see `store/lease.py`). Raises Busy."""
+        with Lease(self, key, holder):
+            yield
+
+    def holder(self, key: str) -> str | None:
+        """Who holds the lease `key`, None when it is free or expired."""
+        return lease_holder(self, key)

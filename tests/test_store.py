@@ -1,0 +1,236 @@
+"""The store, one contract over a local directory and a real S3 server (moto's,
+on 127.0.0.1): compare-and-swap records, no lost update under real races,
+locks held by one live holder (a killed holder's lease expires and another
+takes it), files put by signed URLs and checked by the store, and a store that
+cannot be used refused at once, in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from overbrainer_prefect.store import (
+    AlreadyExists,
+    Busy,
+    Changed,
+    LocalStore,
+    S3Store,
+    Store,
+    StoreRefused,
+    StoreUnreachable,
+    open_store,
+    update,
+)
+from overbrainer_prefect.store.check import check_s3
+from overbrainer_prefect.store.digest import expected_checksum
+from overbrainer_prefect.store.lease import TTL_ENV
+from overbrainer_prefect.store.s3 import OUTAGE_ENV, PART_ENV
+from tests.ports import free_port
+from tests.s3server import S3Server
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "local":
+        yield LocalStore(tmp_path / "runs")
+    else:
+        s3: S3Server = request.getfixturevalue("s3")
+        yield open_store(s3.bucket_url())
+
+
+def test_a_record_is_created_once_and_replaced_only_on_the_version_read(store: Store) -> None:
+    etag = store.create("r1/run.json", b"one")
+    with pytest.raises(AlreadyExists):
+        store.create("r1/run.json", b"two")
+    read = store.read("r1/run.json")
+    assert read is not None and read.data == b"one" and read.etag == etag
+    new = store.replace("r1/run.json", b"three", etag)
+    with pytest.raises(Changed):
+        store.replace("r1/run.json", b"stale", etag)
+    assert store.read("r1/run.json") == type(read)(b"three", new)
+    assert store.read("r1/none.json") is None
+    with pytest.raises(Changed):
+        store.replace("r1/none.json", b"x", etag)
+
+
+def test_racing_updates_lose_nothing(store: Store) -> None:
+    """Four writers each add ten to one counter at once: every addition counts."""
+
+    def add_ten() -> None:
+        for _ in range(10):
+            update(store, "counter", lambda data: str(int(data or b"0") + 1).encode())
+
+    writers = [threading.Thread(target=add_ten) for _ in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+    read = store.read("counter")
+    assert read is not None and read.data == b"40"
+
+
+def test_listing_files_and_deleting(store: Store, tmp_path: Path) -> None:
+    store.write("r1/run.json", b"{}")
+    store.write("r1/output/adapter.bin", b"x" * 10)
+    store.write("r2/run.json", b"{}")
+    assert store.names("") == ["r1", "r2"]
+    assert store.names("r1") == ["output", "run.json"]
+    assert [(o.key, o.size) for o in store.objects("r1")] == [
+        ("r1/output/adapter.bin", 10),
+        ("r1/run.json", 2),
+    ]
+    info = store.head("r1/output/adapter.bin")
+    assert info is not None and info.size == 10
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"gguf" * 1000)
+    store.put_file(source, "r2/gguf/model.gguf")
+    store.get_file("r2/gguf/model.gguf", tmp_path / "back" / "model.gguf")
+    assert (tmp_path / "back" / "model.gguf").read_bytes() == source.read_bytes()
+    with pytest.raises(FileNotFoundError):
+        store.get_file("r2/gguf/none.gguf", tmp_path / "none")
+    store.delete("r1")
+    assert store.names("") == ["r2"]
+    for bad in ("/etc/passwd", "../x", "a/../../b", ""):
+        with pytest.raises(ValueError):
+            store.read(bad)
+
+
+def test_a_lock_has_one_live_holder(store: Store) -> None:
+    with store.lock("r1/.follow.lock", {"flow_run_id": "f1", "since": "now"}):
+        assert "flow run f1" in (store.holder("r1/.follow.lock") or "")
+        with pytest.raises(Busy) as busy, store.lock("r1/.follow.lock", {"flow_run_id": "f2"}):
+            pass
+        assert "flow run f1" in busy.value.holder
+    assert store.holder("r1/.follow.lock") is None
+    with store.lock("r1/.follow.lock", {"flow_run_id": "f3"}):
+        assert "flow run f3" in (store.holder("r1/.follow.lock") or "")
+
+
+HOLD = """
+import sys, time
+from overbrainer_prefect.store import open_store
+store = open_store(sys.argv[1])
+with store.lock("r1/.follow.lock", {"flow_run_id": "killed"}):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_holders_lease_expires_and_another_takes_it(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder SIGKILLed while it holds the follow lease: nobody can take it
+    while it is live; within its TTL (3 s here) it expires, and another
+    process takes it."""
+    url = s3.bucket_url()
+    env = {**os.environ, TTL_ENV: "3"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, url], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        store = open_store(url)
+        time.sleep(3.5)  # renewed while it lives: past one TTL, still held
+        with pytest.raises(Busy) as busy, store.lock("r1/.follow.lock", {"flow_run_id": "b"}):
+            pass
+        assert "flow run killed" in busy.value.holder
+        os.kill(holder.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        holder.wait(10)
+        deadline = killed + 3 + 2
+        while True:
+            try:
+                with store.lock("r1/.follow.lock", {"flow_run_id": "taker"}):
+                    taken = time.monotonic() - killed
+                    assert "flow run taker" in (store.holder("r1/.follow.lock") or "")
+                break
+            except Busy:
+                assert time.monotonic() < deadline, "the dead holder's lease did not expire"
+                time.sleep(0.2)
+        assert taken <= 3 + 2
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_a_target_puts_a_file_in_parts_by_signed_urls_and_the_store_checks_each(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of 11 MiB in parts of 5 MiB: three signed part puts, completed;
+    the store's SHA-256 is the parts' composite. A part whose bytes are not the
+    ones hashed leaves a checksum that is not the expected one."""
+    monkeypatch.setenv(PART_ENV, "5")
+    store = open_store(s3.bucket_url())
+    assert isinstance(store, S3Store)
+    data = os.urandom(11 << 20)
+    parts = [data[i : i + (5 << 20)] for i in range(0, len(data), 5 << 20)]
+    digests = [hashlib.sha256(part).hexdigest() for part in parts]
+    signed = store.sign_put("r1/gguf/model.gguf", len(data), digests)
+    assert len(signed.parts) == 3 and signed.upload_id
+    etags = []
+    with httpx.Client() as http:
+        for part in signed.parts:
+            body = data[part.offset : part.offset + part.length]
+            answer = http.put(part.url, content=body, headers=dict(part.headers))
+            assert answer.status_code == 200
+            etags.append(answer.headers["etag"])
+    store.complete(signed, etags)
+    info = store.head("r1/gguf/model.gguf")
+    assert info is not None and info.size == len(data)
+    assert info.sha256 == expected_checksum(digests)
+
+    one = b"the adapter"
+    signed = store.sign_put("r1/output/adapter.bin", len(one), [hashlib.sha256(one).hexdigest()])
+    part = signed.parts[0]
+    answer = httpx.put(part.url, content=b"not the adapter", headers=dict(part.headers))
+    info = store.head("r1/output/adapter.bin")
+    # a store that checks refuses the put; one that computes reports another SHA-256
+    assert answer.status_code != 200 or (
+        info is not None and info.sha256 != hashlib.sha256(one).hexdigest()
+    )
+    got = httpx.get(store.sign_get("r1/gguf/model.gguf"))
+    assert got.status_code == 200 and got.content == data
+
+
+def test_a_store_that_cannot_be_used_is_refused_in_one_line(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(OUTAGE_ENV, "1")
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(StoreUnreachable) as unreachable:
+        check_s3(_s3(f"s3://runs-x/p?endpoint_url={nobody}"))
+    assert "did not answer" in str(unreachable.value) and "\n" not in str(unreachable.value)
+
+    with pytest.raises(StoreRefused) as missing:
+        check_s3(_s3(f"s3://no-such-bucket/p?endpoint_url={s3.endpoint}"))
+    assert "no such bucket" in str(missing.value)
+
+    with pytest.raises(StoreRefused) as scheme:
+        open_store("gs://bucket/p")
+    assert "s3://bucket/prefix" in str(scheme.value)
+
+    with S3Server.start(tmp_path / "auth.log", auth=True) as guarded:
+        key_id, secret = guarded.keys
+        guarded.client().create_bucket(Bucket="runs-guarded")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-" + secret)
+        with pytest.raises(StoreRefused) as wrong:
+            check_s3(_s3(f"s3://runs-guarded/p?endpoint_url={guarded.endpoint}"))
+        assert "check the credentials" in str(wrong.value)
+        assert secret not in str(wrong.value) and "\n" not in str(wrong.value)
+
+
+def _s3(url: str) -> S3Store:
+    store = open_store(url)
+    assert isinstance(store, S3Store)
+    return store
