@@ -27,7 +27,7 @@ from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, Unreachable
-from overbrainer_prefect.steps.retrieve import load_manifest
+from overbrainer_prefect.runs.manifest import load_manifest
 from tests.conftest import job_venv
 from tests.shelljobs import WRITE_METRICS, ShellTrainer
 from tests.sshd import Sshd

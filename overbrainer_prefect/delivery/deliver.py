@@ -11,7 +11,6 @@ import asyncio
 import hashlib
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from pydantic import SecretStr
@@ -245,7 +244,7 @@ def link_of(run_id: str, delivery: Delivery) -> tuple[str, str, str]:
 
 
 def keep_back(
-    run_dir: Path, run_id: str, gate: GateDecision, again: str, flow_run_id: str | None = None
+    runs: Runs, run_id: str, gate: GateDecision, again: str, flow_run_id: str | None = None
 ) -> str:
     """Records in the run's `deliveries.json` that `gate` kept run `run_id`
     back, and returns the line that says so: `not delivered: <reason>; ...`
@@ -257,7 +256,7 @@ def keep_back(
         decided=rfc3339(),
         flow_run_id=flow_run_id,
     )
-    add_not_delivered(run_dir, refused)
+    add_not_delivered(runs, run_id, refused)
     evaluation = f" (evaluation {gate.evaluation_id})" if gate.evaluation_id else ""
     return (
         f"not delivered: {gate.reason}{evaluation}; run {run_id} and its GGUF are kept: "

@@ -1,25 +1,21 @@
 """`runs/<run-id>/deliveries.json`: every delivery of a run, appended once
 made, with what was sent and its SHA-256 (and the evaluation whose gate let it
 through), and every time a gate kept the run from being delivered, with why.
-Written atomically, under a lock so that two flows delivering the same run at
+Changed by compare-and-swap, so that two flows delivering the same run at
 once both stay recorded. It never holds a secret (URLs are kept without user
 or password)."""
 
 from __future__ import annotations
 
-import fcntl
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from overbrainer_prefect.runs.records import RecordIoError, load_record, save_record
+from overbrainer_prefect.runs.records import read_record, update_record
+from overbrainer_prefect.runs.store import Runs
 
 DELIVERIES_FILE = "deliveries.json"
-LOCK_FILE = ".deliveries.lock"
 
 
 class DeliveredFile(BaseModel):
@@ -86,52 +82,44 @@ class Deliveries(BaseModel):
         return "delivered: " + ", ".join(f"{d.destination} {d.name}" for d in made)
 
 
-def load_deliveries(run_dir: Path) -> Deliveries:
-    """The deliveries recorded in the run directory `run_dir` (none when there
-    is no record yet).
+def load_deliveries(runs: Runs, run_id: str) -> Deliveries:
+    """The deliveries recorded for the run `run_id` (none when there is no
+    record yet).
 
     Raises RecordIoError or InvalidRecord when the record cannot be read.
     """
-    try:
-        return load_record(run_dir / DELIVERIES_FILE, Deliveries, "deliveries")
-    except FileNotFoundError:
-        return Deliveries()
+    found = read_record(runs.store, runs.key(run_id, DELIVERIES_FILE), Deliveries, "deliveries")
+    return found[0] if found is not None else Deliveries()
 
 
-def add_delivery(run_dir: Path, delivery: Delivery) -> Deliveries:
-    """Appends `delivery` to the record of `run_dir` and returns the record.
+def add_delivery(runs: Runs, run_id: str, delivery: Delivery) -> Deliveries:
+    """Appends `delivery` to the record of the run `run_id` and returns the record.
 
     Raises RecordIoError or InvalidRecord when the record cannot be read or written.
     """
-    return _changed(run_dir, lambda record: record.deliveries.append(delivery))
+    return _changed(runs, run_id, lambda record: record.deliveries.append(delivery))
 
 
-def add_not_delivered(run_dir: Path, refused: NotDelivered) -> Deliveries:
-    """Appends the gate's refusal `refused` to the record of `run_dir` and
-    returns the record.
+def add_not_delivered(runs: Runs, run_id: str, refused: NotDelivered) -> Deliveries:
+    """Appends the gate's refusal `refused` to the record of the run `run_id`
+    and returns the record.
 
     Raises RecordIoError or InvalidRecord when the record cannot be read or written.
     """
-    return _changed(run_dir, lambda record: record.not_delivered.append(refused))
+    return _changed(runs, run_id, lambda record: record.not_delivered.append(refused))
 
 
-def _changed(run_dir: Path, change: Callable[[Deliveries], None]) -> Deliveries:
-    """The record of `run_dir` read, changed by `change` and saved, under its lock."""
-    with _locked(run_dir):
-        record = load_deliveries(run_dir)
+def _changed(runs: Runs, run_id: str, change: Callable[[Deliveries], None]) -> Deliveries:
+    """The record of the run read, changed by `change` and saved by
+    compare-and-swap (two flows delivering the run at once both stay recorded)."""
+
+    def changed(record: Deliveries | None) -> Deliveries:
+        record = record or Deliveries()
         change(record)
-        save_record(run_dir, DELIVERIES_FILE, record)
         return record
 
-
-@contextmanager
-def _locked(run_dir: Path) -> Iterator[None]:
-    try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as error:
-        raise RecordIoError(run_dir / LOCK_FILE, error) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    saved = update_record(
+        runs.store, runs.key(run_id, DELIVERIES_FILE), Deliveries, "deliveries", changed
+    )
+    assert saved is not None
+    return saved

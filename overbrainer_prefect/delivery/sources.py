@@ -16,8 +16,9 @@ from pathlib import Path
 
 from overbrainer_prefect.delivery import DeliveryError
 from overbrainer_prefect.executors.manifest import recheck
+from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.steps.retrieve import load_manifest
+from overbrainer_prefect.store import StoreError
 
 OUTPUT_DIR = "output"
 """Where a run's adapter (or full model) is, in its run directory."""
@@ -92,7 +93,7 @@ def find_gguf(runs: Runs, record: RunRecord, quant: str) -> ExportedGguf:
         if export.state != RunState.SUCCEEDED:
             continue
         spec_quant = str((export.spec or {}).get("quant", "")).lower()
-        for entry in load_manifest(exports.run_dir(export.id)):
+        for entry in load_manifest(exports, export.id):
             if not (entry.path.startswith("gguf/") and entry.path.endswith(".gguf")):
                 continue
             named = entry.path.lower().endswith(f"-{quant}.gguf")
@@ -106,9 +107,8 @@ def find_gguf(runs: Runs, record: RunRecord, quant: str) -> ExportedGguf:
         )
     _, export, rel, size, sha256 = max(candidates, key=lambda c: (c[0], c[1].id))
     shown = f"runs/{record.id}/exports/{export.id}/{rel}"
-    path = exports.run_dir(export.id) / rel
     again = f"export it again with the export flow (run_id={record.id}, quant={quant})"
-    file = verified(path, shown, size, sha256, again)
+    file = verified(local_copy(exports, export.id, rel, again), shown, size, sha256, again)
     return ExportedGguf(run_id=record.id, export_id=export.id, quant=quant, file=file)
 
 
@@ -120,10 +120,9 @@ def adapter_files(runs: Runs, record: RunRecord) -> list[LocalFile]:
     Raises SourceError with one line when the run has no retrieved output or a
     file differs from its manifest.
     """
-    local = runs.run_dir(record.id)
     manifest = {
         entry.path: entry
-        for entry in load_manifest(local)
+        for entry in load_manifest(runs, record.id)
         if entry.path.startswith(f"{OUTPUT_DIR}/") and entry.path.count("/") == 1
     }
     again = f"retrieve it again with the attach flow (run_id={record.id})"
@@ -133,14 +132,30 @@ def adapter_files(runs: Runs, record: RunRecord) -> list[LocalFile]:
         if any(fnmatchcase(name, pattern) for pattern in NOT_DELIVERED):
             continue
         entry = manifest[rel]
-        files.append(
-            verified(local / rel, f"runs/{record.id}/{rel}", entry.size, entry.sha256, again)
-        )
+        path = local_copy(runs, record.id, rel, again)
+        files.append(verified(path, f"runs/{record.id}/{rel}", entry.size, entry.sha256, again))
     if not files:
         raise SourceError(
             f"run {record.id} has no verified files in {OUTPUT_DIR}/ to deliver: {again}"
         )
     return files
+
+
+def local_copy(runs: Runs, record_id: str, rel: str, again: str) -> Path:
+    """The file `rel` of the record `record_id` on this machine: where it is,
+    in a local runs directory; fetched from an object store into this
+    process's staging directory otherwise (Ollama and the Hub take a model's
+    bytes from the process that delivers it). Raises SourceError."""
+    path = runs.run_dir(record_id) / rel
+    if runs.store.local_path(runs.key(record_id, rel)) is not None:
+        return path
+    try:
+        runs.store.get_file(runs.key(record_id, rel), path)
+    except FileNotFoundError:
+        raise SourceError(f"{runs.where_of(record_id, rel)} is not in the store: {again}") from None
+    except StoreError as error:
+        raise SourceError(f"cannot fetch {runs.where_of(record_id, rel)}: {error}") from None
+    return path
 
 
 def verified(path: Path, shown: str, size: int, sha256: str, again: str) -> LocalFile:

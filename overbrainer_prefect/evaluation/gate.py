@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.evaluation.results import EvaluationResult
 from overbrainer_prefect.runs.records import (
     DeploymentRecord,
+    RecordChanged,
     RecordError,
-    load_deployment_record,
-    save_record,
+    read_record,
+    write_record,
 )
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store import StoreError
 from overbrainer_prefect.trainers.export import NAME_CHARS
 
 DELIVERED_DIR = ".delivered"
@@ -197,31 +199,78 @@ def _against_last(tuned: str, result: EvaluationResult, last: Delivered | None) 
     return True, f"held-out {tuned} ≥ the last delivered model's {was} {run}"
 
 
-def delivered_path(runs_root: Path, deployment: str) -> Path:
-    """The record of `deployment`'s last delivered model: its name in file-safe
-    characters and a hash of the exact name, so two names never share a file."""
+def deployment_stem(deployment: str) -> str:
+    """A deployment's name in file-safe characters and a hash of the exact
+    name, so two names never share a record."""
     stem = NAME_CHARS.sub("-", deployment).strip(".-")[:60] or "deployment"
     digest = hashlib.sha256(deployment.encode()).hexdigest()[:12]
-    return runs_root / DELIVERED_DIR / f"{stem}-{digest}.json"
+    return f"{stem}-{digest}"
 
 
-def last_delivered(runs_root: Path, deployment: str) -> Delivered | None:
-    """The last model delivered for `deployment`, or None before the first.
+def delivered_key(deployment: str) -> str:
+    """The key (under the runs directory) of `deployment`'s last delivered model."""
+    return f"{DELIVERED_DIR}/{deployment_stem(deployment)}.json"
+
+
+def last_delivered(runs: Runs, deployment: str) -> Delivered | None:
+    """The last model delivered for `deployment`, or None before the first;
+    it remembers the version it was read at (`remember_delivered`).
 
     Raises GateError with one line when the record is there but cannot be read."""
+    key = runs.key(delivered_key(deployment))
     try:
-        return load_deployment_record(
-            delivered_path(runs_root, deployment), Delivered, "delivered-model", deployment
-        )
+        found = read_record(runs.store, key, Delivered, "delivered-model")
     except RecordError as error:
         raise GateError(f"{error}: remove it to gate the next model against none") from None
+    if found is None:
+        return None
+    record, etag = found
+    if record.deployment != deployment:
+        raise GateError(
+            f"{runs.store.where(key)} is the record of another deployment: remove it to gate "
+            "the next model against none"
+        )
+    record._etag = etag
+    return record
 
 
-def remember_delivered(runs_root: Path, record: Delivered) -> None:
-    """Records `record` as its deployment's last delivered model, atomically.
-    Raises GateError with one line when it cannot be written."""
-    path = delivered_path(runs_root, record.deployment)
+def remember_delivered(runs: Runs, record: Delivered, gated_against: Delivered | None) -> str:
+    """Records `record` as its deployment's last delivered model, only if the
+    last delivered model is still `gated_against` (the one the gate measured
+    it against; None: there was none): of two flow runs of one deployment
+    gated at once, exactly one takes the slot. Returns the record's version.
+
+    Raises GateError with one line when another flow run took it first, or it
+    cannot be written."""
+    key = runs.key(delivered_key(record.deployment))
+    etag = gated_against._etag if gated_against is not None else None
     try:
-        save_record(path.parent, path.name, record)
+        return write_record(runs.store, key, record, etag)
+    except RecordChanged:
+        now = last_delivered(runs, record.deployment)
+        raise GateError(
+            f"another flow run of {record.deployment} delivered "
+            f"{'run ' + now.run_id if now is not None else 'a model'} since run {record.run_id} "
+            f"was gated: run {record.run_id} is not delivered; run the fine-tune again to gate "
+            "it against the new one"
+        ) from None
     except RecordError as error:
+        raise GateError(str(error)) from None
+
+
+def forget_delivered(runs: Runs, record: Delivered, etag: str, previous: Delivered | None) -> None:
+    """Puts back `previous` as the last delivered model of `record`'s
+    deployment when `record` (at `etag`) took its slot but was not delivered;
+    nothing when another flow run changed it since. Raises GateError."""
+    key = runs.key(delivered_key(record.deployment))
+    try:
+        if previous is None:
+            found = runs.store.read(key)
+            if found is not None and found.etag == etag:
+                runs.store.delete(key)
+            return
+        write_record(runs.store, key, previous, etag)
+    except RecordChanged:
+        return
+    except (RecordError, StoreError) as error:
         raise GateError(str(error)) from None

@@ -31,6 +31,8 @@ from overbrainer_prefect.evaluation.spec import (
     Group,
     JudgeModel,
 )
+from overbrainer_prefect.runs.records import RecordError
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.export import UnknownQuant, check_quant
 from overbrainer_prefect.trainers.gguf_job import GgufRef
@@ -150,26 +152,28 @@ def _role(message: object) -> object:
     return message.get("role") if isinstance(message, dict) else None
 
 
-def heldout_items(run_dir: Path, scorer: str) -> tuple[list[EvalItem], HoldoutSplit | None]:
-    """The items of the held-out rows the run in `run_dir` recorded (none when it
+def heldout_items(
+    runs: Runs, run_id: str, scorer: str
+) -> tuple[list[EvalItem], HoldoutSplit | None]:
+    """The items of the held-out rows the run `run_id` recorded (none when it
     kept none), each scored by `scorer` against the row's answer, and the split.
 
     Raises BadEvaluationInput with one line when the split or a row is unusable."""
     try:
-        split = read_split(run_dir)
+        split = read_split(runs, run_id)
     except TrainError as error:
         raise BadEvaluationInput(str(error)) from None
     if split is None:
         return [], None
     items = []
     for entry in split.files:
-        path = run_dir / entry.heldout
+        path = runs.where_of(run_id, entry.heldout)
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except OSError as error:
-            raise BadEvaluationInput(
-                f"cannot read the held-out rows {path}: {error.strerror}"
-            ) from None
+            lines = runs.read_text(run_id, entry.heldout).splitlines()
+        except FileNotFoundError:
+            raise BadEvaluationInput(f"cannot read the held-out rows {path}: none there") from None
+        except RecordError as error:
+            raise BadEvaluationInput(f"cannot read the held-out rows {path}: {error}") from None
         rows = [line for line in lines if line.strip()]
         for line, number in zip(rows, entry.lines, strict=False):
             where = f"held-out row {entry.source} line {number}"
@@ -196,12 +200,13 @@ def sha256_of(path: Path) -> str:
 def plan_evaluation(
     spec: EvaluationSpec,
     *,
-    run_dir: Path,
+    runs: Runs,
+    run_id: str,
     base_model: str,
     tuned: GgufRef,
     base: GgufRef,
 ) -> EvaluationPlan:
-    """The plan of an evaluation of the run in `run_dir` (its local directory):
+    """The plan of an evaluation of the run `run_id` of `runs`:
     the held-out items (the run's held-out rows when `spec.heldout`, then the eval
     file's, then `spec.items`), the controls (the shipped ones when
     `spec.default_controls`, the controls file's, then `spec.controls`), each with
@@ -220,13 +225,13 @@ def plan_evaluation(
     heldout: list[EvalItem] = []
     split = None
     if spec.heldout:
-        heldout, split = heldout_items(run_dir, spec.heldout_scorer)
+        heldout, split = heldout_items(runs, run_id, spec.heldout_scorer)
     if spec.eval_file:
         heldout += load_items(spec.eval_file, "heldout")
     heldout += [item.model_copy(update={"group": "heldout"}) for item in spec.items]
     if not heldout:
         raise BadEvaluationInput(
-            f"nothing held out to evaluate run {run_dir.name} on: it kept no rows out of "
+            f"nothing held out to evaluate run {run_id} on: it kept no rows out of "
             "training and no eval_file or items are given; train with holdout (like 0.2) or "
             "give an eval_file"
         )
@@ -255,5 +260,5 @@ def plan_evaluation(
         perplexity=spec.perplexity,
         confidence=spec.confidence,
         alpha=spec.alpha,
-        heldout_split=f"{run_dir.name}/{HOLDOUT_DIR}/{SPLIT_FILE}" if split else None,
+        heldout_split=f"{run_id}/{HOLDOUT_DIR}/{SPLIT_FILE}" if split else None,
     )

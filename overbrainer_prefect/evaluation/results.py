@@ -23,7 +23,8 @@ from overbrainer_prefect.evaluation.judge import JudgeCall, JudgeOutcome, OpenAI
 from overbrainer_prefect.evaluation.scorers import ScorerKind, passes
 from overbrainer_prefect.evaluation.spec import EvalItem, EvaluationPlan, Group
 from overbrainer_prefect.evaluation.stats import mcnemar_exact, wilson
-from overbrainer_prefect.runs.records import write_atomic
+from overbrainer_prefect.runs.records import RecordError, record_bytes
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.trainers.compare import ModelAnswer
 
 RESULTS_FILE = "results.json"
@@ -76,14 +77,15 @@ class JobResults(BaseModel):
     max_tokens: int
 
 
-def read_job_results(path: Path) -> JobResults:
-    """The job's `results.json` at `path`. Raises EvaluationIncomplete with one line
-    when it is missing or not the job's shape."""
+def read_job_results(store: Runs, evaluation_id: str) -> JobResults:
+    """The job's `results.json` of the evaluation `evaluation_id`. Raises
+    EvaluationIncomplete with one line when it is missing or not the job's shape."""
+    path = store.where_of(evaluation_id, RESULTS_FILE)
     try:
-        return JobResults.model_validate_json(path.read_text(encoding="utf-8"))
+        return JobResults.model_validate_json(store.read_bytes(evaluation_id, RESULTS_FILE))
     except FileNotFoundError:
         raise EvaluationIncomplete(f"no {path}: the evaluation job did not finish") from None
-    except (OSError, ValueError, ValidationError):
+    except (RecordError, ValueError, ValidationError):
         raise EvaluationIncomplete(
             f"{path} is not an evaluation job's results: run the evaluation again"
         ) from None
@@ -300,16 +302,20 @@ SCORED_FILE = "evaluation.json"
 """The scored result of an evaluation, beside its retrieved files (local only)."""
 
 
-def score_retrieved(local: Path, plan: EvaluationPlan, evaluation_id: str) -> EvaluationResult:
-    """Scores the answers an evaluation's job left in `local` (retrieved and
-    verified), asking the plan's endpoint judge both orders here when it has
-    one, and records the result in `local/evaluation.json`. Raises
-    EvaluationError (or the judge's error) with one line."""
-    job = read_job_results(local / RESULTS_FILE)
+def score_retrieved(store: Runs, plan: EvaluationPlan, evaluation_id: str) -> EvaluationResult:
+    """Scores the answers the evaluation `evaluation_id`'s job left in `store`
+    (retrieved and verified), asking the plan's endpoint judge both orders
+    here when it has one, and records the result beside them
+    (`evaluation.json`). Raises EvaluationError (or the judge's error) with
+    one line."""
+    job = read_job_results(store, evaluation_id)
     calls = None
     if plan.judge is not None and plan.judge.endpoint is not None:
         with httpx.Client() as client:
             calls = OpenAIJudge(plan.judge, client).judge(judge_pairs(plan, job), plan.seed)
     result = score(plan, job, calls).model_copy(update={"evaluation_id": evaluation_id})
-    write_atomic(local, SCORED_FILE, result.model_dump_json(indent=2).encode() + b"\n")
+    try:
+        store.write_bytes(evaluation_id, SCORED_FILE, record_bytes(result))
+    except RecordError as error:
+        raise EvaluationIncomplete(f"cannot record the result: {error}") from None
     return result

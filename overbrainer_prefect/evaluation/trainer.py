@@ -23,6 +23,7 @@ from pathlib import Path
 
 from overbrainer_prefect.evaluation.results import RESULTS_FILE, job_inputs
 from overbrainer_prefect.evaluation.spec import EvaluationPlan
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.trainers.base import METRICS_FILE, Artifacts, JobContext, TrainError
 from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, GgufJobTrainer
 from overbrainer_prefect.trainers.staging import link_or_copy
@@ -36,7 +37,7 @@ INPUTS_FILE = "inputs.json"
 
 class EvaluateTrainer(GgufJobTrainer):
     """An evaluation following `plan`, whose GGUFs are under the runs directory
-    `runs_root` (the judge GGUF, if any, where the plan says). `cpu_threads` sets
+    `runs` (the judge GGUF, if any, where the plan says). `cpu_threads` sets
     llama.cpp's threads on a target without a GPU; on one with a GPU every layer
     is offloaded to it.
 
@@ -45,10 +46,8 @@ class EvaluateTrainer(GgufJobTrainer):
     name = EVALUATION
     script = EVALUATE_MODULE
 
-    def __init__(
-        self, plan: EvaluationPlan, runs_root: Path, cpu_threads: int | None = None
-    ) -> None:
-        super().__init__(plan, runs_root, cpu_threads)
+    def __init__(self, plan: EvaluationPlan, runs: Runs, cpu_threads: int | None = None) -> None:
+        super().__init__(plan, runs, cpu_threads)
         self.plan = plan
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:

@@ -147,8 +147,11 @@ class Executor(Protocol):
         """How messages name this target, e.g. `local target 'laptop'`."""
         ...
 
-    async def run(self, argv: Sequence[str], timeout: float = 60.0) -> CommandResult:
-        """Runs a short command on the target and returns its exit code and output."""
+    async def run(
+        self, argv: Sequence[str], timeout: float = 60.0, stdin: bytes | None = None
+    ) -> CommandResult:
+        """Runs a command on the target (`stdin` written to it: what must not be
+        in its arguments) and returns its exit code and output."""
         ...
 
     async def upload(self, local: Path, remote: str, skip: Sequence[str] = ()) -> None:

@@ -92,9 +92,11 @@ class LocalExecutor:
         """How messages name this target: `local target '<name>'`."""
         return f"local target '{self._name}'"
 
-    async def run(self, argv: Sequence[str], timeout: float = 60.0) -> CommandResult:
-        """Runs `argv` (no shell) with the safe environment and returns its exit
-        code and output.
+    async def run(
+        self, argv: Sequence[str], timeout: float = 60.0, stdin: bytes | None = None
+    ) -> CommandResult:
+        """Runs `argv` (no shell) with the safe environment, `stdin` written to
+        it, and returns its exit code and output.
 
         Raises ExecError (`run`) when the program cannot be started, or when it
         runs past `timeout` seconds (it is then killed with its process group).
@@ -104,7 +106,7 @@ class LocalExecutor:
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=_safe_env(),
@@ -113,7 +115,7 @@ class LocalExecutor:
         except OSError as error:
             raise ExecError("run", f"{argv[0]!r} cannot be started: {error.strerror}") from None
         try:
-            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
+            stdout, stderr = await asyncio.wait_for(process.communicate(stdin), timeout)
         except TimeoutError:
             _kill_group(process.pid)
             await process.wait()

@@ -149,9 +149,11 @@ class SshExecutor:
     def __repr__(self) -> str:
         return f"SshExecutor({self.description}, workdir={self._workdir!r})"
 
-    async def run(self, argv: Sequence[str], timeout: float = 60.0) -> CommandResult:
-        """Runs `argv` on the host (quoted for its shell) and returns its exit
-        code and output. A command is never retried, since it may not be
+    async def run(
+        self, argv: Sequence[str], timeout: float = 60.0, stdin: bytes | None = None
+    ) -> CommandResult:
+        """Runs `argv` on the host (quoted for its shell), `stdin` written to
+        it, and returns its exit code and output. A command is never retried, since it may not be
         idempotent: on a connection found lost it raises TargetUnreachable, and
         the next call connects again.
 
@@ -162,7 +164,12 @@ class SshExecutor:
             raise ExecError("run", "no command was given")
         late = f"{argv[0]!r} did not finish within {timeout:g} s on {self.description}"
         result = await self._command(
-            "run", shlex.join(argv), ExecError("run", late), timeout=timeout, retry=False
+            "run",
+            shlex.join(argv),
+            ExecError("run", late),
+            stdin=stdin,
+            timeout=timeout,
+            retry=False,
         )
         return CommandResult(
             code=_code(result),

@@ -134,7 +134,7 @@ async def candidates(runs: Runs) -> list[tuple[Runs, RunRecord, Target | None]]:
     targets: dict[str, Target | None] = {}
     for store in runs.stores():
         for record in store.list(skipped=lambda _name, _error: None):
-            if is_followed(store.run_dir(record.id)):
+            if is_followed(store, record.id):
                 continue
             if record.target not in targets:
                 try:

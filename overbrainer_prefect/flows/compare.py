@@ -107,9 +107,7 @@ async def finish_compare(
     record = outcome.record
     result = result_of(compares, record, outcome.files)
     await publish_answers(record.id, answers_markdown(result, where))
-    why = (
-        job_failure(compares.run_dir(record.id), "compare failed: ") if record.state.ended else None
-    )
+    why = job_failure(compares, record.id, "compare failed: ") if record.state.ended else None
     return ended(record, result, cancelling=cancelling, why=why, line=result_line(result, record))
 
 
@@ -185,7 +183,7 @@ async def compare(
         tuned=tuned,
         base=await export_base(runs, base, quant, place, logger),
     )
-    trainer = CompareTrainer(spec, runs.root, cpu_threads=place.cpu_threads)
+    trainer = CompareTrainer(spec, runs, cpu_threads=place.cpu_threads)
     job = gguf_job(compares, need, COMPARE, trainer, spec.model_dump(mode="json"), run_id)
     finished = await run_new(place, job, logger)
     return await finish_compare(compares, finished.outcome, finished.where)

@@ -175,7 +175,7 @@ async def _load_block(kind: type[BlockT], name: str) -> BlockT:
 
 async def _recorded(runs: Runs, run_id: str, delivery: Delivery) -> Delivery:
     """Records `delivery` in the run's `deliveries.json` and links it, as soon as it is made."""
-    await asyncio.to_thread(add_delivery, runs.run_dir(run_id), delivery)
+    await asyncio.to_thread(add_delivery, runs, run_id, delivery)
     text, description, key = link_of(run_id, delivery)
     await acreate_link_artifact(
         link=delivery.url,

@@ -149,7 +149,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
             flow_run_id=flow_run.id,
             parent=job.parent,
         )
-        with follow_lock(store.run_dir(record.id), flow_run.id):
+        with follow_lock(store, record.id, flow_run.id):
             logger.info(
                 "%s created on %s (files in %s)",
                 subject(record),
@@ -281,7 +281,7 @@ async def follow_again(
     """
     target = target or await target_named(record.target, logger)
     try:
-        with follow_lock(store.run_dir(record.id), flow_run.id):
+        with follow_lock(store, record.id, flow_run.id):
             record = store.load(record.id)  # as its last follower left it
             if record.job is None:
                 return await _abandoned(target, store, record)

@@ -48,11 +48,12 @@ async def finish_evaluation(
     returned = ended(record, None, cancelling=cancelling)
     if returned is not None:
         return returned
-    local = store.run_dir(record.id)
     plan = EvaluationPlan.model_validate(record.spec)
-    result = await asyncio.to_thread(score_retrieved, local, plan, record.id)
+    result = await asyncio.to_thread(score_retrieved, store, plan, record.id)
     line = verdict(result)
-    get_run_logger().info("%s: %s (in %s)", subject(record), line, local / SCORED_FILE)
+    get_run_logger().info(
+        "%s: %s (in %s)", subject(record), line, store.where_of(record.id, SCORED_FILE)
+    )
     await acreate_markdown_artifact(
         markdown=markdown(result), key=f"evaluation-{record.id}".lower(), description=line[:500]
     )
@@ -92,14 +93,15 @@ async def evaluate(
         check_judge_endpoint(spec.judge)
     quant = check_quant(spec.quant)
     run, tuned, base = check_comparable(runs, run_id, quant)
-    run_dir = runs.run_dir(run_id)
     # every input checked before anything runs (the base's GGUF stands in for now)
-    plan_evaluation(spec, run_dir=run_dir, base_model=base, tuned=tuned, base=tuned)
+    plan_evaluation(spec, runs=runs, run_id=run_id, base_model=base, tuned=tuned, base=tuned)
     place = await target_named(target or run.target, logger)
     need = gguf_need(f"the evaluation of run {run_id}", tuned, image)
     place.check(need)
     base_ref = await export_base(runs, base, quant, place, logger)
-    plan = plan_evaluation(spec, run_dir=run_dir, base_model=base, tuned=tuned, base=base_ref)
+    plan = plan_evaluation(
+        spec, runs=runs, run_id=run_id, base_model=base, tuned=tuned, base=base_ref
+    )
     logger.info(
         "run %s: %d items (%d held-out) to its base model and its fine-tune (%s) on %s",
         run_id,
@@ -108,7 +110,7 @@ async def evaluate(
         quant,
         place.ref,
     )
-    trainer = EvaluateTrainer(plan, runs.root, cpu_threads=place.cpu_threads)
+    trainer = EvaluateTrainer(plan, runs, cpu_threads=place.cpu_threads)
     job = gguf_job(store, need, EVALUATION, trainer, plan.model_dump(mode="json"), run_id)
     finished = await run_new(place, job, logger)
     return await finish_evaluation(runs, store, finished.outcome)

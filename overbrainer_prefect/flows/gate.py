@@ -39,7 +39,5 @@ async def not_delivered(
 
     Raises RecordError when the refusal cannot be recorded.
     """
-    line = await asyncio.to_thread(
-        keep_back, runs.run_dir(run_id), run_id, gate, again, flow_run.id
-    )
+    line = await asyncio.to_thread(keep_back, runs, run_id, gate, again, flow_run.id)
     return Completed(name=NOT_DELIVERED, message=line, data=data)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.runtime import flow_run
@@ -28,6 +27,7 @@ from overbrainer_prefect.nightly.decision import (
 )
 from overbrainer_prefect.nightly.prepared import PREPARE_TIMEOUT_S, take_prepared
 from overbrainer_prefect.nightly.record import NightlyRecordError
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.shell_prepare import load_prepare, run_prepare
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
@@ -48,7 +48,7 @@ async def begin_night(
     training: TrainingSpec,
     export: BaseModel,
     evaluation: EvaluationSpec | None,
-    runs_root: Path,
+    runs: Runs,
     deployment: str,
     *,
     prepare: str | None = None,
@@ -80,7 +80,7 @@ async def begin_night(
         training,
         export,
         evaluation,
-        runs_root,
+        runs,
         deployment,
         force=force or resumed,
         prepared_by=prepare,
@@ -96,7 +96,7 @@ async def begin_night(
 
 
 async def end_night(
-    runs_root: Path, start: NightStart, run_id: str, delivered: bool, resumed: bool
+    runs: Runs, start: NightStart, run_id: str, delivered: bool, resumed: bool
 ) -> None:
     """Remembers the night `start` that trained run `run_id` as its deployment's
     last night (unless it only continued a run), and, when it `delivered`, as
@@ -105,7 +105,7 @@ async def end_night(
     this = str(flow_run.id) if flow_run.id else None
     try:
         line = await asyncio.to_thread(
-            remember, runs_root, start.facts, run_id, this, trained=not resumed, delivered=delivered
+            remember, runs, start.facts, run_id, this, trained=not resumed, delivered=delivered
         )
     except NightlyRecordError as error:
         get_run_logger().warning("%s: the next night trains whatever its data", error)

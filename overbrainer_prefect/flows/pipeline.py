@@ -20,7 +20,9 @@ from prefect.runtime import deployment
 from overbrainer_prefect.delivery.result import DeliveryResult
 from overbrainer_prefect.evaluation.gate import (
     Delivered,
+    GateError,
     decide,
+    forget_delivered,
     last_delivered,
     remember_delivered,
 )
@@ -152,7 +154,7 @@ async def _fine_tune(
         spec.training,
         spec.export,
         spec.evaluation,
-        runs.root,
+        runs,
         _deployment_name(),
         prepare=prepare,
         force=force,
@@ -258,14 +260,15 @@ async def _fine_tune(
             result.evaluation, result.verdict = evaluated, verdict(evaluated)
             logger.info("run %s: %s", run_id, result.verdict)
     name = _deployment_name()
+    last = last_delivered(runs, name) if result.evaluation is not None else None
     if spec.gate is not None and result.evaluation is not None:
-        result.gate = decide(spec.gate, result.evaluation, last_delivered(runs.root, name))
+        result.gate = decide(spec.gate, result.evaluation, last)
         logger.info("the gate (%s) %s", spec.gate.describe(), result.gate.line)
     if spec.deliver is not None and (result.gate is None or result.gate.passed):
-        result.delivered = await _deliver(spec, run_id, quant, result, name, kept)
+        result.delivered = await _deliver(spec, runs, run_id, quant, result, name, kept, last)
         made = ", ".join(f"{d.destination} {d.name}" for d in result.delivered.deliveries)
         logger.info("run %s delivered: %s", run_id, made)
-    await end_night(runs.root, night, run_id, result.delivered is not None, run is not None)
+    await end_night(runs, night, run_id, result.delivered is not None, run is not None)
     await publish_pipeline_summary(
         result,
         runs,
@@ -286,13 +289,42 @@ def _deployment_name() -> str:
 
 
 async def _deliver(
-    spec: FineTuneSpec, run_id: str, quant: str, result: FineTuneResult, name: str, kept: str
+    spec: FineTuneSpec,
+    runs: Runs,
+    run_id: str,
+    quant: str,
+    result: FineTuneResult,
+    name: str,
+    kept: str,
+    last: Delivered | None,
 ) -> DeliveryResult:
-    """Delivers the run (the `deliver` flow, as a subflow) and, after an
-    evaluation, remembers it as the model the next fine-tune is measured against."""
+    """Delivers the run (the `deliver` flow, as a subflow). After an
+    evaluation, the run first takes the deployment's delivered-model slot from
+    `last`, the model its gate measured it against (of two flow runs gated at
+    once, one takes it; the other is not delivered and says so), and gives it
+    back when the delivery fails."""
     settings = spec.deliver
     assert settings is not None
     evaluated = result.evaluation
+    taken: tuple[Delivered, str] | None = None
+    if evaluated is not None:
+        heldout = evaluated.heldout.tuned
+        mine = Delivered(
+            deployment=name,
+            run_id=run_id,
+            evaluation_id=evaluated.evaluation_id,
+            gguf_path=evaluated.plan.tuned.path,
+            gguf_sha256=evaluated.plan.tuned.sha256,
+            heldout_passed=heldout.passed,
+            heldout_total=heldout.total,
+            delivered=rfc3339(),
+        )
+        try:
+            taken = mine, remember_delivered(runs, mine, last)
+        except GateError as error:
+            raise PipelineFailed(
+                f"the fine-tune stopped at the delivery: {error}; {kept}"
+            ) from None
     try:
         delivered = await deliver(
             run_id=run_id,
@@ -306,22 +338,9 @@ async def _deliver(
             evaluation_id=evaluated.evaluation_id if evaluated is not None else None,
         )
     except Exception as error:
+        if taken is not None:
+            forget_delivered(runs, *taken, last)
         raise PipelineFailed(f"the fine-tune stopped at the delivery: {error}; {kept}") from None
-    if evaluated is not None:
-        heldout = evaluated.heldout.tuned
-        remember_delivered(
-            Runs(spec.runs_dir).root,
-            Delivered(
-                deployment=name,
-                run_id=run_id,
-                evaluation_id=evaluated.evaluation_id,
-                gguf_path=evaluated.plan.tuned.path,
-                gguf_sha256=evaluated.plan.tuned.sha256,
-                heldout_passed=heldout.passed,
-                heldout_total=heldout.total,
-                delivered=rfc3339(),
-            ),
-        )
     return delivered
 
 

@@ -41,7 +41,7 @@ async def spend(
 
     budgets = await read_budgets()
     view = await spend_view(
-        Runs(runs_dir).root, days, budgets, now_utc(), find if reconcile_bills else None
+        Runs(runs_dir), days, budgets, now_utc(), find if reconcile_bills else None
     )
     for line in view.differences:
         logger.warning("spend: the provider's bill differs: %s", line)

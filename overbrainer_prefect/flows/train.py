@@ -172,7 +172,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | AnyState
         await end_step.request_stop(placed.context(runs, reporter_for(record, logger)), record)
     logger.info("run %s: asked its job for a checkpoint and a stop", run_id)
     try:
-        with follow_lock(runs.run_dir(run_id), flow_run.id):
+        with follow_lock(runs, run_id, flow_run.id):
             record = runs.load(run_id)
             finished = await finish(place, runs, record, trainer, logger)
             return await run_result(runs, finished.outcome, finished.where)
@@ -196,7 +196,7 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | AnySta
     runs = Runs(runs_dir)
     record = runs.load(run_id)
     logger = get_run_logger()
-    if is_followed(runs.run_dir(run_id)) and record.job is not None:
+    if is_followed(runs, run_id) and record.job is not None:
         # its follower sees the cancel, records it, retrieves what the job left
         place = await target_named(record.target, logger)
         async with place.reach(runs, record) as placed:
@@ -205,7 +205,7 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | AnySta
         logger.info(
             "run %s: job cancelled; its follower (%s) records it",
             run_id,
-            holder_of(runs.run_dir(run_id)),
+            holder_of(runs, run_id),
         )
         return await _wait_for_end(runs, run_id, place.ref, cancelling=True)
     finished = await follow_again(runs, runs, record, logger, cancel=True)

@@ -5,6 +5,7 @@ and evaluation of every run of that base."""
 
 from __future__ import annotations
 
+from overbrainer_prefect.executors.base import JOB_LOG
 from overbrainer_prefect.kinds.base import JobKind, NewJob
 from overbrainer_prefect.kinds.compare import (
     CompareFailed,
@@ -58,20 +59,20 @@ def base_gguf(runs: Runs, store: Runs, outcome: Outcome, name: str, logger: Logg
     Raises CompareFailed with one line (the job's own reason, where its log is)
     when it did not succeed or brought back no GGUF."""
     record = outcome.record
-    local = store.run_dir(record.id)
+    log = store.where_of(record.id, JOB_LOG)
     if outcome.record.state != RunState.SUCCEEDED:
         reason = outcome.record.message or str(outcome.record.state)
-        why = job_failure(local, "export failed: ")
+        why = job_failure(store, record.id, "export failed: ")
         raise CompareFailed(
-            f"{name} {outcome.record.state}: {reason.split(' (see ')[0]} (see {local}/job.log)"
+            f"{name} {outcome.record.state}: {reason.split(' (see ')[0]} (see {log})"
             + (f": {why}" if why else "")
         )
     entry = gguf_entry(outcome.files)
     if entry is None:
-        raise CompareFailed(f"{name} brought back no GGUF (see {local}/job.log)")
+        raise CompareFailed(f"{name} brought back no GGUF (see {log})")
     logger.info("%s succeeded: %s (sha256 %s)", name, entry.path, entry.sha256)
     return GgufRef(
-        path=(local / entry.path).relative_to(runs.root).as_posix(),
+        path=store.key(record.id, entry.path),
         size=entry.size,
         sha256=entry.sha256,
         export_id=record.id,

@@ -7,19 +7,18 @@ answers side by side, and how its trainer is made again from its record."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 from pydantic import BaseModel, Field, JsonValue
 
 from overbrainer_prefect.cells import code_cell, table_cell
-from overbrainer_prefect.executors.base import FileDigest
-from overbrainer_prefect.executors.manifest import recheck
+from overbrainer_prefect.executors.base import JOB_LOG, FileDigest
 from overbrainer_prefect.kinds.base import ChildResult, JobKind, NewJob, child_next_step
 from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import gguf_entry, reusable
 from overbrainer_prefect.kinds.files import FileEntry
+from overbrainer_prefect.runs.manifest import load_manifest, stored_wrong
+from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
-from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.base import Trainer
@@ -74,16 +73,15 @@ def result_of(
     compares: Runs, record: RunRecord, files: list[FileDigest], *, reused: bool = False
 ) -> CompareResult:
     """The flow's result for the compare `record`, from its retrieved `files` and
-    its local answers."""
+    its stored answers."""
     spec = spec_of(record.spec)
     if spec is None:
         raise RunError(f"{subject(record)} has no compare spec in its record")
-    local = compares.run_dir(record.id)
-    path = local / ANSWERS_FILE
     try:
-        answers = read_answers(path.read_text(encoding="utf-8", errors="replace"))
-    except OSError:
-        answers = []
+        answers = read_answers(compares.read_text(record.id, ANSWERS_FILE))
+        stored = True
+    except (OSError, RecordError):
+        answers, stored = [], False
     pairs = [AnswerPair(question=q) for q in spec.questions]
     for answer in answers:
         if 0 <= answer.index < len(pairs) and answer.model in ("base", "tuned"):
@@ -103,8 +101,8 @@ def result_of(
         reused=reused,
         answers=pairs,
         files=[FileEntry.of(f) for f in files],
-        compare_dir=str(local),
-        answers_path=str(path) if path.is_file() else None,
+        compare_dir=compares.where_of(record.id),
+        answers_path=compares.where_of(record.id, ANSWERS_FILE) if stored else None,
         next=child_next_step(
             record,
             f"The answers are in `{local_path(record)}/{ANSWERS_FILE}`; compare other "
@@ -194,25 +192,22 @@ def tuned_gguf(runs: Runs, run_id: str, quant: str) -> GgufRef:
     """
     exports = runs.children(run_id, EXPORT)
     done = reusable(exports, quant)
-    entry = gguf_entry(retrieve.load_manifest(exports.run_dir(done.id))) if done else None
+    entry = gguf_entry(load_manifest(exports, done.id)) if done else None
     if done is None or entry is None:
         raise NotComparable(
             f"run {run_id} has no succeeded {quant} export to compare: run the export flow "
             f"first (run_id={run_id}, quant={quant})"
         )
-    path = exports.run_dir(done.id) / entry.path
-    _check_gguf(path, entry, f"the GGUF of export {done.id} of run {run_id}")
+    what = f"the GGUF of export {done.id} of run {run_id}"
+    if (wrong := stored_wrong(exports, done.id, entry)) is not None:
+        where = exports.where_of(done.id, entry.path)
+        raise NotComparable(f"{what} ({where}) {wrong}: export it again")
     return GgufRef(
-        path=path.relative_to(runs.root).as_posix(),
+        path=exports.key(done.id, entry.path),
         size=entry.size,
         sha256=entry.sha256,
         export_id=done.id,
     )
-
-
-def _check_gguf(path: Path, entry: FileDigest, what: str) -> None:
-    if (wrong := recheck(path, entry.size, entry.sha256)) is not None:
-        raise NotComparable(f"{what} ({path}) {wrong}: export it again")
 
 
 def check_comparable(runs: Runs, run_id: str, quant: str) -> tuple[RunRecord, GgufRef, str]:
@@ -224,7 +219,7 @@ def check_comparable(runs: Runs, run_id: str, quant: str) -> tuple[RunRecord, Gg
     """
     run = runs.load(run_id)
     tuned = tuned_gguf(runs, run_id, quant)
-    base = base_model(runs.run_dir(run_id))
+    base = base_model(runs, run_id)
     if base is None:
         raise NotComparable(
             f"runs/{run_id}/axolotl.yaml names no base model: there is nothing to compare the "
@@ -254,15 +249,12 @@ def running_compare(
 
 def _base_ref(store: Runs, record: RunRecord, runs: Runs) -> GgufRef | None:
     """The verified GGUF of the succeeded base export `record`, or None when its
-    local file no longer matches the SHA-256 it was retrieved with."""
-    entry = gguf_entry(retrieve.load_manifest(store.run_dir(record.id)))
-    if entry is None:
-        return None
-    path = store.run_dir(record.id) / entry.path
-    if recheck(path, entry.size, entry.sha256) is not None:
+    stored file no longer matches the SHA-256 it was retrieved with."""
+    entry = gguf_entry(load_manifest(store, record.id))
+    if entry is None or stored_wrong(store, record.id, entry) is not None:
         return None
     return GgufRef(
-        path=path.relative_to(runs.root).as_posix(),
+        path=store.key(record.id, entry.path),
         size=entry.size,
         sha256=entry.sha256,
         export_id=record.id,
@@ -272,15 +264,13 @@ def _base_ref(store: Runs, record: RunRecord, runs: Runs) -> GgufRef | None:
 FAILURE_TAIL = 64 << 10  # bytes at the end of a job log searched for the job's own failure line
 
 
-def job_failure(local: Path, prefix: str) -> str | None:
+def job_failure(store: Runs, record_id: str, prefix: str) -> str | None:
     """The one line a failed job script wrote to say why (`compare failed: ...`),
-    from the end of its retrieved `job.log` in `local`, without `prefix`; None when
-    there is none."""
+    from the end of the retrieved `job.log` of `record_id`, without `prefix`;
+    None when there is none."""
     try:
-        with (local / "job.log").open("rb") as log:
-            log.seek(max(0, log.seek(0, 2) - FAILURE_TAIL))
-            tail = log.read().decode("utf-8", errors="replace")
-    except OSError:
+        tail = store.read_bytes(record_id, JOB_LOG)[-FAILURE_TAIL:].decode(errors="replace")
+    except (OSError, RecordError):
         return None
     lines = [line[len(prefix) :].strip() for line in tail.splitlines() if line.startswith(prefix)]
     return lines[-1] if lines else None
@@ -292,7 +282,7 @@ def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
         raise RunError(
             f"{subject(record)} has no compare spec in its record: it cannot be followed"
         )
-    return CompareTrainer(spec, runs.root, cpu_threads=cpu_threads)
+    return CompareTrainer(spec, runs, cpu_threads=cpu_threads)
 
 
 KIND = JobKind(name=NAME, child=True, rebuild=_rebuild)
@@ -322,14 +312,14 @@ def reused_compare(
             continue
         if not spec.asks(questions, max_tokens, seed, quant, tuned.sha256):
             continue
-        local = compares.run_dir(record.id)
-        entry = next((f for f in retrieve.load_manifest(local) if f.path == ANSWERS_FILE), None)
-        answers = local / ANSWERS_FILE
-        if entry is not None and answers.is_file() and answers.stat().st_size == entry.size:
+        entry = next(
+            (f for f in load_manifest(compares, record.id) if f.path == ANSWERS_FILE), None
+        )
+        if entry is not None and stored_wrong(compares, record.id, entry) is None:
             found.append(record)
     if found:
         done = max(found, key=lambda r: (r.ended or r.created, r.id))
-        files = retrieve.load_manifest(compares.run_dir(done.id))
+        files = load_manifest(compares, done.id)
         return done, result_of(compares, done, files, reused=True)
     busy = running_compare(compares, questions, max_tokens, seed, quant, tuned.sha256)
     if busy is not None:

@@ -15,7 +15,7 @@ NAME = "evaluation"
 
 def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
     return EvaluateTrainer(
-        EvaluationPlan.model_validate(record.spec), runs.root, cpu_threads=cpu_threads
+        EvaluationPlan.model_validate(record.spec), runs, cpu_threads=cpu_threads
     )
 
 

@@ -6,19 +6,17 @@ summary, and how its trainer is made again from its record."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import Field, JsonValue
 
 from overbrainer_prefect.cells import size_text, table_cell
 from overbrainer_prefect.executors.base import Executor, FileDigest
-from overbrainer_prefect.executors.manifest import recheck
 from overbrainer_prefect.kinds.base import Check, ChildResult, JobKind, NewJob, child_next_step
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.manifest import load_manifest, stored_wrong
+from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
 from overbrainer_prefect.sizing import export_disk
-from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed, Logger
 from overbrainer_prefect.trainers.base import METRICS_FILE, Trainer, TrainError
@@ -32,6 +30,7 @@ from overbrainer_prefect.trainers.export import (
     is_lora,
     model_files,
     phases,
+    run_config,
 )
 
 NAME = "export"
@@ -65,11 +64,10 @@ def result_of(
     exports: Runs, record: RunRecord, files: list[FileDigest], *, reused: bool = False
 ) -> ExportResult:
     """The flow's result for the export `record`, from its retrieved `files` and
-    its local metrics file."""
-    local = exports.run_dir(record.id)
+    its stored metrics file."""
     try:
-        timings = phases((local / METRICS_FILE).read_text(encoding="utf-8", errors="replace"))
-    except OSError:
+        timings = phases(exports.read_text(record.id, METRICS_FILE))
+    except (OSError, RecordError):
         timings = {}
     entry = gguf_entry(files)
     return ExportResult(
@@ -81,10 +79,10 @@ def result_of(
         message=record.message,
         reused=reused,
         gguf=FileEntry.of(entry) if entry else None,
-        gguf_path=str(local / entry.path) if entry else None,
+        gguf_path=exports.where_of(record.id, entry.path) if entry else None,
         phases=timings,
         files=[FileEntry.of(f) for f in files],
-        export_dir=str(local),
+        export_dir=exports.where_of(record.id),
         next=child_next_step(
             record,
             f"The GGUF is in `{local_path(record)}/{GGUF_DIR}/`; deliver it to Ollama or the "
@@ -157,11 +155,11 @@ class NotExportable(RunError):
     """A run that cannot be exported as it is; nothing was started. One line."""
 
 
-def check_exportable(runs: Runs, run: RunRecord) -> list[Path]:
+def check_exportable(runs: Runs, run: RunRecord) -> list[FileDigest]:
     """The files of a run's model, once the run is found exportable: succeeded, its
     files retrieved, its model (the top-level files of `output/`) and, for a LoRA,
-    its `axolotl.yaml` present locally and matching the SHA-256 manifest they were
-    retrieved with.
+    its `axolotl.yaml` present in its store and matching the SHA-256 manifest they
+    were retrieved with.
 
     Raises NotExportable with one line saying what is wrong and what to do.
     """
@@ -178,20 +176,21 @@ def check_exportable(runs: Runs, run: RunRecord) -> list[Path]:
             f"the files of run {run.id} were not retrieved: retrieve them with the attach flow "
             f"(run_id={run.id}), then export it"
         )
-    run_dir = runs.run_dir(run.id)
-    manifest = {entry.path: entry for entry in retrieve.load_manifest(run_dir)}
+    manifest = {entry.path: entry for entry in load_manifest(runs, run.id)}
     for rel, entry in manifest.items():
         top_level_model = rel.startswith(f"{OUTPUT_DIR}/") and rel.count("/") == 1
-        if top_level_model or rel == CONFIG_FILE:
-            _check_file(run_dir / rel, f"{where}/{rel}", entry)
+        if (top_level_model or rel == CONFIG_FILE) and (
+            wrong := stored_wrong(runs, run.id, entry)
+        ) is not None:
+            raise NotExportable(f"{where}/{rel} {wrong}: restore it, or train the run again")
     try:
-        files = model_files(run_dir)
+        files = model_files(runs, run.id)
     except TrainError:
         raise NotExportable(
             f"run {run.id} has no model in {where}/{OUTPUT_DIR}/ (no adapter_config.json, no "
             "config.json): only a run that saved its model can be exported"
         ) from None
-    if is_lora(run_dir) and not (run_dir / CONFIG_FILE).is_file():
+    if is_lora(runs, run.id) and run_config(runs, run.id) is None:
         raise NotExportable(
             f"{where}/{CONFIG_FILE} is missing: the LoRA of run {run.id} cannot be merged "
             "without the base model it names"
@@ -199,32 +198,27 @@ def check_exportable(runs: Runs, run: RunRecord) -> list[Path]:
     return files
 
 
-def _check_file(path: Path, shown: str, entry: FileDigest) -> None:
-    if (wrong := recheck(path, entry.size, entry.sha256)) is not None:
-        raise NotExportable(f"{shown} {wrong}: restore it, or train the run again")
-
-
 def reusable(exports: Runs, quant: str) -> RunRecord | None:
-    """The latest succeeded export of `quant` whose GGUF is here, as retrieved (its
-    size checked; delivery hashes it again before it leaves), or None."""
+    """The latest succeeded export of `quant` whose GGUF is in its store, as
+    retrieved (its size checked; delivery hashes it again before it leaves), or None."""
     found: list[RunRecord] = []
     for record in exports.list(skipped=lambda _name, _error: None):
         if record.state != RunState.SUCCEEDED or record.not_retrieved is not None:
             continue
         if str((record.spec or {}).get("quant", "")).lower() != quant:
             continue
-        entry = gguf_entry(retrieve.load_manifest(exports.run_dir(record.id)))
-        path = exports.run_dir(record.id) / entry.path if entry else None
-        if entry is not None and path is not None and _has_size(path, entry.size):
+        entry = gguf_entry(load_manifest(exports, record.id))
+        if entry is not None and _has_size(exports, record.id, entry):
             found.append(record)
     return max(found, key=lambda r: (r.ended or r.created, r.id)) if found else None
 
 
-def _has_size(path: Path, size: int) -> bool:
+def _has_size(store: Runs, record_id: str, entry: FileDigest) -> bool:
     try:
-        return path.is_file() and path.stat().st_size == size
-    except OSError:
+        info = store.store.head(store.key(record_id, entry.path))
+    except Exception:  # a store that cannot say: not reusable
         return False
+    return info is not None and info.size == entry.size
 
 
 def running(exports: Runs, quant: str) -> RunRecord | None:
@@ -239,9 +233,7 @@ def running(exports: Runs, quant: str) -> RunRecord | None:
 def _rebuild(runs: Runs, record: RunRecord, cpu_threads: int | None) -> Trainer:
     assert record.parent is not None  # a child kind
     run = runs.load(record.parent)
-    return ExportTrainer(
-        run, runs.run_dir(run.id), ExportSpec.model_validate(record.spec), cpu_threads=cpu_threads
-    )
+    return ExportTrainer(run, runs, ExportSpec.model_validate(record.spec), cpu_threads=cpu_threads)
 
 
 KIND = JobKind(name=NAME, child=True, rebuild=_rebuild)
@@ -304,13 +296,13 @@ def run_export(
     """The new export of the model of `run` (checked exportable) to `spec`'s
     quant, on a target whose job venv runs `python`; logs the disk it needs
     (base, merged copy, GGUF) when it can be sized here."""
-    run_dir = runs.run_dir(run.id)
-    trainer = ExportTrainer(run, run_dir, spec, cpu_threads=cpu_threads)
-    need = export_disk(run_dir / OUTPUT_DIR, trainer.base_model, spec.quant)
+    trainer = ExportTrainer(run, runs, spec, cpu_threads=cpu_threads)
+    output = runs.store.local_path(runs.key(run.id, OUTPUT_DIR))
+    need = export_disk(output, trainer.base_model, spec.quant) if output is not None else None
     if need is None:
         logger.info(
-            "run %s: cannot estimate the disk of its export (its base model %s is not a "
-            "directory here)",
+            "run %s: cannot estimate the disk of its export (its model or its base model %s "
+            "is not a directory here)",
             run.id,
             trainer.base_model,
         )
@@ -320,7 +312,7 @@ def run_export(
         runs.children(run.id, NAME),
         trainer,
         spec.model_dump(mode="json"),
-        trainer.base_model or str(run_dir / OUTPUT_DIR),  # full weights: no merge
+        trainer.base_model or runs.where_of(run.id, OUTPUT_DIR),  # full weights: no merge
         python,
         what=f"the {spec.quant} export of run {run.id}",
         parent=run.id,
@@ -335,7 +327,7 @@ def reused_export(exports: Runs, run_id: str, quant: str) -> tuple[RunRecord, Ex
     when an export of `quant` is running now (follow that one)."""
     done = reusable(exports, quant)
     if done is not None:
-        result = result_of(exports, done, retrieve.load_manifest(exports.run_dir(done.id)))
+        result = result_of(exports, done, load_manifest(exports, done.id))
         result.reused = True
         return done, result
     busy = running(exports, quant)

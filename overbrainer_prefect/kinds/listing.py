@@ -90,7 +90,7 @@ def row_of(store: Runs, record: RunRecord, now: float) -> RunRow:
     steps = final = delivery = None
     if record.parent is None:
         try:
-            delivery = load_deliveries(store.run_dir(record.id)).latest
+            delivery = load_deliveries(store, record.id).latest
         except RecordError as error:
             delivery = f"deliveries unreadable: {error}"
         try:

@@ -56,10 +56,10 @@ async def recorded_end(runs: Runs, run_id: str, bound_s: float = FOLLOWER_WAIT_S
     deadline = loop.time() + bound_s
     while loop.time() < deadline:
         record = runs.load(run_id)
-        if record.state.ended and not is_followed(runs.run_dir(run_id)):
+        if record.state.ended and not is_followed(runs, run_id):
             return retrieve.recorded(runs, trainer_of(runs, record), record)
         await asyncio.sleep(1.0)
     raise RunError(
-        f"run {run_id} is still followed by {holder_of(runs.run_dir(run_id))} after "
+        f"run {run_id} is still followed by {holder_of(runs, run_id)} after "
         f"{bound_s:g} s; see its flow run for the outcome"
     )

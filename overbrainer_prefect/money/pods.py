@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from overbrainer_prefect.money.ledger import Ask, Entry, usd
-from overbrainer_prefect.money.store import Spent
+from overbrainer_prefect.money.store import Facts, Spent, entry_store
 from overbrainer_prefect.runpod.gpus import LaunchPlan
 from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.store import Runs
@@ -54,13 +54,19 @@ def capped(plan: LaunchPlan, cap_usd: float | None) -> LaunchPlan:
     return replace(plan, settings=plan.settings.model_copy(update={"max_cost_usd": cap}))
 
 
-def cost_facts(entry: Entry) -> Spent | None:
+def cost_facts_of(runs: Runs) -> Facts:
+    """What the pod of an entry's job cost, from its `pod.json` in the runs
+    directory of `runs` (see `cost_facts`)."""
+    return lambda entry: cost_facts(runs, entry)
+
+
+def cost_facts(runs: Runs, entry: Entry) -> Spent | None:
     """What the pod of `entry`'s job cost, from its `pod.json` (None when the
     records are not here or cannot be read, or the job is still before its
     pod). A job that ended without a pod cost nothing."""
-    if entry.run_id is None or entry.store_dir is None:
+    store = entry_store(runs, entry)
+    if entry.run_id is None or store is None:
         return None
-    store = Runs(entry.store_dir)
     try:
         pod = PodRecord.load(store, entry.run_id)
         if pod is None:

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from pathlib import Path
 
 from overbrainer_prefect.money.budgets import Budgets
-from overbrainer_prefect.money.ledger import Entry, by_day, by_key, day_start, since, total, usd
-from overbrainer_prefect.money.pods import cost_facts
+from overbrainer_prefect.money.ledger import (
+    Entry,
+    Ledger,
+    by_day,
+    by_key,
+    day_start,
+    since,
+    total,
+    usd,
+)
+from overbrainer_prefect.money.pods import cost_facts_of
 from overbrainer_prefect.money.reconcile import Billing, reconcile
 from overbrainer_prefect.money.store import LedgerFile, refresh
 from overbrainer_prefect.money.view import SpendError, SpendView, left_rows, pod_row
+from overbrainer_prefect.runs.store import Runs
 
 MAX_DAYS = 100  # the ledger keeps ended pods this long
 
@@ -52,16 +61,21 @@ async def bills(
 
 
 async def spend_view(
-    root: Path, days: int, budgets: Budgets | None, now: datetime, find: FindTarget | None
+    runs: Runs, days: int, budgets: Budgets | None, now: datetime, find: FindTarget | None
 ) -> SpendView:
-    """Where the money of the runs directory `root` went in the last `days`
+    """Where the money of the runs directory `runs` went in the last `days`
     UTC days (today included) and what is left of each budget; with `find`,
     the pods whose provider's bill differs from the ledger. Raises SpendError
     (one line) for `days` outside 1 to MAX_DAYS, RecordIoError."""
     check_days(days)
-    ledger_file = LedgerFile(root)
-    with ledger_file.locked() as ledger:
-        refresh(ledger, cost_facts)
+    ledger_file = LedgerFile(runs)
+    facts = cost_facts_of(runs)
+
+    def refreshed(ledger: Ledger) -> Ledger:
+        refresh(ledger, facts)
+        return ledger
+
+    ledger = ledger_file.change(refreshed)
     recent = since(ledger, days, now)
     differences: list[str] = []
     read: list[str] = []
@@ -70,11 +84,15 @@ async def spend_view(
         first = day_start(now) - timedelta(days=days - 1)
         billed, read, unread = await bills(recent, first, find)
         if billed:
-            with ledger_file.locked() as ledger:
-                recent = since(ledger, days, now)
-                differences = [d.line() for d in reconcile(recent, billed)]
+
+            def reconciled(ledger: Ledger) -> list[str]:
+                return [d.line() for d in reconcile(since(ledger, days, now), billed)]
+
+            differences = ledger_file.change(reconciled)
+            ledger = ledger_file.read()
+            recent = since(ledger, days, now)
     return SpendView(
-        runs_dir=str(root),
+        runs_dir=runs.where,
         days=days,
         total_usd=total(recent),
         by_day={day.isoformat(): dollars for day, dollars in by_day(recent, days, now).items()},

@@ -1,35 +1,36 @@
-"""Where the ledger lives: `<runs directory>/.ledger/ledger.json`, replaced
-atomically, and changed only under an advisory `flock` on
-`.ledger/ledger.lock`, which the kernel (or the NFS server, on a shared runs
-volume) drops when its holder dies, however it dies: two processes can never
-both take the last dollars, and a dead one never keeps the ledger.
+"""Where the ledger lives: `<runs directory>/.ledger/ledger.json`, in the runs
+directory's store, changed only by compare-and-swap (`LedgerFile.change`):
+each change reads the ledger and its version, decides, and writes only over
+that version; a change that lost a race reads again and decides again. Two
+processes (on two machines that share only the store) can never both take
+the last dollars, and a dead one holds nothing.
 
-An admission is an entry added under the lock before anything is created;
-it is bound to its job's record once that exists, and brought up to date
-from what the job's place says it cost (`Spent`) when the job ends, at each
-later admission and in the spend view. An admission whose job never got a
-record leaves the ledger: nothing of it was created.
+An admission is an entry added before anything is created; it is bound to
+its job's record once that exists, and brought up to date from what the
+job's place says it cost (`Spent`) when the job ends, at each later
+admission and in the spend view. An admission whose job never got a record
+leaves the ledger: nothing of it was created.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 from overbrainer_prefect.money.budgets import Budgets
 from overbrainer_prefect.money.ledger import Ask, Entry, Ledger, Left, Who, admit
-from overbrainer_prefect.runs.ids import is_valid_run_id
-from overbrainer_prefect.runs.records import load_record, save_record
-from overbrainer_prefect.runs.store import BASES_DIR, Runs
+from overbrainer_prefect.runs.records import RecordChanged, read_record, write_record
+from overbrainer_prefect.runs.store import Runs, RunsError
 
 LEDGER_DIR = ".ledger"
 LEDGER_FILE = "ledger.json"
-LOCK_FILE = "ledger.lock"
+LEDGER_KEY = f"{LEDGER_DIR}/{LEDGER_FILE}"
+CHANGE_TRIES = 50  # compare-and-swap rounds of one ledger change (every admission writes it)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,50 +47,65 @@ Facts = Callable[[Entry], Spent | None]
 """What an entry's job's place cost, from its records (None when they cannot be read here)."""
 
 
-def runs_root_of(store: Runs) -> Path:
-    """The runs directory a store belongs to (an export's store is inside its run's)."""
-    if store.kind == "run":
-        return store.root
-    for path in (store.root, *store.root.parents):
-        if path.name == BASES_DIR or is_valid_run_id(path.name):
-            return path.parent
-    return store.root
+def entry_store(runs: Runs, entry: Entry) -> Runs | None:
+    """The store of the record an entry is bound to (`Entry.store_dir`: its
+    prefix under the runs directory; or, written before, an absolute path
+    inside a local runs directory), None when it is not bound or not here."""
+    if entry.store_dir is None:
+        return None
+    where = entry.store_dir
+    if where.startswith("/"):
+        try:
+            where = Path(where).relative_to(runs.top.root).as_posix()
+        except ValueError:
+            return None
+        where = "" if where == "." else where
+    try:
+        return runs.at(where)
+    except RunsError:
+        return None
 
 
 class LedgerFile:
     """The ledger of one runs directory (see the module)."""
 
-    def __init__(self, runs_root: Path) -> None:
-        self.dir = Path(runs_root) / LEDGER_DIR
-        self.path = self.dir / LEDGER_FILE
+    def __init__(self, runs: Runs) -> None:
+        self.runs = runs.top
+        self.key = self.runs.key(LEDGER_KEY)
 
     @classmethod
     def of(cls, store: Runs) -> LedgerFile:
         """The ledger of the runs directory `store` belongs to."""
-        return cls(runs_root_of(store))
+        return cls(store)
+
+    @property
+    def where(self) -> str:
+        """How messages name the ledger."""
+        return self.runs.store.where(self.key)
 
     def read(self) -> Ledger:
         """The ledger as last saved (empty when there is none). Raises
         RecordIoError or InvalidRecord when it cannot be read."""
-        try:
-            return load_record(self.path, Ledger, "ledger")
-        except FileNotFoundError:
-            return Ledger()
+        found = read_record(self.runs.store, self.key, Ledger, "ledger")
+        return found[0] if found is not None else Ledger()
 
-    @contextmanager
-    def locked(self) -> Iterator[Ledger]:
-        """The ledger under its lock (waiting for another holder), saved when
-        the block ends without an error. Raises RecordIoError when it cannot
-        be read or written."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            ledger = self.read()
-            yield ledger
-            save_record(self.dir, LEDGER_FILE, ledger)
-        finally:
-            os.close(fd)  # closing the descriptor releases the lock
+    def change(self, decide: Callable[[Ledger], T]) -> T:
+        """Changes the ledger by compare-and-swap: `decide` changes the ledger
+        it is given (and returns what the caller wants of it); it is saved
+        only over the version read, else read again and `decide` asked again,
+        so `decide` must decide from the ledger alone. Raises what `decide`
+        raises (nothing is saved), RecordChanged after CHANGE_TRIES lost
+        races, RecordIoError or InvalidRecord."""
+        for _ in range(CHANGE_TRIES):
+            found = read_record(self.runs.store, self.key, Ledger, "ledger")
+            ledger, etag = found if found is not None else (Ledger(), None)
+            result = decide(ledger)
+            try:
+                write_record(self.runs.store, self.key, ledger, etag)
+            except RecordChanged:
+                continue
+            return result
+        raise RecordChanged(f"{self.where} kept changing while this process changed it")
 
 
 def refresh(ledger: Ledger, facts: Facts) -> list[Entry]:
@@ -130,19 +146,25 @@ class Admission:
     def bind(self, store: Runs, run_id: str) -> None:
         """Records that the admitted pod is the one of the job `run_id` in
         `store` (before the pod is asked for). Raises RecordIoError."""
-        with self.ledger.locked() as ledger:
+
+        def decide(ledger: Ledger) -> Entry | None:
             entry = ledger.entry(self.entry.id)
             if entry is not None:
                 entry.run_id = run_id
-                entry.store_dir = str(store.root)
-                self.entry = entry
+                entry.store_dir = store.prefix
+            return entry
+
+        entry = self.ledger.change(decide)
+        if entry is not None:
+            self.entry = entry
 
     def close(self, facts: Facts) -> Entry | None:
         """Brings the entry up to date once the job's place is done with
         (its pod deleted, or left to its watchdog: then it stays at its most);
         an entry never bound to a record leaves the ledger. Returns the entry
         as saved, None when it left. Raises RecordIoError."""
-        with self.ledger.locked() as ledger:
+
+        def decide(ledger: Ledger) -> Entry | None:
             entry = ledger.entry(self.entry.id)
             if entry is None:
                 return None
@@ -154,6 +176,8 @@ class Admission:
                 update(entry, spent)
             return entry
 
+        return self.ledger.change(decide)
+
 
 def admit_into(
     ledger_file: LedgerFile,
@@ -163,10 +187,15 @@ def admit_into(
     facts: Facts,
     now: datetime,
 ) -> Admission:
-    """Under the ledger's lock: the entries brought up to date (`facts`),
-    then the pod admitted (see `ledger.admit`). Raises BudgetRefused or
+    """In one compare-and-swap change of the ledger: the entries brought up
+    to date (`facts`), then the pod admitted (see `ledger.admit`). Of two
+    processes asking at once for the last dollars, one is admitted; the other
+    reads the ledger again and is refused. Raises BudgetRefused or
     BudgetTooSmall (nothing added), RecordIoError."""
-    with ledger_file.locked() as ledger:
+
+    def decide(ledger: Ledger) -> tuple[Entry, list[Left]]:
         refresh(ledger, facts)
-        entry, left = admit(ledger, budgets, ask, who, now)
+        return admit(ledger, budgets, ask, who, now)
+
+    entry, left = ledger_file.change(decide)
     return Admission(ledger_file, entry, left, budgets)

@@ -8,8 +8,6 @@ what changed since the last night that trained and since the last delivery.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.cells import code_cell, table_cell
@@ -22,6 +20,7 @@ from overbrainer_prefect.nightly.fingerprint import (
 )
 from overbrainer_prefect.nightly.record import Night, load_night, save_night
 from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 DELIVERED, LAST = "delivered", "last"
@@ -52,7 +51,7 @@ class NothingTrained(BaseModel):
 
 
 def plan_night(
-    runs_root: Path,
+    runs: Runs,
     deployment: str,
     print_: Fingerprint,
     *,
@@ -61,13 +60,13 @@ def plan_night(
 ) -> NightFacts:
     """The night of `deployment` whose fingerprint is `print_`: what changed since
     its last night and its last delivered model (from the records under
-    `runs_root`), and `skipped` set when it equals the last delivered model's
+    `runs`), and `skipped` set when it equals the last delivered model's
     and `force` is off.
 
     Raises NightlyRecordError with one line when a record cannot be read.
     """
-    last = load_night(runs_root, deployment, LAST)
-    delivered = load_night(runs_root, deployment, DELIVERED)
+    last = load_night(runs, deployment, LAST)
+    delivered = load_night(runs, deployment, DELIVERED)
     facts = NightFacts(
         deployment=deployment,
         fingerprint=print_,
@@ -86,28 +85,24 @@ def plan_night(
     return facts
 
 
-def remember_trained(
-    runs_root: Path, facts: NightFacts, run_id: str, flow_run_id: str | None
-) -> None:
+def remember_trained(runs: Runs, facts: NightFacts, run_id: str, flow_run_id: str | None) -> None:
     """Records the night `facts`, which trained run `run_id`, as its deployment's
     last night that trained.
 
     Raises NightlyRecordError with one line when it cannot be written."""
-    _remember(runs_root, facts, run_id, flow_run_id, LAST)
+    _remember(runs, facts, run_id, flow_run_id, LAST)
 
 
-def remember_delivered(
-    runs_root: Path, facts: NightFacts, run_id: str, flow_run_id: str | None
-) -> None:
+def remember_delivered(runs: Runs, facts: NightFacts, run_id: str, flow_run_id: str | None) -> None:
     """Records the night `facts`, whose run `run_id` was delivered, as the one the
     next night is compared with.
 
     Raises NightlyRecordError with one line when it cannot be written."""
-    _remember(runs_root, facts, run_id, flow_run_id, DELIVERED)
+    _remember(runs, facts, run_id, flow_run_id, DELIVERED)
 
 
 def _remember(
-    runs_root: Path, facts: NightFacts, run_id: str, flow_run_id: str | None, which: str
+    runs: Runs, facts: NightFacts, run_id: str, flow_run_id: str | None, which: str
 ) -> None:
     night = Night(
         deployment=facts.deployment,
@@ -116,7 +111,7 @@ def _remember(
         flow_run_id=flow_run_id,
         at=rfc3339(),
     )
-    save_night(runs_root, night, which)
+    save_night(runs, night, which)
 
 
 def why(facts: NightFacts) -> str:
@@ -159,7 +154,7 @@ def decide(
     training: TrainingSpec,
     export: BaseModel,
     evaluation: BaseModel | None,
-    runs_root: Path,
+    runs: Runs,
     deployment: str,
     *,
     force: bool = False,
@@ -171,7 +166,7 @@ def decide(
     commits, then whether it trains and why). Raises FingerprintError or
     NightlyRecordError with one line."""
     print_ = fingerprint(training, export, evaluation, hub_resolver())
-    facts = plan_night(runs_root, deployment, print_, force=force, prepared_by=prepared_by)
+    facts = plan_night(runs, deployment, print_, force=force, prepared_by=prepared_by)
     hub = {k: v for k, v in print_.parts.items() if "@" in v and not k.endswith("settings")}
     lines = [f"Hub commits: {', '.join(f'{k} {v}' for k, v in hub.items())}"] if hub else []
     if facts.skipped is not None:
@@ -182,7 +177,7 @@ def decide(
 
 
 def remember(
-    runs_root: Path,
+    runs: Runs,
     facts: NightFacts,
     run_id: str,
     flow_run_id: str | None,
@@ -195,10 +190,10 @@ def remember(
     compared with; returns the line that says so when it delivered. Raises
     NightlyRecordError with one line when a record cannot be written."""
     if trained:
-        remember_trained(runs_root, facts, run_id, flow_run_id)
+        remember_trained(runs, facts, run_id, flow_run_id)
     if not delivered:
         return None
-    remember_delivered(runs_root, facts, run_id, flow_run_id)
+    remember_delivered(runs, facts, run_id, flow_run_id)
     return (
         f"fingerprint {facts.fingerprint.short} delivered: the next night with the same data "
         "trains nothing"

@@ -14,18 +14,17 @@ Each is written atomically, whole; nothing else is kept.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import Field
 
-from overbrainer_prefect.evaluation.gate import delivered_path
+from overbrainer_prefect.evaluation.gate import deployment_stem
 from overbrainer_prefect.nightly.fingerprint import Fingerprint
 from overbrainer_prefect.runs.records import (
     DeploymentRecord,
     RecordError,
     load_deployment_record,
-    save_record,
+    save_deployment_record,
 )
+from overbrainer_prefect.runs.store import Runs
 
 NIGHTLY_DIR = ".nightly"
 """Under the runs directory: the fingerprints of each deployment's nights."""
@@ -45,13 +44,12 @@ class Night(DeploymentRecord):
     at: str = Field(description="When it trained, or was delivered: RFC 3339 UTC.")
 
 
-def night_path(runs_root: Path, deployment: str, which: str) -> Path:
-    """The record `which` (`delivered` or `last`) of `deployment`'s nights."""
-    stem = delivered_path(runs_root, deployment).stem
-    return runs_root / NIGHTLY_DIR / f"{stem}.{which}.json"
+def night_key(deployment: str, which: str) -> str:
+    """The key of the record `which` (`delivered` or `last`) of `deployment`'s nights."""
+    return f"{NIGHTLY_DIR}/{deployment_stem(deployment)}.{which}.json"
 
 
-def load_night(runs_root: Path, deployment: str, which: str) -> Night | None:
+def load_night(runs: Runs, deployment: str, which: str) -> Night | None:
     """The night `which` (`delivered`: the last delivered model's; `last`: the
     last night that trained) of `deployment`, or None when there is none yet.
 
@@ -59,19 +57,19 @@ def load_night(runs_root: Path, deployment: str, which: str) -> Night | None:
     """
     try:
         return load_deployment_record(
-            night_path(runs_root, deployment, which), Night, "night", deployment
+            runs.store, runs.key(night_key(deployment, which)), Night, "night", deployment
         )
     except RecordError as error:
         raise NightlyRecordError(f"{error}: remove it, the next night then trains") from None
 
 
-def save_night(runs_root: Path, night: Night, which: str) -> None:
+def save_night(runs: Runs, night: Night, which: str) -> None:
     """Records `night` as its deployment's night `which`, atomically.
 
     Raises NightlyRecordError with one line when it cannot be written.
     """
-    path = night_path(runs_root, night.deployment, which)
+    key = runs.key(night_key(night.deployment, which))
     try:
-        save_record(path.parent, path.name, night)
+        save_deployment_record(runs.store, key, night, "night")
     except RecordError as error:
         raise NightlyRecordError(str(error)) from None

@@ -19,9 +19,9 @@ from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
 from overbrainer_prefect.runs.ids import parse_rfc3339, rfc3339
 from overbrainer_prefect.runs.lock import is_followed
+from overbrainer_prefect.runs.manifest import MANIFEST_FILE
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, follow_again, subject
-from overbrainer_prefect.steps.retrieve import MANIFEST_FILE
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
             orphan, why = False, "kept (keep_pod)"
         elif record.job is None and local is not None and local.past_boot_bound(now):
             orphan = True
-            retrieved = not is_followed(store.run_dir(record.id))
+            retrieved = not is_followed(store, record.id)
             why = "its job never started within boot_grace of its create: " + (
                 "the sweep deletes it" if retrieved else "its follower is still there"
             )
@@ -141,7 +141,7 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
             orphan = False
             if record.job is None:
                 why = "bounded by its watchdog (its job has not started)"
-            elif is_followed(store.run_dir(record.id)):
+            elif is_followed(store, record.id):
                 why = "followed; bounded by its watchdog"
             else:
                 lost_at = _deadline(local)

@@ -13,10 +13,10 @@ import time
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from overbrainer_prefect.runs.ids import is_valid_run_id, rfc3339
-from overbrainer_prefect.runs.records import load_record, save_record
+from overbrainer_prefect.runs.records import read_record, write_record
 from overbrainer_prefect.runs.store import Runs
 
 POD_RECORD = "pod.json"
@@ -155,21 +155,29 @@ class PodRecord(BaseModel):
         description="The client wrote the `retrieved` marker on the pod: its watchdog deletes it.",
     )
 
+    _etag: str | None = PrivateAttr(default=None)
+    """The version of `pod.json` this copy was read at (None: new)."""
+
     @classmethod
     def load(cls, runs: Runs, run_id: str) -> PodRecord | None:
         """The pod record of the run `run_id`, or None when it has none.
 
         Raises InvalidRunId, RecordIoError or InvalidRecord (with a line and
         column, never the content) when it cannot be read."""
-        path = runs.run_dir(run_id) / POD_RECORD
-        try:
-            return load_record(path, cls, "pod")
-        except FileNotFoundError:
+        runs.run_dir(run_id)  # validates the ID before it names a key
+        found = read_record(runs.store, runs.key(run_id, POD_RECORD), cls, "pod")
+        if found is None:
             return None
+        record, etag = found
+        record._etag = etag
+        return record
 
     def save(self, runs: Runs) -> None:
-        """Writes `pod.json` atomically. Raises RecordIoError when it cannot."""
-        save_record(runs.run_dir(self.run_id), POD_RECORD, self)
+        """Writes `pod.json`: created when new, else only over the version it
+        was read at. Raises RecordChanged when another process wrote it
+        since, RecordIoError when it cannot be written."""
+        runs.run_dir(self.run_id)
+        self._etag = write_record(runs.store, runs.key(self.run_id, POD_RECORD), self, self._etag)
 
     @property
     def name(self) -> str:

@@ -4,7 +4,8 @@ client tells its watchdog between the jobs.
 The pod's record (`pod.json`), keys and watchdog log belong to the record of
 the job it was made for (its owner, the pipeline's run); every other job run
 on it keeps a `pod.link` in its local run directory naming that owner, so
-that its pod is found from its own record alone (attach, cancel, collect).
+that its pod is found from its own record alone (attach, cancel, collect); the
+link names the owner by its place in the runs directory, so it holds in any store.
 On the pod, the watchdog is told of each job after the first in the owner's
 `.pod/job`, and of a job whose files were verified with another to follow in
 `.pod/between` (see bootstrap.sh).
@@ -19,8 +20,8 @@ from pathlib import Path
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.runpod.bootstrap import BETWEEN_MARKER, JOB_FILE, LEASE_FILE
 from overbrainer_prefect.runs.ids import is_valid_run_id
-from overbrainer_prefect.runs.records import write_atomic
-from overbrainer_prefect.runs.store import RECORD_FILE, Runs
+from overbrainer_prefect.runs.records import RecordError
+from overbrainer_prefect.runs.store import Runs, RunsError
 
 LINK_FILE = "pod.link"
 """In the local run directory of a job run on another record's pod: that record."""
@@ -37,28 +38,27 @@ def write_link(
     """Records that the job `record_id` of `store` runs on the pod of
     `owner_id` (of `home`) (`name`: which link). Raises RecordIoError when
     it cannot be written."""
-    text = json.dumps(
-        {"root": str(home.root), "record_file": home.record_file, "kind": home.kind, "id": owner_id}
-    )
-    write_atomic(store.run_dir(record_id), name, (text + "\n").encode())
+    text = json.dumps({"prefix": home.prefix, "id": owner_id})
+    store.write_bytes(record_id, name, (text + "\n").encode())
 
 
 def home_of(store: Runs, record_id: str, name: str = LINK_FILE) -> tuple[Runs, str]:
     """The store and ID of the record whose `pod.json` is the pod of the job
     `record_id`: its own, unless it runs on another record's pod (`name`:
     which link). A link that cannot be read names the job itself."""
-    path = store.run_dir(record_id) / name
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(store.read_bytes(record_id, name))
         owner = str(data["id"])
-        root = Path(str(data["root"]))
-        record_file = str(data.get("record_file", RECORD_FILE))
-        kind = str(data.get("kind", "run"))
-    except (OSError, ValueError, KeyError, TypeError):
+        if "prefix" in data:
+            prefix = str(data["prefix"])
+        else:  # a link written before runs had a store: an absolute path of a local one
+            prefix = Path(str(data["root"])).relative_to(store.top.root).as_posix()
+        home = store.at("" if prefix == "." else prefix)
+    except (OSError, RecordError, RunsError, ValueError, KeyError, TypeError):
         return store, record_id
-    if not is_valid_run_id(owner) or not root.is_absolute():
+    if not is_valid_run_id(owner):
         return store, record_id
-    return Runs(root, record_file=record_file, kind=kind), owner
+    return home, owner
 
 
 def job_dir(workdir: str, record_id: str) -> str:

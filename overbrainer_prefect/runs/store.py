@@ -4,13 +4,15 @@ find a run's job again from the record alone."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr
 
 from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runs.ids import is_valid_run_id
@@ -18,22 +20,18 @@ from overbrainer_prefect.runs.records import (
     InvalidRecord,
     RecordError,
     RecordIoError,
-    load_record,
-    save_record,
+    read_record,
+    store_errors,
+    write_record,
 )
+from overbrainer_prefect.store import LocalStore, ObjectInfo, Store, open_store
+from overbrainer_prefect.store.base import join
+from overbrainer_prefect.store.where import RUNS_DIR, RUNS_ROOT_ENV
 
 log = logging.getLogger(__name__)
 
-RUNS_DIR = "runs"
-"""The directory holding the runs, under the project (or the deployment's) directory."""
-
 RECORD_FILE = "run.json"
 """The record of a run, in its directory."""
-
-RUNS_ROOT_ENV = "OVERBRAINER_RUNS_DIR"
-"""Environment variable naming the runs directory (a shared volume when several
-machines attach to the same runs); default `./runs`."""
-
 
 CHILD_KINDS = ("export", "compare", "evaluation")
 """The kinds of record a run holds below it: `<run dir>/<kind>s/<id>/<kind>.json`."""
@@ -117,6 +115,9 @@ class RunRecord(BaseModel):
         default=None, description="The Prefect flow run that created the run."
     )
 
+    _etag: str | None = PrivateAttr(default=None)
+    """The version of the record in its store this copy was read at (None: new)."""
+
 
 NOT_RETRIEVED = "artifacts not retrieved: "
 """How messages name a record's `not_retrieved` reason."""
@@ -157,6 +158,10 @@ def local_path(record: RunRecord) -> str:
     return f"runs/{record.parent}/{record.trainer}s/{record.id}"
 
 
+Objects = list[ObjectInfo]
+"""Files of a run, as the store lists them."""
+
+
 class RunsError(Exception):
     """A run ID, directory or record is not usable. The message is one line."""
 
@@ -174,32 +179,111 @@ class InvalidRunId(RunsError):
 class RunNotFound(RunsError):
     """A valid ID without a record."""
 
-    def __init__(self, run_id: str, root: Path, kind: str = "run") -> None:
+    def __init__(self, run_id: str, where: Path | str, kind: str = "run") -> None:
         super().__init__(
-            f"no {kind} {run_id} in {root}: check the {kind} ID and the runs directory"
+            f"no {kind} {run_id} in {where}: check the {kind} ID and the runs directory"
         )
 
 
+STAGING_ENV = "OVERBRAINER_WORK_DIR"
+"""Where a process stages the files of the jobs it starts when its runs are in an
+object store (default: a directory of the system's temporary directory)."""
+
+
 def default_runs_root() -> Path:
-    """The runs directory: `$OVERBRAINER_RUNS_DIR`, else `./runs`."""
+    """The local runs directory: `$OVERBRAINER_RUNS_DIR`, else `./runs` (a URL
+    there names an object store: see `Runs`)."""
     return Path(os.environ.get(RUNS_ROOT_ENV) or RUNS_DIR).absolute()
 
 
+def staging_root(store: Store) -> Path:
+    """This process's local directory for an object store's runs: what it
+    stages for the jobs it starts (their files before they are copied to a
+    target), never their records or retrieved files, which are in the store."""
+    base = Path(os.environ.get(STAGING_ENV) or Path(tempfile.gettempdir()) / "overbrainer-work")
+    return base / hashlib.sha256(store.url.encode()).hexdigest()[:16]
+
+
 class Runs:
-    """The runs directory of a project or deployment; also, with another
-    `record_file` and `kind`, the exports or compares of a run."""
+    """The runs directory of a project or deployment, in its store (a local
+    directory, or an object store named by an `s3://` URL); also, with another
+    `record_file`, `kind` and `prefix`, the exports or compares of a run.
+
+    Records go through the store by compare-and-swap: a record read by `load`
+    remembers its version, and `save` writes it only over that version (a new
+    record only where there is none), so two processes never overwrite each
+    other: the loser gets RecordChanged and reads again.
+    """
 
     def __init__(
-        self, root: Path | str | None = None, record_file: str = RECORD_FILE, kind: str = "run"
+        self,
+        root: Path | str | Store | None = None,
+        record_file: str = RECORD_FILE,
+        kind: str = "run",
+        prefix: str = "",
     ) -> None:
-        self.root = Path(root).absolute() if root is not None else default_runs_root()
+        self.store: Store = root if isinstance(root, Store) else open_store(root)
+        self.prefix = prefix.strip("/")
         self.record_file = record_file
         self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"Runs({self.where!r}, kind={self.kind!r})"
+
+    @property
+    def where(self) -> str:
+        """How messages name this directory (a path, or an `s3://` URL)."""
+        return self.store.where(self.prefix) if self.prefix else self.store.url
+
+    @property
+    def root(self) -> Path:
+        """Its local directory: the directory itself in a local store; in an
+        object store, where this process stages the files of the jobs it
+        starts (`staging_root`)."""
+        base = self.store.root if isinstance(self.store, LocalStore) else staging_root(self.store)
+        return base / self.prefix if self.prefix else base
+
+    @property
+    def top(self) -> Runs:
+        """The runs directory this store is part of (itself for the runs)."""
+        return Runs(self.store)
+
+    def key(self, *parts: str) -> str:
+        """The store key of `parts` under this directory."""
+        return join(self.prefix, *parts)
 
     def children(self, run_id: str, kind: str) -> Runs:
         """The store of the `kind` records (`export`, `compare`) of run `run_id`:
         `<run dir>/<kind>s/<id>/<kind>.json`. Raises InvalidRunId for an invalid ID."""
-        return Runs(self.run_dir(run_id) / f"{kind}s", record_file=f"{kind}.json", kind=kind)
+        self._checked(run_id)
+        return Runs(
+            self.store, record_file=f"{kind}.json", kind=kind, prefix=self.key(run_id, f"{kind}s")
+        )
+
+    def bases(self, key: str) -> Runs:
+        """The store of the exports of the base model `key` (`.bases/<key>/exports/`)."""
+        return Runs(
+            self.store,
+            record_file="export.json",
+            kind="export",
+            prefix=join(BASES_DIR, key, "exports"),
+        )
+
+    def at(self, prefix: str) -> Runs:
+        """The store of the records at `prefix` of this runs directory (its
+        `prefix`): `''` the runs, `R/<kind>s` the exports, compares or
+        evaluations of run R, `.bases/K/exports` a base model's exports.
+        Raises RunsError for any other prefix."""
+        parts = prefix.split("/") if prefix else []
+        top = self.top
+        if not parts:
+            return top
+        kinds = {f"{kind}s": kind for kind in CHILD_KINDS}
+        if len(parts) == 2 and is_valid_run_id(parts[0]) and parts[1] in kinds:
+            return top.children(parts[0], kinds[parts[1]])
+        if len(parts) == 3 and parts[0] == BASES_DIR and parts[2] == "exports":
+            return top.bases(parts[1])
+        raise RunsError(f"{prefix!r} holds no records of the runs directory {top.where}")
 
     def find(self, record_id: str) -> tuple[Runs, RunRecord] | None:
         """The store holding the record `record_id` and the record: a run of this
@@ -209,18 +293,20 @@ class Runs:
 
         Raises InvalidRunId for an invalid ID; RecordIoError or InvalidRecord
         when the record found cannot be read."""
-        self.run_dir(record_id)  # validates the ID before it names a path
-        if (self.root / record_id / self.record_file).is_file():
+        self._checked(record_id)
+        if self.exists(record_id, self.record_file):
             return self, self.load(record_id)
-        for kind in CHILD_KINDS:
-            for found in sorted(self.root.glob(f"*/{kind}s/{record_id}/{kind}.json")):
-                parent = found.parent.parent.parent.name
-                if is_valid_run_id(parent):
-                    store = self.children(parent, kind)
+        for parent in self._names(""):
+            if not is_valid_run_id(parent):
+                continue
+            for kind in CHILD_KINDS:
+                store = self.children(parent, kind)
+                if store.exists(record_id, store.record_file):
                     return store, store.load(record_id)
-        for found in sorted(self.root.glob(f"{BASES_DIR}/*/exports/{record_id}/export.json")):
-            store = Runs(found.parent.parent, record_file="export.json", kind="export")
-            return store, store.load(record_id)
+        for base in self._names(BASES_DIR):
+            store = self.bases(base)
+            if store.exists(record_id, store.record_file):
+                return store, store.load(record_id)
         return None
 
     def stores(self) -> list[Runs]:
@@ -229,45 +315,59 @@ class Runs:
         Raises RecordIoError when the runs directory cannot be read."""
         found: list[Runs] = [self]
         for record in self.list(skipped=lambda _name, _error: None):
+            names = self._names(record.id)
             for kind in CHILD_KINDS:
-                if (self.root / record.id / f"{kind}s").is_dir():
+                if f"{kind}s" in names:
                     found.append(self.children(record.id, kind))
-        bases = self.root / BASES_DIR
-        if bases.is_dir():
-            for key in sorted(bases.iterdir()):
-                if (key / "exports").is_dir():
-                    found.append(Runs(key / "exports", record_file="export.json", kind="export"))
+        for base in self._names(BASES_DIR):
+            if "exports" in self._names(join(BASES_DIR, base)):
+                found.append(self.bases(base))
         return found
 
+    def _checked(self, run_id: str) -> str:
+        if not is_valid_run_id(run_id):
+            raise InvalidRunId(run_id)
+        return run_id
+
+    def _names(self, under: str) -> list[str]:
+        with store_errors(self.where):
+            return self.store.names(self.key(under) if under else self.prefix)
+
     def run_dir(self, run_id: str) -> Path:
-        """The local directory of the run `run_id`.
+        """The local directory of the run `run_id` (see `root`).
 
         Raises InvalidRunId when `run_id` is not a run ID, so a directory
         outside the runs directory is never returned.
         """
-        if not is_valid_run_id(run_id):
-            raise InvalidRunId(run_id)
-        return self.root / run_id
+        return self.root / self._checked(run_id)
+
+    def where_of(self, run_id: str, *parts: str) -> str:
+        """How messages name the run `run_id`'s directory, or a file of it."""
+        return self.store.where(self.key(self._checked(run_id), *parts))
 
     def save(self, record: RunRecord) -> None:
-        """Writes `record` to its `run.json`, replacing it atomically, and creates
-        the run directory if needed.
+        """Writes `record` to its `run.json`: created when it is new, else only
+        over the version it was read at (see the class).
 
-        Raises InvalidRunId for an invalid ID and RecordIoError when it cannot be written.
+        Raises InvalidRunId for an invalid ID, RecordChanged when another
+        process wrote it since, RecordIoError when it cannot be written.
         """
-        save_record(self.run_dir(record.id), self.record_file, record)
+        key = self.key(self._checked(record.id), self.record_file)
+        record._etag = write_record(self.store, key, record, record._etag)
 
     def load(self, run_id: str) -> RunRecord:
-        """The record of the run `run_id`.
+        """The record of the run `run_id`, with its version.
 
         Raises InvalidRunId for an invalid ID, RunNotFound when it has no record,
         RecordIoError or InvalidRecord when the record cannot be read.
         """
-        path = self.run_dir(run_id) / self.record_file
-        try:
-            return load_record(path, RunRecord, self.kind)
-        except FileNotFoundError:
-            raise RunNotFound(run_id, self.root, self.kind) from None
+        key = self.key(self._checked(run_id), self.record_file)
+        found = read_record(self.store, key, RunRecord, self.kind)
+        if found is None:
+            raise RunNotFound(run_id, self.where, self.kind)
+        record, etag = found
+        record._etag = etag
+        return record
 
     def list(self, skipped: Callable[[str, RecordError], None] | None = None) -> list[RunRecord]:
         """Every run with a readable record, oldest first. Directories without a
@@ -276,21 +376,60 @@ class Runs:
 
         Raises RecordIoError when the runs directory itself cannot be read.
         """
-        try:
-            names = sorted(entry.name for entry in self.root.iterdir())
-        except FileNotFoundError:
-            return []
-        except OSError as error:
-            raise RecordIoError(self.root, error) from None
         records = []
-        for name in names:
-            if not is_valid_run_id(name) or not (self.root / name / self.record_file).is_file():
+        for name in self._names(""):
+            if not is_valid_run_id(name):
                 continue
             try:
                 records.append(self.load(name))
+            except RunNotFound:
+                continue
             except (InvalidRecord, RecordIoError) as error:
                 if skipped is None:
                     log.warning("skipping unreadable %s record for %s: %s", self.kind, name, error)
                 else:
                     skipped(name, error)
         return records
+
+    # -- the files of a run ------------------------------------------------------------
+
+    def read_bytes(self, run_id: str, rel: str) -> bytes:
+        """The file `rel` of the run `run_id`. Raises FileNotFoundError when
+        there is none, RecordIoError when it cannot be read."""
+        key = self.key(self._checked(run_id), rel)
+        with store_errors(self.store.where(key)):
+            found = self.store.read(key)
+        if found is None:
+            raise FileNotFoundError(self.store.where(key))
+        return found.data
+
+    def read_text(self, run_id: str, rel: str) -> str:
+        """`read_bytes` as UTF-8 text (undecodable bytes replaced)."""
+        return self.read_bytes(run_id, rel).decode("utf-8", errors="replace")
+
+    def write_bytes(self, run_id: str, rel: str, data: bytes) -> None:
+        """Writes the file `rel` of the run `run_id` (one writer's file, never a
+        record). Raises RecordIoError when it cannot be written."""
+        key = self.key(self._checked(run_id), rel)
+        with store_errors(self.store.where(key)):
+            self.store.write(key, data)
+
+    def exists(self, run_id: str, rel: str) -> bool:
+        """Whether the run `run_id` has the file `rel`. Raises RecordIoError."""
+        key = self.key(self._checked(run_id), rel)
+        with store_errors(self.store.where(key)):
+            return self.store.head(key) is not None
+
+    def files(self, run_id: str, under: str = "") -> Objects:
+        """The files of the run `run_id` under `under` (all: ''), their keys
+        relative to the run's directory. Raises RecordIoError."""
+        base = self.key(self._checked(run_id))
+        with store_errors(self.where):
+            found = self.store.objects(join(base, under) if under else base)
+        return [ObjectInfo(info.key[len(base) + 1 :], info.size, info.sha256) for info in found]
+
+    def remove(self, run_id: str, rel: str) -> None:
+        """Removes the file (or directory) `rel` of the run `run_id`. Raises RecordIoError."""
+        key = self.key(self._checked(run_id), rel)
+        with store_errors(self.store.where(key)):
+            self.store.delete(key)

@@ -52,9 +52,10 @@ async def cancel(
     record.not_retrieved = None
     record.ended = rfc3339()
     ctx.runs.save(record)
-    local = ctx.runs.run_dir(record.id)
     try:
-        await retrieve(ctx.executor, trainer, record.remote_dir, local, False)
+        await retrieve(
+            ctx.executor, ctx.python, trainer, ctx.runs, record.id, record.remote_dir, False
+        )
     except ExecError as error:
         ctx.reporter.warning(f"cannot retrieve the files of cancelled {subject(record)}: {error}")
         record.not_retrieved = str(error)

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 from overbrainer_prefect.executors.base import (
     JOB_LOG,
@@ -75,7 +74,7 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     job = record.job
     if job is None:
         raise NotStarted(record.id)
-    local = ctx.runs.run_dir(record.id)
+    where = ctx.runs.where_of(record.id)
     if record.state.ended:
         return recorded(ctx.runs, trainer, record)
     summary = MetricsSummary()
@@ -84,16 +83,16 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
     cause = None
     if status.kind == "exited" and status.code != 0:
         cause = failure_cause(await job_log_tail(ctx.executor, record.remote_dir, TAIL_LINES))
-    state, message = outcome(status, summary, str(local), cause)
+    state, message = outcome(status, summary, where, cause)
     if timed_out:
         state = RunState.FAILED
         message = (
             f"the job ran past max_hours ({ctx.max_hours:g} h, deadline {record.deadline}) "
-            f"and was cancelled (see {local}/{JOB_LOG})"
+            f"and was cancelled (see {where}/{JOB_LOG})"
         )
     succeeded = state in (RunState.SUCCEEDED, RunState.STOPPED)
     try:
-        files, no_output = await _retrieve_retried(ctx, trainer, record, local, succeeded)
+        files, no_output = await _retrieve_retried(ctx, trainer, record, succeeded)
     except ExecError as error:
         if succeeded:
             raise NotRetrieved(
@@ -108,7 +107,7 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
         return Outcome(record=record, summary=summary, retrieved=False)
     if no_output:
         state = RunState.FAILED
-        message = f"the job succeeded but left no output (see {local}/{JOB_LOG})"
+        message = f"the job succeeded but left no output (see {where}/{JOB_LOG})"
     if state == RunState.STOPPED:
         record.checkpoint = summary.checkpoint
         message = (
@@ -124,14 +123,22 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
 
 
 async def _retrieve_retried(
-    ctx: RunContext, trainer: Trainer, record: RunRecord, local: Path, succeeded: bool
+    ctx: RunContext, trainer: Trainer, record: RunRecord, succeeded: bool
 ) -> tuple[list[FileDigest], bool]:
     """`retrieve`, tried again RETRIEVE_TRIES times in all when the target does
     not answer (a container restarting under its job has its sshd back within
     seconds). Raises the last ExecError."""
     for attempt in range(1, RETRIEVE_TRIES + 1):
         try:
-            return await retrieve(ctx.executor, trainer, record.remote_dir, local, succeeded)
+            return await retrieve(
+                ctx.executor,
+                ctx.python,
+                trainer,
+                ctx.runs,
+                record.id,
+                record.remote_dir,
+                succeeded,
+            )
         except ExecError as error:
             if attempt == RETRIEVE_TRIES:
                 raise

@@ -42,7 +42,7 @@ async def cancel_recorded(
     cannot be cancelled cleanly is logged and still ended. Raises RunBusy when
     another live process follows it, and what the target raises."""
     name = subject(record)
-    with follow_lock(store.run_dir(record.id), holder):
+    with follow_lock(store, record.id, holder):
         record = store.load(record.id)
         if record.state.ended:
             return

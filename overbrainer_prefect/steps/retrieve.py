@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
-
-from pydantic import TypeAdapter
 
 from overbrainer_prefect.executors.base import (
     JOB_LOG,
@@ -16,8 +13,9 @@ from overbrainer_prefect.executors.base import (
     FileDigest,
 )
 from overbrainer_prefect.executors.manifest import verify
+from overbrainer_prefect.runs.manifest import MANIFEST_FILE, load_manifest, manifest_bytes
 from overbrainer_prefect.runs.metrics import MetricsSummary
-from overbrainer_prefect.runs.records import write_atomic
+from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import (
     RunRecord,
     Runs,
@@ -25,26 +23,35 @@ from overbrainer_prefect.runs.store import (
     subject,
 )
 from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.direct import put_files
 from overbrainer_prefect.steps.errors import NotEnded
 from overbrainer_prefect.trainers.base import (
+    METRICS_FILE,
     Trainer,
 )
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FILE = "manifest.json"
-"""The verified manifest of a run's retrieved files, kept locally."""
-
 
 async def retrieve(
-    executor: Executor, trainer: Trainer, remote: str, local: Path, succeeded: bool
+    executor: Executor,
+    python: str,
+    trainer: Trainer,
+    runs: Runs,
+    record_id: str,
+    remote: str,
+    succeeded: bool,
 ) -> tuple[list[FileDigest], bool]:
-    """Copies the trainer's artifacts and the job log from `remote` into `local`,
-    then checks that the local files are exactly the target's SHA-256 manifest:
-    none missing, none different, none extra. Returns the manifest and, for a
-    succeeded job, whether its required entry held no file at all.
+    """Brings the trainer's artifacts and the job log of the job in `remote`
+    into the store of `runs` (record `record_id`) and checks they are
+    exactly the target's SHA-256 manifest: into a local runs directory they
+    are downloaded and checked here (none missing, none different, none
+    extra); into an object store the target puts them itself and the store's
+    own SHA-256 of each is checked (`direct.put_files`). The manifest is kept
+    beside them. Returns it and, for a succeeded job, whether its required
+    entry held no file at all.
 
-    Raises ExecError when the target fails or a file does not verify.
+    Raises ExecError when the target or the store fails or a file does not verify.
     """
     artifacts = trainer.artifacts()
     entries = [*artifacts.entries, JOB_LOG]
@@ -55,22 +62,17 @@ async def retrieve(
         and required is not None
         and not any(f.path == required or f.path.startswith(f"{required}/") for f in manifest)
     )
-    await executor.download(remote, local, entries, artifacts.exclude)
-    await asyncio.to_thread(verify, local, entries, artifacts.exclude, manifest)
-    write_atomic(local, MANIFEST_FILE, _MANIFEST.dump_json(manifest, indent=2) + b"\n")
-    return manifest, no_output
-
-
-_MANIFEST = TypeAdapter(list[FileDigest])
-
-
-def load_manifest(local: Path) -> list[FileDigest]:
-    """The verified manifest saved by the last retrieval into the run directory
-    `local` (empty when there was none or it cannot be read)."""
+    if runs.store.direct:
+        await put_files(executor, python, runs, record_id, remote, manifest)
+    else:
+        local = runs.run_dir(record_id)
+        await executor.download(remote, local, entries, artifacts.exclude)
+        await asyncio.to_thread(verify, local, entries, artifacts.exclude, manifest)
     try:
-        return _MANIFEST.validate_json((local / MANIFEST_FILE).read_bytes())
-    except (OSError, ValueError):
-        return []
+        runs.write_bytes(record_id, MANIFEST_FILE, manifest_bytes(manifest))
+    except RecordError as error:
+        raise ExecError("keep the manifest", str(error)) from None
+    return manifest, no_output
 
 
 async def collect(ctx: RunContext, trainer: Trainer, record: RunRecord) -> tuple[RunRecord, bool]:
@@ -83,10 +85,11 @@ async def collect(ctx: RunContext, trainer: Trainer, record: RunRecord) -> tuple
     """
     if not record.state.ended:
         raise NotEnded(record.id)
-    local = ctx.runs.run_dir(record.id)
     succeeded = record.state in (RunState.SUCCEEDED, RunState.STOPPED)
     try:
-        await retrieve(ctx.executor, trainer, record.remote_dir, local, succeeded)
+        await retrieve(
+            ctx.executor, ctx.python, trainer, ctx.runs, record.id, record.remote_dir, succeeded
+        )
     except ExecError as error:
         ctx.reporter.warning(f"cannot retrieve the files of {subject(record)}: {error}")
         return record, False
@@ -97,25 +100,29 @@ async def collect(ctx: RunContext, trainer: Trainer, record: RunRecord) -> tuple
 
 
 def has_job_log(runs: Runs, record: RunRecord) -> bool:
-    """Whether the job log of `record` was retrieved into its local directory."""
-    return (runs.run_dir(record.id) / JOB_LOG).is_file()
+    """Whether the job log of `record` was retrieved into its store."""
+    try:
+        return runs.exists(record.id, JOB_LOG)
+    except RecordError:
+        return False
 
 
 def recorded(runs: Runs, trainer: Trainer, record: RunRecord) -> Outcome:
-    """The outcome of an ended job from its local files alone (what it ran on
+    """The outcome of an ended job from its stored files alone (what it ran on
     is gone, or it was never started): its metrics, and its verified files
     when they were retrieved."""
-    local = runs.run_dir(record.id)
-    summary = _local_summary(local / trainer.metrics_file)
+    summary = stored_summary(runs, record.id, trainer.metrics_file)
     retrieved = (
-        record.job is not None and record.not_retrieved is None and (local / JOB_LOG).is_file()
+        record.job is not None and record.not_retrieved is None and has_job_log(runs, record)
     )
-    files = load_manifest(local) if retrieved else []
+    files = load_manifest(runs, record.id) if retrieved else []
     return Outcome(record=record, summary=summary, retrieved=retrieved, files=files)
 
 
-def _local_summary(path: Path) -> MetricsSummary:
+def stored_summary(runs: Runs, record_id: str, metrics_file: str = METRICS_FILE) -> MetricsSummary:
+    """What the metrics file the store holds for `record_id` adds up to
+    (nothing when there is none or it cannot be read)."""
     try:
-        return MetricsSummary.of_text(path.read_text(encoding="utf-8", errors="replace"))
-    except FileNotFoundError:
+        return MetricsSummary.of_text(runs.read_text(record_id, metrics_file))
+    except (OSError, RecordError):
         return MetricsSummary()

@@ -18,6 +18,7 @@ from overbrainer_prefect.executors.base import (
 )
 from overbrainer_prefect.runs.ids import new_run_id, rfc3339
 from overbrainer_prefect.runs.lock import LOCK_FILE
+from overbrainer_prefect.runs.manifest import MANIFEST_FILE
 from overbrainer_prefect.runs.store import (
     RECORD_FILE,
     RunRecord,
@@ -25,7 +26,6 @@ from overbrainer_prefect.runs.store import (
     RunState,
 )
 from overbrainer_prefect.steps.context import RunContext
-from overbrainer_prefect.steps.retrieve import MANIFEST_FILE
 from overbrainer_prefect.trainers.base import (
     JobContext,
     TargetFacts,

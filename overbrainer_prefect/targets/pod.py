@@ -30,7 +30,7 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.ssh import SshExecutor
-from overbrainer_prefect.money.pods import ask_of, capped, cost_facts
+from overbrainer_prefect.money.pods import ask_of, capped, cost_facts_of
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
@@ -508,7 +508,7 @@ class PodTarget(BlockTarget):
         async with AsyncExitStack() as stack:
             # issue 20: the day's and month's dollars admit the plan's most; its cap is what is left
             admitted = await stack.enter_async_context(
-                budget.admit(store, ask_of(plan, need.what, self.ref), cost_facts)
+                budget.admit(store, ask_of(plan, need.what, self.ref), cost_facts_of(store))
             )
             plan = capped(plan, admitted.cap_usd if admitted is not None else None)
             await stack.enter_async_context(budget.hold(plan_price(plan)))

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
-from overbrainer_prefect.runs.store import BASES_DIR, Runs
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.trainers.base import METRICS_FILE, Artifacts, JobContext
 from overbrainer_prefect.trainers.export import NAME_CHARS
 from overbrainer_prefect.trainers.gguf_job import ANSWERS_FILE, GgufAsk, GgufJobTrainer
@@ -197,12 +197,12 @@ def base_key(base_model: str, target: str) -> str:
 
 def base_exports(runs: Runs, key: str) -> Runs:
     """The store of the exports of the base model `key`: `<runs dir>/.bases/<key>/exports/`."""
-    return Runs(runs.root / BASES_DIR / key / "exports", record_file="export.json", kind="export")
+    return runs.top.bases(key)
 
 
 class CompareTrainer(GgufJobTrainer):
-    """A compare following `spec`, whose GGUFs are under the runs directory
-    `runs_root`. `cpu_threads` sets llama.cpp's threads on a target without a GPU;
+    """A compare following `spec`, whose GGUFs are in the runs directory `runs`.
+    `cpu_threads` sets llama.cpp's threads on a target without a GPU;
     on one with a GPU every layer is offloaded to it.
 
     Raises TrainError when `cpu_threads` is below 1."""
@@ -210,8 +210,8 @@ class CompareTrainer(GgufJobTrainer):
     name = "compare"
     script = COMPARE_MODULE
 
-    def __init__(self, spec: CompareSpec, runs_root: Path, cpu_threads: int | None = None) -> None:
-        super().__init__(spec, runs_root, cpu_threads)
+    def __init__(self, spec: CompareSpec, runs: Runs, cpu_threads: int | None = None) -> None:
+        super().__init__(spec, runs, cpu_threads)
         self.spec = spec
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:

@@ -20,14 +20,16 @@ from __future__ import annotations
 import json
 import posixpath
 import re
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.executors.base import FileDigest
+from overbrainer_prefect.runs.manifest import load_manifest
+from overbrainer_prefect.runs.records import RecordError
+from overbrainer_prefect.runs.store import RunRecord, Runs
 from overbrainer_prefect.trainers.base import (
     METRICS_FILE,
     Artifacts,
@@ -35,7 +37,7 @@ from overbrainer_prefect.trainers.base import (
     TrainerBase,
     TrainError,
 )
-from overbrainer_prefect.trainers.staging import SCRIPTS_DIR, copy_job_script, link_or_copy
+from overbrainer_prefect.trainers.staging import SCRIPTS_DIR, copy_job_script, stage_stored
 
 QUANTS: dict[str, float] = {"q4_k_m": 4.89, "q5_k_m": 5.70, "q8_0": 8.50, "f16": 16.0}
 """The quant types an export makes, with their bits per weight (llama.cpp's
@@ -95,38 +97,56 @@ class ExportSpec(BaseModel):
         return check_quant(quant)
 
 
-def model_files(run_dir: Path) -> list[Path]:
-    """The files of a run's model: the top-level files of its `output/` (an adapter,
-    or full weights), never its checkpoints.
+def model_files(runs: Runs, run_id: str) -> list[FileDigest]:
+    """The files of a run's model, as its verified manifest lists them: the
+    top-level files of its `output/` (an adapter, or full weights), never its
+    checkpoints.
 
     Raises TrainError when `output/` holds neither an adapter (adapter_config.json)
     nor a model (config.json).
     """
-    output = run_dir / OUTPUT_DIR
-    files = sorted(p for p in output.iterdir() if p.is_file()) if output.is_dir() else []
-    names = {p.name for p in files}
+    files = sorted(
+        (
+            entry
+            for entry in load_manifest(runs, run_id)
+            if entry.path.startswith(f"{OUTPUT_DIR}/") and entry.path.count("/") == 1
+        ),
+        key=lambda entry: entry.path,
+    )
+    names = {posixpath.basename(entry.path) for entry in files}
     if "adapter_config.json" not in names and "config.json" not in names:
         raise TrainError(
-            f"{output} holds no model (no adapter_config.json, no config.json): "
-            "only a run that saved its model can be exported"
+            f"{runs.where_of(run_id, OUTPUT_DIR)} holds no model (no adapter_config.json, "
+            "no config.json): only a run that saved its model can be exported"
         )
     return files
 
 
-def base_model(run_dir: Path) -> str | None:
+def run_config(runs: Runs, run_id: str) -> str | None:
+    """The text of the run's `axolotl.yaml`, None when it has none or it cannot be read."""
+    try:
+        return runs.read_text(run_id, CONFIG_FILE)
+    except (OSError, RecordError):
+        return None
+
+
+def base_model(runs: Runs, run_id: str) -> str | None:
     """The base model the run's `axolotl.yaml` names (a directory on its target or
     a Hugging Face id), or None when it names none or cannot be read."""
+    text = run_config(runs, run_id)
     try:
-        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+        config = yaml.safe_load(text) if text is not None else None
+    except yaml.YAMLError:
         return None
     base = config.get("base_model") if isinstance(config, dict) else None
     return base if isinstance(base, str) and base else None
 
 
-def is_lora(run_dir: Path) -> bool:
+def is_lora(runs: Runs, run_id: str) -> bool:
     """Whether the run's model is an adapter (merged into its base by an export)."""
-    return (run_dir / OUTPUT_DIR / "adapter_config.json").is_file()
+    return any(
+        entry.path == f"{OUTPUT_DIR}/adapter_config.json" for entry in load_manifest(runs, run_id)
+    )
 
 
 def gguf_name(run_id: str, base: str | None) -> str:
@@ -230,37 +250,44 @@ class GgufExport(TrainerBase):
 
 
 class ExportTrainer(GgufExport):
-    """An export of the succeeded run `run`, whose local directory is `run_dir`,
-    following `spec`: its model (merged into its base when it is a LoRA), named
-    for the run (its file and its `general.name`)."""
+    """An export of the succeeded run `run` of `runs`, following `spec`: its
+    model (merged into its base when it is a LoRA), named for the run (its file
+    and its `general.name`)."""
 
     def __init__(
-        self, run: RunRecord, run_dir: Path, spec: ExportSpec, cpu_threads: int | None = None
+        self, run: RunRecord, runs: Runs, spec: ExportSpec, cpu_threads: int | None = None
     ) -> None:
-        super().__init__(spec.quant, tuned_gguf_name(run.id), base_model(run_dir), cpu_threads)
+        super().__init__(spec.quant, tuned_gguf_name(run.id), base_model(runs, run.id), cpu_threads)
         self.run = run
-        self.run_dir = run_dir
+        self.runs = runs
         self.spec = spec
         self.title = model_title(run.id, self.base_model)
+        self.lora = is_lora(runs, run.id)
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
-        """Stages the run's model under `model/`, its `axolotl.yaml`, and the job
-        script under `scripts/` in the export's local directory.
+        """Stages the run's model under `model/` (from its store: hard links
+        from a local one, fetched by the job from an object store), its
+        `axolotl.yaml`, and the job script under `scripts/` in the export's
+        local directory.
 
         Raises TrainError when the run has no model or no config.
         """
-        files = model_files(self.run_dir)
-        config = self.run_dir / CONFIG_FILE
-        if is_lora(self.run_dir) and not config.is_file():
+        files = model_files(self.runs, self.run.id)
+        config = run_config(self.runs, self.run.id)
+        if self.lora and config is None:
             raise TrainError(
-                f"{config} is missing: a LoRA cannot be merged without the base model it names"
+                f"{self.runs.where_of(self.run.id, CONFIG_FILE)} is missing: a LoRA cannot be "
+                "merged without the base model it names"
             )
-        model = local_run_dir / MODEL_DIR
-        model.mkdir(parents=True, exist_ok=True)
-        for source in files:
-            link_or_copy(source, model / source.name)
-        if config.is_file():
-            shutil.copyfile(config, local_run_dir / CONFIG_FILE)
+        (local_run_dir / MODEL_DIR).mkdir(parents=True, exist_ok=True)
+        again = f"retrieve it again with the attach flow (run_id={self.run.id})"
+        for entry in files:
+            dest = f"{MODEL_DIR}/{posixpath.basename(entry.path)}"
+            key = self.runs.key(self.run.id, entry.path)
+            missing = f"{self.runs.store.where(key)} is missing: {again}"
+            stage_stored(self.runs, key, local_run_dir, dest, entry.size, entry.sha256, missing)
+        if config is not None:
+            (local_run_dir / CONFIG_FILE).write_text(config, encoding="utf-8")
         super().prepare(local_run_dir, ctx)
 
     def options(self) -> list[str]:
@@ -271,7 +298,7 @@ class ExportTrainer(GgufExport):
     def offline(self) -> bool:
         """Offline when the run's model is full weights (nothing to merge into), or
         the base a LoRA is merged into is a directory."""
-        return not is_lora(self.run_dir) or super().offline()
+        return not self.lora or super().offline()
 
 
 class BaseExportTrainer(GgufExport):

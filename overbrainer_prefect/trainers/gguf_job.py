@@ -15,8 +15,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.trainers.base import JobContext, TrainerBase, TrainError
-from overbrainer_prefect.trainers.staging import SCRIPTS_DIR, copy_job_script, link_or_copy
+from overbrainer_prefect.trainers.staging import SCRIPTS_DIR, copy_job_script, stage_stored
 
 ANSWERS_FILE = "answers.jsonl"
 MODELS_DIR = "models"
@@ -56,7 +57,7 @@ class GgufAsk(BaseModel):
 
 class GgufJobTrainer(TrainerBase):
     """The part of a compare or an evaluation trainer that asks `ask`'s GGUFs,
-    found under the runs directory `runs_root`, with the job script `script`.
+    found in the runs directory `runs`, with the job script `script`.
     `cpu_threads` sets llama.cpp's threads on a target without a GPU; on one
     with a GPU every layer is offloaded to it.
 
@@ -67,28 +68,29 @@ class GgufJobTrainer(TrainerBase):
     script: str
     """The job script's module, under `overbrainer_prefect/jobs/`."""
 
-    def __init__(self, ask: GgufAsk, runs_root: Path, cpu_threads: int | None = None) -> None:
+    def __init__(self, ask: GgufAsk, runs: Runs, cpu_threads: int | None = None) -> None:
         if cpu_threads is not None and cpu_threads < 1:
             raise TrainError(f"cpu_threads is {cpu_threads}: give 1 or more, or leave it unset")
         self.ask = ask
-        self.runs_root = runs_root
+        self.runs = runs.top
         self.cpu_threads = cpu_threads
 
     def stage(self, local_run_dir: Path) -> Path:
-        """Stages both GGUFs under `models/` (hard links when they can be) and the
-        job scripts under `scripts/`; returns `models/`.
+        """Stages both GGUFs under `models/` (from the runs' store: hard links
+        from a local one, fetched by the job from an object store) and the job
+        scripts under `scripts/`; returns `models/`.
 
         Raises TrainError when a GGUF is missing.
         """
         models = local_run_dir / MODELS_DIR
         models.mkdir(parents=True, exist_ok=True)
         for name, ref in (("base", self.ask.base), ("tuned", self.ask.tuned)):
-            source = self.runs_root / ref.path
-            if not source.is_file():
-                raise TrainError(
-                    f"the {name} GGUF {source} is missing: export it again (export {ref.export_id})"
-                )
-            link_or_copy(source, models / f"{name}.gguf")
+            where = self.runs.store.where(ref.path)
+            missing = (
+                f"the {name} GGUF {where} is missing: export it again (export {ref.export_id})"
+            )
+            dest = f"{MODELS_DIR}/{name}.gguf"
+            stage_stored(self.runs, ref.path, local_run_dir, dest, ref.size, ref.sha256, missing)
         copy_job_script(local_run_dir, GENERATE_MODULE)
         copy_job_script(local_run_dir, self.script)
         return models

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from overbrainer_prefect.runs.records import save_record
+from overbrainer_prefect.runs.records import RecordError, record_bytes
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.local import write_atomic
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
 
@@ -156,21 +158,21 @@ def split_heldout(
     split = HoldoutSplit(
         holdout=spec.holdout, seed=spec.seed, rows=total, held_out=count, files=entries
     )
-    save_record(outdir, SPLIT_FILE, split)
+    write_atomic(outdir, SPLIT_FILE, record_bytes(split))
     return split
 
 
-def read_split(run_dir: Path) -> HoldoutSplit | None:
-    """The held-out split a run recorded, or None when it kept nothing out.
+def read_split(runs: Runs, run_id: str) -> HoldoutSplit | None:
+    """The held-out split the run `run_id` recorded, or None when it kept nothing out.
 
     Raises TrainError with one line when the record is there but unreadable."""
-    path = run_dir / HOLDOUT_DIR / SPLIT_FILE
+    path = runs.where_of(run_id, HOLDOUT_DIR, SPLIT_FILE)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = runs.read_text(run_id, f"{HOLDOUT_DIR}/{SPLIT_FILE}")
     except FileNotFoundError:
         return None
-    except OSError as error:
-        raise TrainError(f"cannot read the held-out split {path}: {error.strerror}") from None
+    except RecordError as error:
+        raise TrainError(f"cannot read the held-out split {path}: {error}") from None
     try:
         return HoldoutSplit.model_validate_json(text)
     except ValueError:

@@ -1,0 +1,170 @@
+"""A job's files moved between its target and an object store by the target
+itself (`jobs/overbrainer_store.py`, run with the job venv's Python): this
+side only signs short-lived URLs, one per file or part, and checks what the
+store says it holds. No byte of a model passes through this process, and no
+store key reaches the target.
+
+- `put_files`: the job's outputs, each part's SHA-256 checked (or computed) by
+  the store, then every file's size and SHA-256 compared with the target's
+  manifest: nothing counts as retrieved that the store does not hold.
+- `fetch_plan`: what a job reads from the store (a run's adapter for its
+  export, GGUFs for a compare), fetched and checked on the target by the job's
+  first command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import ParamSpec, TypeVar
+
+from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store import SignedPut, StoreError
+from overbrainer_prefect.store.digest import expected_checksum
+from overbrainer_prefect.store.s3 import SLOWEST_BPS
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+SCRIPT = "overbrainer_store"
+"""The job script that moves files (`overbrainer_prefect/jobs/overbrainer_store.py`)."""
+
+MIN_PUT_S = 600.0  # the least time a put of a job's files is given
+FETCH_ENV = "OVERBRAINER_FETCH_PLAN"
+"""The job's environment variable that carries its fetch plan (like a secret)."""
+INPUTS_FILE = ".inputs.json"
+"""In a staged run directory: the files its job fetches from the store first."""
+
+
+def script_source() -> str:
+    """The source of the job script that moves files."""
+    return resources.files("overbrainer_prefect.jobs").joinpath(f"{SCRIPT}.py").read_text()
+
+
+def script_argv(python: str, command: str, *args: str) -> list[str]:
+    """The command that runs the file-moving script with the target's `python`."""
+    return [python, "-c", script_source(), command, *args]
+
+
+@dataclass(frozen=True)
+class Input:
+    """A file a job reads from the store: where it goes in the job's run
+    directory, the store key it comes from, its size and SHA-256."""
+
+    path: str
+    key: str
+    size: int
+    sha256: str
+
+
+async def _store(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """A call to the store in a thread, its failures as the target's (ExecError):
+    a retrieval that cannot put its files is retried or noted like one that
+    cannot reach its target."""
+    try:
+        return await asyncio.to_thread(call, *args, **kwargs)
+    except StoreError as error:
+        raise ExecError("put the files in the store", str(error)) from None
+
+
+async def _run(executor: Executor, argv: list[str], stdin: bytes, timeout: float) -> str:
+    result = await executor.run(argv, timeout=timeout, stdin=stdin)
+    if result.code != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        raise ExecError(
+            "put the files in the store", lines[-1][:300] if lines else f"exit {result.code}"
+        )
+    return result.stdout
+
+
+async def put_files(
+    executor: Executor,
+    python: str,
+    runs: Runs,
+    record_id: str,
+    remote: str,
+    manifest: Sequence[FileDigest],
+) -> None:
+    """Has the target put the files of `manifest` (relative to its run
+    directory `remote`) into the store of `runs`, under the record
+    `record_id`, then checks that the store holds every one of them, whole.
+    A file the store already holds with the same SHA-256 (a retrieval tried
+    again) is not put again.
+
+    Raises ExecError when the target cannot put them, the store does not
+    answer, or a file the store holds is not the manifest's.
+    """
+    store = runs.store
+    todo: list[FileDigest] = []
+    for entry in manifest:
+        info = await _store(store.head, runs.key(record_id, entry.path))
+        whole = entry.size <= store.part_size
+        if not (info and whole and info.size == entry.size and info.sha256 == entry.sha256):
+            todo.append(entry)
+    digests = {entry.path: [entry.sha256] for entry in todo if entry.size <= store.part_size}
+    big = [entry.path for entry in todo if entry.size > store.part_size]
+    total = sum(entry.size for entry in todo)
+    timeout = max(MIN_PUT_S, total / SLOWEST_BPS)
+    if big:
+        argv = script_argv(python, "parts", remote, str(store.part_size))
+        digests |= json.loads(await _run(executor, argv, json.dumps(big).encode(), timeout))
+    signed: list[SignedPut] = []
+    for entry in todo:
+        key = runs.key(record_id, entry.path)
+        signed.append(await _store(store.sign_put, key, entry.size, digests[entry.path]))
+    if signed:
+        plan = {
+            "deadline_s": timeout,
+            "files": [
+                {
+                    "path": entry.path,
+                    "parts": [
+                        {
+                            "url": part.url,
+                            "headers": dict(part.headers),
+                            "offset": part.offset,
+                            "length": part.length,
+                        }
+                        for part in put.parts
+                    ],
+                }
+                for entry, put in zip(todo, signed, strict=True)
+            ],
+        }
+        output = await _run(
+            executor, script_argv(python, "put", remote), json.dumps(plan).encode(), timeout
+        )
+        etags = json.loads(output)
+        for entry, put in zip(todo, signed, strict=True):
+            await _store(store.complete, put, etags[entry.path])
+    expected = {entry.path: [entry.sha256] for entry in manifest} | digests
+    for entry in manifest:
+        info = await _store(store.head, runs.key(record_id, entry.path))
+        want = expected_checksum(expected[entry.path])
+        if info is None or info.size != entry.size or info.sha256 != want:
+            held = "nothing" if info is None else f"{info.size} bytes, SHA-256 {info.sha256}"
+            raise ExecError(
+                "verify",
+                f"{runs.where_of(record_id, entry.path)} holds {held}, not the job's "
+                f"{entry.size} bytes ({entry.sha256[:12]}...)",
+            )
+
+
+def fetch_plan(runs: Runs, inputs: Sequence[Input]) -> str:
+    """The fetch plan of a job's inputs (its presigned URLs: a secret of the
+    job). Raises StoreError when the store cannot sign them."""
+    files = [
+        {
+            "path": item.path,
+            "url": runs.store.sign_get(item.key),
+            "size": item.size,
+            "sha256": item.sha256,
+        }
+        for item in inputs
+    ]
+    total = sum(item.size for item in inputs)
+    return json.dumps({"files": files, "deadline_s": max(MIN_PUT_S, total / SLOWEST_BPS)})
