@@ -136,9 +136,7 @@ def export_job(runs_dir: Path, run_id: str, scratch: Path) -> dict[str, float]:
     from overbrainer_prefect.trainers.export import ExportSpec, ExportTrainer, phases
 
     runs = Runs(runs_dir)
-    trainer = ExportTrainer(
-        runs.load(run_id), runs.run_dir(run_id), ExportSpec(quant=QUANT), cpu_threads=1
-    )
+    trainer = ExportTrainer(runs.load(run_id), runs, ExportSpec(quant=QUANT), cpu_threads=1)
     ctx = JobContext(
         run_id=scratch.name,
         run_dir=str(scratch),

@@ -188,6 +188,7 @@ def one_round(root: Path, target: str, count: int, server_pid: int) -> Round:
     go = root / f"go-{count}"
     os.mkfifo(go)
     from overbrainer_prefect.runs.lock import is_followed
+    from overbrainer_prefect.runs.store import Runs
 
     progress(f"N={count}: starting the runs")
     runs_root, ids = asyncio.run(start_runs(root, target, count, go))
@@ -206,7 +207,8 @@ def one_round(root: Path, target: str, count: int, server_pid: int) -> Round:
         )
     try:
         deadline = time.monotonic() + LOCKS_TIMEOUT_S
-        while sum(is_followed(runs_root / run_id) for run_id in ids) < count:
+        runs = Runs(runs_root)
+        while sum(is_followed(runs, run_id) for run_id in ids) < count:
             if child.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the collect did not follow all {count} runs: {tail(log)}")
             time.sleep(0.1)

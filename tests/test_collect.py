@@ -197,7 +197,7 @@ def test_collect_never_touches_a_run_another_process_follows(
     record = started_run(runs, target, LOOKS_TRAINED, None)
     before = runs.run_dir(record.id) / "run.json"
     text = before.read_text()
-    with follow_lock(runs.run_dir(record.id), "another follower"):
+    with follow_lock(runs, record.id, "another follower"):
         asyncio.run(wait_for(lambda: (Path(record.remote_dir) / "job.exit").exists(), 30, "job"))
         assert asyncio.run(collect(runs_dir=str(runs.root))) == []
         assert before.read_text() == text
@@ -237,7 +237,7 @@ def test_collect_leaves_a_run_its_live_creator_is_still_preparing(
         runs, target=ref, target_kind="local", workdir=block.work_dir, flow_run_id=running
     )
     backdate(runs, record.id, CREATE_GRACE_S + 1)
-    with follow_lock(runs.run_dir(record.id), "its creator"):  # what decides: the lock
+    with follow_lock(runs, record.id, "its creator"):  # what decides: the lock
         assert asyncio.run(collect(runs_dir=str(runs.root))) == []
     assert runs.load(record.id).state == RunState.PREPARING
     assert flow_run_state(running).type == StateType.RUNNING

@@ -217,7 +217,11 @@ def make_run(tmp_path: Path, gguf_file: Path, *, export: bool = True) -> FakeRun
     shutil.copyfile(dataset, local / "data" / "chat.jsonl")
     executor = LocalExecutor(work)
     trainer = AxolotlTrainer(spec)
-    run(retrieve.retrieve(executor, trainer, record.remote_dir, local, True))
+    run(
+        retrieve.retrieve(
+            executor, sys.executable, trainer, runs, record.id, record.remote_dir, True
+        )
+    )
     record.state = RunState.SUCCEEDED
     record.ended = rfc3339()
     runs.save(record)
@@ -241,7 +245,17 @@ def make_run(tmp_path: Path, gguf_file: Path, *, export: bool = True) -> FakeRun
         (eremote / METRICS_FILE).write_text('{"event": "end"}\n')
         (eremote / JOB_LOG).write_text("exported\n")
         elocal = exports.run_dir(exported.id)
-        run(retrieve.retrieve(executor, ExportArtifacts(), exported.remote_dir, elocal, True))  # type: ignore[arg-type]
+        run(
+            retrieve.retrieve(
+                executor,
+                sys.executable,
+                ExportArtifacts(),
+                exports,
+                exported.id,
+                exported.remote_dir,
+                True,  # type: ignore[arg-type]
+            )
+        )
         exported.state = RunState.SUCCEEDED
         exported.ended = rfc3339()
         exports.save(exported)
@@ -410,22 +424,23 @@ def test_the_record_says_what_became_of_a_run_last_delivered_or_kept_back(
             flow_run_id=flow_run,
         )
 
-    assert load_deliveries(tmp_path).latest is None
+    runs, run_id = Runs(tmp_path), "20260101-000000-aaaa"
+    assert load_deliveries(runs, run_id).latest is None
     refused = NotDelivered(
         reason="held-out 0/9 = 0%, below the last delivered model's 1/1 = 100% (run r)",
         evaluation_id="20260101-000000-ev00",
         decided="2026-01-01T01:00:00Z",
     )
-    add_not_delivered(tmp_path, refused)
-    assert load_deliveries(tmp_path).latest == f"not delivered: {refused.reason}"
-    add_delivery(tmp_path, delivery("ollama", "tuned:q8_0", "2026-01-02T01:00:00Z", "f1"))
-    add_delivery(tmp_path, delivery("hub", "org/tuned", "2026-01-02T01:00:05Z", "f1"))
-    record = load_deliveries(tmp_path)
+    add_not_delivered(runs, run_id, refused)
+    assert load_deliveries(runs, run_id).latest == f"not delivered: {refused.reason}"
+    add_delivery(runs, run_id, delivery("ollama", "tuned:q8_0", "2026-01-02T01:00:00Z", "f1"))
+    add_delivery(runs, run_id, delivery("hub", "org/tuned", "2026-01-02T01:00:05Z", "f1"))
+    record = load_deliveries(runs, run_id)
     assert record.latest == "delivered: ollama tuned:q8_0, hub org/tuned"
     assert [d.evaluation_id for d in record.deliveries] == ["20260101-000000-ev01"] * 2
     assert record.not_delivered == [refused]
     later = refused.model_copy(update={"decided": "2026-01-03T01:00:00Z"})
-    assert add_not_delivered(tmp_path, later).latest == f"not delivered: {refused.reason}"
+    assert add_not_delivered(runs, run_id, later).latest == f"not delivered: {refused.reason}"
 
 
 # the deliver flow
@@ -482,7 +497,7 @@ def test_the_deliver_flow_creates_the_ollama_model_records_and_links_it(
         run(_get(ollama_server.url + "/api/tags")),
     )
     assert [m["name"] for m in tags["models"]] == [name]
-    recorded = load_deliveries(fake.run_dir).deliveries
+    recorded = load_deliveries(fake.runs, fake.record.id).deliveries
     assert [(d.destination, d.name, d.export_id, d.files[0].sha256) for d in recorded] == [
         ("ollama", name, fake.export_id, digest)
     ]
@@ -500,7 +515,7 @@ def test_the_deliver_flow_creates_the_ollama_model_records_and_links_it(
     )
     assert ollama_server.count("POST", "/api/blobs/") == 1
     assert ollama_server.count("HEAD", "/api/blobs/") == 2
-    first, again = load_deliveries(fake.run_dir).deliveries
+    first, again = load_deliveries(fake.runs, fake.record.id).deliveries
     assert first.evaluation_id is None and again.evaluation_id == evaluation_id
 
 
@@ -639,7 +654,7 @@ def test_the_deliver_flow_commits_adapter_gguf_and_card_to_a_private_repo_in_one
     assert "comet_api_key" not in card
     [delivery] = result.deliveries
     assert delivery.url == f"{hub.url}/overbrainer/smollm2-tuned" and delivery.private
-    assert load_deliveries(fake.run_dir).deliveries[0].commit == repo.commits[0].oid
+    assert load_deliveries(fake.runs, fake.record.id).deliveries[0].commit == repo.commits[0].oid
     artifacts = read_artifacts(run_id)
     [link] = [a for k, a in artifacts.items() if k.startswith(f"run-{run_id}-hub-")]
     assert link.data == f"[overbrainer/smollm2-tuned on the Hugging Face Hub]({delivery.url})"

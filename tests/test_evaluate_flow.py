@@ -102,7 +102,7 @@ def evaluated(
     OllamaServer(url=ollama.url).save(server)
     runs_dir = root / "runs"
     remember_delivered(
-        Runs(runs_dir).root,
+        Runs(runs_dir),
         Delivered(
             deployment="fine-tune",
             run_id="20260101-000000-last",
@@ -112,6 +112,7 @@ def evaluated(
             heldout_total=1,
             delivered=rfc3339(),
         ),
+        None,
     )
     fine = FineTuneSpec(
         target=name,
@@ -228,9 +229,9 @@ def test_a_model_worse_than_the_last_delivered_is_kept_and_reported_but_not_deli
     assert ollama.count("POST", "/api/create") == 0
     kept = Runs(evaluated.spec.runs_dir).load(run_id)
     assert kept.state == "succeeded"  # kept
-    last = last_delivered(Runs(evaluated.spec.runs_dir).root, "fine-tune")
+    last = last_delivered(Runs(evaluated.spec.runs_dir), "fine-tune")
     assert last is not None and last.run_id == "20260101-000000-last"
-    record = load_deliveries(Runs(evaluated.spec.runs_dir).run_dir(run_id))
+    record = load_deliveries(Runs(evaluated.spec.runs_dir), run_id)
     assert record.deliveries == []
     [refused] = record.not_delivered
     assert refused.reason == gate.reason and refused.evaluation_id == gate.evaluation_id
@@ -255,11 +256,11 @@ def test_a_model_that_passes_its_gate_is_delivered_and_measured_against_next(
     evaluation_id = result.evaluation.evaluation_id
     assert result.gate.evaluation_id == evaluation_id
     assert result.gate.line.startswith("passed: ") and "delivered:" not in result.gate.line
-    last = last_delivered(Runs(evaluated.spec.runs_dir).root, "fine-tune")
+    last = last_delivered(Runs(evaluated.spec.runs_dir), "fine-tune")
     assert last is not None and last.run_id == run_id
     assert last.evaluation_id == evaluation_id  # the record names the evaluation that let it in
     assert last.gguf_sha256 == result.export.gguf.sha256  # type: ignore[union-attr]
-    [delivery] = load_deliveries(Runs(evaluated.spec.runs_dir).run_dir(run_id)).deliveries
+    [delivery] = load_deliveries(Runs(evaluated.spec.runs_dir), run_id).deliveries
     assert delivery.evaluation_id == evaluation_id and delivery.name == "tuned:q8_0"
     # the gate's line says it passed, before the delivery; the delivery is said once made
     lines = flow_logs(str(state.state_details.flow_run_id))

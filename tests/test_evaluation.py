@@ -17,7 +17,7 @@ from overbrainer_prefect.evaluation.gate import (
     GateError,
     GateRule,
     decide,
-    delivered_path,
+    delivered_key,
     last_delivered,
     remember_delivered,
 )
@@ -36,10 +36,12 @@ from overbrainer_prefect.evaluation.spec import (
     JudgeSpec,
 )
 from overbrainer_prefect.evaluation.verdict import cell, format_p, markdown, verdict
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.trainers.gguf_job import GgufRef
 
 TUNED = GgufRef(path="r/exports/e/gguf/tuned.gguf", size=1, sha256="a" * 64, export_id="e")
 BASE = GgufRef(path=".bases/b/exports/f/gguf/base.gguf", size=1, sha256="b" * 64, export_id="f")
+RUN = "20260101-000000-runa"  # the run evaluated (it kept no rows out: no split of its own)
 
 
 def write_lines(path: Path, rows: list[Any]) -> Path:
@@ -49,7 +51,9 @@ def write_lines(path: Path, rows: list[Any]) -> Path:
 
 def plan_of(tmp_path: Path, **changes: Any) -> EvaluationPlan:
     spec = EvaluationSpec.model_validate(changes)
-    return plan_evaluation(spec, run_dir=tmp_path / "run", base_model="/m", tuned=TUNED, base=BASE)
+    return plan_evaluation(
+        spec, runs=Runs(tmp_path), run_id=RUN, base_model="/m", tuned=TUNED, base=BASE
+    )
 
 
 # --- items and bad input -------------------------------------------------------------
@@ -401,17 +405,23 @@ def test_the_gate_can_ask_for_a_floor_and_for_a_significant_win(tmp_path: Path) 
 def test_the_last_delivered_model_is_remembered_per_deployment_under_the_runs_dir(
     tmp_path: Path,
 ) -> None:
-    runs = tmp_path / "runs"
+    runs = Runs(tmp_path / "runs")
     assert last_delivered(runs, "nightly") is None
-    remember_delivered(runs, delivered(15))
-    assert last_delivered(runs, "nightly") == delivered(15)
+    remember_delivered(runs, delivered(15), None)
+    first = last_delivered(runs, "nightly")
+    assert first == delivered(15)
     assert last_delivered(runs, "nightly/other") is None
-    assert delivered_path(runs, "nightly").parent == runs / ".delivered"
-    assert delivered_path(runs, "a/b") != delivered_path(runs, "a-b")
-    remember_delivered(runs, delivered(18))
+    assert delivered_key("nightly").startswith(".delivered/")
+    assert delivered_key("a/b") != delivered_key("a-b")
+    with pytest.raises(GateError, match="is not delivered"):
+        remember_delivered(runs, delivered(16), None)  # the slot is no longer empty
+    remember_delivered(runs, delivered(18), first)
+    with pytest.raises(GateError, match=r"another flow run of nightly delivered run") as lost:
+        remember_delivered(runs, delivered(17), first)  # gated against a model since replaced
+    assert "\n" not in str(lost.value)
     found = last_delivered(runs, "nightly")
     assert found is not None and found.heldout_passed == 18
-    delivered_path(runs, "nightly").write_text('{"deployment": "nightly", "run_id": 3}')
+    (runs.root / delivered_key("nightly")).write_text('{"deployment": "nightly", "run_id": 3}')
     with pytest.raises(GateError, match=r"is not a valid delivered-model record \(line 1") as e:
         last_delivered(runs, "nightly")
     assert "\n" not in str(e.value)
@@ -429,7 +439,7 @@ def test_the_evaluation_trainer_stages_its_models_items_and_scripts_and_runs_on_
 
     runs_root = tmp_path / "runs"
     plan = plan_of(tmp_path, items=[{"prompt": "Who is Pip?", "expected": "axolotl"}])
-    trainer = EvaluateTrainer(plan, runs_root, cpu_threads=2)
+    trainer = EvaluateTrainer(plan, Runs(runs_root), cpu_threads=2)
     assert isinstance(trainer, Trainer) and trainer.name == "evaluation"
     gpu = TargetFacts(python="/venv/bin/python", gpus=1, modules={"llama_cpp": "0.3"})
     ctx = JobContext(run_id="e", run_dir="/w/e", cache_dir="/w/hf", facts=gpu)

@@ -33,6 +33,7 @@ from overbrainer_prefect.trainers.compare import CompareSpec, read_answers
 from tests.test_compare import MAX_TOKENS, QUESTIONS, Trained, trained  # noqa: F401
 
 JOB_TIMEOUT_S = 300.0  # two tiny GGUFs, a dozen short answers, a judge: seconds alone
+JOB_ID = "20260101-000000-evjb"  # the directory the evaluation job runs in
 
 # Perplexity by llama-cpp-python's own log-softmax (`Llama.logits_to_logprobs`), each
 # answer token's log-probability read from the row before it, the prompt tokenized
@@ -138,17 +139,20 @@ def evaluated(
     )
     plan = plan_evaluation(
         spec,
-        run_dir=runs.run_dir(trained.run_id),
+        runs=runs,
+        run_id=trained.run_id,
         base_model=stored.base_model,
         tuned=stored.tuned,
         base=stored.base,
     )
-    job_dir = root / "job"
+    job_dir = root / JOB_ID
     done = run_job(
-        EvaluateTrainer(plan, trained.runs_dir.absolute(), cpu_threads=1), job_dir, job_python
+        EvaluateTrainer(plan, Runs(trained.runs_dir.absolute()), cpu_threads=1),
+        job_dir,
+        job_python,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    job = read_job_results(job_dir / "results.json")
+    job = read_job_results(Runs(root), JOB_ID)
     return Evaluated(trained, plan, job_dir, job, score(plan, job), compare_answers, rows)
 
 
@@ -269,7 +273,7 @@ def test_an_item_too_long_for_the_models_context_fails_the_job_naming_it(
     plan = evaluated.plan.model_copy(
         update={"items": [*evaluated.plan.items[:1], long_item.model_copy(update={"id": "H9"})]}
     )
-    trainer = EvaluateTrainer(plan, evaluated.trained.runs_dir.absolute(), cpu_threads=1)
+    trainer = EvaluateTrainer(plan, Runs(evaluated.trained.runs_dir.absolute()), cpu_threads=1)
     done = run_job(trainer, tmp_path / "job", job_python)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(

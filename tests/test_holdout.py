@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from overbrainer_prefect.evaluation.items import heldout_items
 from overbrainer_prefect.evaluation.spec import BadEvaluationInput
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.runs.store import RECORD_FILE
+from overbrainer_prefect.runs.store import RECORD_FILE, Runs
 from overbrainer_prefect.steps.start import LOCAL_ONLY
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import JobContext, TargetFacts, TrainError
@@ -23,6 +23,7 @@ from overbrainer_prefect.trainers.holdout import holdout_count, holdout_problem,
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.tinymodel import write_dataset
 
+RUN = "20260101-000000-rone"  # the run whose rows are held out
 CPU = TargetFacts(python="/venv/bin/python", gpus=0, modules={"torch": "2", "axolotl": "0.19"})
 
 
@@ -47,7 +48,7 @@ def chats(tmp_path: Path) -> Path:
 
 def test_held_out_rows_are_never_in_the_uploaded_training_file(tmp_path: Path, chats: Path) -> None:
     spec = spec_of(chats, holdout=0.25, seed=3)
-    local = tmp_path / "runs" / "r1"
+    local = tmp_path / "runs" / RUN
     prepare(spec, local)
     original = lines(chats)
     kept, held = lines(local / "data" / "chat.jsonl"), lines(local / "heldout" / "chat.jsonl")
@@ -64,7 +65,7 @@ def test_held_out_rows_are_never_in_the_uploaded_training_file(tmp_path: Path, c
     assert not (remote / "heldout").exists()
     assert not any(row in p.read_text() for p in remote.rglob("*") if p.is_file() for row in held)
     # the split is recorded with the run: which lines of which file
-    split = read_split(local)
+    split = read_split(Runs(tmp_path / "runs"), RUN)
     assert split is not None and split.held_out == 16 and split.rows == 64 and split.seed == 3
     (entry,) = split.files
     assert entry.data == "data/chat.jsonl" and entry.heldout == "heldout/chat.jsonl"
@@ -86,22 +87,22 @@ def test_rows_are_held_out_across_every_local_dataset_and_hub_ones_are_trained_w
 ) -> None:
     other = tmp_path / "more.jsonl"
     other.write_text("".join(json.dumps({"n": n}) + "\n" for n in range(16)))
-    prepare(spec_of(chats, "org/hub-chats", other, holdout=0.5), tmp_path / "run")
-    split = read_split(tmp_path / "run")
+    prepare(spec_of(chats, "org/hub-chats", other, holdout=0.5), tmp_path / RUN)
+    split = read_split(Runs(tmp_path), RUN)
     assert split is not None and split.rows == 80 and split.held_out == 40
     assert [f.data for f in split.files] == ["data/chat.jsonl", "data/more.jsonl"]
     assert sum(len(f.lines) for f in split.files) == 40
     for f in split.files:
-        held = lines(tmp_path / "run" / f.heldout)
-        assert len(held) == len(f.lines) and not set(held) & set(lines(tmp_path / "run" / f.data))
+        held = lines(tmp_path / RUN / f.heldout)
+        assert len(held) == len(f.lines) and not set(held) & set(lines(tmp_path / RUN / f.data))
 
 
 def test_no_holdout_leaves_the_training_data_whole_and_records_no_split(
     tmp_path: Path, chats: Path
 ) -> None:
-    prepare(spec_of(chats), tmp_path / "run")
-    assert lines(tmp_path / "run" / "data" / "chat.jsonl") == lines(chats)
-    assert not (tmp_path / "run" / "heldout").exists() and read_split(tmp_path / "run") is None
+    prepare(spec_of(chats), tmp_path / RUN)
+    assert lines(tmp_path / RUN / "data" / "chat.jsonl") == lines(chats)
+    assert not (tmp_path / RUN / "heldout").exists() and read_split(Runs(tmp_path), RUN) is None
 
 
 def test_a_held_out_split_larger_than_the_data_is_refused_in_one_line(
@@ -113,8 +114,8 @@ def test_a_held_out_split_larger_than_the_data_is_refused_in_one_line(
         "(a share below 1, or fewer rows) or add data"
     )
     with pytest.raises(TrainError, match="holdout keeps 64 rows out of training"):
-        prepare(too_many, tmp_path / "run")
-    assert not (tmp_path / "run" / "heldout").exists()
+        prepare(too_many, tmp_path / RUN)
+    assert not (tmp_path / RUN / "heldout").exists()
     hub = spec_of("org/chats", holdout=0.1)
     assert "every dataset is on the Hub" in (holdout_problem(hub) or "")
     parquet = tmp_path / "chats.parquet"
@@ -129,15 +130,15 @@ def test_a_held_out_split_larger_than_the_data_is_refused_in_one_line(
 def test_the_evaluation_asks_the_held_out_rows_expecting_their_answers(
     tmp_path: Path, chats: Path
 ) -> None:
-    prepare(spec_of(chats, holdout=4, seed=0), tmp_path / "run")
-    items, split = heldout_items(tmp_path / "run", "contains")
+    prepare(spec_of(chats, holdout=4, seed=0), tmp_path / RUN)
+    items, split = heldout_items(Runs(tmp_path), RUN, "contains")
     assert split is not None and len(items) == 4
-    rows = [json.loads(line) for line in lines(tmp_path / "run" / "heldout" / "chat.jsonl")]
+    rows = [json.loads(line) for line in lines(tmp_path / RUN / "heldout" / "chat.jsonl")]
     for item, row in zip(items, rows, strict=True):
         assert item.group == "heldout" and item.scorer == "contains"
         assert item.expected == item.reference == row["messages"][-1]["content"]
         assert [m.model_dump() for m in item.messages] == row["messages"][:-1]
         assert item.source is not None and item.source.startswith("heldout/chat.jsonl:")
-    (tmp_path / "run" / "heldout" / "split.json").write_text("{")
+    (tmp_path / RUN / "heldout" / "split.json").write_text("{")
     with pytest.raises(BadEvaluationInput, match="is not a valid record: train the run again"):
-        heldout_items(tmp_path / "run", "contains")
+        heldout_items(Runs(tmp_path), RUN, "contains")

@@ -30,7 +30,7 @@ from overbrainer_prefect.money.ledger import (
     total,
 )
 from overbrainer_prefect.money.pods import ask_of, capped
-from overbrainer_prefect.money.store import LedgerFile, Spent, admit_into, runs_root_of
+from overbrainer_prefect.money.store import LedgerFile, Spent, admit_into, entry_store
 from overbrainer_prefect.runpod.gpus import GpuChoice, LaunchPlan
 from overbrainer_prefect.runpod.models import GpuType
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
@@ -211,16 +211,19 @@ def test_a_plans_most_is_its_dearest_type_for_max_hours_or_its_cap() -> None:
 
 
 def test_an_admission_never_bound_to_a_record_leaves_the_ledger(tmp_path: Path) -> None:
-    ledger = LedgerFile(tmp_path)
+    runs = Runs(tmp_path)
+    ledger = LedgerFile(runs)
     kept = admit_into(ledger, Budgets(day_usd=5), ask(), who(), no_facts, NOW)
     dropped = admit_into(ledger, Budgets(day_usd=5), ask(), who(), no_facts, NOW)
-    runs = Runs(tmp_path)
-    kept.bind(runs, "20261202-100000-aaaa")
+    exports = runs.children("20261202-100000-aaaa", "export")
+    kept.bind(exports, "20261202-100001-bbbb")
     assert dropped.close(no_facts) is None
     closed = kept.close(lambda e: Spent(pod_id="p1", cost_usd=0.12, ended=True))
     assert closed is not None and closed.charged == 0.12 and closed.pod_id == "p1"
     assert [e.id for e in ledger.read().entries] == [kept.entry.id]
-    assert runs_root_of(runs.children("20261202-100000-aaaa", "export")) == runs.root
+    bound = entry_store(runs, closed)
+    assert bound is not None and (bound.prefix, bound.kind) == (exports.prefix, "export")
+    assert LedgerFile.of(exports).key == ledger.key  # a child's ledger is its runs directory's
 
 
 ADMIT = textwrap.dedent(
@@ -231,7 +234,8 @@ ADMIT = textwrap.dedent(
     from overbrainer_prefect.money.budgets import Budgets
     from overbrainer_prefect.money.ledger import Ask, BudgetRefused, Who
     from overbrainer_prefect.money.store import LedgerFile, admit_into
-    root, go, now = Path(sys.argv[1]), Path(sys.argv[2]), datetime.fromisoformat(sys.argv[3])
+    from overbrainer_prefect.runs.store import Runs
+    root, go, now = Runs(sys.argv[1]), Path(sys.argv[2]), datetime.fromisoformat(sys.argv[3])
     while not go.exists():
         time.sleep(0.01)
     ask = Ask(most_usd=0.5, least_usd=0.1, least_text="x", what="the run", target="t/a")
@@ -244,15 +248,22 @@ ADMIT = textwrap.dedent(
 )
 
 
-def test_two_processes_asking_for_the_last_dollars_at_once_get_them_once(tmp_path: Path) -> None:
-    ledger = LedgerFile(tmp_path)
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_processes_asking_for_the_last_dollars_at_once_get_them_once(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Two workers that share only the runs' store (a local directory, or an
+    object store) ask for the last dollars of a day at once: one is admitted;
+    the other lost the compare-and-swap, read the ledger again and is refused."""
+    runs_dir = str(tmp_path) if where == "local" else request.getfixturevalue("s3").bucket_url()
+    ledger = LedgerFile(Runs(runs_dir))
     first = admit_into(ledger, Budgets(day_usd=1.0), ask(most=0.5), who(), no_facts, NOW)
-    first.bind(Runs(tmp_path), "20261202-100000-aaaa")  # $0.50 left: one more pod at most
+    first.bind(Runs(runs_dir), "20261202-100000-aaaa")  # $0.50 left: one more pod at most
     go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", ADMIT, str(tmp_path), str(go), NOW.isoformat()],
+            [sys.executable, "-c", ADMIT, runs_dir, str(go), NOW.isoformat()],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -269,16 +280,21 @@ def test_two_processes_asking_for_the_last_dollars_at_once_get_them_once(tmp_pat
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from pathlib import Path
     from overbrainer_prefect.money.store import LedgerFile
-    with LedgerFile(Path(sys.argv[1])).locked():
-        print("holding", flush=True)
+    from overbrainer_prefect.runs.store import Runs
+
+    def decide(ledger):
+        print("holding", flush=True)  # read, not yet written: killed here
         time.sleep(600)
+
+    LedgerFile(Runs(sys.argv[1])).change(decide)
     """
 )
 
 
-def test_a_dead_holder_does_not_keep_the_ledger(tmp_path: Path) -> None:
+def test_a_process_killed_in_the_middle_of_a_change_keeps_nothing(tmp_path: Path) -> None:
+    """Killed between its read of the ledger and its write: nothing to wait
+    for, nothing half-written; the next admission goes through."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
@@ -287,8 +303,9 @@ def test_a_dead_holder_does_not_keep_the_ledger(tmp_path: Path) -> None:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)
-        admitted = admit_into(LedgerFile(tmp_path), None, ask(), who(), no_facts, NOW)
-        assert admitted.cap_usd is None and len(LedgerFile(tmp_path).read().entries) == 1
+        ledger = LedgerFile(Runs(tmp_path))
+        admitted = admit_into(ledger, None, ask(), who(), no_facts, NOW)
+        assert admitted.cap_usd is None and len(ledger.read().entries) == 1
     finally:
         if holder.poll() is None:
             holder.kill()

@@ -50,7 +50,8 @@ from overbrainer_prefect.nightly.prepared import (
     check_rows,
     parse_output,
 )
-from overbrainer_prefect.nightly.record import NightlyRecordError, night_path
+from overbrainer_prefect.nightly.record import NightlyRecordError, night_key
+from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.flowrun import run
@@ -248,7 +249,7 @@ def test_prepared_files_take_the_datasets_place_with_the_first_datasets_settings
 def test_a_night_like_the_last_delivered_is_skipped_unless_forced(tmp_path: Path) -> None:
     data = rows(tmp_path / "chats.jsonl", "Hi.")
     print_ = print_of(training(data))
-    root = tmp_path / "runs"
+    root = Runs(tmp_path / "runs")
     first = plan_night(root, "fine-tune/nightly", print_)
     assert first.skipped is None and first.delivered is None
     remember_trained(root, first, "20260101-000000-aaaa", None)
@@ -273,11 +274,13 @@ def test_a_night_like_the_last_delivered_is_skipped_unless_forced(tmp_path: Path
 
 
 def test_an_unreadable_night_record_is_one_line(tmp_path: Path) -> None:
-    path = night_path(tmp_path, "fine-tune", "delivered")
+    path = tmp_path / night_key("fine-tune", "delivered")
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     with pytest.raises(NightlyRecordError, match=r"remove it, the next night then trains$"):
-        plan_night(tmp_path, "fine-tune", print_of(training(rows(tmp_path / "d.jsonl", "Hi."))))
+        plan_night(
+            Runs(tmp_path), "fine-tune", print_of(training(rows(tmp_path / "d.jsonl", "Hi.")))
+        )
 
 
 # the flow, up to where it would train
@@ -311,7 +314,7 @@ def night(prefect_server: None, tmp_path: Path) -> FineTuneSpec:
 def deliver_night(spec: FineTuneSpec) -> None:
     """Records `spec`'s night as the deployment's last delivered one, as a
     delivery does."""
-    root = Path(spec.runs_dir or "")
+    root = Runs(spec.runs_dir or "")
     print_ = fingerprint(spec.training, spec.export, spec.evaluation, no_hub)
     remember_delivered(root, plan_night(root, "fine-tune", print_), "20260101-000000-last", None)
 

@@ -478,7 +478,7 @@ def test_the_pods_list_says_when_unfollowed_files_are_lost_and_the_command_that_
         running, _ = pod_of_a_run_here(sim, runs, None)
         ended, _ = pod_of_a_run_here(sim, runs, 60.0)
         rows = listed(sim, runs)
-        with follow_lock(runs.run_dir(running)):  # a live follower: nothing to tell
+        with follow_lock(runs, running):  # a live follower: nothing to tell
             followed = listed(sim, runs)[running]
     row = rows[running]
     assert row.unfollowed and not row.orphan and "nobody following it" in row.why

@@ -20,6 +20,7 @@ from overbrainer_prefect.runs import (
     is_valid_run_id,
     new_run_id,
 )
+from overbrainer_prefect.runs.records import RecordChanged
 
 
 def record(run_id: str, **changes: object) -> RunRecord:
@@ -103,16 +104,31 @@ def test_a_record_that_is_not_json_is_reported_by_position(tmp_path: Path) -> No
     assert "SECRET-VALUE" not in str(caught.value)
 
 
-def test_concurrent_saves_always_leave_a_valid_record(tmp_path: Path) -> None:
+def test_concurrent_saves_never_overwrite_each_other(tmp_path: Path) -> None:
+    """Eight writers each append to one record's message 40 times, reading it,
+    changing it and saving it over the version read: a save over a version
+    that changed since is refused (RecordChanged) and read again, so every
+    change is in the final record and no save was lost. A record made anew
+    over an existing one is refused the same way."""
     runs = Runs(tmp_path / "runs")
     run_id = "20260922-143005-bbbb"
+    runs.save(record(run_id, message=""))
+    with pytest.raises(RecordChanged):
+        runs.save(record(run_id, message="made anew"))
     errors: list[BaseException] = []
+    lost = [0]
 
     def writer(number: int) -> None:
         try:
             for save in range(40):
-                runs.save(record(run_id, message=f"writer {number} save {save}"))
-                runs.load(run_id)
+                while True:
+                    current = runs.load(run_id)
+                    current.message = f"{current.message}{number}.{save};"
+                    try:
+                        runs.save(current)
+                        break
+                    except RecordChanged:
+                        lost[0] += 1
         except BaseException as error:  # reported below
             errors.append(error)
 
@@ -120,10 +136,14 @@ def test_concurrent_saves_always_leave_a_valid_record(tmp_path: Path) -> None:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join(timeout=120)
     assert errors == []
     saved = runs.load(run_id)
-    assert saved.message is not None and saved.message.endswith("save 39")
+    assert saved.message is not None
+    assert sorted(saved.message.split(";")[:-1]) == sorted(
+        f"{n}.{s}" for n in range(8) for s in range(40)
+    )
+    assert lost[0] > 0  # the writers did race, and the losers read again
     assert leftover_temp_files(runs.run_dir(run_id)) == []
 
 

@@ -22,12 +22,12 @@ from overbrainer_prefect.blocks import HuggingFaceCredentials, SshTarget
 from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.flows import attach, train
+from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, Unreachable
-from overbrainer_prefect.runs.manifest import load_manifest
 from tests.conftest import job_venv
 from tests.shelljobs import WRITE_METRICS, ShellTrainer
 from tests.sshd import Sshd
@@ -220,7 +220,7 @@ def test_a_file_changed_after_its_manifest_is_never_reported_succeeded(
                     runs.run_dir(record.id),
                     ["output", "metrics.jsonl", "job.log"],
                     (),
-                    load_manifest(runs.run_dir(record.id)),
+                    load_manifest(runs, record.id),
                 )
             pytest.fail("20 retrievals all fell between two writes of a file rewritten every 20 ms")
         finally:

@@ -13,10 +13,10 @@ import time
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.runs.ids import is_valid_run_id, rfc3339
-from overbrainer_prefect.runs.records import read_record, write_record
+from overbrainer_prefect.runs.records import StoredRecord, read_record, write_record
 from overbrainer_prefect.runs.store import Runs
 
 POD_RECORD = "pod.json"
@@ -71,7 +71,7 @@ class SshAddress(BaseModel):
     user: str = "root"
 
 
-class PodRecord(BaseModel):
+class PodRecord(StoredRecord):
     """The record of a run's pod (`pod.json`)."""
 
     model_config = ConfigDict(extra="ignore", validate_assignment=True)
@@ -154,9 +154,6 @@ class PodRecord(BaseModel):
         default=False,
         description="The client wrote the `retrieved` marker on the pod: its watchdog deletes it.",
     )
-
-    _etag: str | None = PrivateAttr(default=None)
-    """The version of `pod.json` this copy was read at (None: new)."""
 
     @classmethod
     def load(cls, runs: Runs, run_id: str) -> PodRecord | None:

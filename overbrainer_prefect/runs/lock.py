@@ -11,7 +11,7 @@ when it dies (store/lease.py). Either says who holds it, for messages.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.records import store_errors
@@ -47,11 +47,13 @@ def follow_lock(runs: Runs, run_id: str, flow_run_id: str | None = None) -> Iter
     """
     key = runs.key(run_id, LOCK_FILE)
     holder = {"flow_run_id": flow_run_id, "since": rfc3339()}
-    try:
-        with store_errors(runs.store.where(key)), runs.store.lock(key, holder):
-            yield
-    except Busy as busy:
-        raise RunBusy(run_id, busy.holder) from None
+    with ExitStack() as held:
+        try:
+            with store_errors(runs.store.where(key)):
+                held.enter_context(runs.store.lock(key, holder))
+        except Busy as busy:
+            raise RunBusy(run_id, busy.holder) from None
+        yield
 
 
 def is_followed(runs: Runs, run_id: str) -> bool:

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
-from overbrainer_prefect.store import AlreadyExists, Changed, Store, StoreError
+from overbrainer_prefect.store import AlreadyExists, Busy, Changed, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +60,32 @@ class InvalidRecord(RecordError):
         self.column = column
 
 
+class StoredRecord(BaseModel):
+    """A record that remembers the version of its store it was read at (`_etag`,
+    None for a new one), so that it is saved only over that version. The
+    version is not part of what the record says: two records are equal when
+    their fields are."""
+
+    _etag: str | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BaseModel):
+            return NotImplemented
+        return (
+            type(self) is type(other)
+            and self.__dict__ == other.__dict__
+            and self.__pydantic_extra__ == other.__pydantic_extra__
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # a record changes: it is no dictionary key
+
+
 @contextmanager
 def store_errors(where: str) -> Iterator[None]:
     """Raises what the store raises in the block as RecordIoError (one line)."""
     try:
         yield
-    except (AlreadyExists, Changed):
+    except (AlreadyExists, Changed, Busy):
         raise
     except StoreError as error:
         raise RecordIoError(where, error) from None
@@ -177,15 +197,12 @@ def _position_of(content: str, loc: tuple[int | str, ...]) -> tuple[int, int]:
     return len(lines), len(lines[-1]) + 1
 
 
-class DeploymentRecord(BaseModel):
+class DeploymentRecord(StoredRecord):
     """A record kept per deployment (its last delivered model, its nights)."""
 
     model_config = ConfigDict(extra="forbid")
 
     deployment: str
-
-    _etag: str | None = PrivateAttr(default=None)
-    """The version of the record in its store this copy was read at."""
 
 
 D = TypeVar("D", bound=DeploymentRecord)

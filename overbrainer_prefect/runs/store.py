@@ -12,7 +12,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runs.ids import is_valid_run_id
@@ -20,6 +20,7 @@ from overbrainer_prefect.runs.records import (
     InvalidRecord,
     RecordError,
     RecordIoError,
+    StoredRecord,
     read_record,
     store_errors,
     write_record,
@@ -72,7 +73,7 @@ class ResumedFrom(BaseModel):
     step: int = Field(ge=0, description="The step the checkpoint was saved at.")
 
 
-class RunRecord(BaseModel):
+class RunRecord(StoredRecord):
     """`runs/<run-id>/run.json`: what is needed to find a run's job again and to
     say how it ended. It never holds a secret."""
 
@@ -114,9 +115,6 @@ class RunRecord(BaseModel):
     flow_run_id: str | None = Field(
         default=None, description="The Prefect flow run that created the run."
     )
-
-    _etag: str | None = PrivateAttr(default=None)
-    """The version of the record in its store this copy was read at (None: new)."""
 
 
 NOT_RETRIEVED = "artifacts not retrieved: "
