@@ -132,7 +132,7 @@ def kept_text(runs: Runs, run_id: str | None, export_id: str | None) -> str:
     """What a stopped pipeline kept (the run, its export) and how to continue it."""
     if run_id is None:
         return "nothing was kept: start a new fine_tune"
-    kept = f"run {run_id} (succeeded, in {runs.run_dir(run_id)})"
+    kept = f"run {run_id} (succeeded, in {runs.where_of(run_id)})"
     if export_id is not None:
         kept += f" and its export {export_id}"
     return f"kept {kept}; continue with the fine_tune flow (run_id={run_id})"

@@ -28,7 +28,7 @@ from overbrainer_prefect.evaluation.results import EvaluationResult
 from overbrainer_prefect.kinds.compare import CompareResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.nightly.decision import NightFacts, night_facts
-from overbrainer_prefect.runs.metrics import MetricsSummary
+from overbrainer_prefect.runs.metrics import MetricsSummary, stored_summary
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError
 from overbrainer_prefect.trainers.base import METRICS_FILE
@@ -242,11 +242,7 @@ async def publish_pipeline_summary(
 
 
 def _metrics(runs: Runs, record: RunRecord) -> MetricsSummary:
-    try:
-        text = (runs.run_dir(record.id) / METRICS_FILE).read_text(encoding="utf-8")
-    except OSError:
-        return MetricsSummary()
-    return MetricsSummary.of_text(text)
+    return stored_summary(runs, record.id, METRICS_FILE)
 
 
 def _loss(value: float | None) -> str:

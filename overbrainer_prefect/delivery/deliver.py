@@ -123,7 +123,7 @@ def commit_run(
     if gguf is not None:
         files.append(HubFile(path_in_repo=gguf.file.name, file=gguf.file))
     facts = facts_of_run(
-        runs.run_dir(record.id),
+        runs,
         record,
         repo.rsplit("/", 1)[-1],
         [(f.path_in_repo, f.file) for f in files],

@@ -15,8 +15,10 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from overbrainer_prefect.delivery.sources import ExportedGguf, LocalFile
 from overbrainer_prefect.executors.manifest import sha256_file
-from overbrainer_prefect.runs.metrics import MetricsSummary
-from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.runs.metrics import stored_summary
+from overbrainer_prefect.runs.records import RecordError
+from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.store import StoreError
 from overbrainer_prefect.trainers.axolotl import DATA_DIR
 from overbrainer_prefect.trainers.base import METRICS_FILE
 from overbrainer_prefect.trainers.spec import HUB_ID, TrainingSpec
@@ -78,16 +80,16 @@ class CardFacts:
 
 
 def facts_of_run(
-    run_dir: Path,
+    runs: Runs,
     record: RunRecord,
     title: str,
     files: Sequence[tuple[str, LocalFile]],
     gguf: ExportedGguf | None,
     includes_adapter: bool,
 ) -> CardFacts:
-    """The card facts of run `record` whose local directory is `run_dir`: its
-    spec, the dataset files it uploaded (hashed now, from `data/`), and its
-    metrics. A missing metrics file or data directory leaves those parts empty.
+    """The card facts of run `record` of `runs`: its spec, the dataset files it
+    uploaded (hashed now, from `data/`), and its metrics. A missing metrics
+    file or data directory leaves those parts empty.
 
     Raises ValueError when the record holds no valid training spec.
     """
@@ -105,18 +107,14 @@ def facts_of_run(
         and (lora or not key.startswith("lora_"))
     }
     settings.update({k: v for k, v in sorted(spec.extra.items()) if not SECRET_LOOKING.search(k)})
-    try:
-        text = (run_dir / METRICS_FILE).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        text = ""
-    summary = MetricsSummary.of_text(text)
+    summary = stored_summary(runs, record.id, METRICS_FILE)
     return CardFacts(
         title=title,
         run_id=record.id,
         base_model=spec.base_model,
         adapter=spec.adapter,
         settings=settings,
-        dataset_files=_dataset_files(run_dir / DATA_DIR),
+        dataset_files=_dataset_files(runs, record.id),
         hub_datasets=[d.path for d in spec.datasets if not d.is_local],
         steps=summary.last.step if summary.last else 0,
         final_loss=summary.final_loss,
@@ -240,18 +238,27 @@ def model_card(facts: CardFacts) -> ModelCard:
     return card
 
 
-def _dataset_files(data_dir: Path) -> list[DatasetFile]:
-    if not data_dir.is_dir():
+def _dataset_files(runs: Runs, run_id: str) -> list[DatasetFile]:
+    """The dataset files the run uploaded (`data/`), hashed now: where they
+    are in a local runs directory, fetched into this process's staging
+    directory from an object store (the user's rows, not a model)."""
+    try:
+        stored = runs.files(run_id, DATA_DIR)
+    except RecordError:
         return []
     found = []
-    for path in sorted(p for p in data_dir.rglob("*") if p.is_file() and not p.is_symlink()):
+    for info in stored:
+        path = runs.run_dir(run_id) / info.key
         try:
+            if runs.store.local_path(runs.key(run_id, info.key)) is None:
+                runs.store.get_file(runs.key(run_id, info.key), path)
+            if path.is_symlink():
+                continue
             size, sha256 = sha256_file(path)
-        except OSError:
+        except (OSError, StoreError):
             continue
-        found.append(
-            DatasetFile(name=path.relative_to(data_dir).as_posix(), size=size, sha256=sha256)
-        )
+        name = info.key[len(DATA_DIR) + 1 :]
+        found.append(DatasetFile(name=name, size=size, sha256=sha256))
     return found
 
 

@@ -33,6 +33,7 @@ from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary
 from overbrainer_prefect.blocks import UnknownTarget, target_named
 from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.driver import follow_again
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
 from overbrainer_prefect.kinds.registry import kind_of
@@ -263,7 +264,7 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
     Raises RecordIoError when the runs directory cannot be read, and, once every
     other job is done, the first unexpected error one of them met.
     """
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     found = await candidates(runs)
     acting = ENDED_BY.set(COLLECTOR)  # the jobs' tasks below copy it: pods say who deleted them
     try:
@@ -291,14 +292,14 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
         elif result is not None:
             rows.append(result)
     await acreate_markdown_artifact(
-        markdown=collected_markdown(rows, str(runs.root)),
+        markdown=collected_markdown(rows, runs.where),
         key=COLLECT_ARTIFACT,
         description="What the last collect did",
     )
     get_run_logger().info(
         "collected %d run(s) in %s%s",
         len(rows),
-        runs.root,
+        runs.where,
         "".join(f"; {r.run_id}: {r.action}, {r.state}" for r in rows),
     )
     if errors:

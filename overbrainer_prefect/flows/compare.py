@@ -20,6 +20,7 @@ from prefect.artifacts import acreate_markdown_artifact
 from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.base_export import base_export_job, base_gguf, reused_base
 from overbrainer_prefect.kinds.compare import NAME as COMPARE
@@ -147,7 +148,7 @@ async def compare(
     when its job fails (a question longer than the model's context, a GGUF
     llama.cpp cannot load).
     """
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     logger = get_run_logger()
     compares = runs.children(run_id, COMPARE)
     if compare_id is not None:

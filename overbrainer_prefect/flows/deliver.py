@@ -42,6 +42,7 @@ from overbrainer_prefect.delivery.result import (
     ollama_model_name,
 )
 from overbrainer_prefect.delivery.sources import ExportedGguf
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.runs.store import RunRecord, Runs
 
 BlockT = TypeVar("BlockT", bound=Block)
@@ -77,7 +78,7 @@ async def deliver(
     verified in the run directory).
     """
     logger = get_run_logger()
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     todo = await asyncio.to_thread(check_delivery, runs, run_id, ollama, hub_repo, quant, what)
     server = await _load_block(OllamaServer, ollama) if ollama is not None else None
     hub = todo.hub_repo

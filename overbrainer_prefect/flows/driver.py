@@ -154,7 +154,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
                 "%s created on %s (files in %s)",
                 subject(record),
                 target.ref,
-                store.run_dir(record.id),
+                store.where_of(record.id),
             )
             try:
                 trainer = job.prepare(record)

@@ -30,6 +30,7 @@ from overbrainer_prefect.evaluation.verdict import markdown, verdict
 from overbrainer_prefect.flows.compare import export_base
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.compare import check_comparable, gguf_job, gguf_need
 from overbrainer_prefect.kinds.evaluation import NAME as EVALUATION
 from overbrainer_prefect.runs.store import Runs, subject
@@ -82,7 +83,7 @@ async def evaluate(
     not answer, no held-out item, or a run without a succeeded export of the
     quant; with the evaluation's cause when its job fails.
     """
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     logger = get_run_logger()
     store = runs.children(run_id, EVALUATION)
     if evaluation_id is not None:

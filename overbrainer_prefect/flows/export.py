@@ -17,6 +17,7 @@ from prefect.artifacts import acreate_markdown_artifact
 from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import (
     ExportResult,
@@ -72,7 +73,7 @@ async def export(
     a run that has not succeeded, has no model or whose files are not here; fails
     with the export's message when its job fails.
     """
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     logger = get_run_logger()
     exports = runs.children(run_id, EXPORT)
     if export_id is not None:

@@ -41,6 +41,7 @@ from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.gate import not_delivered
 from overbrainer_prefect.flows.nightly import begin_night, end_night
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.flows.train import attach, train
 from overbrainer_prefect.kinds import compare as compare_kind
 from overbrainer_prefect.kinds import export as export_kind
@@ -146,7 +147,7 @@ async def _fine_tune(
     force: bool,
     prepare_timeout_s: float,
 ) -> FineTuneResult | State[Any]:
-    runs = Runs(spec.runs_dir)
+    runs = await runs_at(spec.runs_dir)
     questions = load_questions(spec.compare.questions, spec.compare.questions_file)
     check_max_tokens(spec.compare.max_tokens)
     run = runs.load(run_id) if run_id is not None else None

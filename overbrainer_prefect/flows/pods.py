@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget, load_target
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.registry import KINDS
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import delete_and_confirm
@@ -56,7 +57,7 @@ async def pods(
     Fails with one line when `run_id` is missing or is not a Runpod run (then
     nothing is deleted), or when no credentials can be found.
     """
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     logger = get_run_logger()
     if action == "remove":
         if run_id is None:

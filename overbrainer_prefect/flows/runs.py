@@ -11,8 +11,9 @@ from datetime import UTC, datetime
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.listing import RunsListing, listing, table_rows
-from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.runs.store import RunState
 
 RUNS_ARTIFACT = "runs"
 
@@ -26,17 +27,17 @@ async def runs(
     steps, final loss, spend, age, what to run next and delivery, as a table artifact
     (`runs`). `state` keeps only the rows in those states. Unreadable records
     are left out and logged; fails only when the runs directory cannot be read."""
-    store = Runs(runs_dir)
+    store = await runs_at(runs_dir)
     listed, total = listing(store, state, limit)
     logger = get_run_logger()
     for line in listed.skipped:
         logger.warning("left out an unreadable record: %s", line)
     wanted = f" ({', '.join(str(s) for s in state)})" if state else ""
-    description = f"Runs in {store.root}{wanted}, newest first"
+    description = f"Runs in {store.where}{wanted}, newest first"
     if listed.left_out:
         description += f"; {listed.left_out} older ones left out (raise limit)"
     await acreate_table_artifact(
-        table=table_rows(listed.rows) or [{"run": f"no run{wanted} in {store.root}"}],
+        table=table_rows(listed.rows) or [{"run": f"no run{wanted} in {store.where}"}],
         key=RUNS_ARTIFACT,
         description=description,
     )
@@ -45,7 +46,7 @@ async def runs(
         len(listed.rows),
         total,
         wanted,
-        store.root,
+        store.where,
         RUNS_ARTIFACT,
         datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     )

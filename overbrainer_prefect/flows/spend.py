@@ -11,10 +11,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
 from overbrainer_prefect.blocks import target_named
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.money.ledger import now_utc
 from overbrainer_prefect.money.spend import check_days, spend_line, spend_view
 from overbrainer_prefect.money.view import SpendView, spend_markdown
-from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.server_budget import read_budgets
 from overbrainer_prefect.targets.base import Target
 
@@ -41,7 +41,7 @@ async def spend(
 
     budgets = await read_budgets()
     view = await spend_view(
-        Runs(runs_dir), days, budgets, now_utc(), find if reconcile_bills else None
+        await runs_at(runs_dir), days, budgets, now_utc(), find if reconcile_bills else None
     )
     for line in view.differences:
         logger.warning("spend: the provider's bill differs: %s", line)

@@ -13,6 +13,7 @@ from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, finish, follow_again, reporter_for, run_new
 from overbrainer_prefect.flows.export import export as export_flow
 from overbrainer_prefect.flows.results import AnyState, RunFailed, ended
+from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.base import NewJob
 from overbrainer_prefect.kinds.export import ExportResult, gguf_markdown
 from overbrainer_prefect.kinds.files import FileEntry
@@ -88,7 +89,7 @@ async def train(
     any run exists when the target block or a dataset file is missing; fails with
     the run's message when its job fails, or the export's when it fails.
     """
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     logger = get_run_logger()
     place = await target_named(target, logger)
     point = None
@@ -150,7 +151,7 @@ async def attach(run_id: str, runs_dir: str | None = None) -> RunResult | AnySta
     retrieved, retrieves them again; for one whose job never started, deletes
     what its target holds for it and records it failed. Touches nothing for an
     unknown or invalid run ID."""
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     record = runs.load(run_id)
     finished = await follow_again(runs, runs, record, get_run_logger())
     return await run_result(runs, finished.outcome, finished.where)
@@ -161,7 +162,7 @@ async def stop(run_id: str, runs_dir: str | None = None) -> RunResult | AnyState
     """Asks a running job to save a resumable checkpoint and stop, then follows it
     to its end and retrieves its files (checkpoint included). Resume it with the
     `train` flow and `resume_from=<run_id>`."""
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     record = runs.load(run_id)
     logger = get_run_logger()
     place = await target_named(record.target, logger)
@@ -193,7 +194,7 @@ async def cancel(run_id: str, runs_dir: str | None = None) -> RunResult | AnySta
     `cancelled`, retrieves what it left, best effort, and ends what it ran on.
     A run whose job never started has what its target holds deleted and is
     recorded failed; one whose job had already ended is recorded as it ended."""
-    runs = Runs(runs_dir)
+    runs = await runs_at(runs_dir)
     record = runs.load(run_id)
     logger = get_run_logger()
     if is_followed(runs, run_id) and record.job is not None:

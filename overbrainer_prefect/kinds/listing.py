@@ -15,7 +15,7 @@ from overbrainer_prefect.delivery.record import load_deliveries
 from overbrainer_prefect.kinds.registry import KINDS
 from overbrainer_prefect.kinds.training import next_step
 from overbrainer_prefect.runs.ids import parse_rfc3339
-from overbrainer_prefect.runs.metrics import MetricsSummary
+from overbrainer_prefect.runs.metrics import stored_summary
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import (
     RunRecord,
@@ -93,11 +93,7 @@ def row_of(store: Runs, record: RunRecord, now: float) -> RunRow:
             delivery = load_deliveries(store, record.id).latest
         except RecordError as error:
             delivery = f"deliveries unreadable: {error}"
-        try:
-            text = (store.run_dir(record.id) / METRICS_FILE).read_text(encoding="utf-8")
-        except OSError:
-            text = ""
-        summary = MetricsSummary.of_text(text)
+        summary = stored_summary(store, record.id, METRICS_FILE)
         steps = summary.last.step if summary.last else 0
         final = summary.final_loss
     return RunRow(
@@ -182,7 +178,7 @@ def listing(store: Runs, states: list[RunState] | None, limit: int) -> tuple[Run
     skipped: list[str] = []
     rows = list_rows(store, set(states) if states else None, skipped)
     listed = RunsListing(
-        runs_dir=str(store.root),
+        runs_dir=store.where,
         rows=rows[:limit],
         left_out=max(0, len(rows) - limit),
         skipped=skipped,

@@ -6,23 +6,26 @@ is made again from its record."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import PurePosixPath
 
 from pydantic import Field
 
+from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.kinds.base import JobKind, JobResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.files import FileEntry
+from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.store import StoreError
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, data_copies, launch_summary
 from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.holdout import holdout_problem
 from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
+from overbrainer_prefect.trainers.staging import stage_stored
 
 NAME = "training"
 """A training run's records: `<runs dir>/<id>/run.json`."""
@@ -46,10 +49,10 @@ def resume_point(runs: Runs, stopped: RunRecord) -> ResumedFrom:
     checkpoint = PurePosixPath(stopped.checkpoint)
     if checkpoint.is_absolute() or ".." in checkpoint.parts:
         raise RunError(f"run {stopped.id} names an invalid checkpoint: it cannot be resumed")
-    if not (runs.run_dir(stopped.id) / checkpoint).is_dir():
+    if not _checkpoint_files(runs, stopped.id, str(checkpoint)):
         raise RunError(
             f"the checkpoint {checkpoint} of run {stopped.id} is not in "
-            f"{runs.run_dir(stopped.id)}: retrieve it with the attach flow (run_id={stopped.id})"
+            f"{runs.where_of(stopped.id)}: retrieve it with the attach flow (run_id={stopped.id})"
         )
     step_text = checkpoint.name.rpartition("-")[2]
     return ResumedFrom(
@@ -59,13 +62,29 @@ def resume_point(runs: Runs, stopped: RunRecord) -> ResumedFrom:
     )
 
 
+def _checkpoint_files(runs: Runs, run_id: str, checkpoint: str) -> list[FileDigest]:
+    """The files of a run's checkpoint as its verified manifest lists them."""
+    return [
+        entry
+        for entry in load_manifest(runs, run_id)
+        if entry.path.startswith(f"{checkpoint.rstrip('/')}/")
+    ]
+
+
 def stage_checkpoint(runs: Runs, point: ResumedFrom, record: RunRecord) -> str:
-    """Copies the checkpoint of `point` into the new run `record`'s directory and
-    returns its path there, relative to the run directory (what the trainer
-    resumes from). Raises OSError when it cannot be copied."""
-    source = runs.run_dir(point.run_id) / point.checkpoint
+    """Stages the checkpoint of `point` in the new run `record`'s directory
+    (from the runs' store: hard links from a local one, fetched by the job from
+    an object store) and returns its path there, relative to the run
+    directory (what the trainer resumes from). Raises TrainError when a file
+    of it is not in the store."""
     relative = resume_path(point)
-    shutil.copytree(source, runs.run_dir(record.id) / relative, dirs_exist_ok=True)
+    again = f"retrieve it with the attach flow (run_id={point.run_id})"
+    local = runs.run_dir(record.id)
+    for entry in _checkpoint_files(runs, point.run_id, point.checkpoint):
+        inside = entry.path[len(point.checkpoint.rstrip("/")) + 1 :]
+        key = runs.key(point.run_id, entry.path)
+        missing = f"{runs.store.where(key)} is missing: {again}"
+        stage_stored(runs, key, local, f"{relative}/{inside}", entry.size, entry.sha256, missing)
     return relative
 
 
@@ -98,7 +117,7 @@ def resumed_spec(
     if original is not None:
         local = runs.run_dir(stopped.id)
         for dataset, relative in zip(original.local_datasets(), data_copies(original), strict=True):
-            if (local / relative).exists():
+            if _here(runs, stopped.id, relative):
                 copies[dataset.path] = str(local / relative)
     if not copies:
         return spec
@@ -109,6 +128,20 @@ def resumed_spec(
         for d in spec.datasets
     ]
     return spec.model_copy(update={"datasets": datasets})
+
+
+def _here(runs: Runs, run_id: str, relative: str) -> bool:
+    """Whether the file `relative` of the run is on this machine: in its local
+    runs directory, or fetched from its object store into this process's
+    staging directory (a dataset: the user's rows, not a model)."""
+    path = runs.run_dir(run_id) / relative
+    if runs.store.local_path(runs.key(run_id, relative)) is not None or path.exists():
+        return path.exists()
+    try:
+        runs.store.get_file(runs.key(run_id, relative), path)
+    except (FileNotFoundError, StoreError):
+        return False
+    return True
 
 
 class RunResult(JobResult):
@@ -162,7 +195,7 @@ def result_of(runs: Runs, outcome: Outcome, exported: ExportResult | None = None
         final_loss=summary.final_loss,
         retrieved=outcome.retrieved,
         files=[FileEntry.of(f) for f in outcome.files],
-        run_dir=str(runs.run_dir(record.id)),
+        run_dir=runs.where_of(record.id),
         next=next_step(record),
     )
     if exported is not None and exported.gguf is not None:

@@ -31,6 +31,7 @@ from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name, usd
 from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
 from overbrainer_prefect.steps.context import ENDED_BY
 
@@ -347,9 +348,13 @@ async def watchdog_deletes(ctx: PodContext, pod: PodRecord, refused: str) -> Non
 
 
 async def fetch_watchdog_log(runs: Runs, executor: Executor, record: RunRecord) -> None:
-    """Copies the watchdog's log of the run into `runs/<id>/.pod/`, best effort."""
-    with contextlib.suppress(ExecError):
-        await executor.download(record.remote_dir, runs.run_dir(record.id), [WATCHDOG_LOG])
+    """Copies the watchdog's log of the run into `runs/<id>/.pod/` (its store),
+    best effort: it is small, and says why the pod was deleted."""
+    local = runs.run_dir(record.id)
+    with contextlib.suppress(ExecError, OSError, RecordError):
+        await executor.download(record.remote_dir, local, [WATCHDOG_LOG])
+        if runs.store.local_path(runs.key(record.id, WATCHDOG_LOG)) is None:
+            runs.write_bytes(record.id, WATCHDOG_LOG, (local / WATCHDOG_LOG).read_bytes())
 
 
 def unretrieved_message(pod: PodRecord, record: RunRecord) -> str:

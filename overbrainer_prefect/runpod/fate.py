@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from overbrainer_prefect.runpod.bootstrap import WATCHDOG_LOG
 from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs
 
 RETRIEVED_REASON = "the client retrieved and verified the run's files (.pod/retrieved)"
@@ -51,11 +52,11 @@ def watchdog_deletion(runs: Runs, run_id: str) -> Fate | None:
 
 
 def _watchdog_log_lines(runs: Runs, run_id: str) -> list[str]:
-    """The lines of the local copy of the run's watchdog log; none when it
+    """The lines of the stored copy of the run's watchdog log; none when it
     cannot be read (not copied yet)."""
     try:
-        return (runs.run_dir(run_id) / WATCHDOG_LOG).read_text(errors="replace").splitlines()
-    except OSError:
+        return runs.read_text(run_id, WATCHDOG_LOG).splitlines()
+    except (OSError, RecordError):
         return []
 
 

@@ -1,8 +1,12 @@
 """The SSH keys of a run on a pod, made for that run alone.
 
-- The client key: its private half is the only secret of a run kept on disk,
-  in `runs/<id>/.ssh/` (mode 0600, never uploaded), and removed once no pod of
-  the run is left; its public half goes into the pod's `authorized_keys`.
+- The client key: its private half is the only secret of a run kept, in
+  `runs/<id>/.ssh/` (mode 0600, never uploaded to a target), and removed once
+  no pod of the run is left; its public half goes into the pod's
+  `authorized_keys`. When the runs are in an object store it is kept there
+  too (the bucket is the runs directory, as private as a shared volume), so
+  that another worker can reach the pod after this one is gone; each process
+  reads it into its own staging directory when it needs it.
 - The host key: generated here, its private half given to the pod through a
   Runpod account secret (never written on this machine), its public half
   pinned in `pod.json`, so that the pod's sshd is known before the first
@@ -20,6 +24,7 @@ from pathlib import Path
 import asyncssh
 from pydantic import SecretStr
 
+from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs
 
 log = logging.getLogger(__name__)
@@ -71,7 +76,13 @@ def generate(runs: Runs, run_id: str) -> PodKeys:
     ssh_dir.chmod(0o700)
     client = asyncssh.generate_private_key("ssh-ed25519", comment=alias(run_id))
     path = ssh_dir / CLIENT_KEY
-    _write_private(path, client.export_private_key("openssh"))
+    private = client.export_private_key("openssh")
+    _write_private(path, private)
+    if runs.store.direct:
+        try:
+            runs.write_bytes(run_id, f"{SSH_DIR}/{CLIENT_KEY}", private)
+        except RecordError as error:
+            raise OSError(f"cannot keep the client key in the store: {error}") from None
     public = client.export_public_key("openssh").decode().strip()
     (ssh_dir / f"{CLIENT_KEY}.pub").write_text(public + "\n")
     host = asyncssh.generate_private_key("ssh-ed25519", comment=f"{alias(run_id)}-host")
@@ -86,17 +97,33 @@ def generate(runs: Runs, run_id: str) -> PodKeys:
 
 
 def client_key_path(runs: Runs, run_id: str) -> Path:
-    """Where the private client key of the run `run_id` is (or was)."""
-    return runs.run_dir(run_id) / SSH_DIR / CLIENT_KEY
+    """Where the private client key of the run `run_id` is (or was) on this
+    machine; from an object store, read into this process's staging directory
+    when it is not there yet."""
+    path = runs.run_dir(run_id) / SSH_DIR / CLIENT_KEY
+    if runs.store.direct and not path.exists():
+        try:
+            private = runs.read_bytes(run_id, f"{SSH_DIR}/{CLIENT_KEY}")
+        except (FileNotFoundError, RecordError):
+            return path  # gone with its pods: the caller finds no key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.chmod(0o700)
+        _write_private(path, private)
+    return path
 
 
 def forget_client_key(runs: Runs, run_id: str) -> None:
-    """Removes the private client key of a run whose pods are all gone, best
-    effort (a failure is logged)."""
+    """Removes the private client key of a run whose pods are all gone (here,
+    and from an object store), best effort (a failure is logged)."""
     try:
-        client_key_path(runs, run_id).unlink(missing_ok=True)
+        (runs.run_dir(run_id) / SSH_DIR / CLIENT_KEY).unlink(missing_ok=True)
     except OSError as error:
         log.warning("cannot remove the client key of run %s: %s", run_id, error.strerror)
+    if runs.store.direct:
+        try:
+            runs.remove(run_id, f"{SSH_DIR}/{CLIENT_KEY}")
+        except RecordError as error:
+            log.warning("cannot remove the client key of run %s from the store: %s", run_id, error)
 
 
 def write_ssh_config(

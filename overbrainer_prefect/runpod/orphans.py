@@ -19,7 +19,7 @@ from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
 from overbrainer_prefect.runs.ids import parse_rfc3339, rfc3339
 from overbrainer_prefect.runs.lock import is_followed
-from overbrainer_prefect.runs.manifest import MANIFEST_FILE
+from overbrainer_prefect.runs.manifest import has_manifest
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, follow_again, subject
 
@@ -249,7 +249,7 @@ def files_here(store: Runs, record: RunRecord) -> bool:
     here, and no `not_retrieved` reason since)."""
     if record.job is None:
         return True
-    return record.not_retrieved is None and (store.run_dir(record.id) / MANIFEST_FILE).is_file()
+    return record.not_retrieved is None and has_manifest(store, record.id)
 
 
 def orphan_warnings(rows: list[PodRow]) -> list[str]:

@@ -28,7 +28,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from pydantic import SecretStr
 
@@ -86,7 +85,7 @@ def start_reaper(runs: Runs, run_id: str, client: RunpodClient) -> int | None:
                     sys.executable,
                     "-m",
                     __name__,
-                    str(runs.root),
+                    runs.top.store.location,
                     run_id,
                     rest_url,
                     graphql_url,
@@ -178,7 +177,7 @@ def main(argv: list[str]) -> int:
 
     async def go() -> str:
         async with RunpodClient(SecretStr(key), rest_url, graphql_url) as client:
-            return await reap(Runs(Path(runs_dir)), run_id, client, PodTiming.from_env())
+            return await reap(Runs(runs_dir), run_id, client, PodTiming.from_env())
 
     logging.getLogger(__name__).info("reaper of run %s: %s", run_id, asyncio.run(go()))
     return 0

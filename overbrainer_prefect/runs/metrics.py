@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from overbrainer_prefect.runs.records import RecordError
+from overbrainer_prefect.runs.store import Runs
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -148,3 +151,12 @@ def _int(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return int(value)
+
+
+def stored_summary(runs: Runs, record_id: str, metrics_file: str) -> MetricsSummary:
+    """What the metrics file `metrics_file` the store holds for `record_id`
+    adds up to (nothing when there is none or it cannot be read)."""
+    try:
+        return MetricsSummary.of_text(runs.read_text(record_id, metrics_file))
+    except (OSError, RecordError):
+        return MetricsSummary()

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest
@@ -26,6 +26,7 @@ from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import SignedPut, StoreError
 from overbrainer_prefect.store.digest import expected_checksum
 from overbrainer_prefect.store.s3 import SLOWEST_BPS
+from overbrainer_prefect.trainers.staging import SCRIPTS_DIR, STORE_MODULE, StoredInput
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -36,8 +37,6 @@ SCRIPT = "overbrainer_store"
 MIN_PUT_S = 600.0  # the least time a put of a job's files is given
 FETCH_ENV = "OVERBRAINER_FETCH_PLAN"
 """The job's environment variable that carries its fetch plan (like a secret)."""
-INPUTS_FILE = ".inputs.json"
-"""In a staged run directory: the files its job fetches from the store first."""
 
 
 def script_source() -> str:
@@ -48,17 +47,6 @@ def script_source() -> str:
 def script_argv(python: str, command: str, *args: str) -> list[str]:
     """The command that runs the file-moving script with the target's `python`."""
     return [python, "-c", script_source(), command, *args]
-
-
-@dataclass(frozen=True)
-class Input:
-    """A file a job reads from the store: where it goes in the job's run
-    directory, the store key it comes from, its size and SHA-256."""
-
-    path: str
-    key: str
-    size: int
-    sha256: str
 
 
 async def _store(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -154,7 +142,13 @@ async def put_files(
             )
 
 
-def fetch_plan(runs: Runs, inputs: Sequence[Input]) -> str:
+def fetch_command(python: str, remote: str) -> list[str]:
+    """The job's first command when it reads files from the store: the staged
+    copy of the file-moving script fetches them (its plan in FETCH_ENV)."""
+    return [python, f"{SCRIPTS_DIR}/{STORE_MODULE}.py", "get", remote, "--plan-env", FETCH_ENV]
+
+
+def fetch_plan(runs: Runs, inputs: Sequence[StoredInput]) -> str:
     """The fetch plan of a job's inputs (its presigned URLs: a secret of the
     job). Raises StoreError when the store cannot sign them."""
     files = [
@@ -168,3 +162,20 @@ def fetch_plan(runs: Runs, inputs: Sequence[Input]) -> str:
     ]
     total = sum(item.size for item in inputs)
     return json.dumps({"files": files, "deadline_s": max(MIN_PUT_S, total / SLOWEST_BPS)})
+
+
+def push_staged(runs: Runs, record_id: str, local: Path, skip: Sequence[str]) -> None:
+    """Copies what this process staged for the job `record_id` in `local`
+    (its configs, its datasets, its held-out rows: never a model, which the
+    job fetches itself) into the object store of `runs`, so that any worker
+    finds them there (an export reads the run's config, an evaluation its
+    held-out rows, a resume its datasets). The top-level entries in `skip`
+    (the target's own records of the job: a pod's keys) stay here.
+
+    Raises StoreError when the store cannot take them.
+    """
+    for path in sorted(local.rglob("*")):
+        rel = path.relative_to(local)
+        if rel.parts[0] in skip or not path.is_file() or path.is_symlink():
+            continue
+        runs.store.put_file(path, runs.key(record_id, rel.as_posix()))

@@ -14,7 +14,7 @@ from overbrainer_prefect.executors.base import (
 )
 from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE, load_manifest, manifest_bytes
-from overbrainer_prefect.runs.metrics import MetricsSummary
+from overbrainer_prefect.runs.metrics import stored_summary
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import (
     RunRecord,
@@ -26,7 +26,6 @@ from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.direct import put_files
 from overbrainer_prefect.steps.errors import NotEnded
 from overbrainer_prefect.trainers.base import (
-    METRICS_FILE,
     Trainer,
 )
 
@@ -117,12 +116,3 @@ def recorded(runs: Runs, trainer: Trainer, record: RunRecord) -> Outcome:
     )
     files = load_manifest(runs, record.id) if retrieved else []
     return Outcome(record=record, summary=summary, retrieved=retrieved, files=files)
-
-
-def stored_summary(runs: Runs, record_id: str, metrics_file: str = METRICS_FILE) -> MetricsSummary:
-    """What the metrics file the store holds for `record_id` adds up to
-    (nothing when there is none or it cannot be read)."""
-    try:
-        return MetricsSummary.of_text(runs.read_text(record_id, metrics_file))
-    except (OSError, RecordError):
-        return MetricsSummary()

@@ -4,6 +4,7 @@ spawned detached and the record saved `running` with it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -26,6 +27,8 @@ from overbrainer_prefect.runs.store import (
     RunState,
 )
 from overbrainer_prefect.steps.context import RunContext
+from overbrainer_prefect.steps.direct import FETCH_ENV, fetch_command, fetch_plan, push_staged
+from overbrainer_prefect.store import StoreError
 from overbrainer_prefect.trainers.base import (
     JobContext,
     TargetFacts,
@@ -34,6 +37,7 @@ from overbrainer_prefect.trainers.base import (
 )
 from overbrainer_prefect.trainers.holdout import HOLDOUT_DIR
 from overbrainer_prefect.trainers.probe import parse_probe, probe_command
+from overbrainer_prefect.trainers.staging import stored_inputs
 
 log = logging.getLogger(__name__)
 
@@ -156,14 +160,29 @@ async def _launch(
         facts=facts,
     )
     trainer.prepare(local, job_ctx)
+    commands = trainer.commands(job_ctx)
+    job_secrets = dict(secrets)
+    inputs = stored_inputs(local)
+    if inputs:  # what the job reads from an object store: fetched by the job itself, first
+        try:
+            plan = await asyncio.to_thread(fetch_plan, ctx.runs, inputs)
+        except StoreError as error:
+            raise TrainError(f"cannot hand the job its inputs: {error}") from None
+        job_secrets[FETCH_ENV] = SecretStr(plan)
+        commands = [fetch_command(facts.python, record.remote_dir), *commands]
     await ctx.executor.upload(
         local, record.remote_dir, (*LOCAL_ONLY, *ctx.local_only, ctx.runs.record_file)
     )
+    if ctx.runs.store.direct:
+        try:
+            await asyncio.to_thread(push_staged, ctx.runs, record.id, local, ctx.local_only)
+        except StoreError as error:
+            raise TrainError(f"cannot keep the job's files in the store: {error}") from None
     spec = JobSpec(
         run_id=record.id,
         run_dir=record.remote_dir,
-        commands=trainer.commands(job_ctx),
+        commands=commands,
         env=trainer.env(job_ctx),
-        secrets=dict(secrets),
+        secrets=job_secrets,
     )
     return await ctx.executor.spawn(spec)

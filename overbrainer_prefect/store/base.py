@@ -118,6 +118,12 @@ class Store(Protocol):
         ...
 
     @property
+    def location(self) -> str:
+        """What opens this store again in another process (`open_store`): its
+        path, or its URL with its endpoint; never a credential."""
+        ...
+
+    @property
     def direct(self) -> bool:
         """Whether a target puts and gets files itself by signed URLs (an
         object store); otherwise they pass through this machine (a local one)."""

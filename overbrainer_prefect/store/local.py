@@ -97,6 +97,11 @@ class LocalStore:
         return str(self.root)
 
     @property
+    def location(self) -> str:
+        """The root directory."""
+        return str(self.root)
+
+    @property
     def part_size(self) -> int:
         """A local file is one part."""
         return WHOLE_FILE

@@ -160,9 +160,12 @@ class S3Store:
 
     direct = True
 
-    def __init__(self, bucket: str, prefix: str, client: Client) -> None:
+    def __init__(
+        self, bucket: str, prefix: str, client: Client, endpoint_url: str | None = None
+    ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
         self._make_client = client
         self._client: S3Client | None = None
         self.checksums: ChecksumMode | None = None
@@ -177,6 +180,11 @@ class S3Store:
     def url(self) -> str:
         """`s3://bucket/prefix`."""
         return f"s3://{join(self.bucket, self.prefix)}"
+
+    @property
+    def location(self) -> str:
+        """`s3://bucket/prefix`, with `?endpoint_url=` when it was given so."""
+        return self.url + (f"?endpoint_url={self.endpoint_url}" if self.endpoint_url else "")
 
     @property
     def part_size(self) -> int:

@@ -85,6 +85,6 @@ def open_store(where: str | Path | None = None) -> Store:
         store = _opened.get(key)
         if store is None:
             factory = _clients
-            store = S3Store(bucket, prefix, lambda: factory(endpoint))
+            store = S3Store(bucket, prefix, lambda: factory(endpoint), endpoint)
             _opened[key] = store
         return store
