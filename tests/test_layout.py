@@ -23,6 +23,7 @@ CORE_PACKAGES = (
     "delivery",
     "nightly",
     "money",
+    "store",
 )
 """The packages that never import Prefect: every module of each."""
 
