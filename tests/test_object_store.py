@@ -29,12 +29,12 @@ import pytest
 
 from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.flows import collect, export, train
-from overbrainer_prefect.flows.runsdir import CREDENTIALS_ENV
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.runs_dir import CREDENTIALS_ENV
 from overbrainer_prefect.steps import context
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.store import S3Store, StoreRefused, StoreUnreachable

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.evaluation.results import EvaluationResult
+from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.records import (
     DeploymentRecord,
     RecordChanged,
@@ -94,6 +95,21 @@ class Delivered(DeploymentRecord):
     def heldout_rate(self) -> float:
         """Its held-out pass rate (0 with no item)."""
         return self.heldout_passed / self.heldout_total if self.heldout_total else 0.0
+
+    @classmethod
+    def of(cls, deployment: str, run_id: str, evaluated: EvaluationResult) -> Delivered:
+        """The record of run `run_id` of `deployment`, delivered now after `evaluated`."""
+        heldout = evaluated.heldout.tuned
+        return cls(
+            deployment=deployment,
+            run_id=run_id,
+            evaluation_id=evaluated.evaluation_id,
+            gguf_path=evaluated.plan.tuned.path,
+            gguf_sha256=evaluated.plan.tuned.sha256,
+            heldout_passed=heldout.passed,
+            heldout_total=heldout.total,
+            delivered=rfc3339(),
+        )
 
 
 class GateDecision(BaseModel):

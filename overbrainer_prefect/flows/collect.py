@@ -33,7 +33,6 @@ from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary
 from overbrainer_prefect.blocks import UnknownTarget, target_named
 from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.driver import follow_again
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
 from overbrainer_prefect.kinds.registry import kind_of
@@ -42,6 +41,7 @@ from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
+from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.steps.hooks import HOOK_GRACE_S

@@ -20,7 +20,6 @@ from prefect.artifacts import acreate_markdown_artifact
 from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.base_export import base_export_job, base_gguf, reused_base
 from overbrainer_prefect.kinds.compare import NAME as COMPARE
@@ -39,6 +38,7 @@ from overbrainer_prefect.kinds.compare import (
 )
 from overbrainer_prefect.kinds.export import running
 from overbrainer_prefect.runs.store import Runs, subject
+from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import Logger, Target

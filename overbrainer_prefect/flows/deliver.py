@@ -42,8 +42,8 @@ from overbrainer_prefect.delivery.result import (
     ollama_model_name,
 )
 from overbrainer_prefect.delivery.sources import ExportedGguf
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.runs_dir import runs_at
 
 BlockT = TypeVar("BlockT", bound=Block)
 

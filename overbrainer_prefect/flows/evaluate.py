@@ -30,10 +30,10 @@ from overbrainer_prefect.evaluation.verdict import markdown, verdict
 from overbrainer_prefect.flows.compare import export_base
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.compare import check_comparable, gguf_job, gguf_need
 from overbrainer_prefect.kinds.evaluation import NAME as EVALUATION
 from overbrainer_prefect.runs.store import Runs, subject
+from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.trainers.export import check_quant
 

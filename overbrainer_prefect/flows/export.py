@@ -17,7 +17,6 @@ from prefect.artifacts import acreate_markdown_artifact
 from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import (
     ExportResult,
@@ -29,6 +28,7 @@ from overbrainer_prefect.kinds.export import (
     summary_markdown,
 )
 from overbrainer_prefect.runs.store import Runs, subject
+from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.trainers.export import DEFAULT_QUANT, ExportSpec, check_quant
 

@@ -41,7 +41,6 @@ from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.gate import not_delivered
 from overbrainer_prefect.flows.nightly import begin_night, end_night
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.flows.train import attach, train
 from overbrainer_prefect.kinds import compare as compare_kind
 from overbrainer_prefect.kinds import export as export_kind
@@ -51,8 +50,8 @@ from overbrainer_prefect.kinds.export import running
 from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.nightly.prepared import PREPARE_TIMEOUT_S
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.targets.sharing import after_training, shared
 from overbrainer_prefect.targets.spend import run_spent, spent
 from overbrainer_prefect.trainers.compare import check_max_tokens, load_questions
@@ -299,33 +298,20 @@ async def _deliver(
     kept: str,
     last: Delivered | None,
 ) -> DeliveryResult:
-    """Delivers the run (the `deliver` flow, as a subflow). After an
-    evaluation, the run first takes the deployment's delivered-model slot from
-    `last`, the model its gate measured it against (of two flow runs gated at
-    once, one takes it; the other is not delivered and says so), and gives it
-    back when the delivery fails."""
-    settings = spec.deliver
+    """Delivers the run (the `deliver` flow, as a subflow); after an evaluation,
+    once it took its deployment's delivered-model slot from `last`, the model its
+    gate measured it against (`remember_delivered`: one of two racing flow runs
+    takes it), given back when the delivery fails."""
+    settings, evaluated = spec.deliver, result.evaluation
     assert settings is not None
-    evaluated = result.evaluation
     taken: tuple[Delivered, str] | None = None
     if evaluated is not None:
-        heldout = evaluated.heldout.tuned
-        mine = Delivered(
-            deployment=name,
-            run_id=run_id,
-            evaluation_id=evaluated.evaluation_id,
-            gguf_path=evaluated.plan.tuned.path,
-            gguf_sha256=evaluated.plan.tuned.sha256,
-            heldout_passed=heldout.passed,
-            heldout_total=heldout.total,
-            delivered=rfc3339(),
-        )
+        mine = Delivered.of(name, run_id, evaluated)
         try:
             taken = mine, remember_delivered(runs, mine, last)
         except GateError as error:
-            raise PipelineFailed(
-                f"the fine-tune stopped at the delivery: {error}; {kept}"
-            ) from None
+            stopped = f"the fine-tune stopped at the delivery: {error}; {kept}"
+            raise PipelineFailed(stopped) from None
     try:
         delivered = await deliver(
             run_id=run_id,

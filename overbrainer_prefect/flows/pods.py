@@ -20,7 +20,6 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget, load_target
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.registry import KINDS
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import delete_and_confirm
@@ -37,6 +36,7 @@ from overbrainer_prefect.runpod.orphans import (
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
 from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps import end as end_step
 
 

@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.listing import RunsListing, listing, table_rows
 from overbrainer_prefect.runs.store import RunState
+from overbrainer_prefect.runs_dir import runs_at
 
 RUNS_ARTIFACT = "runs"
 

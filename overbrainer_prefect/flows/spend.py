@@ -11,10 +11,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
 from overbrainer_prefect.blocks import target_named
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.money.ledger import now_utc
 from overbrainer_prefect.money.spend import check_days, spend_line, spend_view
 from overbrainer_prefect.money.view import SpendView, spend_markdown
+from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.server_budget import read_budgets
 from overbrainer_prefect.targets.base import Target
 

@@ -13,7 +13,6 @@ from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.flows.driver import HOOKS, finish, follow_again, reporter_for, run_new
 from overbrainer_prefect.flows.export import export as export_flow
 from overbrainer_prefect.flows.results import AnyState, RunFailed, ended
-from overbrainer_prefect.flows.runsdir import runs_at
 from overbrainer_prefect.kinds.base import NewJob
 from overbrainer_prefect.kinds.export import ExportResult, gguf_markdown
 from overbrainer_prefect.kinds.files import FileEntry
@@ -31,6 +30,7 @@ from overbrainer_prefect.kinds.training import (
 )
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
