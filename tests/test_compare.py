@@ -22,9 +22,8 @@ from overbrainer_prefect.flows import CompareResult, compare
 from overbrainer_prefect.kinds.compare import NotComparable, answers_markdown
 from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.ids import new_run_id, rfc3339
-from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.runs.store import BASES_DIR, RunRecord
 from overbrainer_prefect.trainers.compare import (
-    BASES_DIR,
     BadCompareInput,
     BadQuestions,
     CompareSpec,

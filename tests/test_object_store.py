@@ -40,7 +40,6 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.store import S3Store, StoreRefused, StoreUnreachable
 from overbrainer_prefect.store.lease import TTL_ENV
 from overbrainer_prefect.store.s3 import OUTAGE_ENV
-from overbrainer_prefect.trainers.export import ExportSpec
 from tests import test_runpod_flows as on_pods
 from tests.conftest import job_venv
 from tests.flowrun import run
@@ -135,7 +134,7 @@ def test_a_fine_tune_and_its_export_keep_their_runs_in_an_object_store(
     staged = staged_files(tmp_path)
     assert staged and not any("output" in p.parts for p in staged), staged
 
-    exported = run(export(run_id=result.run_id, spec=ExportSpec(quant="q8_0"), runs_dir=url))
+    exported = run(export(run_id=result.run_id, quant="q8_0", runs_dir=url))
     assert isinstance(exported, ExportResult) and exported.state == RunState.SUCCEEDED
     exports = runs.children(result.run_id, "export")
     files = assert_stored_as_manifest(exports, exported.export_id)

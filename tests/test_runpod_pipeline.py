@@ -39,8 +39,7 @@ from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.settings import SettingsError
 from overbrainer_prefect.runs.ids import new_run_id
-from overbrainer_prefect.runs.store import Runs, RunState
-from overbrainer_prefect.trainers.compare import BASES_DIR
+from overbrainer_prefect.runs.store import BASES_DIR, Runs, RunState
 from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.runpod_sim import RunpodSim, running_sim
