@@ -51,6 +51,7 @@ MEASURED_S: dict[str, float] = {
     "deployed": 560,
     "deployed-ui": 250,
     "tests/test_recovery.py": 171,
+    "tests/test_object_store.py": 150,
     "tests/test_watchdog.py": 171,
     "tests/test_train_flow.py": 159,
     "tests/test_ssh_flows.py": 127,

@@ -75,6 +75,8 @@ WRITE_TOKEN = "overbrainer-write"
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0
+READ_TIMEOUT_ENV = "OVERBRAINER_STORE_READ_TIMEOUT_S"
+"""How long a request waits for the store's answer before it is tried again."""
 
 ChecksumMode = Literal["checked", "computed"]
 """How the store knows a put's SHA-256: `checked`, it refuses a part whose
@@ -101,12 +103,16 @@ _REFUSED = {
 }
 
 
+def _seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name) or default)
+    except ValueError:
+        return default
+
+
 def outage_s() -> float:
     """`$OVERBRAINER_STORE_OUTAGE_S`, else OUTAGE_S."""
-    try:
-        return float(os.environ.get(OUTAGE_ENV) or OUTAGE_S)
-    except ValueError:
-        return OUTAGE_S
+    return _seconds(OUTAGE_ENV, OUTAGE_S)
 
 
 def part_size() -> int:
@@ -127,8 +133,8 @@ def client_config() -> Config:
         signature_version="s3v4",
         s3={"addressing_style": "path"},
         connect_timeout=CONNECT_TIMEOUT_S,
-        read_timeout=READ_TIMEOUT_S,
-        retries={"max_attempts": 1, "mode": "standard"},  # the store's own backoff tries again
+        read_timeout=_seconds(READ_TIMEOUT_ENV, READ_TIMEOUT_S),
+        retries={"total_max_attempts": 1},  # one try a call: the store's own backoff retries
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
