@@ -184,7 +184,7 @@ def test_a_target_puts_a_file_in_parts_by_signed_urls_and_the_store_checks_each(
             answer = http.put(part.url, content=body, headers=dict(part.headers))
             assert answer.status_code == 200
             etags.append(answer.headers["etag"])
-    store.complete(signed, etags)
+    store.complete(signed, etags, digests)
     info = store.head("r1/gguf/model.gguf")
     assert info is not None and info.size == len(data)
     assert info.sha256 == expected_checksum(digests)

@@ -13,7 +13,9 @@ log line or a message.
                           stdout: {"path": ["<sha256 of each part>", ...]}
     put DIR               stdin: {"files": [{"path", "parts": [{"url", "headers",
                           "offset", "length"}]}], "deadline_s": N}
-                          stdout: {"path": ["<ETag of each part>", ...]}
+                          stdout: {"path": {"etags": [<each part's ETag>], "parts":
+                          [<each part's SHA-256>], "sha256": <the file's>}}, the
+                          digests of the bytes sent, hashed as they were read
     get DIR [--plan-env NAME]
                           {"files": [{"path", "url", "size", "sha256"}], "deadline_s": N}
                           each file fetched beside its place, checked (size and
@@ -50,12 +52,16 @@ class Retry(Exception):
 
 
 class _Span:
-    """`length` bytes of an open file from `offset`, read as a request body."""
+    """`length` bytes of an open file from `offset`, read as a request body and
+    hashed as they are read (the part's digest, and the whole file's when the
+    parts are sent in order)."""
 
-    def __init__(self, file, offset: int, length: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, file, offset: int, length: int, before) -> None:  # type: ignore[no-untyped-def]
         file.seek(offset)
         self.file = file
         self.left = length
+        self.digest = hashlib.sha256()
+        self.whole = before.copy()  # the file's digest up to this part, this try's own
 
     def read(self, size: int = -1) -> bytes:
         if self.left <= 0:
@@ -63,6 +69,8 @@ class _Span:
         size = self.left if size < 0 else min(size, self.left)
         data = self.file.read(min(size, BLOCK))
         self.left -= len(data)
+        self.digest.update(data)
+        self.whole.update(data)
         return data
 
 
@@ -70,7 +78,7 @@ def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     target = parts.path + (f"?{parts.query}" if parts.query else "")
-    return kind(parts.netloc, timeout=REQUEST_TIMEOUT_S), target
+    return kind(parts.netloc, timeout=REQUEST_TIMEOUT_S, blocksize=BLOCK), target
 
 
 def _retried(what: str, deadline: float, attempt):  # type: ignore[no-untyped-def]
@@ -119,28 +127,28 @@ def parts(root: str, part_size: int, paths: list[str]) -> dict[str, list[str]]:
     return found
 
 
-def put(root: str, plan: dict) -> dict[str, list[str]]:  # type: ignore[type-arg]
-    """Puts each part of each file of `plan` by its URL; the ETag of each part."""
+def put(root: str, plan: dict) -> dict[str, dict]:  # type: ignore[type-arg]
+    """Puts each part of each file of `plan` by its URL; the ETag and SHA-256
+    of each part sent, and the file's SHA-256, hashed as its bytes were read
+    (one read of the file; a part sent again is hashed again from where the
+    file's digest stood before it)."""
     deadline = time.monotonic() + float(plan.get("deadline_s", 3600))
-    etags: dict[str, list[str]] = {}
+    sent: dict[str, dict] = {}  # type: ignore[type-arg]
     for entry in plan["files"]:
         path = entry["path"]
-        tags = []
+        tags, digests, whole = [], [], hashlib.sha256()
         with open(os.path.join(root, path), "rb") as file:
             for number, part in enumerate(entry["parts"], start=1):
                 what = f"{path} (part {number} of {len(entry['parts'])})"
+                body: list[_Span] = []
 
-                def attempt(part=part, what=what, file=file) -> str:  # type: ignore[no-untyped-def]
+                def attempt(part=part, what=what, file=file, body=body, before=whole) -> str:  # type: ignore[no-untyped-def]
                     connection, target = _connection(part["url"])
                     headers = dict(part["headers"])
                     headers["Content-Length"] = str(part["length"])
+                    body[:] = [_Span(file, part["offset"], part["length"], before)]
                     try:
-                        connection.request(
-                            "PUT",
-                            target,
-                            body=_Span(file, part["offset"], part["length"]),
-                            headers=headers,
-                        )
+                        connection.request("PUT", target, body=body[0], headers=headers)
                         response = connection.getresponse()
                         _answer(response, what)
                         response.read()
@@ -151,8 +159,13 @@ def put(root: str, plan: dict) -> dict[str, list[str]]:  # type: ignore[type-arg
                         connection.close()
 
                 tags.append(_retried(what, deadline, attempt))
-        etags[path] = tags
-    return etags
+                span = body[0]
+                if span.left:
+                    raise Failed(f"{what}: the file is shorter than when it was listed")
+                digests.append(span.digest.hexdigest())
+                whole = span.whole
+        sent[path] = {"etags": tags, "parts": digests, "sha256": whole.hexdigest()}
+    return sent
 
 
 def get(root: str, plan: dict) -> None:  # type: ignore[type-arg]

@@ -4,9 +4,11 @@ side only signs short-lived URLs, one per file or part, and checks what the
 store says it holds. No byte of a model passes through this process, and no
 store key reaches the target.
 
-- `put_files`: the job's outputs, each part's SHA-256 checked (or computed) by
-  the store, then every file's size and SHA-256 compared with the target's
-  manifest: nothing counts as retrieved that the store does not hold.
+- `put_files`: the job's outputs, each part's SHA-256 checked by the store
+  (AWS, MinIO: signed in its URL) or computed by it and compared with the one
+  the target hashed as it sent the part; the file's whole SHA-256, hashed in
+  the same read, compared with the target's manifest: nothing counts as
+  retrieved that the store does not hold.
 - `fetch_plan`: what a job reads from the store (a run's adapter for its
   export, GGUFs for a compare), fetched and checked on the target by the job's
   first command.
@@ -93,17 +95,30 @@ async def put_files(
         whole = entry.size <= store.part_size
         if not (info and whole and info.size == entry.size and info.sha256 == entry.sha256):
             todo.append(entry)
-    digests = {entry.path: [entry.sha256] for entry in todo if entry.size <= store.part_size}
-    big = [entry.path for entry in todo if entry.size > store.part_size]
     total = sum(entry.size for entry in todo)
     timeout = max(MIN_PUT_S, total / SLOWEST_BPS)
-    if big:
-        argv = script_argv(python, "parts", remote, str(store.part_size))
-        digests |= json.loads(await _run(executor, argv, json.dumps(big).encode(), timeout))
+    # the parts' digests, for a store that signs them: a file of one part is its own digest,
+    # a bigger one is read once more on the target to hash its parts apart
+    signed_digests: dict[str, list[str]] = {}
+
+    def signs() -> bool:
+        return store.signs_digests
+
+    signing: bool = await _store(signs)
+    if todo and signing:
+        signed_digests = {e.path: [e.sha256] for e in todo if e.size <= store.part_size}
+        big = [entry.path for entry in todo if entry.size > store.part_size]
+        if big:
+            argv = script_argv(python, "parts", remote, str(store.part_size))
+            signed_digests |= json.loads(
+                await _run(executor, argv, json.dumps(big).encode(), timeout)
+            )
     signed: list[SignedPut] = []
     for entry in todo:
         key = runs.key(record_id, entry.path)
-        signed.append(await _store(store.sign_put, key, entry.size, digests[entry.path]))
+        digests = signed_digests.get(entry.path)
+        signed.append(await _store(store.sign_put, key, entry.size, digests))
+    parts: dict[str, list[str]] = {entry.path: [entry.sha256] for entry in manifest}
     if signed:
         plan = {
             "deadline_s": timeout,
@@ -126,13 +141,20 @@ async def put_files(
         output = await _run(
             executor, script_argv(python, "put", remote), json.dumps(plan).encode(), timeout
         )
-        etags = json.loads(output)
+        sent = json.loads(output)
         for entry, put in zip(todo, signed, strict=True):
-            await _store(store.complete, put, etags[entry.path])
-    expected = {entry.path: [entry.sha256] for entry in manifest} | digests
+            got = sent[entry.path]
+            if got["sha256"] != entry.sha256:  # what was sent is not what was listed
+                raise ExecError(
+                    "verify",
+                    f"{entry.path} changed on the target after it was listed "
+                    f"({entry.sha256[:12]}... then {got['sha256'][:12]}...)",
+                )
+            parts[entry.path] = list(got["parts"])
+            await _store(store.complete, put, got["etags"], parts[entry.path])
     for entry in manifest:
         info = await _store(store.head, runs.key(record_id, entry.path))
-        want = expected_checksum(expected[entry.path])
+        want = expected_checksum(parts[entry.path])
         if info is None or info.size != entry.size or info.sha256 != want:
             held = "nothing" if info is None else f"{info.size} bytes, SHA-256 {info.sha256}"
             raise ExecError(

@@ -22,7 +22,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -102,7 +102,6 @@ class SignedPut:
     key: str
     parts: Sequence[SignedPart]
     upload_id: str | None = None
-    part_sha256: Sequence[str] = field(default_factory=tuple)
 
 
 @runtime_checkable
@@ -182,15 +181,24 @@ class Store(Protocol):
         FileNotFoundError when there is no such object."""
         ...
 
-    def sign_put(self, key: str, size: int, part_sha256: Sequence[str]) -> SignedPut:
-        """The requests that put a file of `size` bytes at `key`, each part's
-        SHA-256 (lowercase hex, one per `part_size` bytes) checked or computed
-        by the store. Raises StoreError on a store that is not `direct`."""
+    @property
+    def signs_digests(self) -> bool:
+        """Whether a put's URLs carry its parts' SHA-256, so they must be known
+        before it (a store that checks them); else the store computes each
+        part's and reports it, and the target reports its own as it sends."""
         ...
 
-    def complete(self, signed: SignedPut, etags: Sequence[str]) -> None:
-        """Completes a multipart put once its parts are in (`etags`, in order);
-        nothing for a single-part one."""
+    def sign_put(self, key: str, size: int, part_sha256: Sequence[str] | None) -> SignedPut:
+        """The requests that put a file of `size` bytes at `key`, each part's
+        SHA-256 (lowercase hex, one per `part_size` bytes; None where the store
+        does not sign them, see `signs_digests`) checked or computed by the
+        store. Raises StoreError on a store that is not `direct`, or without
+        the digests it signs."""
+        ...
+
+    def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:
+        """Completes a multipart put once its parts are in (`etags` and their
+        SHA-256s, in order); nothing for a single-part one."""
         ...
 
     def sign_get(self, key: str) -> str:

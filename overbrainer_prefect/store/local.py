@@ -255,11 +255,16 @@ class LocalStore:
         except OSError as error:
             raise LocalIoError(path, error) from None
 
-    def sign_put(self, key: str, size: int, part_sha256: Sequence[str]) -> SignedPut:
+    @property
+    def signs_digests(self) -> bool:
+        """False: no target puts files here itself."""
+        return False
+
+    def sign_put(self, key: str, size: int, part_sha256: Sequence[str] | None) -> SignedPut:
         """Refused: a local store's files pass through this machine."""
         raise StoreError(f"{self.url} is a local directory: no target puts files there itself")
 
-    def complete(self, signed: SignedPut, etags: Sequence[str]) -> None:
+    def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:
         """Refused, as `sign_put`."""
         raise StoreError(f"{self.url} is a local directory: no target puts files there itself")
 

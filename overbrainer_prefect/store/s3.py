@@ -467,38 +467,48 @@ class S3Store:
     def _expires(self, size: int) -> int:
         return min(SIGNED_MAX_S, SIGNED_MIN_S + size // SLOWEST_BPS)
 
-    def _checksum_params(self, sha256_hex: str) -> tuple[dict[str, str], dict[str, str]]:
+    @property
+    def signs_digests(self) -> bool:
+        """Whether the store checks the SHA-256 a URL carries (`checked`); one
+        that computes its own (`computed`) is told only the algorithm."""
+        if self.checksums is None:
+            check_s3(self)
+        return self.checksums == "checked"
+
+    def _checksum_params(self, sha256_hex: str | None) -> tuple[dict[str, str], dict[str, str]]:
         """(presign parameters, headers the target sends) that make the store
         check (or compute) a part's SHA-256."""
-        if self.checksums == "computed":
+        if sha256_hex is None:
             return {"ChecksumAlgorithm": "SHA256"}, {"x-amz-sdk-checksum-algorithm": "SHA256"}
         value = b64_sha256(sha256_hex)
         return {"ChecksumSHA256": value}, {"x-amz-checksum-sha256": value}
 
-    def sign_put(self, key: str, size: int, part_sha256: Sequence[str]) -> SignedPut:
+    def sign_put(self, key: str, size: int, part_sha256: Sequence[str] | None) -> SignedPut:
         """One presigned PUT per part: a single PUT for one part, else a
-        multipart upload (created here, completed by `complete`)."""
-        if self.checksums is None:
-            check_s3(self)
+        multipart upload (created here, completed by `complete`). A store that
+        checks digests signs each part's; one that computes them is told the
+        algorithm only."""
+        signs = self.signs_digests
         full = self.full(key)
         spans = list(parts_of(size, self.part_size))
-        if len(spans) != len(part_sha256):
+        if not signs:
+            part_sha256 = None
+        elif part_sha256 is None or len(spans) != len(part_sha256):
             raise StoreError(
-                f"{key}: {len(part_sha256)} part digests for {len(spans)} parts of "
+                f"{key}: {len(part_sha256 or ())} part digests for {len(spans)} parts of "
                 f"{self.part_size} bytes"
             )
+        digests: list[str | None] = list(part_sha256) if part_sha256 else [None] * len(spans)
         expires = self._expires(size)
         try:
             if len(spans) == 1:
-                params, headers = self._checksum_params(part_sha256[0])
+                params, headers = self._checksum_params(digests[0])
                 url = self.client.generate_presigned_url(
                     "put_object",
                     Params={"Bucket": self.bucket, "Key": full, **params},
                     ExpiresIn=expires,
                 )
-                return SignedPut(
-                    key, [SignedPart(url, headers, 0, size)], part_sha256=tuple(part_sha256)
-                )
+                return SignedPut(key, [SignedPart(url, headers, 0, size)])
             upload = self._call(
                 f"start a multipart put of {key}",
                 lambda: self.client.create_multipart_upload(
@@ -508,7 +518,7 @@ class S3Store:
         except botocore.exceptions.ClientError as error:
             raise self.refused(error, f"write {key}") from None
         parts = []
-        numbered = enumerate(zip(spans, part_sha256, strict=True), start=1)
+        numbered = enumerate(zip(spans, digests, strict=True), start=1)
         for number, ((offset, length), digest) in numbered:
             params, headers = self._checksum_params(digest)
             url = self.client.generate_presigned_url(
@@ -523,17 +533,15 @@ class S3Store:
                 ExpiresIn=expires,
             )
             parts.append(SignedPart(url, headers, offset, length))
-        return SignedPut(key, parts, upload["UploadId"], tuple(part_sha256))
+        return SignedPut(key, parts, upload["UploadId"])
 
-    def complete(self, signed: SignedPut, etags: Sequence[str]) -> None:
+    def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:
         """Completes a multipart put with its parts' ETags and SHA-256s."""
         if signed.upload_id is None:
             return
         parts = [
             {"PartNumber": number, "ETag": etag, "ChecksumSHA256": b64_sha256(digest)}
-            for number, (etag, digest) in enumerate(
-                zip(etags, signed.part_sha256, strict=True), start=1
-            )
+            for number, (etag, digest) in enumerate(zip(etags, part_sha256, strict=True), start=1)
         ]
         full = self.full(signed.key)
         upload_id = signed.upload_id
