@@ -265,13 +265,14 @@ def test_two_processes_asking_for_the_last_dollars_at_once_get_them_once(
         subprocess.Popen(
             [sys.executable, "-c", ADMIT, runs_dir, str(go), NOW.isoformat()],
             stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
         for _ in range(2)
     ]
     go.touch()
-    said = sorted(p.communicate(timeout=120)[0].strip() for p in procs)
+    said = sorted(p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs)
     assert said[0] == "admitted", said
     assert said[1].startswith("refused budget: the run is refused") and "has $0.00 left" in said[1]
     assert len(ledger.read().entries) == 2

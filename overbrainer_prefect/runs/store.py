@@ -220,7 +220,10 @@ class Runs:
         kind: str = "run",
         prefix: str = "",
     ) -> None:
-        self.store: Store = root if isinstance(root, Store) else open_store(root)
+        # (not `isinstance(root, Store)`: a protocol's check reads every property of it)
+        self.store: Store = (
+            open_store(root) if root is None or isinstance(root, str | Path) else root
+        )
         self.prefix = prefix.strip("/")
         self.record_file = record_file
         self.kind = kind

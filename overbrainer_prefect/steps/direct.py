@@ -101,10 +101,7 @@ async def put_files(
     # a bigger one is read once more on the target to hash its parts apart
     signed_digests: dict[str, list[str]] = {}
 
-    def signs() -> bool:
-        return store.signs_digests
-
-    signing: bool = await _store(signs)
+    signing: bool = await _store(store.signs_digests)
     if todo and signing:
         signed_digests = {e.path: [e.sha256] for e in todo if e.size <= store.part_size}
         big = [entry.path for entry in todo if entry.size > store.part_size]

@@ -181,7 +181,6 @@ class Store(Protocol):
         FileNotFoundError when there is no such object."""
         ...
 
-    @property
     def signs_digests(self) -> bool:
         """Whether a put's URLs carry its parts' SHA-256, so they must be known
         before it (a store that checks them); else the store computes each

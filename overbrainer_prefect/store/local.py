@@ -255,7 +255,6 @@ class LocalStore:
         except OSError as error:
             raise LocalIoError(path, error) from None
 
-    @property
     def signs_digests(self) -> bool:
         """False: no target puts files here itself."""
         return False

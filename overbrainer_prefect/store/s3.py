@@ -467,7 +467,6 @@ class S3Store:
     def _expires(self, size: int) -> int:
         return min(SIGNED_MAX_S, SIGNED_MIN_S + size // SLOWEST_BPS)
 
-    @property
     def signs_digests(self) -> bool:
         """Whether the store checks the SHA-256 a URL carries (`checked`); one
         that computes its own (`computed`) is told only the algorithm."""
@@ -488,7 +487,7 @@ class S3Store:
         multipart upload (created here, completed by `complete`). A store that
         checks digests signs each part's; one that computes them is told the
         algorithm only."""
-        signs = self.signs_digests
+        signs = self.signs_digests()
         full = self.full(key)
         spans = list(parts_of(size, self.part_size))
         if not signs:
