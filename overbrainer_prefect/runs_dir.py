@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefect.blocks.core import Block
-from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
 
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import S3Store, StoreRefused, use_clients
@@ -39,6 +38,10 @@ def block_client(endpoint_url: str | None) -> S3Client:
     name = os.environ.get(CREDENTIALS_ENV)
     if not name:
         return default_client(endpoint_url)
+    # here, not at the top: prefect-aws imports its workers too (about a second of a
+    # core), which every flow process would pay without a credentials block to load
+    from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
+
     try:
         block: Any = Block.load(name, _sync=True)  # type: ignore[call-arg]
     except Exception as error:  # Prefect's own one-line reasons (no such block, no server)
