@@ -26,7 +26,7 @@ from pydantic import SecretStr
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runpod import Pod, PodRequest, RunpodClient
-from overbrainer_prefect.runpod.boot import ContainerWatch
+from overbrainer_prefect.runpod.boot import START_MARK, ContainerWatch, log_verdict
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV, WATCHDOG_LOG
 from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
@@ -210,6 +210,58 @@ def test_a_start_command_that_exits_ends_the_boot_wait_with_its_log_and_the_pod_
     assert billed.deleted_at is not None and billed.deleted_at - billed.created_at < 120
     pod = the_pod(bed.runs)
     assert pod.state == PodState.DELETED and pod.deleted_by == "client"
+
+
+def test_a_start_that_cannot_run_is_told_from_the_pods_log() -> None:
+    started = f"{START_MARK} for run r on pod p"
+    assert log_verdict([], []) is None  # an image still being pulled
+    assert log_verdict([started], ["2026-12-02T06:00:00Z container started"]) is None
+    banner = ["== CUDA ==", "sh: 1: nvidia-smi: not found", started]  # before the bootstrap
+    assert log_verdict(banner, []) is None
+    twice = log_verdict([started, "x", started], [])
+    assert twice is not None and "started 2 times" in twice
+    missing = log_verdict(["sh: 1: gzip: not found"] * 3, [])
+    assert missing is not None and "missing" in missing
+    sshd = log_verdict([started, "overbrainer-bootstrap: sshd: /usr/sbin/sshd refuses"], [])
+    assert sshd is not None and "sshd cannot start" in sshd
+    exited = log_verdict([], ["T container started", "T container exited with code 0"])
+    assert exited is not None and "1 exit in its events" in exited
+    again = log_verdict([], ["T start container for x:1", "T start container for x:1"])
+    assert again is not None and "started more than once" in again
+
+
+@pytest.mark.slow
+def test_a_crash_looping_start_the_pod_view_hides_is_told_from_its_log_within_a_minute(
+    bed: Bed,
+) -> None:
+    bed.sim.hide_restarts()  # startedAt and uptime count from the create, whatever happens
+    bed.pods.start_command = CRASHES
+    bed.pods.restart_delay_s = (0.3, 0.6)
+
+    async def main() -> PodError:
+        client = RunpodClient(SecretStr(bed.sim.api_key), bed.sim.rest_url, bed.sim.graphql_url)
+        async with client:
+            try:
+                await ready_pod(
+                    PodContext(client=client, runs=bed.runs), bed, settings(boot_grace_s=300.0)
+                )
+            except PodError as error:
+                return error
+        raise AssertionError("a pod whose start command exits was made ready")
+
+    error = asyncio.run(main())
+    told = str(error)
+    assert "a tool its start command needs is missing" in told and "gzip: not found" in told
+    assert "restart seen" not in told and "\n" not in told  # the log told it, not the view
+    assert "gzip: not found" in (error.kept or "")  # what the driver fails the run with
+    (billed,) = bed.sim.pods(include_deleted=True)
+    assert not billed.shows_restarts and bed.pods.restarts(billed.id) >= 2
+    # deleted from the log, not at the end of its 300 s boot grace (the simulator's clock)
+    assert billed.deleted_at is not None and billed.deleted_at - billed.created_at < 60
+    pod = the_pod(bed.runs)
+    assert pod.state == PodState.DELETED and pod.deleted_by == "client"
+    (record,) = bed.runs.list()
+    assert record.state == RunState.FAILED and "gzip: not found" in (record.message or "")
 
 
 def test_the_pod_log_is_served_as_runpod_streams_it(bed: Bed) -> None:

@@ -103,6 +103,9 @@ class PodTiming:
     """How long the client waits for the watchdog to confirm the cost cap."""
     ready_poll_s: float = 5.0
     """Between two looks at a starting pod."""
+    ssh_late_s: float = 30.0
+    """How long after a starting pod first shows RUNNING its SSH is late: from
+    then on its log is read for a start command that cannot run (see `boot`)."""
     gone_interval_s: float = 2.0
     """Between two looks at a pod that answered 404."""
     confirm_timeout_s: float = 180.0

@@ -85,10 +85,15 @@ SSHD_STARTS=0
 MAX_SSHD_STARTS=5   # sshd restarts before the watchdog stops trying (the pod still ends at its bounds)
 
 mkdir -p "$STATE" "$SSH_DIR" "$ETC" "$ROOT/var/log" 2>/dev/null
+# The container log (what Runpod's /pods/{id}/logs serves) gets this line at every start:
+# the client, waiting for SSH, counts it to tell a container that restarts.
+printf 'overbrainer-bootstrap: started for run %s on pod %s\n' "$RUN_ID" "$POD_ID"
 
 now() { date +%s; }
 precise() { date +%s.%N 2>/dev/null | grep -E '^[0-9]+\.[0-9]+$' || date +%s; }
 log() { printf '%s %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >> "$LOG"; }
+# say: logs a line and prints it to the container log too (a pod nobody can reach yet)
+say() { log "$*"; printf 'overbrainer-bootstrap: %s\n' "$*"; }
 iso() { date -u -d "@$1" +%Y-%m-%dT%H:%M:%SZ 2>/dev/null || printf '@%s' "$1"; }
 whole() { awk -v v="$1" 'BEGIN { printf "%d", v + 0 }'; }
 mtime() { date -r "$1" +%s 2>/dev/null || stat -c %Y "$1" 2>/dev/null || echo 0; }
@@ -246,7 +251,7 @@ MaxSessions 100
 LogLevel VERBOSE
 EOF
     if ! "$SSHD" -t -f "$SSHD_CONFIG" >> "$SSHD_LOG" 2>&1; then
-        log "sshd: $SSHD refuses to start with $SSHD_CONFIG (see $SSHD_LOG): nobody can reach this pod"
+        say "sshd: $SSHD refuses to start with $SSHD_CONFIG (see $SSHD_LOG): nobody can reach this pod"
         SSHD_PID=
         return 1
     fi

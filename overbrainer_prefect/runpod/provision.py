@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 from overbrainer_prefect.executors.base import ExecError, TargetUnreachable
 from overbrainer_prefect.executors.ssh import SshExecutor
-from overbrainer_prefect.runpod.boot import STOPPED, ContainerWatch, last_lines, start_failure
+from overbrainer_prefect.runpod.boot import BootWatch
 from overbrainer_prefect.runpod.bootstrap import (
     CAP_FILE,
     OWNER_FILE,
@@ -294,14 +294,15 @@ async def wait_ready(
 
     Raises PodError when that does not happen within `within_s` seconds (the
     boot grace left), at once when its start command cannot run (its
-    container restarted or stopped while starting: see `boot`, the message
-    then ends with the last lines of its log), or when it shows another host
+    container restarted or stopped while starting, or its log says so once
+    SSH is late: see `boot`; the message then ends with the last lines of
+    its log), or when it shows another host
     key than the one generated for it (nothing is sent then).
     """
     assert pod.pod_id is not None
     deadline = time.monotonic() + max(0.0, within_s)
     why = "Runpod shows no SSH endpoint for it yet"
-    container = ContainerWatch()
+    boot = BootWatch(pod.pod_id, image, ctx.timing.ssh_late_s)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -313,12 +314,9 @@ async def wait_ready(
         except RunpodError as error:
             remote, why = None, f"looking it up: {error.run_message}"
         if remote is not None:
-            restarted = container.look(remote)
-            if restarted or remote.status in STOPPED:
-                lines = await last_lines(ctx.client, pod.pod_id)
-                raise PodError(
-                    start_failure(pod.pod_id, image, remote.status, container.restarts, lines)
-                )
+            failure = await boot.look(ctx.client, remote)
+            if failure is not None:
+                raise PodError(failure)
             if remote.ssh is None:
                 why = f"Runpod shows no SSH endpoint for it yet ({remote.status})"
             elif not await knock(

@@ -12,7 +12,9 @@ and a pod still shown after its delete (look-ups and list apart).
 
 A pod's container, as Runpod shows it: `startedAt` and `runtime.uptime`
 count from the container's last start (a container whose start command
-exits is restarted: `startedAt` moves, `uptime` starts again from 0), and
+exits is restarted: `startedAt` moves, `uptime` starts again from 0;
+with `hide_restarts()`, as some views do, both count from the pod's create
+whatever its container does), and
 `GET /v2/pods/{id}/logs?source=container|system&tail=N` serves what its
 start command printed and the container's own events, as Server-Sent
 Events, from the files a create hook names (`SimPod.log_files`,
@@ -168,6 +170,9 @@ class SimPod:
     """JSON `{"started_at": unix, "restarts": n}` of its container, kept by a hook."""
     shows_gpus: bool = True
     """Whether `gpu.count` shows the GPUs it bills for (else 0: a CPU machine)."""
+    shows_restarts: bool = True
+    """Whether `startedAt` and `runtime.uptime` count from its container's last start
+    (else from its create: a view that does not show the container restarting)."""
 
     def container(self) -> tuple[float | None, int]:
         """When its container last started (Unix seconds; None while a hook
@@ -224,7 +229,7 @@ class SimPod:
             ports.append(
                 {"private": 22, "public": self.ssh_port, "type": "tcp", "ip": self.public_ip}
             )
-        started_at, _ = self.container()
+        started_at = self.container()[0] if self.shows_restarts else self.created_at
         return {
             "id": self.id,
             "name": self.name,
@@ -352,6 +357,7 @@ class RunpodSim:
         self._delete_lag = (0, 0)
         self._catalog_enabled = True
         self._pod_keys_revoked = False
+        self._restarts_shown = True
         self.requests: list[SimRequest] = []
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -483,6 +489,14 @@ class RunpodSim:
         pods can no longer delete themselves."""
         with self._lock:
             self._pod_keys_revoked = revoked
+
+    def hide_restarts(self, hidden: bool = True) -> None:
+        """With True, the pods created from now on show `startedAt` and
+        `runtime.uptime` counted from their create, whatever their container
+        does: a pod view in which a crash-looping container does not show
+        (its log still does)."""
+        with self._lock:
+            self._restarts_shown = not hidden
 
     def set_catalog(self, enabled: bool) -> None:
         """With False, REST's catalog answers 404 (GraphQL still serves it)."""
@@ -722,6 +736,7 @@ class RunpodSim:
                 request=body,
                 status="ERROR" if missing else "RUNNING",
                 shows_gpus=self.gpu_pods,
+                shows_restarts=self._restarts_shown,
                 missing_secrets=missing,
                 hidden_gets=self._create_lag[0],
                 hidden_lists=self._create_lag[1],
@@ -996,7 +1011,7 @@ class RunpodSim:
         """Sets knobs from JSON: `capacity` {gpu: n}, `rate_limit` {times,
         retry_after, method, path}, `fail` {status, times, method, path},
         `fail_after_create` n, `lag_after_create` / `lag_after_delete` {gets,
-        lists}, `advance_clock` seconds, `catalog` bool."""
+        lists}, `advance_clock` seconds, `catalog` bool, `hide_restarts` bool."""
         body = await request.json()
         for gpu_id, free in (body.get("capacity") or {}).items():
             self.set_capacity(gpu_id, free)
@@ -1014,6 +1029,8 @@ class RunpodSim:
             self.advance_clock(float(body["advance_clock"]))
         if "catalog" in body:
             self.set_catalog(bool(body["catalog"]))
+        if "hide_restarts" in body:
+            self.hide_restarts(bool(body["hide_restarts"]))
         return JSONResponse({"ok": True})
 
     async def _billing_pods(self, request: Request) -> Response:
