@@ -4,6 +4,7 @@ its metrics, and a summary of how it ended with its verified files."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
@@ -34,7 +35,7 @@ from overbrainer_prefect.cells import (
 from overbrainer_prefect.executors.base import FileDigest, JobStatus
 from overbrainer_prefect.losscurve import data_uri, loss_svg
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
-from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.runs.store import RunRecord, Runs
 
 PROGRESS_EVERY_S = 2.0  # the progress artifact is updated at most this often
 CURVE_EVERY_S = 10.0  # the loss curve artifact is redrawn at most this often
@@ -48,6 +49,10 @@ Spend = float | Callable[[], float | None] | None
 
 JobLog = Callable[[], Awaitable[str]]
 """Reads (the end of) a job's log, as `steps.follow.job_log_tail` does."""
+
+LIVE_ARTIFACTS_FILE = "prefect-artifacts.json"
+"""In a job's run directory: the IDs of its live artifacts (progress, loss
+curve), kept by a flow run that suspends, so that its follower updates them."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ class PrefectReporter:
         curve_every_s: float = CURVE_EVERY_S,
         spend: Spend = None,
         job_log: JobLog | None = None,
+        artifact_ids: tuple[UUID, UUID] | None = None,
     ) -> None:
         self.logger = logger
         self.run_id = run_id
@@ -152,8 +158,8 @@ class PrefectReporter:
         self.curve_every_s = curve_every_s
         self.spend = spend
         self.job_log = job_log
-        self.progress_id: UUID | None = None
-        self.curve_id: UUID | None = None
+        self.progress_id: UUID | None = artifact_ids[0] if artifact_ids else None
+        self.curve_id: UUID | None = artifact_ids[1] if artifact_ids else None
         self._pending: float | None = None
         self._last_update = 0.0
         self._summary: MetricsSummary | None = None
@@ -167,7 +173,11 @@ class PrefectReporter:
 
     async def open(self) -> None:
         """Creates the run's progress artifact at 0 % and its loss curve (empty
-        until a loss is logged)."""
+        until a loss is logged), in this flow run; artifacts it was given (a
+        suspended flow run's) are updated instead."""
+        if self.progress_id is not None and self.curve_id is not None:
+            self._last_curve = time.monotonic()
+            return
         self.progress_id = await acreate_progress_artifact(
             progress=0.0,
             key=artifact_key(self.run_id, "progress"),
@@ -284,6 +294,23 @@ class PrefectReporter:
             await client.update_artifact(self.curve_id, ArtifactUpdate(data=markdown))
         self._curve_dirty = False
         self._last_curve = time.monotonic()
+
+
+def remember_live_artifacts(store: Runs, run_id: str, reporter: PrefectReporter) -> None:
+    """Keeps the IDs of `reporter`'s opened artifacts in the job's run
+    directory (LIVE_ARTIFACTS_FILE). Raises RecordIoError."""
+    ids = {"progress": str(reporter.progress_id), "curve": str(reporter.curve_id)}
+    store.write_bytes(run_id, LIVE_ARTIFACTS_FILE, json.dumps(ids).encode())
+
+
+def live_artifacts_of(store: Runs, run_id: str) -> tuple[UUID, UUID] | None:
+    """The IDs of the live artifacts a suspended flow run kept for the job
+    `run_id` (progress, loss curve), None when it kept none or they cannot be read."""
+    try:
+        ids = json.loads(store.read_bytes(run_id, LIVE_ARTIFACTS_FILE))
+        return UUID(ids["progress"]), UUID(ids["curve"])
+    except Exception:  # none kept (an in-process run), or unreadable: new ones are made
+        return None
 
 
 def progress_line(metric: Metric, summary: MetricsSummary, spent: float | None = None) -> str:

@@ -106,9 +106,10 @@ async def gpu_budget(
     strict: bool = False,
     pods_limit: str = POD_LIMIT,
     spend_limit: str = SPEND_LIMIT,
-) -> AsyncIterator[None]:
+) -> AsyncIterator[bool]:
     """Holds one pod and `price_per_hour` of the GPU budget for the duration of
-    the block, waiting (up to `timeout_s`, default forever) until both are free.
+    the block, waiting (up to `timeout_s`, default forever) until both are free;
+    yields whether it holds slots (False without the budget's limits).
 
     Without the budget's limits on the server, a run is not bounded: it says so
     in the flow run's log and goes on, unless `strict`, when it raises
@@ -128,7 +129,7 @@ async def gpu_budget(
         if strict:
             raise BudgetError(message)
         logger.warning("%s; this pod is not bounded by a budget", message)
-        yield
+        yield False
         return
     spend = sizes[spend_limit] or 0
     refused = too_dear(price_per_hour, spend, spend_limit)
@@ -152,7 +153,7 @@ async def gpu_budget(
             strict=True,
         ),
     ):
-        yield
+        yield True
 
 
 def _logger() -> Logger:
@@ -243,15 +244,28 @@ async def admission(
 
 class PrefectBudget:
     """The GPU budget of this Prefect server as the `Budget` a target holds
-    while its pod lives (see `targets.base.Budget`)."""
+    while its pod lives (see `targets.base.Budget`). `holding` says whether
+    this process holds slots of it now (it must live while it does)."""
+
+    def __init__(self) -> None:
+        self.holding = False
 
     async def spend_limit_cents(self) -> int | None:
         """The spend limit's size in cents an hour, None without one."""
         return (await budget_limits()).get(SPEND_LIMIT)
 
     def hold(self, price_per_hour: float) -> AbstractAsyncContextManager[None]:
-        """`gpu_budget(price_per_hour)`."""
-        return gpu_budget(price_per_hour)
+        """`gpu_budget(price_per_hour)`, noting whether it holds slots."""
+        return self._held(price_per_hour)
+
+    @asynccontextmanager
+    async def _held(self, price_per_hour: float) -> AsyncIterator[None]:
+        async with gpu_budget(price_per_hour) as holding:
+            self.holding = holding
+            try:
+                yield
+            finally:
+                self.holding = False
 
     def admit(
         self, store: Runs, ask: Ask, facts: Facts

@@ -415,6 +415,40 @@ def training_now(stack: Stack, known: set[str]) -> Any:
     return None
 
 
+FOLLOWER = "follow/always"
+"""The follower's deployment: its schedule is paused in a test stack, so that
+a test chooses when one follows (flow runs suspend only while one does)."""
+
+
+async def quiet_follower(client: Any) -> None:
+    """Pauses the follower deployment's schedules and deletes the runs they
+    made already (none when it was not deployed)."""
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        found = await client.read_deployment_by_name(FOLLOWER)
+    except ObjectNotFound:
+        return
+    for schedule in found.schedules:
+        await client.update_deployment_schedule(found.id, schedule.id, active=False)
+    made = await client.read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[found.id])),
+        flow_run_filter=FlowRunFilter(
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))
+        ),
+    )
+    for run in made:
+        await client.delete_flow_run(run.id)
+
+
 def start_stack(
     root: Path, database_url: str | None = None, names: list[str] | None = None
 ) -> Stack:
@@ -441,6 +475,7 @@ def start_stack(
             "--no-prompt", "deploy", *selection, OVERBRAINER_RUNS_DIR=str(stack.runs), timeout=300
         )
         stack.deploy_output = deployed.stdout + deployed.stderr
+        server.call(quiet_follower)
         save = (
             "import sys\n"
             "from overbrainer_prefect.blocks import LocalTarget\n"

@@ -40,6 +40,7 @@ GROUPS = {
     "tests/test_runpod_pipeline.py": "tiny-run",
     "tests/test_deployments.py": "deployed",
     "tests/test_ui_live.py": "deployed-ui",
+    "tests/test_suspended_runs.py": "deployed-ui",
 }
 """Module -> its unit, for the modules that share one (every other module is its own)."""
 

@@ -37,8 +37,8 @@ from prefect.client.schemas.filters import (
 from prefect.states import Cancelling
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.driver import on_cancelled
 from overbrainer_prefect.flows import RunResult, attach, cancel, pods, stop, train
-from overbrainer_prefect.flows.driver import on_cancelled
 from overbrainer_prefect.runpod import PodRequest
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR

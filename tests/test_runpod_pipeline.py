@@ -209,7 +209,7 @@ def export_in_child(run_id: str, target_name: str, runs_dir: Path, log: Path) ->
 
 async def export_hook(flow_run: Any) -> None:
     """The export flow's cancellation hook, as a runner runs it."""
-    from overbrainer_prefect.flows.driver import on_cancelled
+    from overbrainer_prefect.driver import on_cancelled
     from overbrainer_prefect.flows.export import export as export_flow
 
     await on_cancelled(export_flow, flow_run, flow_run.state)
@@ -409,7 +409,7 @@ def test_a_fine_tune_cancelled_while_its_run_trains_on_a_pod_cancels_the_job_and
     tiny: tuple[Path, Path],
     tmp_path: Path,
 ) -> None:
-    from overbrainer_prefect.flows.driver import on_cancelled
+    from overbrainer_prefect.driver import on_cancelled
     from tests.test_runpod_flows import LONG, running_on_pod
 
     runs_dir = tmp_path / "runs"

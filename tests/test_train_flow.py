@@ -331,8 +331,8 @@ def test_the_cancellation_hook_cancels_the_job_of_a_killed_flow_run_from_its_rec
     target: str, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
 
+    from overbrainer_prefect.driver import on_cancelled
     from overbrainer_prefect.flows import train as train_flow
-    from overbrainer_prefect.flows.driver import on_cancelled
 
     runs_dir = tmp_path / "runs"
     child = start_in_child(target, spec(*tiny, max_steps=400), runs_dir, tmp_path / "child.log")

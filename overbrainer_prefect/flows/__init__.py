@@ -6,6 +6,7 @@ from overbrainer_prefect.flows.compare import compare
 from overbrainer_prefect.flows.deliver import deliver
 from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
+from overbrainer_prefect.flows.follow import follow
 from overbrainer_prefect.flows.pipeline import fine_tune
 from overbrainer_prefect.flows.pods import pods
 from overbrainer_prefect.flows.runs import runs
@@ -38,6 +39,7 @@ __all__ = [
     "evaluate",
     "export",
     "fine_tune",
+    "follow",
     "pods",
     "runs",
     "spend",

@@ -19,20 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import State, StateType
-from prefect.exceptions import ObjectNotFound
-from prefect.runtime import flow_run
-from prefect.states import Cancelled, Crashed
 
 from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
 from overbrainer_prefect.blocks import UnknownTarget, target_named
+from overbrainer_prefect.driver import follow_again
 from overbrainer_prefect.executors.base import ExecError
-from overbrainer_prefect.flows.driver import follow_again
+from overbrainer_prefect.flowruns import cancelled_at, resume, settle_flow_run
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
 from overbrainer_prefect.kinds.registry import kind_of
@@ -45,76 +40,14 @@ from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.steps.hooks import HOOK_GRACE_S
-from overbrainer_prefect.targets.base import Target
+from overbrainer_prefect.suspension import waited_for
+from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.spend import spent
 
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""
 
-CANCELLED_FLOW_RUN = frozenset({StateType.CANCELLING, StateType.CANCELLED})
-"""States of a job's flow run that mean someone asked for the job to be cancelled."""
-
-LEFT_BEHIND = frozenset({StateType.RUNNING, StateType.CANCELLING, StateType.PENDING})
-"""States of a job's flow run that its dead process left behind, which the
-collector settles once it finished the job (releasing its deployment's
-concurrency slot)."""
-
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
-
-
-async def cancelled_at(flow_run_id: str | None) -> float | None:
-    """When the flow run that created a job was cancelled (or asked to be), as
-    a Unix time; None when it was not, or the record names none this Prefect
-    server knows."""
-    if flow_run_id is None:
-        return None
-    try:
-        async with get_client() as client:
-            found = await client.read_flow_run(UUID(flow_run_id))
-    except (ObjectNotFound, ValueError):
-        return None
-    state = found.state
-    if state is None or state.type not in CANCELLED_FLOW_RUN:
-        return None
-    return state.timestamp.timestamp()
-
-
-async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
-    """Ends the flow run that created `record` when its dead process left it
-    `Running` or `Pending` (now `Crashed`) or `Cancelling` (now `Cancelled`),
-    saying what became of its job (`ended`); this also frees its deployment's
-    concurrency slot. Returns the state set, None when the flow run had moved
-    on. A server that refuses is logged, not raised: the job is recorded."""
-    if record.flow_run_id is None or record.flow_run_id == str(flow_run.id):
-        return None
-    try:
-        async with get_client() as client:
-            found = await client.read_flow_run(UUID(record.flow_run_id))
-            if found.state is None or found.state.type not in LEFT_BEHIND:
-                return None
-            message = (
-                f"its process is gone; the collect flow run {flow_run.id} finished "
-                f"{subject(record)}: {ended}"
-            )
-            state: State[object] = (
-                Cancelled(message=message)
-                if found.state.type == StateType.CANCELLING
-                else Crashed(message=message)
-            )
-            result = await client.set_flow_run_state(found.id, state)
-    except (ObjectNotFound, ValueError):
-        return None
-    except Exception as error:  # the job is recorded; this is only the flow run's label
-        get_run_logger().warning(
-            "cannot end flow run %s of %s: %s", record.flow_run_id, subject(record), error
-        )
-        return None
-    if result.state is None or result.state.type != state.type:
-        return None
-    get_run_logger().info(
-        "flow run %s of %s: %s (%s)", record.flow_run_id, subject(record), state.name, message
-    )
-    return state.type
 
 
 def _age_s(record: RunRecord) -> float:
@@ -150,7 +83,11 @@ async def candidates(runs: Runs) -> list[tuple[Runs, RunRecord, Target | None]]:
 
 
 async def collect_job(
-    runs: Runs, store: Runs, record: RunRecord, target: Target | None = None
+    runs: Runs,
+    store: Runs,
+    record: RunRecord,
+    target: Target | None = None,
+    logger: Logger | None = None,
 ) -> Collected | None:
     """Takes the follow lock of a job nobody follows and brings it to a final
     state (see `driver.finish`): a job never started has what its target holds
@@ -160,8 +97,9 @@ async def collect_job(
     holds something has its files retrieved again when they were not, then
     what it ran on ended. Its dead flow run is settled. Returns what was done,
     or None when there was nothing to do (another process took it, or it is
-    too young to be abandoned)."""
-    logger = get_run_logger()
+    too young to be abandoned). A flow run that waits suspended for the job is
+    resumed once it is final; `logger` is where the job's lines go."""
+    logger = logger or get_run_logger()
     name = subject(record)
     was = record.state
     kind = "run" if kind_of(record).progress else name
@@ -172,7 +110,9 @@ async def collect_job(
         return None  # its creator may not hold its lock yet
     since = await cancelled_at(record.flow_run_id)
     cancel = since is not None
-    if since is not None and time.time() - since < HOOK_GRACE_S and not record.state.ended:
+    hooked = not waited_for(store, record)  # a suspended flow run has no process to run hooks
+    grace = HOOK_GRACE_S if hooked else 0.0
+    if since is not None and time.time() - since < grace and not record.state.ended:
         logger.info("%s: its flow run was just cancelled: left to its cancellation hook", name)
         return None
     try:
@@ -218,6 +158,8 @@ async def collect_job(
     files = f"{len(outcome.files)} files " + ("verified" if outcome.retrieved else "not retrieved")
     logger.info("%s %s: %s", name, ended.state, files)
     await settle_flow_run(ended, f"{ended.state}, {files}")
+    if ended.state.ended:
+        await resume(ended, logger)
     if ended.job is None:
         action = f"failed: {ended.message}"
     elif finished.cancelled:

@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
 from overbrainer_prefect.blocks import target_named
-from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
+from overbrainer_prefect.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.base_export import base_export_job, base_gguf, reused_base

@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
 from overbrainer_prefect.blocks import target_named
+from overbrainer_prefect.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.evaluation.items import plan_evaluation
 from overbrainer_prefect.evaluation.judge import check_judge_endpoint
 from overbrainer_prefect.evaluation.results import (
@@ -28,7 +29,6 @@ from overbrainer_prefect.evaluation.spec import EvaluationPlan, EvaluationSpec
 from overbrainer_prefect.evaluation.trainer import EvaluateTrainer
 from overbrainer_prefect.evaluation.verdict import markdown, verdict
 from overbrainer_prefect.flows.compare import export_base
-from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
 from overbrainer_prefect.kinds.compare import check_comparable, gguf_job, gguf_need
 from overbrainer_prefect.kinds.evaluation import NAME as EVALUATION

@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
 from overbrainer_prefect.blocks import target_named
-from overbrainer_prefect.flows.driver import HOOKS, follow_again, run_new
+from overbrainer_prefect.driver import HOOKS, follow_again, run_new
 from overbrainer_prefect.flows.results import AnyState, ended
 from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import (

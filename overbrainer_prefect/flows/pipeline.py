@@ -18,6 +18,7 @@ from prefect.client.schemas.objects import State
 from prefect.runtime import deployment
 
 from overbrainer_prefect.delivery.result import DeliveryResult
+from overbrainer_prefect.driver import HOOKS
 from overbrainer_prefect.evaluation.gate import (
     Delivered,
     GateError,
@@ -36,7 +37,6 @@ from overbrainer_prefect.finetune import (
 )
 from overbrainer_prefect.flows.compare import compare
 from overbrainer_prefect.flows.deliver import deliver
-from overbrainer_prefect.flows.driver import HOOKS
 from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.gate import not_delivered

@@ -10,7 +10,7 @@ from prefect.runtime import flow_run
 
 from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
 from overbrainer_prefect.blocks import target_named
-from overbrainer_prefect.flows.driver import HOOKS, finish, follow_again, reporter_for, run_new
+from overbrainer_prefect.driver import HOOKS, finish, follow_again, reporter_for, run_new
 from overbrainer_prefect.flows.export import export as export_flow
 from overbrainer_prefect.flows.results import AnyState, RunFailed, ended
 from overbrainer_prefect.kinds.base import NewJob

@@ -19,6 +19,8 @@ from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import Busy
 
 LOCK_FILE = ".follow.lock"
+FOLLOWER_LOCK = ".follower.lock"
+"""The lock of the runs directory's one follower (the `follow` flow), at its top."""
 
 
 class RunBusy(Exception):
@@ -45,14 +47,38 @@ def follow_lock(runs: Runs, run_id: str, flow_run_id: str | None = None) -> Iter
     Raises RunBusy, at once, when another live process holds it; RecordIoError
     when its store cannot be reached.
     """
-    key = runs.key(run_id, LOCK_FILE)
+    with _held(runs, runs.key(run_id, LOCK_FILE), run_id, flow_run_id):
+        yield
+
+
+@contextmanager
+def follower_lock(runs: Runs, flow_run_id: str | None = None) -> Iterator[None]:
+    """Holds the lock of the one follower of the runs directory `runs` (its
+    top) for the duration of the block. Raises RunBusy, at once, when another
+    live follower holds it; RecordIoError when its store cannot be reached."""
+    top = runs.top
+    with _held(top, top.key(FOLLOWER_LOCK), top.where, flow_run_id):
+        yield
+
+
+def follower_of(runs: Runs) -> str | None:
+    """Who follows every job of the runs directory `runs` now (its follower's
+    holder text), None when no follower lives. Raises RecordIoError."""
+    top = runs.top
+    key = top.key(FOLLOWER_LOCK)
+    with store_errors(top.store.where(key)):
+        return top.store.holder(key)
+
+
+@contextmanager
+def _held(runs: Runs, key: str, what: str, flow_run_id: str | None) -> Iterator[None]:
     holder = {"flow_run_id": flow_run_id, "since": rfc3339()}
     with ExitStack() as held:
         try:
             with store_errors(runs.store.where(key)):
                 held.enter_context(runs.store.lock(key, holder))
         except Busy as busy:
-            raise RunBusy(run_id, busy.holder) from None
+            raise RunBusy(what, busy.holder) from None
         yield
 
 

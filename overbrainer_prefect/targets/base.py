@@ -33,6 +33,7 @@ from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.money.ledger import Ask
 from overbrainer_prefect.money.store import Admission, Facts
 from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.sizing import DiskJob
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
@@ -59,6 +60,8 @@ class JobNeed:
     """What the job writes where a volume holds it (estimated)."""
     image: str | None = None
     """Another image for this job's machine (a compare's own)."""
+    disk: DiskJob | None = None
+    """What the job writes on its machine's disk, for a target that sizes it (a pod)."""
 
 
 PlanT = TypeVar("PlanT")
@@ -178,6 +181,11 @@ class Placed(Protocol):
 
     def spend(self) -> float | None:
         """Dollars its place has cost so far (a pod's), None for a machine you own."""
+        ...
+
+    def deadline(self, record: RunRecord) -> str | None:
+        """When the job `record` is ended at the latest (RFC 3339): its own
+        max_hours deadline, or the pod watchdog's; None when nothing bounds it."""
         ...
 
 

@@ -85,6 +85,10 @@ class HostPlaced:
         """None: a machine you own costs nothing here."""
         return None
 
+    def deadline(self, record: RunRecord) -> str | None:
+        """The job's max_hours deadline, None without one."""
+        return record.deadline
+
 
 class BlockTarget:
     """What every target made from a target block holds: its name (`ref`), the

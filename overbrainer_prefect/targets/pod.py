@@ -223,6 +223,10 @@ class PodPlaced:
         """What the pod has cost so far (its GPUs and its disk, by its uptime)."""
         return self.pod.estimated_spend()
 
+    def deadline(self, record: RunRecord) -> str | None:
+        """The pod watchdog's max_hours deadline (the job's, when it has one)."""
+        return record.deadline or self.pod.deadline
+
 
 @dataclass
 class BudgetKept:

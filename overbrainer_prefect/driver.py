@@ -30,12 +30,18 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Crashed
 
-from overbrainer_prefect.artifacts import PrefectReporter, artifact_key, live_progress
+from overbrainer_prefect import suspension
+from overbrainer_prefect.artifacts import (
+    PrefectReporter,
+    artifact_key,
+    live_artifacts_of,
+    live_progress,
+)
 from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.listing import unfinished_of
-from overbrainer_prefect.kinds.registry import kind_of, trainer_of
-from overbrainer_prefect.runs.lock import RunBusy, follow_lock
+from overbrainer_prefect.kinds.registry import kind_of, recorded_end, trainer_of
+from overbrainer_prefect.runs.lock import RunBusy, follow_lock, is_followed
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.server_budget import PrefectBudget
@@ -52,10 +58,13 @@ from overbrainer_prefect.trainers.base import Trainer
 MAX_DEPTH = 3  # fine_tune → train → export: the deepest subflows go
 
 
-def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None) -> Reporter:
+def reporter_for(
+    record: RunRecord, logger: Logger, placed: Placed | None = None, store: Runs | None = None
+) -> Reporter:
     """Where a job's progress goes: a training run's live progress, loss curve
     (with what its pod has cost so far) and log, the job log's warnings that
-    matter; or another job's status in the log."""
+    matter (the artifacts its suspended flow run opened, when `store` keeps
+    them); or another job's status in the log."""
     if kind_of(record).progress:
         if placed is None:
             return PrefectReporter(logger, record.id)
@@ -65,6 +74,7 @@ def reporter_for(record: RunRecord, logger: Logger, placed: Placed | None = None
             record.id,
             spend=placed.spend,
             job_log=lambda: follow.job_log_tail(executor, remote),
+            artifact_ids=live_artifacts_of(store, record.id) if store is not None else None,
         )
     return JobReporter(logger, subject(record))
 
@@ -137,8 +147,12 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
     it again).
     """
     store = job.store
+    waited = suspension.suspended_job(store, job.kind)
+    if waited is not None:  # resumed: its job was started before this flow run suspended
+        return await _resumed(target, store, store.load(waited), logger)
     target.check(job.need)
-    async with target.reserve(store, job.need, PrefectBudget()) as reservation:
+    budget = PrefectBudget()
+    async with target.reserve(store, job.need, budget) as reservation:
         record = start_step.create(
             store,
             target=target.ref,
@@ -160,7 +174,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
                 trainer = job.prepare(record)
                 record = store.load(record.id)
                 return await _place_and_follow(
-                    target, job, store, record, trainer, reservation, logger
+                    target, job, store, record, trainer, reservation, budget, logger
                 )
             except BaseException as error:
                 if store.load(record.id).job is None:  # nothing runs: the record says why
@@ -175,10 +189,12 @@ async def _place_and_follow(
     record: RunRecord,
     trainer: Trainer,
     reservation: Reservation[Any],
+    budget: PrefectBudget,
     logger: Logger,
 ) -> Finished:
     """Places the new job `record`, records where its directory is, starts
-    its job, follows it and ends what it ran on."""
+    its job, follows it and ends what it ran on; or, once it started, waits
+    suspended while the runs directory's follower does (`suspension`)."""
     async with target.place(store, record, reservation) as placed:
         remote_dir = placed.remote_dir(record)
         if remote_dir != record.remote_dir:
@@ -192,9 +208,33 @@ async def _place_and_follow(
         finally:
             if job.started is not None:
                 job.started(record)
+        why = suspension.why_not_suspend(store, budget.holding)
+        if why is None:
+            await suspension.suspend(
+                store, record, job.kind, ctx.reporter, placed.deadline(record), logger
+            )
+        elif why:
+            logger.info("%s: this flow run follows its job itself: %s", subject(record), why)
         outcome = await follow_job(placed, ctx, trainer, record)
         await publish_facts(outcome.record, placed.facts())
         return Finished(outcome, placed.description)
+
+
+async def _resumed(target: Target, store: Runs, record: RunRecord, logger: Logger) -> Finished:
+    """The end of the job `record` this flow run started before it suspended:
+    as its follower recorded it; followed here when it has not ended yet (the
+    flow run was resumed early), or waited for while another process follows it."""
+    if not record.state.ended or is_followed(store, record.id):
+        logger.info("%s has not ended yet: following it here", subject(record))
+        try:
+            return await follow_again(store.top, store, record, logger, target=target)
+        except RunError:
+            if not is_followed(store, record.id):
+                raise
+            return Finished(await recorded_end(store, record.id), target.ref)
+    trainer = trainer_of(store.top, record, target.cpu_threads)
+    logger.info("%s %s; its follower recorded its end", subject(record), record.state)
+    return Finished(retrieve.recorded(store, trainer, record), target.ref)
 
 
 async def finish(
@@ -229,7 +269,7 @@ async def finish(
             return Finished(
                 retrieve.recorded(store, trainer, store.load(record.id)), "its local files"
             )
-        ctx = placed.context(store, reporter_for(record, logger, placed))
+        ctx = placed.context(store, reporter_for(record, logger, placed, store))
         cancelled = False
         if record.state == RunState.RUNNING and cancel:
             record, status, retrieved = await end_step.cancel(ctx, trainer, record)

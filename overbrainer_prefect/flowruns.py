@@ -1,0 +1,138 @@
+"""The flow runs that started jobs, as the collector and the follower see them
+on the Prefect server: whether one was cancelled, the state a dead one is left
+in, whether one waits suspended for its job, and resuming it."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import FlowRun, State, StateType
+from prefect.client.schemas.responses import SetStateStatus
+from prefect.exceptions import ObjectNotFound
+from prefect.logging.loggers import flow_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Cancelled, Crashed
+
+from overbrainer_prefect.runs.store import RunRecord, subject
+from overbrainer_prefect.targets.base import Logger
+
+CANCELLED_FLOW_RUN = frozenset({StateType.CANCELLING, StateType.CANCELLED})
+"""States of a job's flow run that mean someone asked for the job to be cancelled."""
+
+LEFT_BEHIND = frozenset({StateType.RUNNING, StateType.CANCELLING, StateType.PENDING})
+"""States of a job's flow run that its dead process left behind, which the
+collector settles once it finished the job (releasing its deployment's
+concurrency slot)."""
+
+
+async def cancelled_at(flow_run_id: str | None) -> float | None:
+    """When the flow run that created a job was cancelled (or asked to be), as
+    a Unix time; None when it was not, or the record names none this Prefect
+    server knows."""
+    if flow_run_id is None:
+        return None
+    try:
+        async with get_client() as client:
+            found = await client.read_flow_run(UUID(flow_run_id))
+    except (ObjectNotFound, ValueError):
+        return None
+    state = found.state
+    if state is None or state.type not in CANCELLED_FLOW_RUN:
+        return None
+    return state.timestamp.timestamp()
+
+
+async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
+    """Ends the flow run that created `record` when its dead process left it
+    `Running` or `Pending` (now `Crashed`) or `Cancelling` (now `Cancelled`),
+    saying what became of its job (`ended`); this also frees its deployment's
+    concurrency slot. Returns the state set, None when the flow run had moved
+    on. A server that refuses is logged, not raised: the job is recorded."""
+    if record.flow_run_id is None or record.flow_run_id == str(flow_run.id):
+        return None
+    try:
+        async with get_client() as client:
+            found = await client.read_flow_run(UUID(record.flow_run_id))
+            if found.state is None or found.state.type not in LEFT_BEHIND:
+                return None
+            message = (
+                f"its process is gone; the collect flow run {flow_run.id} finished "
+                f"{subject(record)}: {ended}"
+            )
+            state: State[object] = (
+                Cancelled(message=message)
+                if found.state.type == StateType.CANCELLING
+                else Crashed(message=message)
+            )
+            result = await client.set_flow_run_state(found.id, state)
+    except (ObjectNotFound, ValueError):
+        return None
+    except Exception as error:  # the job is recorded; this is only the flow run's label
+        get_run_logger().warning(
+            "cannot end flow run %s of %s: %s", record.flow_run_id, subject(record), error
+        )
+        return None
+    if result.state is None or result.state.type != state.type:
+        return None
+    get_run_logger().info(
+        "flow run %s of %s: %s (%s)", record.flow_run_id, subject(record), state.name, message
+    )
+    return state.type
+
+
+async def suspended(flow_run_id: str | None) -> FlowRun | None:
+    """The flow run `flow_run_id` when it waits suspended (or paused) now;
+    None when it does not, or this Prefect server does not know it. Raises
+    what the Prefect client raises when the server cannot be reached."""
+    if flow_run_id is None:
+        return None
+    try:
+        async with get_client() as client:
+            found = await client.read_flow_run(UUID(flow_run_id))
+    except (ObjectNotFound, ValueError):
+        return None
+    return found if found.state is not None and found.state.is_paused() else None
+
+
+def job_logger(waiting: FlowRun | None, logger: Logger) -> Logger:
+    """Where a followed job's lines go: the log of the flow run that waits
+    suspended for it, else `logger`."""
+    return flow_run_logger(waiting) if waiting is not None else logger
+
+
+async def resume(record: RunRecord, logger: Logger) -> bool:
+    """Resumes the flow run that started `record` when it waits suspended for
+    it (the job's record is final): a worker runs it again, and it ends as
+    its job did. Returns whether it was resumed. A server that refuses or
+    cannot be reached is logged with what to do, never raised: the job is
+    recorded, and the next pass of the follower tries again."""
+    try:
+        waiting = await suspended(record.flow_run_id)
+        if waiting is None:
+            return False
+        async with get_client() as client:
+            answer = await client.resume_flow_run(waiting.id)
+    except Exception as error:
+        logger.warning(
+            "cannot resume flow run %s of %s now (%s); the follower tries again, or resume it "
+            "from its page in the Prefect UI",
+            record.flow_run_id,
+            subject(record),
+            error,
+        )
+        return False
+    if answer.status != SetStateStatus.ACCEPT:
+        reason = answer.details.reason if hasattr(answer.details, "reason") else answer.status
+        logger.warning(
+            "flow run %s of %s cannot be resumed: %s; %s is recorded %s",
+            record.flow_run_id,
+            subject(record),
+            reason,
+            subject(record),
+            record.state,
+        )
+        return False
+    logger.info("%s %s: its flow run %s resumed", subject(record), record.state, record.flow_run_id)
+    return True

@@ -1,0 +1,161 @@
+"""The follower: one long-running flow run that follows every job of a runs
+directory, so that the flow runs that started them hold no process
+(`suspension`): their live progress and loss curve go to their own
+artifacts and log, a `prefect flow-run cancel` of one cancels its job, and
+each is resumed once its job's files are verified and what it ran on ended.
+It also does what the collector does, continuously: jobs whose follower died
+are followed to their end, what a job left is ended.
+
+One follower runs per runs directory (its lock there: another one ends at
+once); one that dies is replaced by the next run of its deployment, and the
+jobs it followed are taken over where they are, their flow runs still waiting.
+At the end of its term (`minutes`) it lets go of its jobs, which keep running,
+and starts the next follower of its deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from prefect import flow, get_run_logger
+from prefect.deployments.flow_runs import arun_deployment
+from prefect.runtime import deployment, flow_run
+
+from overbrainer_prefect.flowruns import cancelled_at, job_logger, suspended
+from overbrainer_prefect.flows.collect import candidates, collect_job
+from overbrainer_prefect.kinds.collected import Collected
+from overbrainer_prefect.runs.lock import RunBusy, follower_lock
+from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.runs_dir import runs_at
+from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
+from overbrainer_prefect.suspension import waited_for
+from overbrainer_prefect.targets.base import Logger, Target
+
+KEEP_ROWS = 200  # what a follower returns of the jobs it finished: the last ones
+
+
+class _Followed:
+    """A job this follower follows: its store, record, target and task."""
+
+    def __init__(
+        self, store: Runs, record: RunRecord, target: Target | None, task: asyncio.Task[object]
+    ) -> None:
+        self.store, self.record, self.target, self.task = store, record, target, task
+        self.cancel_sent = False
+
+
+@flow(name="follow", persist_result=True)
+async def follow(
+    runs_dir: str | None = None, minutes: float = 60.0, every_s: float = 2.0
+) -> list[Collected]:
+    """Follows every job of the runs directory for `minutes` (see the
+    module), looking for new ones every `every_s` seconds; returns what it
+    did with the jobs that ended meanwhile. Ends at once, saying who follows,
+    when another follower holds the runs directory. Raises RecordIoError when
+    the runs directory cannot be read at its start."""
+    runs = await runs_at(runs_dir)
+    logger = get_run_logger()
+    try:
+        with follower_lock(runs, str(flow_run.id)):
+            logger.info("following every job of %s for %g min", runs.where, minutes)
+            rows = await _follow_for(runs, minutes * 60, every_s, logger)
+    except RunBusy as busy:
+        logger.info(
+            "%s is followed by another follower (%s): this one ends", runs.where, busy.holder
+        )
+        return []
+    await _successor(runs_dir, minutes, every_s, logger)
+    return rows
+
+
+async def _follow_for(
+    runs: Runs, seconds: float, every_s: float, logger: Logger
+) -> list[Collected]:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    followed: dict[str, _Followed] = {}
+    rows: list[Collected] = []
+    acting = ENDED_BY.set(COLLECTOR)  # what it deletes is recorded deleted by the collector
+    try:
+        while loop.time() < end:
+            await _take_new(runs, followed, logger)
+            await _cancel_asked(followed, logger)
+            for key in [k for k, job in followed.items() if job.task.done()]:
+                job = followed.pop(key)
+                try:
+                    row = job.task.result()
+                except Exception as error:
+                    logger.warning("%s: cannot finish it: %s", subject(job.record), error)
+                    continue
+                if isinstance(row, Collected):
+                    rows = [*rows, row][-KEEP_ROWS:]
+            await asyncio.sleep(every_s)
+    finally:
+        ENDED_BY.reset(acting)
+        for job in followed.values():  # they keep running: the next follower takes them
+            job.task.cancel()
+        await asyncio.gather(*(job.task for job in followed.values()), return_exceptions=True)
+    return rows
+
+
+async def _take_new(runs: Runs, followed: dict[str, _Followed], logger: Logger) -> None:
+    """Starts following the jobs nobody follows that this follower does not."""
+    try:
+        found = await candidates(runs)
+    except Exception as error:  # the store or the server is away: the next pass tries again
+        logger.warning("cannot look for jobs to follow now: %s", error)
+        return
+    for store, record, target in found:
+        key = store.key(record.id)
+        if key in followed:
+            continue
+        try:
+            waiting = await suspended(record.flow_run_id)
+        except Exception:  # the server is away: its lines go to this flow run's log
+            waiting = None
+        task = asyncio.create_task(
+            collect_job(runs, store, record, target, job_logger(waiting, logger))
+        )
+        followed[key] = _Followed(store, record, target, task)
+
+
+async def _cancel_asked(followed: dict[str, _Followed], logger: Logger) -> None:
+    """Cancels the jobs whose suspended flow run was cancelled (`prefect
+    flow-run cancel`): no process of theirs is left to do it. The job's
+    follow records it, retrieves what it left and ends what it ran on."""
+    for job in followed.values():
+        record, target = job.record, job.target
+        if job.cancel_sent or record.job is None or target is None:
+            continue
+        if not waited_for(job.store, record):
+            continue
+        try:
+            if await cancelled_at(record.flow_run_id) is None:
+                continue
+            job.cancel_sent = True
+            async with target.reach(job.store, record) as placed:
+                if placed is not None:
+                    await placed.executor.cancel(record.job)
+        except Exception as error:  # tried again by the job's own follow (its flow run's state)
+            logger.warning("%s: cannot cancel its job now: %s", subject(record), error)
+            continue
+        logger.info(
+            "%s: its flow run %s was cancelled: job cancelled", subject(record), record.flow_run_id
+        )
+
+
+async def _successor(runs_dir: str | None, minutes: float, every_s: float, logger: Logger) -> None:
+    """Starts the next follower of this deployment, at once (its schedule is
+    the fallback when this one dies)."""
+    if deployment.id is None or deployment.name is None:
+        return
+    name = f"{flow_run.flow_name}/{deployment.name}"
+    try:
+        await arun_deployment(
+            name,
+            parameters={"runs_dir": runs_dir, "minutes": minutes, "every_s": every_s},
+            timeout=0,
+            as_subflow=False,
+        )
+    except Exception as error:
+        logger.warning("cannot start the next follower (%s): its schedule will: %s", name, error)

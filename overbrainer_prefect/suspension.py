@@ -1,0 +1,146 @@
+"""A flow run from a deployment holds no process while its job runs: once the
+job is started, the flow run suspends (Prefect's `suspend_flow_run`: its
+process exits), the runs directory's one follower (the `follow` flow) follows
+the job, with its live progress and loss curve in the suspended flow run's own
+artifacts and log, and resumes the flow run once the job's record is final.
+Resumed, the flow run starts again from its beginning (Prefect's behaviour)
+and finds its job here, by its flow run's ID: it ends as a flow run that
+followed its job itself would, with the same state, result and artifacts.
+
+A flow run suspends only when something will resume it: it runs from a
+deployment, it is not a subflow (Prefect cannot suspend those alone), its
+process holds no slot of the GPU budget (those are held by the process), and a
+follower lives for its runs directory. Otherwise it follows its job itself, as
+a flow called directly does; `OVERBRAINER_FOLLOW_IN_PROCESS=1` asks for that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime
+
+from prefect.flow_runs import asuspend_flow_run
+from prefect.runtime import deployment, flow_run
+
+from overbrainer_prefect.artifacts import PrefectReporter, remember_live_artifacts
+from overbrainer_prefect.runs.ids import parse_rfc3339
+from overbrainer_prefect.runs.lock import follower_of
+from overbrainer_prefect.runs.records import store_errors
+from overbrainer_prefect.runs.store import RunRecord, Runs, subject
+from overbrainer_prefect.steps.reporters import Reporter
+from overbrainer_prefect.targets.base import Logger
+
+IN_PROCESS_ENV = "OVERBRAINER_FOLLOW_IN_PROCESS"
+"""Set to 1 in a deployment's environment: its flow runs follow their jobs themselves."""
+
+SUSPENDED_DIR = ".suspended"
+"""Under a store of records: which job each suspended flow run waits for."""
+
+RESUME_MARGIN_S = 2 * 3600
+"""How long past its job's bound a suspended flow run may wait to be resumed:
+the checkpoint hold, the retrieval and a follower taking over."""
+
+UNBOUNDED_S = 7 * 24 * 3600
+"""How long a flow run whose job nothing bounds may wait suspended."""
+
+
+def _key(store: Runs, flow_run_id: str, kind: str) -> str:
+    return store.key(SUSPENDED_DIR, f"{flow_run_id}-{kind}.json")
+
+
+def suspended_job(store: Runs, kind: str) -> str | None:
+    """The ID of the `kind` job this flow run started in `store` before it
+    suspended, when it did (it has been resumed); None otherwise. Raises
+    RecordIoError when the store cannot be read."""
+    this = flow_run.id
+    if this is None or deployment.id is None:
+        return None
+    key = _key(store, this, kind)
+    with store_errors(store.store.where(key)):
+        found = store.store.read(key)
+    if found is None:
+        return None
+    job_id = json.loads(found.data).get("job")
+    return job_id if isinstance(job_id, str) else None
+
+
+def waited_for(store: Runs, record: RunRecord) -> bool:
+    """Whether the flow run that started the job `record` suspended while it
+    ran (so no process of it is left to run its hooks). False when that
+    cannot be read."""
+    if record.flow_run_id is None:
+        return False
+    key = _key(store, record.flow_run_id, record.trainer)
+    try:
+        return store.store.head(key) is not None
+    except Exception:  # an unreadable store: as if it did not (the hook's grace is waited)
+        return False
+
+
+def why_not_suspend(store: Runs, budget_held: bool) -> str | None:
+    """Why this flow run follows its job itself rather than suspending (None:
+    it suspends). A flow called directly says nothing (''). Raises
+    RecordIoError when the runs directory cannot be read."""
+    if flow_run.id is None or deployment.id is None:
+        return ""
+    if flow_run.parent_flow_run_id is not None:
+        return ""  # a subflow: its parent's process runs it
+    if os.environ.get(IN_PROCESS_ENV, "").strip() in ("1", "true", "yes"):
+        return f"{IN_PROCESS_ENV} is set"
+    if budget_held:
+        return "its process holds the GPU budget's slots while the pod lives"
+    if follower_of(store) is None:
+        return (
+            f"no follower follows {store.top.where}: start one with "
+            "`prefect deployment run follow/always` (see the README's deployments)"
+        )
+    return None
+
+
+def timeout_s(deadline: str | None) -> int:
+    """How long a flow run may wait suspended for a job bounded by `deadline`
+    (RFC 3339, None: unbounded): until then, plus RESUME_MARGIN_S."""
+    if deadline is None:
+        return UNBOUNDED_S
+    try:
+        left = (parse_rfc3339(deadline) - datetime.now(UTC)).total_seconds()
+    except ValueError:
+        return UNBOUNDED_S
+    return int(max(left, 0.0) + RESUME_MARGIN_S)
+
+
+async def suspend(
+    store: Runs,
+    record: RunRecord,
+    kind: str,
+    reporter: Reporter,
+    deadline: str | None,
+    logger: Logger,
+) -> None:
+    """Suspends this flow run while the job `record` runs: its live artifacts
+    are opened here (the follower updates them), the job is kept as this flow
+    run's, and the process exits (Prefect's Pause, which the caller lets
+    through: its follow lock is released on the way out, once the flow run
+    is suspended). Returns, having done nothing else, when Prefect refuses to
+    suspend (the flow run was resumed already): the caller follows the job.
+    Raises RecordIoError when the store cannot be written (nothing suspended)."""
+    this = flow_run.id
+    assert this is not None  # why_not_suspend said it is a flow run
+    if isinstance(reporter, PrefectReporter):
+        await reporter.open()
+        remember_live_artifacts(store, record.id, reporter)
+    key = _key(store, this, kind)
+    with store_errors(store.store.where(key)):
+        store.store.write(key, json.dumps({"job": record.id}).encode())
+    follower = follower_of(store) or "the next follower"
+    wait = timeout_s(deadline)
+    logger.info(
+        "%s runs; this flow run waits suspended, holding no process, while the follower "
+        "(%s) follows it: it resumes once the job's files are verified (at most %.1f h from now). "
+        "Cancel it as any flow run: its job is cancelled and what it ran on ended",
+        subject(record),
+        follower,
+        wait / 3600,
+    )
+    await asuspend_flow_run(timeout=wait, key=f"job-{record.id}")

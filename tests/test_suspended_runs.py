@@ -1,0 +1,173 @@
+"""Flow runs that hold no process while their job trains (issue 28), on a real
+Prefect server with a real process worker: a `train` deployment run suspends
+once its job started, the `follow` deployment's one follower follows the job
+(its progress in the suspended run's own artifacts and log), and resumes it
+to `Completed` with its files verified, through its follower being SIGKILLed
+and replaced and the Prefect server restarted mid-training; a suspended run
+cancelled with `prefect flow-run cancel` has its job cancelled by the follower."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overbrainer_prefect.runs import Runs, RunState
+from overbrainer_prefect.runs.lock import follower_of
+from tests.prefect_server import FOLLOWER, Stack, tiny_training, wait_until
+from tests.procs import alive, group_alive
+from tests.test_deployments import assert_verified
+
+pytest_plugins = ["tests.prefect_server"]
+pytestmark = pytest.mark.slow
+
+
+def pid_of(stack: Stack, flow_run_id: uuid.UUID) -> int | None:
+    """The PID of the process a worker started for the flow run (`host:pid`)."""
+    found = stack.flow_run(flow_run_id).infrastructure_pid
+    return int(str(found).rsplit(":", 1)[-1]) if found else None
+
+
+def start_follower(stack: Stack) -> uuid.UUID:
+    """A run of the follower deployment, once it holds the runs directory."""
+    flow_run_id = stack.run_deployment(FOLLOWER, minutes=30, every_s=1)
+    wait_until(
+        lambda: follower_of(Runs(stack.runs)) is not None and pid_of(stack, flow_run_id),
+        240,
+        "the follower to hold the runs directory",
+    )
+    return flow_run_id
+
+
+@pytest.fixture
+def follower(deployed: Stack) -> Iterator[list[uuid.UUID]]:
+    """A follower for the test (more may be added); every one is ended after
+    it, so that the other deployment tests follow their jobs in-process."""
+    deployed.worker()
+    started = [start_follower(deployed)]
+    try:
+        yield started
+    finally:
+        for flow_run_id in started:
+            if not deployed.flow_run(flow_run_id).state.is_final():
+                deployed.server.cli("flow-run", "cancel", str(flow_run_id), check=False)
+        for flow_run_id in started:
+            deployed.wait_final(flow_run_id, timeout=120)
+        wait_until(lambda: follower_of(Runs(deployed.runs)) is None, 60, "the follower to go")
+
+
+def job_of(stack: Stack, flow_run_id: uuid.UUID) -> Any:
+    """The run the flow run started, once its job runs."""
+    for record in Runs(stack.runs).list():
+        if record.flow_run_id == str(flow_run_id) and record.job is not None:
+            return record
+    return None
+
+
+def suspended_with_its_job(stack: Stack, flow_run_id: uuid.UUID) -> Any:
+    """Waits until the flow run waits suspended with its job running and its
+    process gone; returns the job's record."""
+    wait_until(
+        lambda: stack.flow_run(flow_run_id).state.is_paused(), 300, "the flow run to suspend"
+    )
+    record = job_of(stack, flow_run_id)
+    assert record is not None and record.state == RunState.RUNNING, record
+    assert group_alive(record.job.pid)
+    pid = pid_of(stack, flow_run_id)
+    assert pid is not None
+    wait_until(lambda: not alive(pid), 60, "the suspended flow run's process to exit")
+    return record
+
+
+def artifacts_of(stack: Stack, flow_run_id: uuid.UUID) -> dict[str, str]:
+    """The flow run's artifacts, by key: their latest data."""
+
+    async def read(client: Any) -> dict[str, str]:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        found = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+        return {a.key: str(a.data) for a in found if a.key}
+
+    return dict(stack.server.call(read))
+
+
+def logs_of(stack: Stack, flow_run_id: uuid.UUID) -> str:
+    """The flow run's log, as the server has it."""
+
+    async def read(client: Any) -> str:
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        found = await client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        )
+        return "\n".join(log.message for log in found)
+
+    return str(stack.server.call(read))
+
+
+def test_a_train_run_waits_suspended_while_followers_die_and_the_server_restarts(
+    deployed: Stack, follower: list[uuid.UUID], tiny: tuple[Path, Path]
+) -> None:
+    flow_run_id = deployed.run_deployment(
+        "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=120)
+    )
+    record = suspended_with_its_job(deployed, flow_run_id)
+    # its live progress goes to its own artifacts, opened before it suspended
+    keys = artifacts_of(deployed, flow_run_id)
+    curve = f"run-{record.id}-loss-curve".lower()
+    assert curve in keys and f"run-{record.id}-progress".lower() in keys
+
+    # the follower dies (SIGKILL: no hook, no release): the job trains on, its lock is free
+    first = pid_of(deployed, follower[0])
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: follower_of(Runs(deployed.runs)) is None, 60, "the dead follower's lock")
+    assert group_alive(record.job.pid)
+    assert deployed.flow_run(flow_run_id).state.is_paused()
+
+    # the server restarts while the run waits: nothing of it is lost
+    deployed.server.stop()
+    deployed.server.start()
+    assert deployed.flow_run(flow_run_id).state.is_paused()
+
+    # the next follower takes the job over where it is, and resumes the run at its end
+    follower.append(start_follower(deployed))
+    done = deployed.wait_final(flow_run_id, timeout=600)
+    assert done.state.is_completed(), done.state
+    saved = Runs(deployed.runs).load(record.id)
+    assert saved.state == RunState.SUCCEEDED and saved.message is None, saved
+    assert_verified(deployed.runs, record.id)
+    # one run, one job: the resumed flow run found its job, it started none
+    assert [r.id for r in Runs(deployed.runs).list() if r.flow_run_id == str(flow_run_id)] == [
+        record.id
+    ]
+    keys = artifacts_of(deployed, flow_run_id)
+    assert "<svg" in keys[curve] or "data:image/svg" in keys[curve], keys[curve][:300]
+    assert f"run-{record.id}-summary".lower() in keys
+    log = logs_of(deployed, flow_run_id)
+    assert "waits suspended" in log and "its follower recorded its end" in log, log[-3000:]
+    assert f"run {record.id}: step" in log, "the follower's progress lines, in the run's own log"
+
+
+def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
+    deployed: Stack, follower: list[uuid.UUID], tiny: tuple[Path, Path]
+) -> None:
+    flow_run_id = deployed.run_deployment(
+        "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=100000)
+    )
+    record = suspended_with_its_job(deployed, flow_run_id)
+    deployed.server.cli("flow-run", "cancel", str(flow_run_id))
+    done = deployed.wait_final(flow_run_id, timeout=120)
+    assert done.state.is_cancelled(), done.state
+    saved = Runs(deployed.runs).load(record.id)
+    assert saved.state == RunState.CANCELLED, saved
+    wait_until(lambda: not group_alive(record.job.pid), 30, "the job's process group to go")
+    local = Runs(deployed.runs).run_dir(record.id)
+    assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
