@@ -181,6 +181,37 @@ def test_who_deleted_a_pod_is_read_from_its_watchdogs_log(tmp_path: Path) -> Non
     assert found_gone(runs, pod).reason == RETRIEVED_REASON
 
 
+def test_a_pod_found_gone_past_a_bound_its_follower_did_not_see_is_told_by_that_bound(
+    tmp_path: Path,
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    record = start_step.create(runs, target="sim", target_kind="runpod", workdir="/w")
+    made = float(int(time.time()) - 3600)  # whole seconds, as records keep them
+    pod = PodRecord(
+        run_id=record.id, host_key="k", pod_id="p1", created_unix=made, boot_grace_s=600.0
+    )
+    pod.state = PodState.READY  # its job's files verified, the pipeline's next job to follow
+    pod.between_unix, pod.next_job_grace_s = made + 1200, 300.0
+    fate = found_gone(runs, pod, now=made + 1400)  # within its grace: not the watchdog's bound
+    assert fate.by == "unknown" and "account's balance" in fate.reason
+    fate = found_gone(runs, pod, now=made + 1600)
+    assert fate.by == "watchdog" and fate.at == made + 1500
+    assert "within next_job_grace (300s after the files of its last job" in fate.reason
+    assert "balance" not in fate.reason
+
+    pod.between_unix = None  # no job started: its boot grace
+    fate = found_gone(runs, pod, now=made + 700)
+    assert fate.by == "watchdog" and "no job started within boot_grace (600s" in fate.reason
+
+    record.state, record.ended = RunState.FAILED, rfc3339(datetime.fromtimestamp(made + 60, UTC))
+    runs.save(record)  # its job ended, its files not retrieved: its retrieve grace
+    pod.state, pod.retrieve_grace_s = PodState.AWAITING_RETRIEVAL, 120.0
+    assert found_gone(runs, pod, now=made + 150).by == "unknown"
+    fate = found_gone(runs, pod, now=made + 200)
+    assert fate.by == "watchdog" and fate.at == made + 180
+    assert fate.reason.endswith("its files were not retrieved (retrieve_grace)")
+
+
 @pytest.mark.slow
 def test_a_start_command_that_exits_ends_the_boot_wait_with_its_log_and_the_pod_is_deleted(
     bed: Bed,

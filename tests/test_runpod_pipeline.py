@@ -364,6 +364,15 @@ def test_a_fine_tune_killed_between_jobs_leaves_a_pod_ended_at_its_grace_and_con
     assert pod is not None and pod.pod_id == other.id and pod.state == PodState.DELETED
     [(compares, compared)] = steps["compare"]
     assert compared.state == RunState.SUCCEEDED and PodRecord.load(compares, compared.id) is None
+    # the first pod's fate as its watchdog told it, though its follower died before the delete
+    first = PodRecord.load(Runs(tmp_path / "runs").children(run_id, "export"), export_id)
+    assert first is not None and first.state == PodState.DELETED, first
+    assert first.deleted_by == "watchdog", first
+    assert "no next job of the pipeline started within next_job_grace (5s" in (
+        first.delete_reason or ""
+    )
+    at = sim.pod(pod_id).deleted_at or 0  # its bound's time: a look and a delete early
+    assert first.deleted_unix is not None and at - 10 <= first.deleted_unix <= at + 1
 
 
 def test_a_fine_tune_killed_between_jobs_continues_on_its_pod_while_it_lives(
@@ -381,6 +390,7 @@ def test_a_fine_tune_killed_between_jobs_continues_on_its_pod_while_it_lives(
     listed = run(pods(action="list", runs_dir=str(tmp_path / "runs"), credentials=None))
     (row,) = [r for r in listed.pods if r.pod_id == pod_id]  # its export ended: not left over
     assert not row.orphan and "runs the jobs of its pipeline" in row.why
+    assert "(next_job_grace: at " in row.why, row.why  # when its watchdog deletes it
     result = run(fine_tune(fine, run_id=run_id))
     assert isinstance(result, FineTuneResult) and result.compare.state == RunState.SUCCEEDED
     (made,) = sim.pods(include_deleted=True)  # the same pod ran the rest of the fine-tune

@@ -8,13 +8,14 @@ it) and from the bounds its watchdog armed, so that `pod.json`'s
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 from overbrainer_prefect.runpod.bootstrap import WATCHDOG_LOG
-from overbrainer_prefect.runpod.pod import PodRecord
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.records import RecordError
-from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.runs.store import Runs, RunsError
 
 RETRIEVED_REASON = "the client retrieved and verified the run's files (.pod/retrieved)"
 """Why the watchdog deletes a pod at once once the client marked its files retrieved."""
@@ -60,21 +61,79 @@ def _watchdog_log_lines(runs: Runs, run_id: str) -> list[str]:
         return []
 
 
-def found_gone(runs: Runs, pod: PodRecord) -> Fate:
-    """Who deleted a pod found gone without this process deleting it: its
-    watchdog when the client had marked its files retrieved, when one of its
-    bounds passed, or when its log (the local copy) says so, at the time its
-    log gives; else nobody known (Runpod, or someone in the console)."""
+def found_gone(runs: Runs, pod: PodRecord, now: float | None = None) -> Fate:
+    """Who deleted a pod found gone (at `now`) without this process deleting
+    it: its watchdog when the client had marked its files retrieved, when its
+    log (the local copy) says so, or when one of the bounds it was armed with
+    had passed (max_cost_usd, max_hours, next_job_grace, retrieve_grace,
+    boot_grace: see `bound_passed`), at the time its log gives or the bound's;
+    else nobody known (Runpod, or someone in the console)."""
+    at_now = time.time() if now is None else now
     logged = watchdog_deletion(runs, pod.run_id)
     at = logged.at if logged is not None else None
     if pod.retrieved_marked:
         return Fate("watchdog", RETRIEVED_REASON, at)
-    limit = pod.limit_reached()
+    limit = pod.limit_reached(at_now)
     if limit is not None:
         return Fate("watchdog", limit, at)
     if logged is not None:
         return logged
+    bound = bound_passed(runs, pod, at_now)
+    if bound is not None:
+        return bound
     return Fate("unknown", terminated_reason(pod))
+
+
+def next_job_reason(grace_s: float) -> str:
+    """Why a watchdog deleted a pod between two jobs of a pipeline (its words)."""
+    return (
+        f"no next job of the pipeline started within next_job_grace ({grace_s:.0f}s after the "
+        "files of its last job were verified)"
+    )
+
+
+def bound_passed(runs: Runs, pod: PodRecord, now: float) -> Fate | None:
+    """The bound past which the pod's watchdog deletes it that had passed at
+    `now`, told from `pod.json` and its run's record (for a pod whose
+    watchdog's last words were not copied here: its follower died first):
+    next_job_grace once the client told it the pipeline's next job follows,
+    retrieve_grace after its job ended with files not retrieved, boot_grace
+    while no job had started. The time is the bound's (its watchdog deletes
+    it at its next look). None when none had passed."""
+    if pod.keep:
+        return None
+    if pod.between_unix is not None and pod.next_job_grace_s is not None:
+        bound = pod.between_unix + pod.next_job_grace_s
+        if now >= bound:
+            return Fate("watchdog", next_job_reason(pod.next_job_grace_s), bound)
+        return None
+    if pod.state == PodState.AWAITING_RETRIEVAL and pod.retrieve_grace_s is not None:
+        ended = _ended_unix(runs, pod.run_id)
+        if ended is not None and now >= ended + pod.retrieve_grace_s:
+            grace = f"{pod.retrieve_grace_s:.0f}s"
+            reason = f"the job ended {grace} ago and its files were not retrieved (retrieve_grace)"
+            return Fate("watchdog", reason, ended + pod.retrieve_grace_s)
+        return None
+    if pod.state in NO_JOB_YET and pod.past_boot_bound(now) and pod.boot_grace_s is not None:
+        reason = (
+            f"no job started within boot_grace ({pod.boot_grace_s:.0f}s after the pod was created)"
+        )
+        return Fate("watchdog", reason, (pod.created_unix or now) + pod.boot_grace_s)
+    return None
+
+
+NO_JOB_YET = (PodState.CREATING, PodState.BOOTING, PodState.READY)
+"""States of a pod on which no job has started (a pipeline's pod between jobs
+has `between_unix`)."""
+
+
+def _ended_unix(runs: Runs, run_id: str) -> float | None:
+    """When the run `run_id` was seen ending (Unix seconds), if it was."""
+    try:
+        ended = runs.load(run_id).ended
+    except (RunsError, RecordError):
+        return None
+    return _unix(ended) if ended else None
 
 
 def terminated_reason(pod: PodRecord) -> str:

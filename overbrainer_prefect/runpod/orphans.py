@@ -115,6 +115,9 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
                 f"runs the jobs of its pipeline (the last placed: {local.pipeline_job}); bounded "
                 "by its watchdog, which deletes it when no next job starts within its grace"
             )
+            if local.between_unix is not None and local.next_job_grace_s is not None:
+                at = datetime.fromtimestamp(local.between_unix + local.next_job_grace_s, UTC)
+                why += f" (next_job_grace: at {rfc3339(at)}, unless the next job starts)"
         elif record.state.ended:
             orphan = True
             deleted_at = _ended_plus_grace(record, local)

@@ -154,6 +154,23 @@ class PodRecord(StoredRecord):
         default=False,
         description="The client wrote the `retrieved` marker on the pod: its watchdog deletes it.",
     )
+    between_unix: float | None = Field(
+        default=None,
+        description="On a pod a pipeline shares: when the client told its watchdog that the "
+        "files of its last job were verified and the next job follows (`.pod/between`); "
+        "unless that job starts, the watchdog deletes the pod `next_job_grace_s` later.",
+    )
+    next_job_grace_s: float | None = Field(
+        default=None, description="The watchdog's next-job grace, for `between_unix`."
+    )
+    restarted: str | None = Field(
+        default=None,
+        description="When its container last restarted under a job (RFC 3339, as its watchdog "
+        "logged it): every process of the pod ended, the job with them.",
+    )
+    lost_step: int | None = Field(
+        default=None, description="The last step the job it lost with that restart had logged."
+    )
 
     @classmethod
     def load(cls, runs: Runs, run_id: str) -> PodRecord | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -223,10 +224,6 @@ class PodPlaced:
         """What the pod has cost so far (its GPUs and its disk, by its uptime)."""
         return self.pod.estimated_spend()
 
-    def deadline(self, record: RunRecord) -> str | None:
-        """The pod watchdog's max_hours deadline (the job's, when it has one)."""
-        return record.deadline or self.pod.deadline
-
 
 @dataclass
 class BudgetKept:
@@ -288,9 +285,13 @@ class PodShare:
         owner = self.owner()
         await fetch_watchdog_log(self.home, executor, owner)
         if retrieved:
+            self.pod.between_unix = time.time()  # recorded first: a follower may die next
+            self.pod.next_job_grace_s = ctx.timing.next_job_grace_s
+            self.pod.save(self.home)
             try:
                 await mark_between(executor, self.pod_dir, record.remote_dir)
             except ExecError as error:
+                self.pod.between_unix = None
                 ctx.log.warning("cannot tell the watchdog of pod %s: %s", self.pod.name, error)
         self.pod.state = PodState.READY if retrieved else PodState.AWAITING_RETRIEVAL
         self.pod.save(self.home)
@@ -778,6 +779,7 @@ class PodTarget(BlockTarget):
             ) from None
         held.jobs += 1
         held.pod.pipeline_job = record.id
+        held.pod.between_unix = None
         held.pod.save(held.home)
         return executor, remote
 
