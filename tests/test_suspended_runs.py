@@ -163,10 +163,17 @@ def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
         "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=100000)
     )
     record = suspended_with_its_job(deployed, flow_run_id)
+    metrics = Path(record.remote_dir) / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and '"log"' in metrics.read_text(), 240, "the job to train")
     deployed.server.cli("flow-run", "cancel", str(flow_run_id))
     done = deployed.wait_final(flow_run_id, timeout=120)
     assert done.state.is_cancelled(), done.state
-    saved = Runs(deployed.runs).load(record.id)
+    # no process of the flow run runs its hook: the follower cancels the job and records it
+    saved = wait_until(
+        lambda: (r := Runs(deployed.runs).load(record.id)).state.ended and r,
+        60,
+        "the follower to record the job's end",
+    )
     assert saved.state == RunState.CANCELLED, saved
     wait_until(lambda: not group_alive(record.job.pid), 30, "the job's process group to go")
     local = Runs(deployed.runs).run_dir(record.id)
