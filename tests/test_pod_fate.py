@@ -479,7 +479,15 @@ def test_a_container_restarted_mid_job_is_told_and_what_its_job_left_is_retrieve
     assert outcome.record.state == RunState.FAILED and outcome.retrieved
     assert "metrics.jsonl" in {f.path for f in outcome.files}
     pod = the_pod(runs)
-    assert pod.state == PodState.DELETED and pod.delete_reason == RESTART_REASON
+    assert pod.state == PodState.DELETED and pod.restarted is not None and pod.lost_step == 1
+    assert pod.delete_reason == f"{RESTART_REASON} (at {pod.restarted}, at step 1); what the " + (
+        "job left was retrieved"
+    )
+    told = runs.load(pod.run_id).message or ""  # the run record says what happened
+    assert f"the container of pod {pod.pod_id} restarted at {pod.restarted}" in told, told
+    assert "was lost with it at step 1; what it left was retrieved" in told, told
+    assert "without an exit code" not in told
+    assert outcome.record.message == told
     assert any("restarted at" in r.getMessage() for r in caplog.records), caplog.text
     log = (runs.run_dir(pod.run_id) / ".pod" / "watchdog.log").read_text()
     assert "container: restarted; the job it ran was lost with it" in log

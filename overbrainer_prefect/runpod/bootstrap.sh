@@ -275,7 +275,7 @@ if [ "$RESTARTED" = 1 ]; then
     now > "$STATE/restarted"
     if [ -e "$JOB_DIR/job.sh" ] && [ ! -e "$JOB_DIR/job.exit" ] && [ ! -e "$JOB_DIR/job.cancelled" ]; then
         LOST_JOB=1
-        log "container: restarted; the job it ran was lost with it (job.sh, no exit code)"
+        log "container: restarted; the job it ran was lost with it (job.sh, no exit code): $JOB_DIR"
     else
         log "container: restarted"
     fi

@@ -21,11 +21,11 @@ from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_and_confirm, look_up
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.fate import (
-    RESTART_REASON,
     Fate,
     container_restart,
     found_gone,
     restart_message,
+    restart_reason,
 )
 from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
 from overbrainer_prefect.runpod.models import Pod
@@ -282,7 +282,7 @@ async def end_pod(
         await remove(
             ctx,
             pod,
-            RESTART_REASON
+            restart_reason(restart, pod.lost_step)
             if restart is not None and restart.lost_job
             else "its run's files were retrieved and verified",
         )

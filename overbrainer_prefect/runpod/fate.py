@@ -20,7 +20,7 @@ from overbrainer_prefect.runs.store import Runs, RunsError
 RETRIEVED_REASON = "the client retrieved and verified the run's files (.pod/retrieved)"
 """Why the watchdog deletes a pod at once once the client marked its files retrieved."""
 
-_RESTARTED = re.compile(r"^(\S+) container: restarted(; the job it ran was lost)?")
+_RESTARTED = re.compile(r"^(\S+) container: restarted(; the job it ran was lost[^:]*(?:: (.+))?)?$")
 _DECISION = re.compile(r"^(\S+) decision: delete pod \S+: (.*)$")
 _DELETED = re.compile(r"^(\S+) deleted: .*?(?:\[at=([0-9.]+)\])?$")
 
@@ -157,33 +157,82 @@ def _unix(stamp: str) -> float | None:
 @dataclass(frozen=True)
 class Restart:
     """The pod's container restarted at `at` (RFC 3339, as its watchdog logged
-    it); `lost_job`: a job was running, and was lost with it."""
+    it); `lost_job`: a job was running, and was lost with it (its run
+    directory on the pod: `job_dir`, when the log names it)."""
 
     at: str
     lost_job: bool
+    job_dir: str | None = None
+
+
+def restarts_in(lines: list[str]) -> list[Restart]:
+    """The restarts of the pod's container its watchdog logged in `lines`."""
+    found = []
+    for line in lines:
+        match = _RESTARTED.match(line)
+        if match:
+            found.append(Restart(match[1], bool(match[2]), match[3] or None))
+    return found
 
 
 def container_restart(runs: Runs, run_id: str) -> Restart | None:
     """The last restart of the pod's container its watchdog logged (the local
     copy of its log), or None."""
-    found: Restart | None = None
-    for line in _watchdog_log_lines(runs, run_id):
-        match = _RESTARTED.match(line)
-        if match:
-            found = Restart(match[1], bool(match[2]))
-    return found
+    found = restarts_in(_watchdog_log_lines(runs, run_id))
+    return found[-1] if found else None
+
+
+def lost_to_restart(lines: list[str], job_dir: str, only_job: bool) -> Restart | None:
+    """The restart of the pod's container (its watchdog's log `lines`) that
+    lost the job in `job_dir` on the pod; a log that does not name the job
+    counts on a pod that ran `only_job`. None when no restart lost it."""
+    for restart in reversed(restarts_in(lines)):
+        if restart.lost_job and (restart.job_dir == job_dir or (only_job and not restart.job_dir)):
+            return restart
+    return None
+
+
+def lost_step_text(step: int | None) -> str:
+    """`at step N`, or `before its first step` when the job logged none."""
+    return f"at step {step}" if step is not None else "before its first step"
+
+
+def restart_lost_message(
+    pod_name: str, restart: Restart, what: str, step: int | None, retrieved: bool, again: str
+) -> str:
+    """Why a job lost to a restart of its pod's container failed (the run
+    record's message): when, at which step, whether what it left was
+    retrieved, and what to run next (`again`)."""
+    left = "what it left was retrieved" if retrieved else "what it left could not be retrieved"
+    return (
+        f"the container of pod {pod_name} restarted at {restart.at} (its host, or Runpod's "
+        f"restart action) and the job of {what} was lost with it {lost_step_text(step)}; {left}. "
+        f"Start it again with {again}"
+    )
 
 
 def restart_message(pod: PodRecord, what: str, restart: Restart) -> str:
     """The warning of a pod whose container restarted under a job (`what`:
-    the job's subject)."""
-    lost = "the job it ran was lost with it" if restart.lost_job else "no job ran then"
+    the job's subject) as the pod is ended."""
+    lost = (
+        f"the job of {what} was lost with it {lost_step_text(pod.lost_step)}"
+        if restart.lost_job
+        else "no job ran then"
+    )
     return (
         f"the container of pod {pod.name} restarted at {restart.at} (its host, or Runpod's "
-        f"restart action): {lost}, and {what} ended without an exit code; what it left was "
-        "retrieved. Start the run again (or resume it from its last checkpoint)"
+        f"restart action): {lost}; what it left was retrieved, and the pod is deleted"
     )
 
 
-RESTART_REASON = "its container restarted and lost its job; what the job left was retrieved"
-"""Why a pod is deleted after its container restarted under its job."""
+RESTART_REASON = "its container restarted and lost its job"
+"""Why a pod is deleted after its container restarted under its job (the
+start of `restart_reason`)."""
+
+
+def restart_reason(restart: Restart, step: int | None) -> str:
+    """Why a pod is deleted after its container restarted under its job."""
+    return (
+        f"{RESTART_REASON} (at {restart.at}, {lost_step_text(step)}); what the job left was "
+        "retrieved"
+    )

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
-from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, PodTiming
+from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, WATCHDOG_LOG, PodTiming
 from overbrainer_prefect.runpod.context import PodContext, PodGone
 from overbrainer_prefect.runpod.ending import is_gone, remove
+from overbrainer_prefect.runpod.fate import Restart, lost_to_restart, restart_lost_message
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
-from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.runs.records import RecordError
+from overbrainer_prefect.runs.store import RunRecord, RunsError, RunState, subject
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import Unreachable
@@ -109,6 +111,8 @@ class Watched:
     outcome: Outcome | None = None
     error: Exception | None = None
     deadline_passed: bool = False
+    restart: Restart | None = None
+    """The restart of the pod's container that lost the job, when one did."""
 
 
 async def renew_lease(executor: Executor, path: str) -> None:
@@ -180,7 +184,9 @@ async def watch_leased(
         return Watched(deadline_passed=True)
     error = watching.exception()
     if error is None:
-        return Watched(outcome=watching.result())
+        outcome = watching.result()
+        restart = await told_restart(ctx, record, pod, outcome, pod_dir)
+        return Watched(outcome=outcome, restart=restart)
     if not isinstance(error, Exception):
         raise error
     return Watched(error=error)
@@ -206,4 +212,53 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
             raise PodGone(f"run {run_id} failed: {reason}", kept=reason) from None
         raise error
     assert watched.outcome is not None
+    if watched.restart is not None:
+        last = watched.outcome.summary.last
+        pod.restarted = watched.restart.at
+        pod.lost_step = last.step if last is not None else None
+        pod.save(ctx.runs)
     return watched.outcome
+
+
+WATCHDOG_TAIL = 400  # lines of the watchdog's log read for a restart that lost a job
+
+
+async def told_restart(
+    ctx: RunContext, record: RunRecord, pod: PodRecord, outcome: Outcome, pod_dir: str | None
+) -> Restart | None:
+    """For a job that failed: the restart of its pod's container that lost
+    it, as the pod's watchdog logged it (its log in `pod_dir`, or in the
+    job's run directory); the run record's message then says so (when, at
+    which step) instead of a job that stopped without an exit code. None
+    when no restart lost it, or the log cannot be read (the message stays)."""
+    if outcome.record.state != RunState.FAILED:
+        return None
+    path = f"{pod_dir or record.remote_dir}/{WATCHDOG_LOG}"
+    script = 'tail -n "$2" "$1" 2>/dev/null'
+    try:
+        result = await ctx.executor.run(
+            ["sh", "-c", script, "watchdog", path, str(WATCHDOG_TAIL)], timeout=30
+        )
+    except ExecError:
+        return None
+    restart = lost_to_restart(result.stdout.splitlines(), record.remote_dir, pod_dir is None)
+    if restart is None:
+        return None
+    last = outcome.summary.last
+    again = "the train flow" if record.trainer == "training" else f"the {record.trainer} flow"
+    try:
+        saved = ctx.runs.load(record.id)
+        if saved.state == RunState.FAILED:
+            saved.message = restart_lost_message(
+                pod.name,
+                restart,
+                subject(saved),
+                last.step if last is not None else None,
+                outcome.retrieved,
+                again,
+            )
+            ctx.runs.save(saved)
+            outcome.record = saved
+    except (RecordError, RunsError) as error:
+        ctx.reporter.warning(f"cannot record that pod {pod.name} restarted: {error}")
+    return restart
