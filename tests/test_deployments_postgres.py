@@ -41,7 +41,8 @@ def test_the_train_deployment_runs_to_completion_on_postgresql(
         ]
         # it waited suspended while its job trained, and was resumed
         states = postgres.query(
-            f"select name from flow_run_state where flow_run_id = '{flow_run_id}' order by timestamp"
+            "select name from flow_run_state "
+            f"where flow_run_id = '{flow_run_id}' order by timestamp"
         )
         assert "Suspended" in states and states.index("Suspended") < len(states) - 1, states
     finally:
