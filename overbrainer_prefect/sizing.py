@@ -1,5 +1,6 @@
 """Estimates of what a job needs before anything is spent: the disk an export
-takes on its target.
+takes on its target, and the disk a machine made for a job (a pod) must have
+for every job it will run (`disk_peak`).
 
 An export of a LoRA holds, at its peak, the base model (loaded from the target's
 disk or cache), the merged copy, the f16 GGUF the converter writes, and the
@@ -12,11 +13,15 @@ loaded), so a model is sized exactly without torch.
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from overbrainer_prefect.trainers.export import QUANTS
+from overbrainer_prefect.trainers.spec import TrainingSpec
 
 DTYPE_BYTES = {
     "F64": 8,
@@ -159,3 +164,187 @@ def disk_warning(need: ExportDisk, available: int | None, target: str) -> str | 
 
 def _gib(size: int) -> str:
     return f"{size / GIB:.2f} GiB" if size >= GIB // 100 else f"{size / (1 << 20):.1f} MiB"
+
+
+class SizingError(ValueError):
+    """A model whose weights cannot be sized; the message is one line."""
+
+
+def hub_weights(repo_id: str, *, token: str | None = None, endpoint: str | None = None) -> Weights:
+    """The parameters and bytes of the safetensors weights of the Hub model
+    `repo_id`, from the Hub's safetensors metadata (`model_info` with
+    `expand=["safetensors"]`: one request, no weight downloaded).
+
+    Raises SizingError with one line when the Hub cannot be asked (or
+    `HF_HUB_OFFLINE` is set) or shows no safetensors metadata for it.
+    """
+    try:
+        from huggingface_hub import HfApi
+    except ImportError:  # pragma: no cover - a dependency of the package
+        raise SizingError("huggingface_hub is not installed") from None
+    try:
+        info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, expand=["safetensors"])
+    except Exception as error:
+        raise SizingError(
+            f"cannot read the safetensors metadata of {repo_id} from the Hugging Face Hub "
+            f"({type(error).__name__})"
+        ) from None
+    counts = info.safetensors.parameters if info.safetensors is not None else {}
+    if not counts:
+        raise SizingError(f"the Hugging Face Hub shows no safetensors weights for {repo_id}")
+    return Weights(
+        parameters=sum(counts.values()),
+        size=sum(count * DTYPE_BYTES.get(dtype.upper(), 2) for dtype, count in counts.items()),
+    )
+
+
+def model_weights(model: str, *, token: str | None = None, endpoint: str | None = None) -> Weights:
+    """The weights of `model`: a model directory on this machine when one is
+    at that path (its safetensors headers), else a Hub id (`hub_weights`).
+    Raises SizingError with one line."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        weights = safetensors_weights(local)
+        if weights is None:
+            raise SizingError(f"{local} holds no safetensors weights that can be read")
+        return weights
+    if model.startswith(("/", ".", "~")):
+        raise SizingError(f"the model directory {model} does not exist here")
+    return hub_weights(model, token=token, endpoint=endpoint)
+
+
+DiskKind = Literal["train", "export", "base_export", "ggufs"]
+
+ADAM_STATE_BYTES = 8
+"""Bytes a full fine-tune's checkpoint keeps per parameter beside the weights:
+AdamW's two fp32 moments."""
+
+
+@dataclass(frozen=True)
+class DiskJob:
+    """What one job writes on its machine's disk, for a target that sizes the
+    disk per job (a pod). `model` is the model it loads from the Hub or a
+    directory (a training's base, the base a LoRA is merged into, a base
+    exported as it is); None for an export of full weights."""
+
+    kind: DiskKind
+    model: str | None = None
+    quant: str | None = None
+    """An export's quant type (and of the GGUFs the jobs after it ask)."""
+    full: bool = False
+    """A training of full weights (and their export: no merge)."""
+    checkpoints: int = 1
+    """Checkpoints a training of full weights may leave (model and optimizer state)."""
+    gguf_bytes: int | None = None
+    """A job asking GGUFs of known size made elsewhere (its own machine's compare)."""
+
+
+def train_job(spec: TrainingSpec) -> DiskJob:
+    """The disk job of the training `spec`: its base model (downloaded whole,
+    even for a QLoRA) and, for full weights, the model and the checkpoints it
+    may leave (one, the checkpoint hold's, unless `save_steps` saves more: as
+    many as `save_total_limit` in `extra`, else one a `save_steps` of
+    `max_steps`)."""
+    checkpoints = 1
+    if spec.save_steps is not None:
+        limit = spec.extra.get("save_total_limit")
+        if isinstance(limit, int) and limit > 0:
+            checkpoints = limit
+        elif spec.max_steps is not None:
+            checkpoints = max(1, math.ceil(spec.max_steps / spec.save_steps))
+    return DiskJob(
+        "train", model=spec.base_model, full=spec.adapter == "full", checkpoints=checkpoints
+    )
+
+
+@dataclass(frozen=True)
+class JobDisk:
+    """One job's peak on its machine's disk: `held` what the jobs before it left
+    there (their models in the Hub cache, their results), `own` what it writes
+    at its peak, in bytes."""
+
+    what: str
+    held: int
+    own: int
+
+    @property
+    def peak(self) -> int:
+        """What the disk holds at the job's peak."""
+        return self.held + self.own
+
+
+@dataclass(frozen=True)
+class DiskPeak:
+    """What a machine's disk holds at the peak of each of its jobs, in order."""
+
+    jobs: tuple[JobDisk, ...]
+    cached: int = 0
+    """Of it, the models the jobs load from the Hub cache (outside the run directories)."""
+
+    @property
+    def largest(self) -> JobDisk:
+        """The job at whose peak the disk holds the most."""
+        return max(self.jobs, key=lambda job: job.peak)
+
+    @property
+    def total(self) -> int:
+        """The most the disk holds at once, in bytes."""
+        return self.largest.peak
+
+
+def disk_peak(jobs: Sequence[tuple[str, DiskJob]], weights: Callable[[str], Weights]) -> DiskPeak:
+    """What a disk holds at the peak of each of `jobs` (named by their first
+    element) run in turn on one machine, with `weights` giving a model's
+    parameters and bytes (`model_weights`; it raises SizingError, passed on).
+
+    Each model a job loads stays in the Hub cache for the jobs after it; each
+    job's results stay (a training's model and checkpoints, an export's GGUF);
+    each job's own intermediates are removed by its job once it ends (the
+    export's merged model and f16 GGUF under `work/`, the staged GGUFs of a
+    compare or an evaluation under `models/`).
+    """
+    cached: set[str] = set()
+    held = in_cache = 0
+    gguf = 0  # the last export's GGUF: the size of those the jobs after it ask
+    peaks = []
+    for what, job in jobs:
+        fresh = 0
+        base = None
+        if job.model is not None:
+            base = weights(job.model)
+            staged = job.kind == "export" and job.full  # the run's own weights: not from a cache
+            if not staged and job.model not in cached:
+                cached.add(job.model)
+                fresh = base.size
+                in_cache += fresh
+        if job.kind == "train":
+            assert base is not None, "a training has a base model"
+            left = 0
+            if job.full:  # the model in bf16, and each checkpoint with its AdamW moments
+                left = 2 * base.parameters * (1 + job.checkpoints) + (
+                    ADAM_STATE_BYTES * base.parameters * job.checkpoints
+                )
+            peaks.append(JobDisk(what, held, fresh + left))
+            held += fresh + left
+        elif job.kind in ("export", "base_export"):
+            assert base is not None and job.quant is not None, "an export of a model to a quant"
+            made = _gguf_size(base.parameters, job.quant)
+            f16 = 2 * base.parameters
+            middle = f16 if job.quant != "f16" else 0
+            if job.kind == "export":
+                middle += 2 * base.parameters if job.full else base.size  # staged, or merged
+            peaks.append(JobDisk(what, held, fresh + middle + made))
+            held += fresh + made
+            gguf = made
+        else:
+            size = job.gguf_bytes if job.gguf_bytes is not None else gguf
+            peaks.append(JobDisk(what, held, fresh + 2 * size))  # both GGUFs, staged
+            held += fresh
+    if not peaks:
+        raise SizingError("no job to size the disk for")
+    return DiskPeak(tuple(peaks), cached=in_cache)
+
+
+def _gguf_size(parameters: int, quant: str) -> int:
+    """A GGUF's bytes: its parameters at the quant type's bits per weight."""
+    return math.ceil(parameters * QUANTS[quant] / 8)

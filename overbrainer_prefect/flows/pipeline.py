@@ -167,7 +167,10 @@ async def _fine_tune(
     logger = get_run_logger()
     reused: list[str] = []
 
-    async with shared(after_training(spec.training), (runs, run.id) if run else None):  # one pod
+    later = after_training(
+        spec.training, spec.export.quant, spec.compare.image, spec.evaluation is not None
+    )
+    async with shared(later, (runs, run.id) if run else None):  # one pod
         try:
             trained_id, trained = await _train_step(spec, runs, run)
         except Exception as error:

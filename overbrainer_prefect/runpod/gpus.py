@@ -287,7 +287,7 @@ def plan_launch(
         choices=tuple(choices),
         settings=settings,
         vram_floor_gb=floor,
-        disk_per_hour=disk_per_hour(settings.container_disk_gb),
+        disk_per_hour=disk_per_hour(settings.disk_gb),
         checkpoint_hold_s=PodTiming.from_env().checkpoint_hold_s,
         job_launch=job_launch,
     )

@@ -183,7 +183,7 @@ async def _provision(
             gpu_type_id=choice.id,
             gpu_count=settings.gpu_count,
             cloud=settings.api_cloud,
-            container_disk_gb=settings.container_disk_gb,
+            container_disk_gb=settings.disk_gb,
             env=env,
             ports=["22/tcp"],
             data_center_ids=list(settings.data_center_ids),
@@ -220,7 +220,7 @@ async def _provision(
     # what Runpod shows it bills for (`gpu.count`); an answer without its GPUs: what was asked
     pod.billed_gpus = remote.gpu_count if remote.gpu_type_id else settings.gpu_count
     pod.cost_per_hour = remote.cost_per_hr if remote.cost_per_hr else placed.choice.price_per_hour
-    pod.disk_per_hour = disk_per_hour(settings.container_disk_gb)
+    pod.disk_per_hour = disk_per_hour(settings.disk_gb)
     pod.strays = [s for s in pod.strays if s != pod.attempts[-1].name]
     pod.state = PodState.BOOTING
     pod.save(ctx.runs)

@@ -27,6 +27,11 @@ DEFAULT_RUNPOD_VENV = "/workspace/axolotl-venv"
 
 AUTO: Literal["auto"] = "auto"
 
+DEFAULT_DISK_GB = 50
+"""The container disk of a target that sets none (Runpod's own default)."""
+MIN_DISK_GB = 20
+"""The least container disk a pod is given: the image's own files need room."""
+
 
 class RunpodSettingsFields(BaseModel):
     """The fields of a Runpod target's settings, with their constraints: held
@@ -72,8 +77,11 @@ class RunpodSettingsFields(BaseModel):
         default=DEFAULT_RUNPOD_VENV,
         description="The virtual environment on the pod that runs jobs (torch, axolotl).",
     )
-    container_disk_gb: int = Field(
-        default=50, ge=20, description="The pod's container disk in GB (wiped with the pod)."
+    container_disk_gb: int | Literal["auto"] = Field(
+        default=DEFAULT_DISK_GB,
+        description="The pod's container disk in GB (wiped with the pod), at least 20; or "
+        '"auto": sized before the pod is asked for, from the weights its jobs hold at their '
+        "peak, with headroom. A fixed size smaller than that need is refused before any pod.",
     )
     max_hours: float = Field(
         default=6.0,
@@ -144,6 +152,28 @@ class RunpodSettingsFields(BaseModel):
             raise ValueError('gpu_types is empty: list GPU type ids, or set it to "auto"')
         return value
 
+    @field_validator("container_disk_gb", mode="before")
+    @classmethod
+    def _disk(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text == AUTO:
+                return AUTO
+            if not text.isdigit():
+                raise ValueError(f'is "{value}": give a number of GB (at least 20), or "auto"')
+            return int(text)
+        return value
+
+    @field_validator("container_disk_gb")
+    @classmethod
+    def _disk_floor(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < MIN_DISK_GB:
+            raise ValueError(
+                f"is {value} GB: it should be greater than or equal to {MIN_DISK_GB}, or "
+                '"auto" (sized from the jobs)'
+            )
+        return value
+
     @field_validator("image")
     @classmethod
     def _image(cls, value: str) -> str:
@@ -187,6 +217,14 @@ class RunpodSettingsFields(BaseModel):
     def is_auto(self) -> bool:
         """Whether the GPU types are chosen from the catalog when the run starts."""
         return self.gpu_types == AUTO
+
+    @property
+    def disk_gb(self) -> int:
+        """The container disk in GB a pod is asked with: the fixed size, or
+        for `auto` settings not yet sized for a job (`targets.disk`), the
+        default."""
+        disk = self.container_disk_gb
+        return disk if isinstance(disk, int) else DEFAULT_DISK_GB
 
     @property
     def api_cloud(self) -> Cloud:

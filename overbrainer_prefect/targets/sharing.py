@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.sizing import DiskJob
 from overbrainer_prefect.targets.base import JobNeed
+from overbrainer_prefect.trainers.export import DEFAULT_QUANT
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 
@@ -50,12 +52,30 @@ class Sharing:
     """What each target (by its name) holds for the pipeline's next jobs."""
 
 
-def after_training(training: TrainingSpec) -> list[JobNeed]:
-    """What a fine-tune's jobs after its training need (the merge into its
-    base model is the largest of them): a pod made for the fine-tune is sized
-    for them too."""
+def after_training(
+    training: TrainingSpec,
+    quant: str = DEFAULT_QUANT,
+    compare_image: str | None = None,
+    evaluated: bool = False,
+) -> list[JobNeed]:
+    """What a fine-tune's jobs after its training need, in order (the merge
+    into its base model is the largest in VRAM; each says what it writes on
+    the disk): a pod made for the fine-tune is sized for them too, except a
+    compare on an image of its own (it gets a pod of its own)."""
     model = training.base_model
-    return [JobNeed(what=f"the merge into {model} (the export)", merge_model=model)]
+    full = training.adapter == "full"
+    return [
+        JobNeed(
+            what=f"the merge into {model} (the export)",
+            merge_model=model,
+            disk=DiskJob("export", model=model, quant=quant, full=full),
+        ),
+        JobNeed(
+            what=f"the {quant} export of the base model {model}",
+            disk=DiskJob("base_export", model=model, quant=quant),
+        ),
+        JobNeed(what="the compare", image=compare_image, disk=DiskJob("ggufs")),
+    ] + ([JobNeed(what="the evaluation", disk=DiskJob("ggufs"))] if evaluated else [])
 
 
 _CURRENT: ContextVar[Sharing | None] = ContextVar("overbrainer_sharing", default=None)

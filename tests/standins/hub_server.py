@@ -22,6 +22,12 @@ The endpoints are those the installed client calls (`hf_api.py`
 
 Committed files are kept per repository (`repos[...].files`, and each commit
 in `repos[...].commits`) so tests read them back.
+
+A repository may also stand for a model whose weights are not here: its
+`safetensors` parameter counts by dtype are what `model_info` shows (the
+Hub's `safetensors` field, asked with `expand=safetensors`, as the real Hub
+answers an `expand`: only the fields asked, beside the id). No weight is
+served: a download of one is not found.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ class Repo:
     private: bool
     files: dict[str, StoredFile] = field(default_factory=dict)
     commits: list[Commit] = field(default_factory=list)
+    safetensors: dict[str, int] | None = None
+    """Parameters by dtype (`{"BF16": 8030261248}`) of weights the Hub has metadata of."""
 
     @property
     def head(self) -> str:
@@ -150,6 +158,15 @@ class HubStandIn(StandIn):
             return self._tree(repo, (match.group(4) or "").strip("/"), request.query)
         with self.lock:
             siblings = [{"rfilename": p} for p in sorted(repo.files)]
+        expand = parse_qs(request.query).get("expand", [])
+        if expand:  # the real Hub answers only the fields asked, beside the id
+            known: dict[str, Any] = {}
+            if "safetensors" in expand and repo.safetensors:
+                counts = dict(repo.safetensors)
+                known["safetensors"] = {"parameters": counts, "total": sum(counts.values())}
+            if "sha" in expand:
+                known["sha"] = repo.head
+            return json_reply(200, {"_id": repo.repo_id, "id": repo.repo_id, **known})
         return json_reply(
             200,
             {
