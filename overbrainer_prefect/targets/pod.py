@@ -79,6 +79,7 @@ from overbrainer_prefect.steps.context import COLLECTOR, Outcome, RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, RunError, failure_reason
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
+from overbrainer_prefect.targets.disk import fit_disk
 from overbrainer_prefect.targets.host import BlockTarget, Bounds
 from overbrainer_prefect.targets.sharing import current
 from overbrainer_prefect.trainers.axolotl import launch_summary
@@ -482,6 +483,10 @@ class PodTarget(BlockTarget):
             yield Reservation(plan=held.plan, need=need)  # type: ignore[arg-type]
             return
         later = self._later(settings)
+        # the pod's disk holds every job it will run (auto: sized), or the job is refused
+        settings = await asyncio.to_thread(
+            fit_disk, settings, need, later, self.ref, *self._hub, self._log
+        )
         async with self.account(store) as ctx:
             disk = max([n.disk_bytes or 0 for n in (need, *later)]) or None
             await ensure_volume(ctx.client, settings, disk, need.what, ctx.log)
