@@ -22,12 +22,16 @@ import pytest
 from huggingface_hub import constants as hf_constants
 
 from overbrainer_prefect.blocks import HuggingFaceCredentials
+from overbrainer_prefect.executors.base import JobStatus
 from overbrainer_prefect.finetune import CompareSettings, FineTuneSpec, PipelineFailed
 from overbrainer_prefect.flows import fine_tune
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.settings import SettingsError, settings_from
-from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.runs.failure import DISK_FULL, failure_cause
+from overbrainer_prefect.runs.metrics import MetricsSummary
+from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.sizing import (
+    DiskJob,
     SizingError,
     Weights,
     disk_peak,
@@ -35,6 +39,7 @@ from overbrainer_prefect.sizing import (
     model_weights,
     train_job,
 )
+from overbrainer_prefect.steps.follow import outcome
 from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.targets.disk import DiskTooSmall, fit_disk, sized_gb
 from overbrainer_prefect.targets.sharing import after_training
@@ -298,3 +303,41 @@ def test_a_fine_tune_of_an_8b_model_is_refused_on_50_gb_and_given_a_disk_that_fi
     (pod,) = sim.pods(include_deleted=True)
     assert pod.request["disk"] == 70 and pod.deleted
     assert not [seen.path for seen in hub.seen if ".safetensors" in seen.path]
+
+
+def test_a_job_whose_disk_filled_says_so() -> None:
+    converter = (
+        "INFO:hf-to-gguf:blk.30.ffn_up.weight, torch.bfloat16 --> F16, shape = {4096, 14336}\n"
+        "Traceback (most recent call last):\n"
+        '  File "convert_hf_to_gguf.py", line 4431, in write\n'
+        "OSError: [Errno 28] No space left on device\n"
+        "export failed: the converter failed: OSError: [Errno 28] No space left on device\n"
+    )
+    merge = "safetensors_rust.SafetensorError: Error while serializing: IoError(Os { code: 28, "
+    merge += 'kind: StorageFull, message: "No space left on device" })\n'
+    quantize = (
+        "llama_model_quantize: failed to quantize: basic_ios::clear: No space left on device\n"
+    )
+    for log in (converter, merge, quantize):
+        assert failure_cause(log) == DISK_FULL
+    assert failure_cause("Traceback (most recent call last):\nValueError: bad row\n") == (
+        "ValueError: bad row"
+    )
+    state, message = outcome(JobStatus(kind="exited", code=1), MetricsSummary(), "runs/r")
+    assert state == RunState.FAILED and message is not None
+    _, message = outcome(JobStatus(kind="exited", code=1), MetricsSummary(), "runs/r", DISK_FULL)
+    assert message == f"the job exited with code 1: {DISK_FULL} (see runs/r/job.log)"
+
+
+def test_an_export_on_a_pod_of_its_own_is_sized_for_itself(hub: HubStandIn) -> None:
+    q4 = -(-PARAMS * 489 // 800)  # 4.89 bits a weight
+    auto = settings_from({"container_disk_gb": "auto"})
+    run = JobNeed(what="the export", disk=DiskJob("export", model=MODEL, quant="q4_k_m"))
+    sized = fit_disk(auto, run, [], "runpod/pod", None, hub.url, LOG)
+    assert sized.container_disk_gb == sized_gb(W + W + 2 * PARAMS + q4) == 65  # 53.1 GB
+    # the base model's export merges nothing: 37.0 GB fits the default 50
+    base = JobNeed(what="the base", disk=DiskJob("base_export", model=MODEL, quant="q4_k_m"))
+    fixed = settings_from({})
+    assert fit_disk(fixed, base, [], "runpod/pod", None, hub.url, LOG) is fixed
+    assert base.disk is not None
+    assert disk_peak([("b", base.disk)], eight_b).total == W + 2 * PARAMS + q4

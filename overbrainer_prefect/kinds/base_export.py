@@ -14,6 +14,7 @@ from overbrainer_prefect.kinds.compare import (
 )
 from overbrainer_prefect.kinds.export import NAME, export_job, gguf_entry, reusable
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.sizing import DiskJob
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import Logger
 from overbrainer_prefect.trainers.base import Trainer
@@ -94,4 +95,5 @@ def base_export_job(
         what=f"the {quant} export of the base model {base}",
         parent=None,
         subdir="bases",
+        disk=DiskJob("base_export", model=base, quant=quant),
     )

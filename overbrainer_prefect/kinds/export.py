@@ -16,7 +16,7 @@ from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.manifest import load_manifest, stored_wrong
 from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
-from overbrainer_prefect.sizing import export_disk
+from overbrainer_prefect.sizing import DiskJob, export_disk
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.targets.base import JobNeed, Logger
 from overbrainer_prefect.trainers.base import METRICS_FILE, Trainer, TrainError
@@ -270,12 +270,14 @@ def export_job(
     parent: str | None,
     subdir: str,
     disk_bytes: int | None = None,
+    disk: DiskJob | None = None,
 ) -> NewJob:
     """The new job of an export (of a run's model, or of a base model) by
-    `trainer`, whose merge loads `model`: its machine checked for the converter."""
+    `trainer`, whose merge loads `model` and which writes `disk` on its
+    machine: its machine checked for the converter."""
     return NewJob(
         store=store,
-        need=JobNeed(what=what, merge_model=model, disk_bytes=disk_bytes),
+        need=JobNeed(what=what, merge_model=model, disk_bytes=disk_bytes, disk=disk),
         kind=NAME,
         prepare=lambda _record: trainer,
         spec=spec,
@@ -298,6 +300,8 @@ def run_export(
     (base, merged copy, GGUF) when it can be sized here."""
     trainer = ExportTrainer(run, runs, spec, cpu_threads=cpu_threads)
     output = runs.store.local_path(runs.key(run.id, OUTPUT_DIR))
+    merged = trainer.base_model or (str(output) if output is not None else None)
+    full = trainer.base_model is None  # full weights: staged as they are, nothing merged
     need = export_disk(output, trainer.base_model, spec.quant) if output is not None else None
     if need is None:
         logger.info(
@@ -318,6 +322,7 @@ def run_export(
         parent=run.id,
         subdir="exports",
         disk_bytes=need.total - need.base if need is not None else None,  # in the run dir
+        disk=DiskJob("export", model=merged, quant=spec.quant, full=full) if merged else None,
     )
 
 

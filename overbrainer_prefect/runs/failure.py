@@ -7,7 +7,10 @@ dataset`, torchrun's `ChildFailedError`): then the error logged just before
 it, or the exception it was raised from, is added, e.g. `JSON parse error:
 Invalid value. in row 1`. Without a traceback, the last `[ERROR]` line is the
 cause (a wrapper prefers the `[ERROR]` line logged before it: datasets logs
-the parse error there). The line never holds more than CAUSE_MAX characters.
+the parse error there). A disk that filled (`No space left on device`, errno
+28, anywhere in the end of the log: Python's, Rust's and C's words for it) is
+the cause whatever was raised over it. The line never holds more than
+CAUSE_MAX characters.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ _EXCEPTION = re.compile(
     r"^((?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)))(?::\s*(.*))?$"
 )
 _ERROR_LOG = re.compile(r"\[ERROR\]\s*(?:\[[^\]]*\]\s*)*(.*)$")
+_DISK_FULL = re.compile(r"No space left on device|\[Errno 28\]|os error 28", re.IGNORECASE)
+DISK_FULL = (
+    "its machine's disk filled (No space left on device): give it more disk (on Runpod, a "
+    "larger container_disk_gb, or auto)"
+)
+"""The cause of a job that ran out of disk."""
 
 
 def failure_cause(log_text: str) -> str | None:
@@ -39,6 +48,8 @@ def failure_cause(log_text: str) -> str | None:
     last exception raised, with the error under it when it only wraps one;
     None when the log shows no error."""
     lines = [_ANSI.sub("", line).rstrip() for line in log_text.splitlines()[-TAIL_LINES:]]
+    if any(_DISK_FULL.search(line) for line in lines):
+        return DISK_FULL
     exceptions: list[tuple[int, str, str]] = []  # (line, short type, "Type: message")
     errors: list[tuple[int, str]] = []
     in_traceback = False
