@@ -295,6 +295,30 @@ def test_a_crash_looping_start_the_pod_view_hides_is_told_from_its_log_within_a_
     assert record.state == RunState.FAILED and "gzip: not found" in (record.message or "")
 
 
+@pytest.mark.slow
+def test_a_pod_whose_sshd_cannot_start_is_told_from_the_bootstraps_own_log_line(
+    bed: Bed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},ssh_late_s=3")  # SSH late after 3 s, not 30
+    bed.pods.never_ssh = True  # the real bootstrap runs; its sshd refuses to start
+
+    async def main() -> PodError:
+        client = RunpodClient(SecretStr(bed.sim.api_key), bed.sim.rest_url, bed.sim.graphql_url)
+        async with client:
+            ctx = PodContext(client=client, runs=bed.runs)
+            try:
+                await ready_pod(ctx, bed, settings(boot_grace_s=300.0))
+            except PodError as error:
+                return error
+        raise AssertionError("a pod without sshd was made ready")
+
+    told = str(asyncio.run(main()))
+    assert "its sshd cannot start, so nothing will answer SSH" in told, told
+    assert f"{START_MARK} for run" in told and "refuses to start" in told  # its log's last lines
+    (billed,) = bed.sim.pods(include_deleted=True)
+    assert billed.deleted_at is not None and billed.deleted_at - billed.created_at < 60
+
+
 def test_the_pod_log_is_served_as_runpod_streams_it(bed: Bed) -> None:
     bed.pods.start_command = CRASHES
     bed.pods.restart_delay_s = (0.1, 0.2)
