@@ -32,7 +32,7 @@ from overbrainer_prefect.runpod.models import Pod
 
 LOG_TAIL = 5  # lines of the container's log a start failure quotes
 LOG_READ = 50  # lines of each log read to decide from
-LOG_LOOK_S = 5.0  # between two reads of a late pod's log (each read may last LOGS_READ_S)
+LOG_LOOK_S = 10.0  # between two reads of a late pod's log (a read may last LOGS_READ_S: billed)
 STOPPED = ("EXITED", "TERMINATED", "ERROR")  # statuses of a pod that no longer runs
 
 START_MARK = "overbrainer-bootstrap: started"
