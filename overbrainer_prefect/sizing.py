@@ -233,6 +233,9 @@ class DiskJob:
     """An export's quant type (and of the GGUFs the jobs after it ask)."""
     full: bool = False
     """A training of full weights (and their export: no merge)."""
+    keep: bool = False
+    """An export that keeps its intermediates (`keep_intermediate`: the merged
+    model and the f16 GGUF stay in its `work/`)."""
     checkpoints: int = 1
     """Checkpoints a training of full weights may leave (model and optimizer state)."""
     gguf_bytes: int | None = None
@@ -298,9 +301,11 @@ def disk_peak(jobs: Sequence[tuple[str, DiskJob]], weights: Callable[[str], Weig
     parameters and bytes (`model_weights`; it raises SizingError, passed on).
 
     Each model a job loads stays in the Hub cache for the jobs after it; each
-    job's results stay (a training's model and checkpoints, an export's GGUF);
-    each job's own intermediates are removed by its job once it ends (the
-    export's merged model and f16 GGUF under `work/`, the staged GGUFs of a
+    job's results and inputs stay (a training's model and checkpoints, an
+    export's GGUF and the full weights staged for it): nothing removes a
+    finished job's run directory from its machine; each job's own
+    intermediates are removed by its job as it ends (the export's merged model
+    and f16 GGUF under `work/`, unless it keeps them; the staged GGUFs of a
     compare or an evaluation under `models/`).
     """
     cached: set[str] = set()
@@ -312,8 +317,8 @@ def disk_peak(jobs: Sequence[tuple[str, DiskJob]], weights: Callable[[str], Weig
         base = None
         if job.model is not None:
             base = weights(job.model)
-            staged = job.kind == "export" and job.full  # the run's own weights: not from a cache
-            if not staged and job.model not in cached:
+            own = job.kind == "export" and job.full  # the run's own weights: not from a cache
+            if not own and job.model not in cached:
                 cached.add(job.model)
                 fresh = base.size
                 in_cache += fresh
@@ -329,12 +334,12 @@ def disk_peak(jobs: Sequence[tuple[str, DiskJob]], weights: Callable[[str], Weig
         elif job.kind in ("export", "base_export"):
             assert base is not None and job.quant is not None, "an export of a model to a quant"
             made = _gguf_size(base.parameters, job.quant)
-            f16 = 2 * base.parameters
-            middle = f16 if job.quant != "f16" else 0
-            if job.kind == "export":
-                middle += 2 * base.parameters if job.full else base.size  # staged, or merged
-            peaks.append(JobDisk(what, held, fresh + middle + made))
-            held += fresh + made
+            run_export = job.kind == "export"
+            staged = 2 * base.parameters if run_export and job.full else 0  # stays in model/
+            work = 2 * base.parameters if job.quant != "f16" else 0  # the f16 GGUF, in work/
+            work += base.size if run_export and not job.full else 0  # the merged model
+            peaks.append(JobDisk(what, held, fresh + staged + work + made))
+            held += fresh + staged + made + (work if job.keep else 0)
             gguf = made
         else:
             size = job.gguf_bytes if job.gguf_bytes is not None else gguf

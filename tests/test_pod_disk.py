@@ -129,7 +129,7 @@ def tiny_model_dir(tmp_path: Path) -> Path:
 
 
 def test_an_8b_lora_fine_tune_peaks_in_its_export() -> None:
-    later = after_training(training(), "q8_0")
+    later = after_training(training(), ExportSpec(quant="q8_0"))
     jobs = [("the run", train_job(training()))] + [
         (need.what, need.disk) for need in later if need.disk is not None
     ]
@@ -147,7 +147,7 @@ def test_an_8b_lora_fine_tune_peaks_in_its_export() -> None:
 
 
 def test_an_f16_export_peaks_in_the_compare_and_a_full_run_counts_its_checkpoints() -> None:
-    later = after_training(training(), "f16")
+    later = after_training(training(), ExportSpec(quant="f16"))
     jobs = [("the run", train_job(training()))] + [(n.what, n.disk) for n in later if n.disk]
     peak = disk_peak(jobs, eight_b)
     assert peak.largest.what == "the compare" and peak.total == W + 2 * W + 2 * W
@@ -157,13 +157,20 @@ def test_an_f16_export_peaks_in_the_compare_and_a_full_run_counts_its_checkpoint
     assert train_job(full.model_copy(update={"extra": {"save_total_limit": 1}})).checkpoints == 1
     (run,) = disk_peak([("the run", train_job(full))], eight_b).jobs
     assert run.own == W + W + 2 * (W + 8 * PARAMS)
+    # an export that keeps its intermediates leaves its merged model and f16 GGUF to the next
+    kept = after_training(training(), ExportSpec(quant="q8_0", keep_intermediate=True))
+    jobs = [("the run", train_job(training()))] + [(n.what, n.disk) for n in kept if n.disk]
+    after_export = disk_peak(jobs, eight_b).jobs[2]
+    assert after_export.held == W + (W + 2 * PARAMS) + Q8
 
 
 # the pod's disk: refused when fixed too small, sized for auto
 
 
 def pipeline_needs(quant: str = "q8_0") -> tuple[JobNeed, list[JobNeed]]:
-    return JobNeed(what="the run", training=training()), after_training(training(), quant)
+    return JobNeed(what="the run", training=training()), after_training(
+        training(), ExportSpec(quant=quant)
+    )
 
 
 def test_a_fixed_disk_too_small_is_refused_in_one_line(hub: HubStandIn) -> None:

@@ -168,7 +168,7 @@ async def _fine_tune(
     reused: list[str] = []
 
     later = after_training(
-        spec.training, spec.export.quant, spec.compare.image, spec.evaluation is not None
+        spec.training, spec.export, spec.compare.image, spec.evaluation is not None
     )
     async with shared(later, (runs, run.id) if run else None):  # one pod
         try:

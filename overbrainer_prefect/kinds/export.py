@@ -322,7 +322,11 @@ def run_export(
         parent=run.id,
         subdir="exports",
         disk_bytes=need.total - need.base if need is not None else None,  # in the run dir
-        disk=DiskJob("export", model=merged, quant=spec.quant, full=full) if merged else None,
+        disk=DiskJob(
+            "export", model=merged, quant=spec.quant, full=full, keep=spec.keep_intermediate
+        )
+        if merged
+        else None,
     )
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.sizing import DiskJob
 from overbrainer_prefect.targets.base import JobNeed
-from overbrainer_prefect.trainers.export import DEFAULT_QUANT
+from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 
@@ -54,7 +54,7 @@ class Sharing:
 
 def after_training(
     training: TrainingSpec,
-    quant: str = DEFAULT_QUANT,
+    export: ExportSpec | None = None,
     compare_image: str | None = None,
     evaluated: bool = False,
 ) -> list[JobNeed]:
@@ -64,11 +64,13 @@ def after_training(
     compare on an image of its own (it gets a pod of its own)."""
     model = training.base_model
     full = training.adapter == "full"
+    export = export or ExportSpec()
+    quant, keep = export.quant, export.keep_intermediate
     return [
         JobNeed(
             what=f"the merge into {model} (the export)",
             merge_model=model,
-            disk=DiskJob("export", model=model, quant=quant, full=full),
+            disk=DiskJob("export", model=model, quant=quant, full=full, keep=keep),
         ),
         JobNeed(
             what=f"the {quant} export of the base model {model}",
