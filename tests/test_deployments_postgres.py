@@ -32,7 +32,7 @@ def test_the_train_deployment_runs_to_completion_on_postgresql(
         )
         flow_run = stack.wait_final(flow_run_id)
         assert flow_run.state.is_completed(), flow_run.state
-        (run_id,) = [p.name for p in stack.runs.glob("*")]
+        (run_id,) = [r.id for r in Runs(stack.runs).list()]
         assert Runs(stack.runs).load(run_id).state == RunState.SUCCEEDED
         assert_verified(stack.runs, run_id)
         # the server kept it in PostgreSQL
