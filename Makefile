@@ -17,9 +17,12 @@ $(VENV)/.ok: pyproject.toml
 	$(UV) pip install -q --compile-bytecode --python $(VENV)/bin/python -e '.[dev]'
 	touch $@
 
-# The job environment the local target names: torch (CPU build here) and axolotl.
+# The job environment the local target names: axolotl 0.21 on Python 3.12 (found on the
+# PATH or in pyenv; JOB_ENV_PYTHON=/path/to/python3.12 names one), torch, llama.cpp.
+# A job env of another Python is built beside it and renamed into place.
+JOB_ENV_PYTHON ?=
 $(JOB_VENV)/.ok: scripts/job-env.sh scripts/job-constraints.txt $(VENV)/.ok
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/job-env.sh $(JOB_VENV)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" JOB_ENV_PYTHON="$(JOB_ENV_PYTHON)" scripts/job-env.sh $(JOB_VENV)
 	touch $@
 
 lint: $(VENV)/.ok
@@ -50,4 +53,4 @@ bench: setup
 	done; echo "# make bench: $$(( $$(date +%s) - start )) s"
 
 clean:
-	rm -rf $(VENV) $(JOB_VENV) .cache
+	rm -rf $(VENV) $(JOB_VENV) $(JOB_VENV).new .cache

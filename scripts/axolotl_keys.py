@@ -1,11 +1,12 @@
 """Writes (or checks) the axolotl config keys the orchestrator knows without axolotl.
 
-Run with the job venv's Python, where axolotl is installed:
+Run with a job venv's Python, where axolotl is installed:
 
-    .venv-job/bin/python scripts/axolotl_keys.py          # rewrites the key list
+    .venv-job/bin/python scripts/axolotl_keys.py          # writes its release line's list
     .venv-job/bin/python scripts/axolotl_keys.py --check  # exit 1 when it is stale
 
-The list (`overbrainer_prefect/trainers/axolotl_keys.json`) holds every key of
+The list (`overbrainer_prefect/trainers/axolotl_keys/<line>.json`, one for each
+axolotl release line the trainer supports: `0.21.json` for 0.21.x) holds every key of
 axolotl's config schema (`AxolotlInputConfig`, with its aliases) and of its SFT
 dataset schema (`SFTDataset`), and the axolotl version they were read from. The
 pre-flight checks read it to refuse an unknown `extra` or dataset key before a
@@ -23,7 +24,7 @@ from typing import Any
 from axolotl.utils.schemas.config import AxolotlInputConfig
 from axolotl.utils.schemas.datasets import SFTDataset
 
-OUT = Path(__file__).resolve().parents[1] / "overbrainer_prefect" / "trainers" / "axolotl_keys.json"
+KEYS_DIR = Path(__file__).resolve().parents[1] / "overbrainer_prefect" / "trainers" / "axolotl_keys"
 
 
 def keys_of(model: Any) -> list[str]:
@@ -50,15 +51,18 @@ def key_list() -> dict[str, Any]:
 
 
 def main() -> int:
-    text = json.dumps(key_list(), indent=1) + "\n"
+    keys = key_list()
+    major, minor = keys["axolotl"].split(".")[:2]
+    out = KEYS_DIR / f"{major}.{minor}.json"
+    text = json.dumps(keys, indent=1) + "\n"
     if "--check" in sys.argv[1:]:
-        if not OUT.is_file() or OUT.read_text(encoding="utf-8") != text:
-            print(f"{OUT} is stale: run {Path(__file__).name} with the job venv's Python")
+        if not out.is_file() or out.read_text(encoding="utf-8") != text:
+            print(f"{out} is stale: run {Path(__file__).name} with the job venv's Python")
             return 1
-        print(f"{OUT} matches axolotl {key_list()['axolotl']}")
+        print(f"{out} matches axolotl {keys['axolotl']}")
         return 0
-    OUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUT}")
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}")
     return 0
 
 

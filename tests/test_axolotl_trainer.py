@@ -28,6 +28,7 @@ from overbrainer_prefect.trainers.base import (
     TargetFacts,
     TrainError,
 )
+from overbrainer_prefect.trainers.keys import AXOLOTL_VERSION
 from overbrainer_prefect.trainers.probe import parse_probe, probe_command
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec, spec_problem
 
@@ -324,10 +325,14 @@ from overbrainer_metrics import MetricsPlugin
 MetricsPlugin().register({})
 MetricsPlugin().register({})  # a second registration wraps nothing more
 rows = {"input_ids": [[1, 2, 3]] * 300}
-Dataset.from_dict(rows).save_to_disk(sys.argv[2], num_proc=1)  # as axolotl saves its own
-children = resource.getrusage(resource.RUSAGE_CHILDREN)
+dataset = Dataset.from_dict(rows)
+# imports may run a child (the CUDA build of torch runs `ldconfig -p`): only the save counts
+before = resource.getrusage(resource.RUSAGE_CHILDREN)
+dataset.save_to_disk(sys.argv[2], num_proc=1)  # as axolotl saves its own
+after = resource.getrusage(resource.RUSAGE_CHILDREN)
 assert load_from_disk(sys.argv[2]).to_dict() == rows
-print(children.ru_utime + children.ru_stime, Dataset.save_to_disk.__wrapped__.__name__)
+spent = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+print(spent, Dataset.save_to_disk.__wrapped__.__name__)
 """
 
 
@@ -343,6 +348,42 @@ def test_the_plugin_saves_the_prepared_dataset_in_the_jobs_own_process(
     assert float(children_cpu) == 0.0 and wrapped == "save_to_disk"
 
 
+# The axolotl of the target
+
+
+def on(axolotl: str | None) -> TargetFacts:
+    return TargetFacts(python="/x/bin/python", gpus=0, modules={"torch": "2", "axolotl": axolotl})
+
+
+def test_a_key_only_a_newer_axolotl_knows_is_refused_on_a_target_with_the_older() -> None:
+    for spec, key, what in [
+        (make_spec(extra={"eval_on_start": True}), "eval_on_start", "axolotl key in extra"),
+        (make_spec(datasets=[{"path": "org/chats", "weight": 0.5}]), "weight", "dataset key"),
+    ]:
+        trainer = AxolotlTrainer(spec)
+        trainer.check(on("0.21.0"))
+        trainer.check(on("0.21.3"))  # a patch release reads its line's keys
+        with pytest.raises(TrainError) as raised:
+            trainer.check(on("0.19.0"))
+        assert str(raised.value) == (
+            f"{what} `{key}` is known to axolotl 0.21.0, not to the job venv's 0.19.0: install "
+            f"axolotl 0.21.0 there (`uv pip install --python /x/bin/python axolotl==0.21.0`), "
+            f"or remove `{key}`"
+        )
+
+
+def test_an_axolotl_older_than_the_oldest_line_is_refused_and_a_newer_one_checks_itself() -> None:
+    trainer = AxolotlTrainer(make_spec(extra={"eval_on_start": True}))
+    with pytest.raises(TrainError) as raised:
+        trainer.check(on("0.18.2"))
+    assert str(raised.value) == (
+        "the job venv has axolotl 0.18.2 and the trainer writes configs for 0.19 or newer: "
+        "upgrade it with `uv pip install --python /x/bin/python axolotl==0.21.0`"
+    )
+    trainer.check(on("0.22.0"))  # no key list shipped for it: axolotl validates its config
+    trainer.check(on("unknown"))
+
+
 # The probe
 
 
@@ -353,7 +394,7 @@ def test_the_probe_reads_the_job_venv_without_importing_axolotl(job_python: str)
     assert facts.python == job_python
     assert facts.gpus == 0
     assert facts.modules["torch"] is not None and facts.modules["torch"].startswith("2.")
-    assert facts.modules["axolotl"] == "0.19.0"
+    assert facts.modules["axolotl"] == AXOLOTL_VERSION  # what scripts/job-env.sh installs
     assert facts.modules["no_such_module_here"] is None
     AxolotlTrainer(make_spec()).check(facts)
 

@@ -153,7 +153,8 @@ def test_a_typo_in_extra_is_refused_with_the_key_axolotl_knows() -> None:
     with pytest.raises(ValidationError) as raised:
         TrainingSpec.model_validate({"datasets": ["org/x"], "extra": {"gradient_checkpoint": True}})
     assert (
-        "unknown axolotl key in extra `gradient_checkpoint` (axolotl 0.19.0 does not know it): "
+        "unknown axolotl key in extra `gradient_checkpoint` (axolotl 0.19.0 and 0.21.0 do not "
+        "know it): "
         "did you mean `gradient_checkpointing`?"
     ) in str(raised.value)
 

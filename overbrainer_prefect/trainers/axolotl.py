@@ -39,6 +39,14 @@ from overbrainer_prefect.trainers.base import (
     TrainError,
 )
 from overbrainer_prefect.trainers.holdout import split_heldout
+from overbrainer_prefect.trainers.keys import (
+    AXOLOTL_VERSION,
+    OLDEST_LINE,
+    SHIPPED,
+    keys_for,
+    release_line,
+    unknown_key,
+)
 from overbrainer_prefect.trainers.preflight import BF16_CAPABILITY, sharding_label, target_problem
 from overbrainer_prefect.trainers.spec import DEEPSPEED_STAGES, DatasetSpec, TrainingSpec
 
@@ -146,9 +154,15 @@ class AxolotlTrainer(TrainerBase):
 
     def check(self, facts: TargetFacts) -> None:
         """Raises TrainError when the job venv lacks a module of `probe_modules`,
-        or when the target cannot run the spec (see `preflight.target_problem`:
-        QLoRA or bf16 without a GPU, DeepSpeed on one GPU...)."""
+        when its axolotl is older than the oldest release line the trainer writes
+        configs for or does not know a key the spec gives (`extra`, dataset
+        options: see `axolotl_problem`), or when the target cannot run the spec
+        (see `preflight.target_problem`: QLoRA or bf16 without a GPU, DeepSpeed
+        on one GPU...)."""
         super().check(facts)
+        problem = axolotl_problem(self.spec, facts.modules.get("axolotl"), facts.python)
+        if problem is not None:
+            raise TrainError(problem)
         self._check_target(facts)
 
     def process_count(self, facts: TargetFacts) -> int:
@@ -354,6 +368,43 @@ class AxolotlTrainer(TrainerBase):
             else:
                 shutil.copyfile(source, target)
         return copied
+
+
+def axolotl_problem(spec: TrainingSpec, version: str | None, python: str) -> str | None:
+    """One line saying why axolotl `version` (what the probe of the job venv of
+    `python` found) cannot run `spec`, or None: it is older than the oldest
+    release line the trainer writes configs for, or its key list (shipped for
+    its release line) lacks a key of `extra` or of a dataset's options. An
+    axolotl whose line has no shipped list is left to check the config itself."""
+    line = release_line(version or "")
+    if version is None or line is None:
+        return None
+    upgrade = f"`uv pip install --python {python} axolotl=={AXOLOTL_VERSION}`"
+    if line < OLDEST_LINE:
+        return (
+            f"the job venv has axolotl {version} and the trainer writes configs for "
+            f"{OLDEST_LINE[0]}.{OLDEST_LINE[1]} or newer: upgrade it with {upgrade}"
+        )
+    keys = keys_for(version)
+    if keys is None:
+        return None
+    given = [(key, "config", "axolotl key in extra") for key in spec.extra]
+    given += [
+        (key, "dataset", "dataset key") for dataset in spec.datasets for key in dataset.options
+    ]
+    for key, kind, what in given:
+        problem = unknown_key(key, getattr(keys, kind), what, (keys.version,))
+        if problem is None:
+            continue
+        knowing = [k.version for k in SHIPPED.values() if key in getattr(k, kind)]
+        if knowing:  # another release line knows it
+            return (
+                f"{what} `{key}` is known to axolotl {' and '.join(knowing)}, not to the job "
+                f"venv's {keys.version}: install axolotl {knowing[-1]} there "
+                f"(`uv pip install --python {python} axolotl=={knowing[-1]}`), or remove `{key}`"
+            )
+        return problem
+    return None
 
 
 EVAL_KEYS = frozenset({"eval_steps", "evals_per_epoch", "eval_strategy"})

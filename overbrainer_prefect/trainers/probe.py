@@ -6,7 +6,9 @@ capability (what decides bf16 and FlashAttention), and the modules' versions.
 Modules are looked up without being imported (axolotl takes twenty seconds to
 import, torch three): a CPU build of torch is told by its `version.py`, and the
 GPUs of a CUDA build are counted by the CUDA driver, as torch would count them
-(torch is imported only when the driver library is not there).
+(none where the driver library is not there: PyPI's torch for Python 3.12 is a
+CUDA build, also on a CPU-only machine); torch is imported only for another
+build (ROCm).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def torch_build():
             exec(file.read(), found)
     except Exception:
         return "unknown"
-    return found.get("cuda") or found.get("hip")
+    return "cuda" if found.get("cuda") else "hip" if found.get("hip") else None
 
 def cuda_devices():
     # the driver's count, as torch.cuda.device_count() gets it (CUDA_VISIBLE_DEVICES applies),
@@ -76,16 +78,20 @@ def cuda_devices():
     return count.value, caps
 
 gpus, caps = 0, []
-if torch_build() is not None:
+build = torch_build()
+if build is not None:
     try:
         gpus, caps = cuda_devices()
-    except OSError:  # no CUDA driver library (ROCm, or none): ask torch itself
-        try:
-            import torch
-            gpus = torch.cuda.device_count()
-            caps = [list(torch.cuda.get_device_capability(i)) for i in range(gpus)]
-        except Exception:
-            pass
+    except OSError:
+        # no CUDA driver library: a CUDA build sees no GPU either (torch would say so
+        # after seconds of importing); any other build (ROCm) is asked itself
+        if build != "cuda":
+            try:
+                import torch
+                gpus = torch.cuda.device_count()
+                caps = [list(torch.cuda.get_device_capability(i)) for i in range(gpus)]
+            except Exception:
+                pass
 print(@MARK@ + json.dumps({"python": sys.version.split()[0], "gpus": gpus, "capabilities": caps,
                           "modules": mods}))
 """.replace("@MARK@", repr(PROBE_MARK)).replace("@DISTRIBUTIONS@", repr(DISTRIBUTIONS))
