@@ -63,7 +63,7 @@ MEASURED_S: dict[str, float] = {
     "tests/test_axolotl_versions.py": 130,
     "tests/test_evaluate_flow.py": 77,
     "tests/test_pipeline.py": 59,
-    "tests/test_pod_fate.py": 46,
+    "tests/test_pod_fate.py": 91,
     "tests/test_money_flows.py": 36,
 }
 """Unit -> its seconds (setup, call and teardown of its tests) in a run of `make

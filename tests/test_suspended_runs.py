@@ -4,7 +4,8 @@ once its job started, the `follow` deployment's one follower follows the job
 (its progress in the suspended run's own artifacts and log), and resumes it
 to `Completed` with its files verified, through its follower being SIGKILLed
 and replaced and the Prefect server restarted mid-training; a suspended run
-cancelled with `prefect flow-run cancel` has its job cancelled by the follower."""
+cancelled with `prefect flow-run cancel` has its job cancelled by the follower;
+a suspended run on a simulated Runpod pod has its pod deleted by the follower."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ from typing import Any
 
 import pytest
 
+from overbrainer_prefect.runpod.pod import PodState
 from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.lock import follower_of
 from tests.prefect_server import FOLLOWER, Stack, tiny_training, wait_until
 from tests.procs import alive, group_alive
-from tests.test_deployments import assert_verified
+from tests.test_deployments import OnSim, assert_verified, on_sim, pod_of
+
+__all__ = ["on_sim"]  # the simulated pods' fixture, shared with the deployment tests
 
 pytest_plugins = ["tests.prefect_server"]
 pytestmark = pytest.mark.slow
@@ -178,3 +182,23 @@ def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
     wait_until(lambda: not group_alive(record.job.pid), 30, "the job's process group to go")
     local = Runs(deployed.runs).run_dir(record.id)
     assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
+
+
+def test_a_suspended_run_on_a_simulated_pod_has_its_pod_deleted_by_the_follower(
+    deployed: Stack, on_sim: OnSim, follower: list[uuid.UUID], tiny: tuple[Path, Path]
+) -> None:
+    flow_run_id = deployed.run_deployment(
+        "train/local", target=on_sim.target, training=tiny_training(*tiny, max_steps=40)
+    )
+    record = suspended_with_its_job(deployed, flow_run_id)
+    pod_id = pod_of(deployed, record.id).pod_id
+    assert on_sim.pods.running(pod_id)
+    done = deployed.wait_final(flow_run_id, timeout=600)
+    assert done.state.is_completed(), done.state
+    saved = Runs(deployed.runs).load(record.id)
+    assert saved.state == RunState.SUCCEEDED, saved
+    assert_verified(deployed.runs, record.id)
+    pod = pod_of(deployed, record.id)
+    assert pod.state == PodState.DELETED and pod.deleted_by == "collector", pod
+    assert on_sim.sim.pod(pod_id).deleted and on_sim.sim.pods() == []
+    assert on_sim.sim.secret_names() == []
