@@ -6,9 +6,9 @@ capability (what decides bf16 and FlashAttention), and the modules' versions.
 Modules are looked up without being imported (axolotl takes twenty seconds to
 import, torch three): a CPU build of torch is told by its `version.py`, and the
 GPUs of a CUDA build are counted by the CUDA driver, as torch would count them
-(none where the driver library is not there: PyPI's torch for Python 3.12 is a
-CUDA build, also on a CPU-only machine); torch is imported only for another
-build (ROCm).
+(none where the driver library is not there: PyPI's torch for Linux is a CUDA
+build, which the job env on Python 3.12 has on a CPU-only machine too); torch
+is imported only for another build (ROCm).
 """
 
 from __future__ import annotations
