@@ -208,10 +208,16 @@ async def _place_and_follow(
         finally:
             if job.started is not None:
                 job.started(record)
-        why = suspension.why_not_suspend(store, budget.holding)
+        why = suspension.why_not_suspend(store)
         if why is None:
             await suspension.suspend(
-                store, record, job.kind, ctx.reporter, placed.deadline(record), logger
+                store,
+                record,
+                job.kind,
+                ctx.reporter,
+                placed.deadline(record),
+                logger,
+                leases=budget.leases if budget.holding else None,
             )
         elif why:
             logger.info("%s: this flow run follows its job itself: %s", subject(record), why)

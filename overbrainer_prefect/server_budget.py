@@ -26,17 +26,16 @@ from prefect.client.schemas.actions import (
     GlobalConcurrencyLimitCreate,
     GlobalConcurrencyLimitUpdate,
 )
-from prefect.concurrency.asyncio import concurrency
 from prefect.exceptions import ObjectNotFound
 from prefect.logging.loggers import get_logger, get_run_logger
 from prefect.runtime import deployment, flow_run
 from prefect.variables import Variable
 from pydantic import JsonValue
 
+from overbrainer_prefect.budget_leases import Leases, leased
 from overbrainer_prefect.money.budgets import Budgets, budgets_from
 from overbrainer_prefect.money.ledger import Ask, Who, now_utc
 from overbrainer_prefect.money.limits import (
-    LEASE_S,
     POD_LIMIT,
     SPEND_LIMIT,
     BudgetError,
@@ -67,6 +66,13 @@ async def budget_limits(
             except ObjectNotFound:
                 sizes[name] = None
     return sizes
+
+
+async def budget_bounds_pods() -> bool:
+    """Whether this server has a GPU budget (either of its limits): a pod's
+    flow run then holds its slots while the pod lives. Raises what the
+    Prefect client raises when the server cannot be reached."""
+    return any(size is not None for size in (await budget_limits()).values())
 
 
 async def set_budget(
@@ -106,10 +112,13 @@ async def gpu_budget(
     strict: bool = False,
     pods_limit: str = POD_LIMIT,
     spend_limit: str = SPEND_LIMIT,
+    leases: Leases | None = None,
 ) -> AsyncIterator[bool]:
     """Holds one pod and `price_per_hour` of the GPU budget for the duration of
     the block, waiting (up to `timeout_s`, default forever) until both are free;
-    yields whether it holds slots (False without the budget's limits).
+    yields whether it holds slots (False without the budget's limits). Its
+    slots are held under leases (`leases`, which may hand them over to a
+    follower: they then outlive the block).
 
     Without the budget's limits on the server, a run is not bounded: it says so
     in the flow run's log and goes on, unless `strict`, when it raises
@@ -141,17 +150,10 @@ async def gpu_budget(
         price_per_hour,
         spend / 100,
     )
+    leases = leases or Leases()
     async with (
-        concurrency(
-            pods_limit, occupy=1, timeout_seconds=timeout_s, lease_duration=LEASE_S, strict=True
-        ),
-        concurrency(
-            spend_limit,
-            occupy=cents,
-            timeout_seconds=timeout_s,
-            lease_duration=LEASE_S,
-            strict=True,
-        ),
+        leased(pods_limit, 1, timeout_s, leases, logger),
+        leased(spend_limit, cents, timeout_s, leases, logger),
     ):
         yield True
 
@@ -249,6 +251,7 @@ class PrefectBudget:
 
     def __init__(self) -> None:
         self.holding = False
+        self.leases = Leases()
 
     async def spend_limit_cents(self) -> int | None:
         """The spend limit's size in cents an hour, None without one."""
@@ -260,7 +263,7 @@ class PrefectBudget:
 
     @asynccontextmanager
     async def _held(self, price_per_hour: float) -> AsyncIterator[None]:
-        async with gpu_budget(price_per_hour) as holding:
+        async with gpu_budget(price_per_hour, leases=self.leases) as holding:
             self.holding = holding
             try:
                 yield

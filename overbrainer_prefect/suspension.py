@@ -8,9 +8,9 @@ and finds its job here, by its flow run's ID: it ends as a flow run that
 followed its job itself would, with the same state, result and artifacts.
 
 A flow run suspends only when something will resume it: it runs from a
-deployment, it is not a subflow (Prefect cannot suspend those alone), its
-process holds no slot of the GPU budget (those are held by the process), and a
-follower lives for its runs directory. Otherwise it follows its job itself, as
+deployment, it is not a subflow (Prefect cannot suspend those alone), and a
+follower lives for its runs directory. The GPU budget's slots its pod holds
+are handed over to the follower (`budget_leases`). Otherwise it follows its job itself, as
 a flow called directly does; `OVERBRAINER_FOLLOW_IN_PROCESS=1` asks for that.
 """
 
@@ -24,12 +24,14 @@ from prefect.flow_runs import asuspend_flow_run
 from prefect.runtime import deployment, flow_run
 
 from overbrainer_prefect.artifacts import PrefectReporter, remember_live_artifacts
+from overbrainer_prefect.budget_leases import Leases
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.lock import follower_of
 from overbrainer_prefect.runs.records import store_errors
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Logger
+from overbrainer_prefect.targets.sharing import current
 
 IN_PROCESS_ENV = "OVERBRAINER_FOLLOW_IN_PROCESS"
 """Set to 1 in a deployment's environment: its flow runs follow their jobs themselves."""
@@ -69,16 +71,28 @@ def waited_for(store: Runs, record: RunRecord) -> bool:
     """Whether the flow run that started the job `record` suspended while it
     ran (so no process of it is left to run its hooks). False when that
     cannot be read."""
+    return _waited(store, record) is not None
+
+
+def waited_in_pipeline(store: Runs, record: RunRecord) -> bool:
+    """Whether the flow run that suspended while the job `record` ran is a
+    pipeline's, whose next job runs on the same place (a pod kept for it)."""
+    return bool((_waited(store, record) or {}).get("pipeline"))
+
+
+def _waited(store: Runs, record: RunRecord) -> dict[str, object] | None:
     if record.flow_run_id is None:
-        return False
+        return None
     key = _key(store, record.flow_run_id, record.trainer)
     try:
-        return store.store.head(key) is not None
+        found = store.store.read(key)
+        data = json.loads(found.data) if found is not None else None
     except Exception:  # an unreadable store: as if it did not (the hook's grace is waited)
-        return False
+        return None
+    return data if isinstance(data, dict) else None
 
 
-def why_not_suspend(store: Runs, budget_held: bool) -> str | None:
+def why_not_suspend(store: Runs, budget_held: bool = False) -> str | None:
     """Why this flow run follows its job itself rather than suspending (None:
     it suspends). A flow called directly says nothing (''). Raises
     RecordIoError when the runs directory cannot be read."""
@@ -89,7 +103,7 @@ def why_not_suspend(store: Runs, budget_held: bool) -> str | None:
     if os.environ.get(IN_PROCESS_ENV, "").strip() in ("1", "true", "yes"):
         return f"{IN_PROCESS_ENV} is set"
     if budget_held:
-        return "its process holds the GPU budget's slots while the pod lives"
+        return "its pipeline's pod holds the GPU budget's slots in this process while it lives"
     if follower_of(store) is None:
         return (
             f"no follower follows {store.top.where}: start one with "
@@ -117,12 +131,15 @@ async def suspend(
     reporter: Reporter,
     deadline: str | None,
     logger: Logger,
+    *,
+    leases: Leases | None = None,
 ) -> None:
     """Suspends this flow run while the job `record` runs: its live artifacts
     are opened here (the follower updates them), the job is kept as this flow
     run's, and the process exits (Prefect's Pause, which the caller lets
     through: its follow lock is released on the way out, once the flow run
-    is suspended). Returns, having done nothing else, when Prefect refuses to
+    is suspended); the GPU budget's `leases` it holds for the job's pod are
+    handed over to the follower. Returns, having done nothing else, when Prefect refuses to
     suspend (the flow run was resumed already): the caller follows the job.
     Raises RecordIoError when the store cannot be written (nothing suspended)."""
     this = flow_run.id
@@ -130,9 +147,14 @@ async def suspend(
     if isinstance(reporter, PrefectReporter):
         await reporter.open()
         remember_live_artifacts(store, record.id, reporter)
+    if leases is not None:
+        leases.hand_over(store, record.id)
+    sharing = current()
     key = _key(store, this, kind)
     with store_errors(store.store.where(key)):
-        store.store.write(key, json.dumps({"job": record.id}).encode())
+        store.store.write(key, json.dumps({"job": record.id, "pipeline": bool(sharing)}).encode())
+    if sharing is not None:  # the pipeline's pod stays for its next job: its follower hands it on
+        sharing.handed_over = True
     follower = follower_of(store) or "the next follower"
     wait = timeout_s(deadline)
     logger.info(

@@ -5,7 +5,9 @@ once its job started, the `follow` deployment's one follower follows the job
 to `Completed` with its files verified, through its follower being SIGKILLed
 and replaced and the Prefect server restarted mid-training; a suspended run
 cancelled with `prefect flow-run cancel` has its job cancelled by the follower;
-a suspended run on a simulated Runpod pod has its pod deleted by the follower."""
+a suspended run on a simulated Runpod pod has its pod deleted by the follower;
+a `fine-tune` with an evaluation, from its deployment, on one simulated pod,
+waits suspended while it trains and goes on on that pod once resumed."""
 
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ from typing import Any
 
 import pytest
 
+from overbrainer_prefect.evaluation.results import SCORED_FILE
+from overbrainer_prefect.money.limits import POD_LIMIT, SPEND_LIMIT
 from overbrainer_prefect.runpod.pod import PodState
 from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.lock import follower_of
+from overbrainer_prefect.server_budget import set_budget
 from tests.prefect_server import FOLLOWER, Stack, tiny_training, wait_until
 from tests.procs import alive, group_alive
 from tests.test_deployments import OnSim, assert_verified, on_sim, pod_of
@@ -184,8 +189,37 @@ def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
     assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
 
 
-def test_a_suspended_run_on_a_simulated_pod_has_its_pod_deleted_by_the_follower(
-    deployed: Stack, on_sim: OnSim, follower: list[uuid.UUID], tiny: tuple[Path, Path]
+@pytest.fixture
+def gpu_budget_limits(deployed: Stack) -> Iterator[None]:
+    """The GPU budget's limits on the stack's server for the test (removed after it)."""
+
+    async def make(client: Any) -> None:
+        await set_budget(2, 5.0)
+
+    async def remove(client: Any) -> None:
+        for name in (POD_LIMIT, SPEND_LIMIT):
+            await client.delete_global_concurrency_limit_by_name(name)
+
+    deployed.server.call(make)
+    try:
+        yield
+    finally:
+        deployed.server.call(remove)
+
+
+def active_pod_slots(stack: Stack) -> int:
+    async def read(client: Any) -> int:
+        return int((await client.read_global_concurrency_limit_by_name(POD_LIMIT)).active_slots)
+
+    return int(stack.server.call(read))
+
+
+def test_a_suspended_run_on_a_simulated_pod_hands_its_budget_and_its_pod_to_the_follower(
+    deployed: Stack,
+    on_sim: OnSim,
+    gpu_budget_limits: None,
+    follower: list[uuid.UUID],
+    tiny: tuple[Path, Path],
 ) -> None:
     flow_run_id = deployed.run_deployment(
         "train/local", target=on_sim.target, training=tiny_training(*tiny, max_steps=40)
@@ -193,8 +227,11 @@ def test_a_suspended_run_on_a_simulated_pod_has_its_pod_deleted_by_the_follower(
     record = suspended_with_its_job(deployed, flow_run_id)
     pod_id = pod_of(deployed, record.id).pod_id
     assert on_sim.pods.running(pod_id)
+    # its process is gone, the pod's slot of the GPU budget is still held (by the follower)
+    assert active_pod_slots(deployed) == 1
     done = deployed.wait_final(flow_run_id, timeout=600)
     assert done.state.is_completed(), done.state
+    wait_until(lambda: active_pod_slots(deployed) == 0, 60, "the follower to free the slot")
     saved = Runs(deployed.runs).load(record.id)
     assert saved.state == RunState.SUCCEEDED, saved
     assert_verified(deployed.runs, record.id)
@@ -202,3 +239,48 @@ def test_a_suspended_run_on_a_simulated_pod_has_its_pod_deleted_by_the_follower(
     assert pod.state == PodState.DELETED and pod.deleted_by == "collector", pod
     assert on_sim.sim.pod(pod_id).deleted and on_sim.sim.pods() == []
     assert on_sim.sim.secret_names() == []
+
+
+def test_a_fine_tune_deployment_waits_suspended_while_it_trains_and_goes_on_on_its_one_pod(
+    deployed: Stack, on_sim: OnSim, follower: list[uuid.UUID], tiny: tuple[Path, Path]
+) -> None:
+    spec = {
+        "target": on_sim.target,
+        "training": tiny_training(*tiny, max_steps=40, holdout=8),
+        "export": {"quant": "q8_0"},
+        "compare": {"questions": ["Hello?"], "max_tokens": 4},
+        "evaluation": {
+            "items": [
+                {
+                    "messages": [{"role": "user", "content": "Say the secret word."}],
+                    "expected": "^ZZZ never said$",
+                    "scorer": "regex",
+                }
+            ],
+            "max_tokens": 8,
+            "quant": "q8_0",
+        },
+    }
+    flow_run_id = deployed.run_deployment("fine-tune/nightly", spec=spec)
+    record = suspended_with_its_job(deployed, flow_run_id)  # no process while it trains
+    done = deployed.wait_final(flow_run_id, timeout=900)
+    assert done.state.is_completed(), done.state
+    runs = Runs(deployed.runs)
+    assert runs.load(record.id).state == RunState.SUCCEEDED
+    assert_verified(deployed.runs, record.id)
+    # one pod for the training, the exports, the compare and the evaluation: made for the
+    # run, kept between its jobs while the flow run waited, deleted after the last job
+    (made,) = [
+        p
+        for p in on_sim.sim.pods(include_deleted=True)
+        if p.id == pod_of(deployed, record.id).pod_id
+    ]
+    assert len(on_sim.sim.pods(include_deleted=True)) == 1, on_sim.sim.pods(include_deleted=True)
+    assert made.deleted and on_sim.sim.pods() == [] and on_sim.sim.secret_names() == []
+    for kind in ("export", "compare"):
+        children = runs.children(record.id, kind).list()
+        assert [c.state for c in children] == [RunState.SUCCEEDED], (kind, children)
+    (evaluated,) = runs.children(record.id, "evaluation").root.iterdir()
+    assert (evaluated / SCORED_FILE).is_file()
+    log = logs_of(deployed, flow_run_id)
+    assert "waits suspended" in log and "the pipeline continues on its pod" in log, log[-3000:]

@@ -25,6 +25,7 @@ from prefect.artifacts import acreate_markdown_artifact
 
 from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
 from overbrainer_prefect.blocks import UnknownTarget, target_named
+from overbrainer_prefect.budget_leases import LEASES_FILE, handed_over, release, renewed
 from overbrainer_prefect.driver import follow_again
 from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flowruns import cancelled_at, resume, settle_flow_run
@@ -35,13 +36,14 @@ from overbrainer_prefect.kinds.training import next_step
 from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
 from overbrainer_prefect.runs.records import RecordError
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, subject
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.steps.hooks import HOOK_GRACE_S
-from overbrainer_prefect.suspension import waited_for
+from overbrainer_prefect.suspension import waited_for, waited_in_pipeline
 from overbrainer_prefect.targets.base import Logger, Target
+from overbrainer_prefect.targets.sharing import shared
 from overbrainer_prefect.targets.spend import spent
 
 COLLECT_ARTIFACT = "collected-runs"
@@ -129,9 +131,7 @@ async def collect_job(
             )
         else:
             logger.info("%s is %s, but its target still holds something: ending it", name, was)
-        finished: Finished = await follow_again(
-            runs, store, record, logger, cancel=cancel, target=target
-        )
+        finished = await _follow_for_its_flow_run(runs, store, record, logger, cancel, target)
     except RunError as error:
         if "already followed" in str(error):
             return None
@@ -177,6 +177,34 @@ async def collect_job(
             "message": ended.message,
         }
     )
+
+
+async def _follow_for_its_flow_run(
+    runs: Runs,
+    store: Runs,
+    record: RunRecord,
+    logger: Logger,
+    cancel: bool,
+    target: Target | None,
+) -> Finished:
+    """`follow_again`, holding what the job's suspended flow run handed over:
+    its pod's GPU budget slots (their leases renewed while it is followed,
+    released once it ended) and, for the training of a pipeline, its pod,
+    which stays up for the pipeline's next job once the training succeeded
+    (its watchdog's next_job_grace bounds it), as it would have, had the
+    pipeline followed it."""
+    leases = handed_over(store, record.id)
+    async with renewed(leases, logger, at_once=True):
+        if cancel or not waited_in_pipeline(store, record):
+            finished = await follow_again(runs, store, record, logger, cancel=cancel, target=target)
+        else:
+            async with shared() as sharing:
+                finished = await follow_again(runs, store, record, logger, target=target)
+                sharing.handed_over = finished.outcome.record.state == RunState.SUCCEEDED
+    if leases and finished.outcome.record.state.ended:
+        await release(leases, logger)
+        store.remove(record.id, LEASES_FILE)
+    return finished
 
 
 def _left(row: Collected, store: Runs, record: RunRecord, error: Exception) -> Collected:

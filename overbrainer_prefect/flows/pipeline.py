@@ -52,6 +52,8 @@ from overbrainer_prefect.nightly.prepared import PREPARE_TIMEOUT_S
 from overbrainer_prefect.pipeline_summary import publish_pipeline_summary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.runs_dir import runs_at
+from overbrainer_prefect.server_budget import budget_bounds_pods
+from overbrainer_prefect.suspension import suspended_job, why_not_suspend
 from overbrainer_prefect.targets.sharing import after_training, shared
 from overbrainer_prefect.targets.spend import run_spent, spent
 from overbrainer_prefect.trainers.compare import check_max_tokens, load_questions
@@ -78,8 +80,30 @@ async def _train_step(
         return None, result
     if run is not None:
         logger.info("run %s is %s: training again, in a new run", run.id, run.state)
+    if run is None and why_not_suspend(runs, budget_held=await budget_bounds_pods()) is None:
+        # in this flow run, not a subflow of its own, so that this flow run waits
+        # suspended while the job trains (Prefect cannot suspend a subflow alone)
+        return None, await train.fn(
+            target=spec.target, training=spec.training, runs_dir=spec.runs_dir
+        )
     result = await train(target=spec.target, training=spec.training, runs_dir=spec.runs_dir)
     return None, result
+
+
+def _trained_before_suspending(runs: Runs) -> RunRecord | None:
+    """The run this flow run trained before it suspended (it was resumed): its
+    pipeline goes on from it (its pod found again while it lives). Raises
+    PipelineFailed when that training did not succeed: it is not trained again."""
+    waited = suspended_job(runs, training_kind.NAME)
+    if waited is None:
+        return None
+    run = runs.load(waited)
+    if run.state.ended and run.state != RunState.SUCCEEDED:
+        raise PipelineFailed(
+            f"the fine-tune stopped at training: run {run.id} is {run.state}"
+            f" ({run.message or 'no message'}); {kept_text(runs, None, None)}"
+        )
+    return run
 
 
 class _Ended(Exception):
@@ -149,7 +173,7 @@ async def _fine_tune(
     runs = await runs_at(spec.runs_dir)
     questions = load_questions(spec.compare.questions, spec.compare.questions_file)
     check_max_tokens(spec.compare.max_tokens)
-    run = runs.load(run_id) if run_id is not None else None
+    run = runs.load(run_id) if run_id is not None else _trained_before_suspending(runs)
     night = await begin_night(
         spec.training,
         spec.export,

@@ -225,6 +225,10 @@ class PodPlaced:
         """What the pod has cost so far (its GPUs and its disk, by its uptime)."""
         return self.pod.estimated_spend()
 
+    def deadline(self, record: RunRecord) -> str | None:
+        """The pod watchdog's max_hours deadline (the job's, when it has one)."""
+        return record.deadline or self.pod.deadline
+
 
 @dataclass
 class BudgetKept:
@@ -883,12 +887,17 @@ class PodTarget(BlockTarget):
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:
         """Whether a pod of the job may still exist (`pod.json` not gone) or
-        its keys and secret are still here."""
+        its keys and secret are still here. A pipeline's pod is not left over
+        by a job of it while the pipeline holds it: once a later job of the
+        pipeline was placed on it, or between two jobs within the watchdog's
+        next-job grace (its pipeline's next job, or its watchdog, ends it)."""
         try:
             _, pod = self._pod_of(store, record)
         except Exception:
             return False
         if pod is None:
+            return False
+        if pod.pipeline_job is not None and not pod.gone and _held_by_its_pipeline(pod, record):
             return False
         return not pod.gone or (pod.host_key_secret is not None and not pod.secret_deleted)
 
@@ -901,3 +910,19 @@ class PodTarget(BlockTarget):
         return detached_message(
             store, pod, record, self.settings.retrieve_grace_s, PodTiming.from_env().lease_ttl_s
         )
+
+
+BETWEEN_MARGIN_S = 60.0
+"""Past a pipeline pod's next-job grace, how long its watchdog is given to
+delete it before a collector looks at it."""
+
+
+def _held_by_its_pipeline(pod: PodRecord, record: RunRecord) -> bool:
+    """Whether the pipeline's pod `pod` is still its pipeline's for the job
+    `record`: a later job was placed on it, or it waits for the next one
+    within its grace."""
+    if pod.pipeline_job != record.id:
+        return True
+    if pod.between_unix is None:
+        return False
+    return time.time() < pod.between_unix + (pod.next_job_grace_s or 0.0) + BETWEEN_MARGIN_S

@@ -50,6 +50,10 @@ class Sharing:
     """The record a continued pipeline's place may still live with (its run)."""
     held: dict[str, Held] = field(default_factory=dict)
     """What each target (by its name) holds for the pipeline's next jobs."""
+    handed_over: bool = False
+    """Set when another process takes over what is held (the pipeline's flow
+    run waits suspended while its follower follows its job): nothing is closed
+    here, its watchdog's bounds and its next follower end it."""
 
 
 def after_training(
@@ -94,7 +98,7 @@ async def shared(
 ) -> AsyncIterator[Sharing]:
     """Shares the places of the jobs run within the block (see the module);
     on exit, closes what the targets held, by how the block ended (its error
-    is raised again). Never raises of its own."""
+    is raised again), unless it was handed over. Never raises of its own."""
     sharing = Sharing(later=tuple(later), anchor=anchor)
     token = _CURRENT.set(sharing)
     error: BaseException | None = None
@@ -105,6 +109,7 @@ async def shared(
         raise
     finally:
         _CURRENT.reset(token)
-        for held in reversed(list(sharing.held.values())):  # the last held, first closed
-            await asyncio.shield(held.close(error))
+        if not sharing.handed_over:
+            for held in reversed(list(sharing.held.values())):  # the last held, first closed
+                await asyncio.shield(held.close(error))
         sharing.held.clear()
