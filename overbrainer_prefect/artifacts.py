@@ -227,6 +227,10 @@ class PrefectReporter:
         """Logs a warning."""
         self.logger.warning("%s", message)
 
+    def note(self, message: str) -> None:
+        """Logs a note (a checkpoint kept)."""
+        self.logger.info("%s", message)
+
     def spent(self) -> float | None:
         """The dollars spent so far, when a spend was given and is known."""
         if self.spend is None or isinstance(self.spend, float | int):

@@ -65,6 +65,10 @@ class LeaseReporter:
         """Passes the warning on."""
         self.inner.warning(message)
 
+    def note(self, message: str) -> None:
+        """Passes the note on."""
+        self.inner.note(message)
+
 
 def overrun(eta_s: float | None, pod: PodRecord, now: float) -> str | None:
     """The note when, `eta_s` seconds from `now`, the job would end after the

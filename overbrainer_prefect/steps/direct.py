@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import ParamSpec, TypeVar
@@ -78,23 +78,34 @@ async def put_files(
     record_id: str,
     remote: str,
     manifest: Sequence[FileDigest],
-) -> None:
+    held: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, list[str]]:
     """Has the target put the files of `manifest` (relative to its run
     directory `remote`) into the store of `runs`, under the record
     `record_id`, then checks that the store holds every one of them, whole.
     A file the store already holds with the same SHA-256 (a retrieval tried
-    again) is not put again.
+    again) is not put again, nor one of several parts that `held` says was
+    put before with the same parts (by path: their SHA-256s, e.g. a
+    checkpoint kept while the job trained). Returns the SHA-256 of each
+    file's parts as the store holds it, by path.
 
     Raises ExecError when the target cannot put them, the store does not
     answer, or a file the store holds is not the manifest's.
     """
     store = runs.store
+    held = held or {}
     todo: list[FileDigest] = []
+    parts: dict[str, list[str]] = {entry.path: [entry.sha256] for entry in manifest}
     for entry in manifest:
         info = await _store(store.head, runs.key(record_id, entry.path))
-        whole = entry.size <= store.part_size
-        if not (info and whole and info.size == entry.size and info.sha256 == entry.sha256):
+        before = list(held.get(entry.path, ()))
+        if entry.size > store.part_size and before:
+            parts[entry.path] = before  # what the store reports for it, if it holds it
+        if not (
+            info and info.size == entry.size and info.sha256 == expected_checksum(parts[entry.path])
+        ):
             todo.append(entry)
+            parts[entry.path] = [entry.sha256]
     total = sum(entry.size for entry in todo)
     timeout = max(MIN_PUT_S, total / SLOWEST_BPS)
     # the parts' digests, for a store that signs them: a file of one part is its own digest,
@@ -115,7 +126,6 @@ async def put_files(
         key = runs.key(record_id, entry.path)
         digests = signed_digests.get(entry.path)
         signed.append(await _store(store.sign_put, key, entry.size, digests))
-    parts: dict[str, list[str]] = {entry.path: [entry.sha256] for entry in manifest}
     if signed:
         plan = {
             "deadline_s": timeout,
@@ -153,12 +163,13 @@ async def put_files(
         info = await _store(store.head, runs.key(record_id, entry.path))
         want = expected_checksum(parts[entry.path])
         if info is None or info.size != entry.size or info.sha256 != want:
-            held = "nothing" if info is None else f"{info.size} bytes, SHA-256 {info.sha256}"
+            found = "nothing" if info is None else f"{info.size} bytes, SHA-256 {info.sha256}"
             raise ExecError(
                 "verify",
-                f"{runs.where_of(record_id, entry.path)} holds {held}, not the job's "
+                f"{runs.where_of(record_id, entry.path)} holds {found}, not the job's "
                 f"{entry.size} bytes ({entry.sha256[:12]}...)",
             )
+    return parts
 
 
 def fetch_command(python: str, remote: str) -> list[str]:

@@ -27,6 +27,7 @@ from overbrainer_prefect.runs.store import (
     subject,
 )
 from overbrainer_prefect.runs.tail import LineStream
+from overbrainer_prefect.steps.checkpoints import Checkpointing, Keeper
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, NotStarted, Unreachable
 from overbrainer_prefect.steps.retrieve import recorded, retrieve
@@ -79,7 +80,14 @@ async def watch(ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome
         return recorded(ctx.runs, trainer, record)
     summary = MetricsSummary()
     stream = LineStream(ctx.executor, f"{record.remote_dir}/{trainer.metrics_file}")
-    status, timed_out = await _follow(ctx, record, job, stream, summary)
+    keeper = (
+        Keeper(ctx, record, trainer.checkpoint_dir) if isinstance(trainer, Checkpointing) else None
+    )
+    try:
+        status, timed_out = await _follow(ctx, record, job, stream, summary, keeper)
+    finally:
+        if keeper is not None:
+            await keeper.stop()
     cause = None
     if status.kind == "exited" and status.code != 0:
         cause = failure_cause(await job_log_tail(ctx.executor, record.remote_dir, TAIL_LINES))
@@ -185,14 +193,17 @@ async def _follow(
     job: JobId,
     stream: LineStream,
     summary: MetricsSummary,
+    keeper: Keeper | None = None,
 ) -> tuple[JobStatus, bool]:
     """Reads new metric lines and the job's status until the job ends, then reads
     the rest of the metrics file. Up to MAX_FAILURES failures in a row are
     retried; a success resets the count, and the final drain spends what is left.
     A job found lost is looked at again after LOST_CONFIRM_S; still lost on a
     machine its target says is gone, the watch ends Unreachable. A job past its
-    deadline is cancelled. Returns the final status and whether the deadline was
-    what ended it."""
+    deadline is cancelled. With a `keeper`, each new checkpoint of a running job
+    is kept in the run's store beside the loop, and the keep in flight when the
+    job ends is waited for. Returns the final status and whether the deadline
+    was what ended it."""
     failures = 0
     last: JobStatus | None = None
     deadline = parse_rfc3339(record.deadline) if record.deadline else None
@@ -223,6 +234,8 @@ async def _follow(
                 last = status
             if status.is_finished:
                 break
+            if keeper is not None:
+                keeper.poke(summary.metrics[-1].step if summary.metrics else None)
             if len(summary.metrics) > seen:
                 last_progress, stall_reported = time.monotonic(), False
             elif not stall_reported and time.monotonic() - last_progress > ctx.stall_s:
@@ -249,6 +262,8 @@ async def _follow(
             await asyncio.sleep(ctx.poll_s)
             continue
         if stream.offset == before:
+            if keeper is not None:
+                await keeper.finish()
             return status, timed_out and status.kind == "cancelled"
 
 

@@ -29,6 +29,10 @@ class Reporter(Protocol):
         """Something the user should know (a retry, a stall, a job past its bound)."""
         ...
 
+    def note(self, message: str) -> None:
+        """A step the run made that the user may want to know (a checkpoint kept)."""
+        ...
+
 
 class LogReporter:
     """A `Reporter` that only logs, for callers with nothing to publish to."""
@@ -44,6 +48,10 @@ class LogReporter:
     def warning(self, message: str) -> None:
         """Logs the warning."""
         log.warning("%s", message)
+
+    def note(self, message: str) -> None:
+        """Logs the note."""
+        log.info("%s", message)
 
 
 class JobReporter:
@@ -68,3 +76,7 @@ class JobReporter:
     def warning(self, message: str) -> None:
         """Logs a warning."""
         self.logger.warning("%s", message)
+
+    def note(self, message: str) -> None:
+        """Logs a note."""
+        self.logger.info("%s", message)

@@ -4,7 +4,9 @@ manifest, the manifest kept; an ended job's outcome read from its local files.""
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
+import shutil
 
 from overbrainer_prefect.executors.base import (
     JOB_LOG,
@@ -13,6 +15,7 @@ from overbrainer_prefect.executors.base import (
     FileDigest,
 )
 from overbrainer_prefect.executors.manifest import verify
+from overbrainer_prefect.runs.checkpoints import load_kept, sorted_against
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE, load_manifest, manifest_bytes
 from overbrainer_prefect.runs.metrics import stored_summary
 from overbrainer_prefect.runs.records import RecordError
@@ -46,8 +49,11 @@ async def retrieve(
     exactly the target's SHA-256 manifest: into a local runs directory they
     are downloaded and checked here (none missing, none different, none
     extra); into an object store the target puts them itself and the store's
-    own SHA-256 of each is checked (`direct.put_files`). The manifest is kept
-    beside them. Returns it and, for a succeeded job, whether its required
+    own SHA-256 of each is checked (`direct.put_files`). The checkpoints kept
+    while the job trained (`checkpoints.json`) are not copied again when the
+    target still holds them as they were kept (they are verified all the
+    same); one the target no longer holds stays as it was kept. The manifest
+    is kept beside them. Returns it and, for a succeeded job, whether its required
     entry held no file at all.
 
     Raises ExecError when the target or the store fails or a file does not verify.
@@ -61,12 +67,19 @@ async def retrieve(
         and required is not None
         and not any(f.path == required or f.path.startswith(f"{required}/") for f in manifest)
     )
+    kept = await asyncio.to_thread(load_kept, runs, record_id)
     if runs.store.direct:
-        await put_files(executor, python, runs, record_id, remote, manifest)
+        held = {f.path: f.parts for point in kept.checkpoints for f in point.files if f.parts}
+        await put_files(executor, python, runs, record_id, remote, manifest, held)
     else:
         local = runs.run_dir(record_id)
-        await executor.download(remote, local, entries, artifacts.exclude)
-        await asyncio.to_thread(verify, local, entries, artifacts.exclude, manifest)
+        same, gone, changed = sorted_against(kept, manifest)
+        for path in changed:
+            await asyncio.to_thread(shutil.rmtree, local / path, True)
+        skip = [*artifacts.exclude, *map(glob.escape, same)]
+        await executor.download(remote, local, entries, skip)
+        exclude = [*artifacts.exclude, *map(glob.escape, gone)]
+        await asyncio.to_thread(verify, local, entries, exclude, manifest)
     try:
         runs.write_bytes(record_id, MANIFEST_FILE, manifest_bytes(manifest))
     except RecordError as error:

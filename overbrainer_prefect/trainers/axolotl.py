@@ -134,6 +134,8 @@ class AxolotlTrainer(TrainerBase):
         self.processes = processes
 
     name = "training"
+    checkpoint_dir = OUTPUT_DIR
+    """Where the job saves its `checkpoint-N/` (kept in the run's store as they come)."""
 
     @property
     def probe_modules(self) -> Sequence[str]:
