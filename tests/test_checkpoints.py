@@ -179,6 +179,39 @@ def test_each_checkpoint_is_put_in_the_object_store_as_it_is_saved_and_not_again
     assert f"run {record.id}: checkpoint-4 (step 4) kept in {where}, verified" in reporter.notes
 
 
+def test_a_kept_checkpoint_the_job_removes_stays_and_one_it_changes_is_copied_again(
+    tmp_path: Path,
+) -> None:
+    """Into a local runs directory: checkpoint-2, removed by the job once kept
+    (as `save_total_limit` does), stays as it was kept and the final
+    retrieval still verifies; checkpoint-4, changed after it was kept, is
+    copied again and verified."""
+    runs = Runs(tmp_path / "runs")
+    ctx = RunContext(
+        runs=runs,
+        executor=LocalExecutor(tmp_path / "target", name="box"),
+        reporter=Noting(),
+        python=sys.executable,
+        poll_s=0.1,
+    )
+    script = SCRIPT.replace(
+        "echo weights >",
+        "rm -rf output/checkpoint-2 && echo changed > output/checkpoint-4/adapter_model.safetensors"
+        " && echo weights >",
+    )
+    outcome = asyncio.run(follow_releasing(ctx, CheckpointingShell(script), [2, 4]))
+    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved
+    local = runs.run_dir(outcome.record.id)
+    kept = load_kept(runs, outcome.record.id)
+    assert [p.step for p in kept.checkpoints] == [2, 4]
+    for file in kept.checkpoints[0].files:
+        assert sha256_file(local / file.path) == (file.size, file.sha256)
+    listed = {f.path for f in outcome.files}
+    assert not [path for path in listed if "checkpoint-2" in path]
+    assert (local / "output/checkpoint-4/adapter_model.safetensors").read_text() == "changed\n"
+    assert "output/checkpoint-4/adapter_model.safetensors" in listed
+
+
 def test_a_checkpoint_that_cannot_be_kept_is_a_warning_and_the_run_goes_on(
     tmp_path: Path,
 ) -> None:

@@ -7,8 +7,10 @@ run lost with its machine can go on from."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import PurePosixPath
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.runs.records import RecordError
@@ -18,6 +20,18 @@ CHECKPOINTS_FILE = "checkpoints.json"
 """The checkpoints of a run kept in its store, in its directory."""
 
 
+def _inside(path: str) -> str:
+    """`path` if it names something inside a run directory (relative, no `..`)."""
+    parts = PurePosixPath(path).parts
+    if not parts or path.startswith("/") or ".." in parts:
+        raise ValueError(f"{path!r} is not a path inside a run directory")
+    return path
+
+
+RunPath = Annotated[str, AfterValidator(_inside)]
+"""A path relative to a run directory, never outside it."""
+
+
 class KeptFile(BaseModel):
     """One file of a kept checkpoint: its path relative to the run directory,
     its size and SHA-256, and the SHA-256 of each part an object store holds
@@ -25,7 +39,7 @@ class KeptFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: str
+    path: RunPath
     size: int = Field(ge=0)
     sha256: str
     parts: list[str] = Field(default_factory=list)
@@ -41,7 +55,7 @@ class KeptCheckpoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     step: int = Field(ge=0, description="The step it was saved at.")
-    path: str = Field(description="Its directory, relative to the run directory.")
+    path: RunPath = Field(description="Its directory, relative to the run directory.")
     kept: str = Field(description="When it was verified in the store, RFC 3339.")
     files: list[KeptFile]
 
