@@ -111,10 +111,13 @@ def kept_step(runs: Runs, record_id: str) -> int:
     return -1 if last is None else last.step
 
 
-async def follow_releasing(ctx: RunContext, trainer: ShellTrainer, steps: list[int]) -> Outcome:
+async def follow_releasing(
+    ctx: RunContext, trainer: ShellTrainer, steps: list[int], inodes: dict[str, int] | None = None
+) -> Outcome:
     """Starts the job and follows it; at each step of `steps`, once the run's
-    store says that checkpoint is kept, checks the job still runs and lets it
-    go on."""
+    store says that checkpoint is kept, checks the job still runs, notes the
+    inode of each kept file in `inodes` (a local store) and lets it go on."""
+    inodes = {} if inodes is None else inodes
     record = start_step.create(
         ctx.runs, target="box", target_kind="local", workdir=ctx.executor.workdir
     )
@@ -129,6 +132,11 @@ async def follow_releasing(ctx: RunContext, trainer: ShellTrainer, steps: list[i
                 f"checkpoint-{step} to be kept",
             )
             assert not (remote / "job.exit").exists()  # kept while the job runs
+            if not ctx.runs.store.direct:
+                local = ctx.runs.run_dir(record.id)
+                for point in load_kept(ctx.runs, record.id).checkpoints:
+                    for file in point.files:
+                        inodes.setdefault(file.path, (local / file.path).stat().st_ino)
             (remote / f"go-{step}").touch()
 
     outcome, _ = await asyncio.gather(follow.watch(ctx, trainer, record), release())
@@ -210,6 +218,43 @@ def test_a_kept_checkpoint_the_job_removes_stays_and_one_it_changes_is_copied_ag
     assert not [path for path in listed if "checkpoint-2" in path]
     assert (local / "output/checkpoint-4/adapter_model.safetensors").read_text() == "changed\n"
     assert "output/checkpoint-4/adapter_model.safetensors" in listed
+
+
+def test_checkpoints_of_a_job_on_an_ssh_box_are_downloaded_and_verified_as_saved(
+    tmp_path: Path,
+) -> None:
+    """On a real sshd: each checkpoint listed, hashed on the box, downloaded
+    and verified here while the job waits; the final retrieval leaves them."""
+    from tests.sshd import Sshd
+    from tests.test_ssh_executor import executor_for
+
+    with Sshd.create(tmp_path / "sshd") as server:
+        runs = Runs(tmp_path / "runs")
+        reporter = Noting()
+        inodes: dict[str, int] = {}
+
+        async def go() -> Outcome:
+            executor = executor_for(server, tmp_path / "box")
+            ctx = RunContext(runs=runs, executor=executor, reporter=reporter, python=sys.executable)
+            ctx.poll_s = 0.1
+            try:
+                return await follow_releasing(ctx, CheckpointingShell(SCRIPT), [2, 4], inodes)
+            finally:
+                await executor.close()
+
+        outcome = asyncio.run(go())
+    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved
+    local = runs.run_dir(outcome.record.id)
+    kept = load_kept(runs, outcome.record.id)
+    assert [p.step for p in kept.checkpoints] == [2, 4]
+    for point in kept.checkpoints:
+        for file in point.files:
+            assert sha256_file(local / file.path) == (file.size, file.sha256)
+    assert len(reporter.notes) == 2 and "checkpoint-2 (step 2) kept in" in reporter.notes[0]
+    # the final retrieval verified them where they were: not downloaded again
+    assert len(inodes) == 6
+    for path, inode in inodes.items():
+        assert (local / path).stat().st_ino == inode, f"{path} was downloaded again"
 
 
 def test_a_checkpoint_that_cannot_be_kept_is_a_warning_and_the_run_goes_on(
