@@ -147,7 +147,7 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
     it again).
     """
     store = job.store
-    waited = suspension.suspended_job(store, job.kind)
+    waited = suspension.suspended_job(store, job.kind, job.attempt)
     if waited is not None:  # resumed: its job was started before this flow run suspended
         return await _resumed(target, store, store.load(waited), logger)
     target.check(job.need)

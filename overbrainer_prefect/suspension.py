@@ -47,24 +47,26 @@ UNBOUNDED_S = 7 * 24 * 3600
 """How long a flow run whose job nothing bounds may wait suspended."""
 
 
-def _key(store: Runs, flow_run_id: str, kind: str) -> str:
-    return store.key(SUSPENDED_DIR, f"{flow_run_id}-{kind}.json")
+def _key(store: Runs, flow_run_id: str, kind: str, job_id: str) -> str:
+    return store.key(SUSPENDED_DIR, flow_run_id, f"{kind}-{job_id}.json")
 
 
-def suspended_job(store: Runs, kind: str) -> str | None:
-    """The ID of the `kind` job this flow run started in `store` before it
-    suspended, when it did (it has been resumed); None otherwise. Raises
-    RecordIoError when the store cannot be read."""
+def suspended_job(store: Runs, kind: str, attempt: int = 0) -> str | None:
+    """The ID of the `attempt`-th `kind` job (0: its first, -1: its last) this flow run
+    started in `store` before it suspended, when it did (it has been
+    resumed); None otherwise. Raises RecordIoError when the store cannot be
+    read."""
     this = flow_run.id
     if this is None or deployment.id is None:
         return None
-    key = _key(store, this, kind)
-    with store_errors(store.store.where(key)):
-        found = store.store.read(key)
-    if found is None:
-        return None
-    job_id = json.loads(found.data).get("job")
-    return job_id if isinstance(job_id, str) else None
+    under = store.key(SUSPENDED_DIR, this)
+    with store_errors(store.store.where(under)):
+        names = store.store.names(under)
+    prefix = f"{kind}-"
+    jobs = sorted(n[len(prefix) : -len(".json")] for n in names if n.startswith(prefix))
+    if attempt < 0:
+        return jobs[attempt] if -attempt <= len(jobs) else None
+    return jobs[attempt] if attempt < len(jobs) else None  # run IDs sort by creation
 
 
 def waited_for(store: Runs, record: RunRecord) -> bool:
@@ -83,7 +85,7 @@ def waited_in_pipeline(store: Runs, record: RunRecord) -> bool:
 def _waited(store: Runs, record: RunRecord) -> dict[str, object] | None:
     if record.flow_run_id is None:
         return None
-    key = _key(store, record.flow_run_id, record.trainer)
+    key = _key(store, record.flow_run_id, record.trainer, record.id)
     try:
         found = store.store.read(key)
         data = json.loads(found.data) if found is not None else None
@@ -150,7 +152,7 @@ async def suspend(
     if leases is not None:
         leases.hand_over(store, record.id)
     sharing = current()
-    key = _key(store, this, kind)
+    key = _key(store, this, kind, record.id)
     with store_errors(store.store.where(key)):
         store.store.write(key, json.dumps({"job": record.id, "pipeline": bool(sharing)}).encode())
     if sharing is not None:  # the pipeline's pod stays for its next job: its follower hands it on

@@ -80,7 +80,10 @@ async def _train_step(
         return None, result
     if run is not None:
         logger.info("run %s is %s: training again, in a new run", run.id, run.state)
-    if run is None and why_not_suspend(runs, budget_held=await budget_bounds_pods()) is None:
+    if run is None and (
+        suspended_job(runs, training_kind.NAME) is not None  # its trainings, found again
+        or why_not_suspend(runs, budget_held=await budget_bounds_pods()) is None
+    ):
         # in this flow run, not a subflow of its own, so that this flow run waits
         # suspended while the job trains (Prefect cannot suspend a subflow alone)
         return None, await train.fn(
@@ -91,19 +94,16 @@ async def _train_step(
 
 
 def _trained_before_suspending(runs: Runs) -> RunRecord | None:
-    """The run this flow run trained before it suspended (it was resumed): its
-    pipeline goes on from it (its pod found again while it lives). Raises
-    PipelineFailed when that training did not succeed: it is not trained again."""
-    waited = suspended_job(runs, training_kind.NAME)
+    """The run this flow run trained before it suspended (it was resumed),
+    when it succeeded or still runs: the pipeline goes on from it (its pod
+    found again while it lives). None otherwise: a failed one is followed
+    again by the training step in this flow run, which says why, or goes on
+    from its last checkpoint when its machine was lost."""
+    waited = suspended_job(runs, training_kind.NAME, -1)
     if waited is None:
         return None
     run = runs.load(waited)
-    if run.state.ended and run.state != RunState.SUCCEEDED:
-        raise PipelineFailed(
-            f"the fine-tune stopped at training: run {run.id} is {run.state}"
-            f" ({run.message or 'no message'}); {kept_text(runs, None, None)}"
-        )
-    return run
+    return run if run.state in (RunState.SUCCEEDED, RunState.RUNNING) else None
 
 
 class _Ended(Exception):

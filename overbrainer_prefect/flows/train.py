@@ -13,14 +13,17 @@ from overbrainer_prefect.blocks import target_named
 from overbrainer_prefect.driver import HOOKS, finish, follow_again, reporter_for, run_new
 from overbrainer_prefect.flows.export import export as export_flow
 from overbrainer_prefect.flows.results import AnyState, RunFailed, ended
-from overbrainer_prefect.kinds.base import NewJob
+from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.export import ExportResult, gguf_markdown
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.kinds.registry import recorded_end, trainer_of
 from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.kinds.training import (
+    LostRun,
     RunResult,
     check_before_anything,
+    lost_markdown,
+    lost_point,
     next_step,
     result_line,
     result_of,
@@ -29,12 +32,12 @@ from overbrainer_prefect.kinds.training import (
     stage_checkpoint,
 )
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
-from overbrainer_prefect.targets.base import JobNeed
+from overbrainer_prefect.targets.base import JobNeed, Logger, Target
 from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.export import ExportSpec
@@ -50,6 +53,7 @@ async def run_result(
     *,
     cancelling: bool = False,
     exported: ExportResult | str | None = None,
+    lost: list[LostRun] | None = None,
 ) -> RunResult | AnyState:
     """Publishes the metrics table and the run summary, and turns the outcome into
     the flow's result: failed runs fail the flow, cancelled ones cancel it (unless
@@ -61,6 +65,8 @@ async def run_result(
     dollars = spent(runs, record)  # what its place cost (issue 20)
     step = next_step(record)
     markdown = summary_markdown(record, where, outcome.summary, outcome.files, step, dollars)
+    if lost:
+        markdown += lost_markdown(runs, lost, record, where, dollars)
     if isinstance(exported, str):
         await publish_summary(record.id, markdown + f"\n## GGUF\n\nThe export failed: {exported}\n")
         raise RunFailed(exported)
@@ -101,6 +107,19 @@ async def train(
         raise ValueError("give the training spec (training=...), or a stopped run to resume_from")
     spec = training
     await check_before_anything(spec, place, logger)
+    finished = await run_new(place, _training_job(runs, place, spec, point), logger)
+    finished, lost = await _go_on_after_lost_machines(runs, place, finished, logger)
+    outcome = finished.outcome
+    if export is None or outcome.record.state != RunState.SUCCEEDED:
+        return await run_result(runs, outcome, finished.where, lost=lost)
+    exported = await _export_after(outcome.record.id, export, runs_dir)
+    return await run_result(runs, outcome, finished.where, exported=exported, lost=lost)
+
+
+def _training_job(
+    runs: Runs, place: Target, spec: TrainingSpec, point: ResumedFrom | None, attempt: int = 0
+) -> NewJob:
+    """A training job on `place`, from the checkpoint of `point` when given."""
 
     def prepare(record: RunRecord) -> AxolotlTrainer:
         resume = None
@@ -110,19 +129,63 @@ async def train(
             runs.save(record)
         return AxolotlTrainer(spec, resume_from=resume, cpu_threads=place.cpu_threads)
 
-    job = NewJob(
+    return NewJob(
         store=runs,
         need=JobNeed(what="the run", training=spec),
         kind=TRAINING,
         prepare=prepare,
         spec=spec.model_dump(mode="json"),
+        attempt=attempt,
     )
-    finished = await run_new(place, job, logger)
-    outcome = finished.outcome
-    if export is None or outcome.record.state != RunState.SUCCEEDED:
-        return await run_result(runs, outcome, finished.where)
-    exported = await _export_after(outcome.record.id, export, runs_dir)
-    return await run_result(runs, outcome, finished.where, exported=exported)
+
+
+async def _go_on_after_lost_machines(
+    runs: Runs, place: Target, finished: Finished, logger: Logger
+) -> tuple[Finished, list[LostRun]]:
+    """While the training was lost with its machine (a pod terminated, its
+    container restarted), it goes on from its last checkpoint kept in the
+    store, in a new run on a new machine, up to the target's max_restarts;
+    returns how the last run ended and each run lost on the way. No restart
+    when no checkpoint was kept, or the next machine cannot be had (its
+    budget refuses it): the last lost run's failure stands, with why."""
+    lost: list[LostRun] = []
+    while finished.outcome.record.state == RunState.FAILED:
+        record = finished.outcome.record
+        why = place.lost_machine(runs, record)
+        if why is None:
+            break
+        point = lost_point(runs, record)
+        stop = None
+        if len(lost) >= place.max_restarts:
+            stop = f"max_restarts ({place.max_restarts}) reached"
+        elif point is None:
+            stop = "no checkpoint of it was kept in the store"
+        lost.append(LostRun(record=record, why=why, point=point, where=finished.where))
+        if stop is not None:
+            logger.warning("run %s: %s; it is not resumed: %s", record.id, why, stop)
+            lost[-1].stop = stop
+            break
+        assert point is not None
+        logger.warning(
+            "run %s: %s; it goes on from %s (step %d) in a new run on a new machine "
+            "(restart %d of %d)",
+            record.id,
+            why,
+            point.checkpoint,
+            point.step,
+            len(lost),
+            place.max_restarts,
+        )
+        spec = resumed_spec(runs, record)
+        try:
+            finished = await run_new(
+                place, _training_job(runs, place, spec, point, len(lost)), logger
+            )
+        except Exception as error:  # the next machine cannot be had: the loss stands
+            logger.warning("run %s: it cannot go on: %s", record.id, error)
+            lost[-1].stop = f"no new machine: {error}"
+            break
+    return finished, lost
 
 
 async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> ExportResult | str:

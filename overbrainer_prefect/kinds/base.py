@@ -102,6 +102,9 @@ class NewJob:
     check: Check | None = None
     started: Callable[[RunRecord], None] | None = None
     """Called once the job's files were copied (whether or not it started)."""
+    attempt: int = 0
+    """Which job of its kind this is in its flow run (a training going on
+    after a lost machine is the next): a resumed flow run finds each again."""
 
 
 @dataclass

@@ -6,6 +6,8 @@ is made again from its record."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from pydantic import Field
@@ -14,12 +16,14 @@ from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.kinds.base import JobKind, JobResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.files import FileEntry
+from overbrainer_prefect.runs.checkpoints import last_kept, load_kept
 from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.store import StoreError
 from overbrainer_prefect.targets.base import Logger, Target
+from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, data_copies, launch_summary
 from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.holdout import holdout_problem
@@ -63,12 +67,24 @@ def resume_point(runs: Runs, stopped: RunRecord) -> ResumedFrom:
 
 
 def _checkpoint_files(runs: Runs, run_id: str, checkpoint: str) -> list[FileDigest]:
-    """The files of a run's checkpoint as its verified manifest lists them."""
-    return [
-        entry
-        for entry in load_manifest(runs, run_id)
-        if entry.path.startswith(f"{checkpoint.rstrip('/')}/")
-    ]
+    """The files of a run's checkpoint as its verified manifest lists them, or,
+    when its files were never retrieved (its machine was lost), as the store
+    was verified to hold them when it was kept while the job trained."""
+    prefix = f"{checkpoint.rstrip('/')}/"
+    listed = [entry for entry in load_manifest(runs, run_id) if entry.path.startswith(prefix)]
+    if listed:
+        return listed
+    kept = [p for p in load_kept(runs, run_id).checkpoints if p.path.rstrip("/") == prefix[:-1]]
+    return [file.digest() for point in kept for file in point.files]
+
+
+def lost_point(runs: Runs, lost: RunRecord) -> ResumedFrom | None:
+    """Where a run lost with its machine goes on from: its last checkpoint
+    kept in the store while it trained; None when none was kept."""
+    kept = last_kept(runs, lost.id)
+    if kept is None:
+        return None
+    return ResumedFrom(run_id=lost.id, checkpoint=kept.path, step=kept.step)
 
 
 def stage_checkpoint(runs: Runs, point: ResumedFrom, record: RunRecord) -> str:
@@ -235,3 +251,47 @@ async def check_before_anything(spec: TrainingSpec, place: Target, logger: Logge
     for warning in warnings:
         logger.warning("%s", warning)
     logger.info("the run will be %s on %s", launch_summary(spec, facts.gpus), place.ref)
+
+
+@dataclass
+class LostRun:
+    """A run of a training lost with its machine: why, the checkpoint it
+    could go on from, where it ran, and why it did not go on (None: it did)."""
+
+    record: RunRecord
+    why: str
+    point: ResumedFrom | None
+    where: str
+    stop: str | None = None
+
+
+def lost_markdown(
+    runs: Runs, lost: Sequence[LostRun], last: RunRecord, where: str, dollars: float | None
+) -> str:
+    """The summary's section listing every machine a training ran on: each
+    run lost with its machine (why, the step the next went on from, what it
+    cost), then the last one."""
+    lines = [
+        "",
+        "## Machines",
+        "",
+        "| run | where | how it ended | went on from | cost |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    total = 0.0
+    for run in lost:
+        cost = spent(runs, run.record)
+        total += cost or 0.0
+        went_on = (
+            f"{run.point.checkpoint} (step {run.point.step})"
+            if run.point is not None and run.stop is None
+            else f"not resumed: {run.stop}"
+        )
+        shown = "-" if cost is None else f"${cost:.2f}"
+        lines.append(f"| {run.record.id} | {run.where} | lost: {run.why} | {went_on} | {shown} |")
+    if not lost or lost[-1].record.id != last.id:
+        total += dollars or 0.0
+        shown = "-" if dollars is None else f"${dollars:.2f}"
+        lines.append(f"| {last.id} | {where} | {last.state} | - | {shown} |")
+    lines += ["", f"Every machine together cost ${total:.2f}.", ""]
+    return "\n".join(lines)

@@ -106,6 +106,13 @@ class RunpodSettingsFields(BaseModel):
         gt=0,
         description="Seconds the watchdog keeps a pod whose ended job was not retrieved.",
     )
+    max_restarts: int = Field(
+        default=2,
+        ge=0,
+        description="How many times a training whose pod is lost under it (terminated by "
+        "Runpod, its container restarted) goes on, by itself, from its last checkpoint kept in "
+        "the runs store, on a new pod; 0: the run fails with the loss.",
+    )
     data_center_ids: list[str] = Field(
         default_factory=list,
         description="Runpod data centers the pod may be placed in, like EU-RO-1; empty: any.",

@@ -255,6 +255,19 @@ class Target(Protocol):
         caller fails the record. Returns whether nothing is left."""
         ...
 
+    @property
+    def max_restarts(self) -> int:
+        """How many times a training whose machine was lost goes on from its
+        last kept checkpoint on a new one (0: never)."""
+        ...
+
+    def lost_machine(self, store: Runs, record: RunRecord) -> str | None:
+        """Why the ended job `record` was lost with what it ran on (a pod
+        terminated under it, its container restarted), from the target's own
+        records; None when it ended otherwise (its own exit, a bound, a
+        cancel): only a job lost that way is resumed on a new machine."""
+        ...
+
     def lost(self, store: Runs, record: RunRecord) -> str:
         """Why what the job `record` ran on is gone (a pod deleted at its
         watchdog's bound), from the target's own records."""

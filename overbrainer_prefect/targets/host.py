@@ -116,6 +116,15 @@ class BlockTarget:
         with one line when its env file cannot be read."""
         return self._secrets()
 
+    @property
+    def max_restarts(self) -> int:
+        """0: a machine you own is not replaced by another."""
+        return 0
+
+    def lost_machine(self, store: Runs, record: RunRecord) -> str | None:
+        """None: a machine you own is not lost under a job, only unreachable."""
+        return None
+
 
 class HostTarget(BlockTarget):
     """A `Target` over one machine reached by an executor."""

@@ -885,6 +885,28 @@ class PodTarget(BlockTarget):
         told = pod.delete_reason if pod.deleted_by not in (None, "client", COLLECTOR) else None
         return told or pod.limit_reached() or f"pod {pod.name} no longer exists"
 
+    @property
+    def max_restarts(self) -> int:
+        """The target's `max_restarts`."""
+        return self.settings.max_restarts
+
+    def lost_machine(self, store: Runs, record: RunRecord) -> str | None:
+        """Why the job `record` was lost with its pod: its container restarted
+        under it, or Runpod terminated the pod (not a bound of its watchdog,
+        nor a delete of this side). None otherwise, or when unknown."""
+        try:
+            _, pod = self._pod_of(store, record)
+        except Exception:  # an unreadable pod record: not resumed on a guess
+            return None
+        if pod is None or pod.keep:
+            return None
+        if pod.restarted is not None:
+            step = f" at step {pod.lost_step}" if pod.lost_step is not None else ""
+            return f"the container of pod {pod.name} restarted at {pod.restarted}{step}"
+        if pod.gone and pod.deleted_by == "unknown":
+            return f"pod {pod.name} was lost: {pod.delete_reason or 'Runpod terminated it'}"
+        return None
+
     def leftover(self, store: Runs, record: RunRecord) -> bool:
         """Whether a pod of the job may still exist (`pod.json` not gone) or
         its keys and secret are still here. A pipeline's pod is not left over
