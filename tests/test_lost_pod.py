@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 
 from overbrainer_prefect.flows import RunResult, train
+from overbrainer_prefect.money.limits import BudgetError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.checkpoints import last_kept
+from overbrainer_prefect.targets.base import JobNeed
+from overbrainer_prefect.targets.pod import _after_lost_pods
 from tests.flowrun import run
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
+from tests.test_money_ledger import plan
 from tests.test_runpod_flows import artifacts_of, fast, pods_of, sim, target
 from tests.test_train_flow import spec
 
@@ -121,3 +125,13 @@ def test_with_max_restarts_0_a_run_lost_with_its_pod_fails_with_the_loss(
     assert "restarted" in (state.message or ""), state.message
     assert [r.id for r in Runs(runs_dir).list()] == [restarted[0][0]]
     assert len(sim.pods(include_deleted=True)) == 1 and sim.pods() == []
+
+
+def test_max_cost_usd_counts_the_pods_a_training_lost_before() -> None:
+    first = JobNeed(what="the run")
+    assert _after_lost_pods(plan(max_cost=3.0), first).max_cost_usd == 3.0
+    again = JobNeed(what="the run", spent_usd=1.25)
+    assert _after_lost_pods(plan(max_cost=3.0), again).max_cost_usd == pytest.approx(1.75)
+    assert _after_lost_pods(plan(), again).max_cost_usd is None  # no cap: nothing to count
+    with pytest.raises(BudgetError, match=r"max_cost_usd \(\$1.00\) is spent by the pods"):
+        _after_lost_pods(plan(max_cost=1.0), JobNeed(what="the run", spent_usd=1.0))

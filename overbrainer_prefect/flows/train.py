@@ -117,9 +117,15 @@ async def train(
 
 
 def _training_job(
-    runs: Runs, place: Target, spec: TrainingSpec, point: ResumedFrom | None, attempt: int = 0
+    runs: Runs,
+    place: Target,
+    spec: TrainingSpec,
+    point: ResumedFrom | None,
+    attempt: int = 0,
+    spent_usd: float = 0.0,
 ) -> NewJob:
-    """A training job on `place`, from the checkpoint of `point` when given."""
+    """A training job on `place`, from the checkpoint of `point` when given
+    (`spent_usd`: what its lost machines cost, which its cost cap counts)."""
 
     def prepare(record: RunRecord) -> AxolotlTrainer:
         resume = None
@@ -131,7 +137,7 @@ def _training_job(
 
     return NewJob(
         store=runs,
-        need=JobNeed(what="the run", training=spec),
+        need=JobNeed(what="the run", training=spec, spent_usd=spent_usd),
         kind=TRAINING,
         prepare=prepare,
         spec=spec.model_dump(mode="json"),
@@ -177,9 +183,10 @@ async def _go_on_after_lost_machines(
             place.max_restarts,
         )
         spec = resumed_spec(runs, record)
+        spent_usd = sum(spent(runs, run.record) or 0.0 for run in lost)
         try:
             finished = await run_new(
-                place, _training_job(runs, place, spec, point, len(lost)), logger
+                place, _training_job(runs, place, spec, point, len(lost), spent_usd), logger
             )
         except Exception as error:  # the next machine cannot be had: the loss stands
             logger.warning("run %s: it cannot go on: %s", record.id, error)

@@ -62,6 +62,9 @@ class JobNeed:
     """Another image for this job's machine (a compare's own)."""
     disk: DiskJob | None = None
     """What the job writes on its machine's disk, for a target that sizes it (a pod)."""
+    spent_usd: float = 0.0
+    """What the machines lost under this job's earlier runs cost (a training
+    going on after a lost pod): a pod's max_cost_usd counts them too."""
 
 
 PlanT = TypeVar("PlanT")

@@ -31,6 +31,7 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.ssh import SshExecutor
+from overbrainer_prefect.money.limits import BudgetError
 from overbrainer_prefect.money.pods import ask_of, capped, cost_facts_of
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
@@ -518,6 +519,7 @@ class PodTarget(BlockTarget):
             self._log.info("%s%s", plan.describe(), image)
             await self._warn_orphans(ctx, store)
         plan = await self._within(plan, budget)
+        plan = _after_lost_pods(plan, need)
         sharing = current() if later else None
         async with AsyncExitStack() as stack:
             # issue 20: the day's and month's dollars admit the plan's most; its cap is what is left
@@ -948,3 +950,19 @@ def _held_by_its_pipeline(pod: PodRecord, record: RunRecord) -> bool:
     if pod.between_unix is None:
         return False
     return time.time() < pod.between_unix + (pod.next_job_grace_s or 0.0) + BETWEEN_MARGIN_S
+
+
+def _after_lost_pods(plan: LaunchPlan, need: JobNeed) -> LaunchPlan:
+    """`plan` with its cost cap lowered by what the pods lost under the job's
+    earlier runs cost: max_cost_usd bounds them all together. Raises
+    BudgetError (one line, nothing created) when nothing of it is left."""
+    cap = plan.settings.max_cost_usd
+    if not need.spent_usd or cap is None:
+        return plan
+    left = cap - need.spent_usd
+    if left < 0.01:
+        raise BudgetError(
+            f"max_cost_usd (${cap:.2f}) is spent by the pods {need.what} lost "
+            f"(${need.spent_usd:.2f}): no new pod; raise max_cost_usd to go on"
+        )
+    return capped(plan, left)
