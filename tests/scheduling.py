@@ -52,7 +52,7 @@ MEASURED_S: dict[str, float] = {
     "deployed": 560,
     "deployed-ui": 250,
     "tests/test_recovery.py": 171,
-    "tests/test_lost_pod.py": 160,
+    "tests/test_lost_pod.py": 230,
     "tests/test_object_store.py": 150,
     "tests/test_watchdog.py": 171,
     "tests/test_train_flow.py": 159,

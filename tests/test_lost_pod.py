@@ -37,11 +37,16 @@ RESTART_BOUND_S = 240.0  # for a checkpoint to be kept, then the container resta
 
 
 def restart_once_a_checkpoint_is_kept(
-    sim: RunpodSim, pods: SimPods, runs_dir: Path, restarted: list[tuple[str, int]]
+    sim: RunpodSim,
+    pods: SimPods,
+    runs_dir: Path,
+    restarted: list[tuple[str, int]],
+    terminate: bool = False,
 ) -> threading.Thread:
     """A thread that restarts the container of the first run's pod once a
     checkpoint of it is kept in the runs store (its host restarts it, as
-    Runpod's do), noting (run, kept step)."""
+    Runpod's do), or with `terminate`, has Runpod terminate the pod (the
+    account's balance ran out), noting (run, kept step)."""
 
     def watch() -> None:
         deadline = time.monotonic() + RESTART_BOUND_S
@@ -51,7 +56,10 @@ def restart_once_a_checkpoint_is_kept(
                 kept = last_kept(runs, record.id)
                 pod = PodRecord.load(runs, record.id)
                 if kept is not None and pod is not None and pod.pod_id is not None:
-                    pods.restart(sim.pod(pod.pod_id))
+                    if terminate:
+                        sim.terminate(pod.pod_id)
+                    else:
+                        pods.restart(sim.pod(pod.pod_id))
                     restarted.append((record.id, kept.step))
                     return
             time.sleep(0.2)
@@ -67,17 +75,21 @@ def steps_of(runs: Runs, run_id: str) -> list[int]:
     return [e["step"] for e in events if e.get("event") == "log"]
 
 
-def test_a_container_restarted_mid_training_goes_on_from_its_kept_checkpoint_on_a_new_pod(
+@pytest.mark.parametrize("lost", ["restarted", "terminated"])
+def test_a_pod_lost_mid_training_goes_on_from_its_kept_checkpoint_on_a_new_pod(
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
     tiny: tuple[Path, Path],
     tmp_path: Path,
+    lost: str,
 ) -> None:
     runs_dir = tmp_path / "runs"
     pods_of.restart_delay_s = (0.2, 0.4)
     restarted: list[tuple[str, int]] = []
-    watcher = restart_once_a_checkpoint_is_kept(sim, pods_of, runs_dir, restarted)
+    watcher = restart_once_a_checkpoint_is_kept(
+        sim, pods_of, runs_dir, restarted, terminate=lost == "terminated"
+    )
     name = target(sim)
     training = spec(*tiny, max_steps=40, save_steps=5)
     result = run(train(target=name, training=training, runs_dir=str(runs_dir)))
@@ -87,8 +99,10 @@ def test_a_container_restarted_mid_training_goes_on_from_its_kept_checkpoint_on_
     assert isinstance(result, RunResult)
     assert result.state == RunState.SUCCEEDED, result.message
     runs = Runs(runs_dir)
-    lost = runs.load(lost_id)
-    assert lost.state == RunState.FAILED and "restarted" in (lost.message or ""), lost.message
+    first_run = runs.load(lost_id)
+    told = first_run.message or ""
+    assert first_run.state == RunState.FAILED, told
+    assert ("restarted" if lost == "restarted" else "Runpod terminated it") in told, told
     # a new run on a new pod, from the kept checkpoint, its steps going on from there
     went_on = runs.load(result.run_id)
     assert went_on.id != lost_id and went_on.resumed_from is not None
@@ -96,13 +110,17 @@ def test_a_container_restarted_mid_training_goes_on_from_its_kept_checkpoint_on_
     assert min(steps_of(runs, went_on.id)) > kept_step and max(steps_of(runs, went_on.id)) == 40
     first, second = PodRecord.load(runs, lost_id), PodRecord.load(runs, went_on.id)
     assert first is not None and second is not None and first.pod_id != second.pod_id
-    assert first.restarted is not None and first.state == PodState.DELETED
+    assert first.state == PodState.DELETED
+    if lost == "restarted":
+        assert first.restarted is not None
+    else:
+        assert first.deleted_by == "unknown" and first.restarted is None
     assert second.state == PodState.DELETED
     assert sim.pods() == [] and len(sim.pods(include_deleted=True)) == 2
     # the summary lists both pods: why the first was lost, where the second went on from
     (summary,) = [a for a in artifacts_of(went_on.id) if a.key == f"run-{went_on.id}-summary"]
     text = str(summary.data)
-    assert "## Machines" in text and lost_id in text and "restarted" in text, text
+    assert "## Machines" in text and lost_id in text and "lost: " in text, text
     assert f"checkpoint-{kept_step} (step {kept_step})" in text, text
 
 
