@@ -53,6 +53,14 @@ def start_follower(stack: Stack) -> uuid.UUID:
     return flow_run_id
 
 
+@pytest.fixture(autouse=True)
+def a_worker_after(deployed: Stack) -> Iterator[None]:
+    """A worker of the stack runs after each test, as the other modules of the
+    stack's unit expect (the simulated pods' fixture stops its own)."""
+    yield
+    deployed.worker()
+
+
 @pytest.fixture
 def follower(deployed: Stack) -> Iterator[list[uuid.UUID]]:
     """A follower for the test (more may be added); every one is ended after
