@@ -50,7 +50,7 @@ MEASURED_S: dict[str, float] = {
     "tests/test_demo_busy.py": 650,
     "tests/test_runpod_flows.py": 628,
     "deployed": 560,
-    "deployed-ui": 250,
+    "deployed-ui": 600,
     "tests/test_recovery.py": 171,
     "tests/test_lost_pod.py": 230,
     "tests/test_object_store.py": 150,
