@@ -278,13 +278,25 @@ class PrefectReporter:
                 self.logger.warning("run %s: cannot update its artifacts: %s", self.run_id, error)
 
     async def _flush_progress(self, force: bool) -> None:
-        if self.progress_id is None or self._pending is None:
+        if self.progress_id is None:
+            return
+        progress = self._pending
+        if force:  # the last word is the last step's, whatever an earlier update left
+            progress = self._progress_now()
+        if progress is None:
             return
         if not force and time.monotonic() - self._last_update < PROGRESS_EVERY_S:
             return
-        await aupdate_progress_artifact(artifact_id=self.progress_id, progress=self._pending)
+        await aupdate_progress_artifact(artifact_id=self.progress_id, progress=progress)
         self._pending = None
         self._last_update = time.monotonic()
+
+    def _progress_now(self) -> float | None:
+        """The progress of the last step seen, in percent (None before any)."""
+        summary = self._summary
+        if summary is None or not summary.metrics or not summary.max_steps:
+            return self._pending
+        return min(100.0, 100.0 * summary.metrics[-1].step / summary.max_steps)
 
     async def _flush_curve(self, force: bool) -> None:
         if self.curve_id is None or self._summary is None:
