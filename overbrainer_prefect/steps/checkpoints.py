@@ -39,6 +39,9 @@ from overbrainer_prefect.steps.direct import put_files
 
 log = logging.getLogger(__name__)
 
+FINISH_BOUND_S = 120.0
+"""How long the end of a follow waits for the checkpoint being kept."""
+
 COMPLETE_MARK = "trainer_state.json"
 """Written last into a checkpoint directory: its presence makes it complete."""
 
@@ -172,9 +175,17 @@ class Keeper:
 
     async def finish(self) -> None:
         """Waits for the keep in flight, if any (the job ended: the final
-        retrieval then skips what it kept)."""
+        retrieval then skips what it kept), at most FINISH_BOUND_S: past it,
+        the keep is cancelled and the final retrieval copies its files."""
         if self.task is not None:
-            await self.task
+            done, _ = await asyncio.wait([self.task], timeout=FINISH_BOUND_S)
+            if not done:
+                log.warning(
+                    "%s: a checkpoint still being kept after %g s is left to the final retrieval",
+                    self.record.id,
+                    FINISH_BOUND_S,
+                )
+                await self.stop()
             self.task = None
 
     async def stop(self) -> None:
