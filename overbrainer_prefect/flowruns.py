@@ -31,14 +31,8 @@ async def cancelled_at(flow_run_id: str | None) -> float | None:
     """When the flow run that created a job was cancelled (or asked to be), as
     a Unix time; None when it was not, or the record names none this Prefect
     server knows."""
-    if flow_run_id is None:
-        return None
-    try:
-        async with get_client() as client:
-            found = await client.read_flow_run(UUID(flow_run_id))
-    except (ObjectNotFound, ValueError):
-        return None
-    state = found.state
+    found = await _flow_run(flow_run_id)
+    state = found.state if found is not None else None
     if state is None or state.type not in CANCELLED_FLOW_RUN:
         return None
     return state.timestamp.timestamp()
@@ -86,14 +80,22 @@ async def suspended(flow_run_id: str | None) -> FlowRun | None:
     """The flow run `flow_run_id` when it waits suspended (or paused) now;
     None when it does not, or this Prefect server does not know it. Raises
     what the Prefect client raises when the server cannot be reached."""
+    found = await _flow_run(flow_run_id)
+    return (
+        found if found is not None and found.state is not None and found.state.is_paused() else None
+    )
+
+
+async def _flow_run(flow_run_id: str | None) -> FlowRun | None:
+    """The flow run `flow_run_id` as the server has it, None for none or one
+    it does not know."""
     if flow_run_id is None:
         return None
     try:
         async with get_client() as client:
-            found = await client.read_flow_run(UUID(flow_run_id))
+            return await client.read_flow_run(UUID(flow_run_id))
     except (ObjectNotFound, ValueError):
         return None
-    return found if found.state is not None and found.state.is_paused() else None
 
 
 def job_logger(waiting: FlowRun | None, logger: Logger) -> Logger:

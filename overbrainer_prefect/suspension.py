@@ -64,9 +64,7 @@ def suspended_job(store: Runs, kind: str, attempt: int = 0) -> str | None:
         names = store.store.names(under)
     prefix = f"{kind}-"
     jobs = sorted(n[len(prefix) : -len(".json")] for n in names if n.startswith(prefix))
-    if attempt < 0:
-        return jobs[attempt] if -attempt <= len(jobs) else None
-    return jobs[attempt] if attempt < len(jobs) else None  # run IDs sort by creation
+    return jobs[attempt] if -len(jobs) <= attempt < len(jobs) else None  # IDs sort by creation
 
 
 def waited_for(store: Runs, record: RunRecord) -> bool:
