@@ -27,9 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -37,46 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from kit.lines import bench, note, progress, run_main  # noqa: E402
-from kit.server import prefect_server  # noqa: E402
-from pod_billing import BOOT_S, GPU  # noqa: E402
+from pod_billing import BOOT_S, simulated_pods_and_target  # noqa: E402
 from pod_billing import training as training_of  # noqa: E402
 
 STEPS = 40  # steps of the fine-tune: still training when its pod is lost
 SAVE_STEPS = 5  # a checkpoint every this many steps
 RESUME_GOAL_S = BOOT_S + 30.0
 WATCH_BOUND_S = 300.0  # for a checkpoint to be kept, then the container restarted
-
-
-@contextmanager
-def simulated(root: Path) -> Iterator[tuple[Any, Any, str]]:
-    """A private Prefect server, the Runpod simulator and its pods (booting in
-    BOOT_S, restarted containers back within a second) and a saved Runpod
-    target on it; yields the simulator, its pods and the target's name."""
-    from pydantic import SecretStr
-
-    from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
-    from tests.runpod_sim import running_sim
-    from tests.runpod_sim.pods import SimPods
-
-    with (
-        prefect_server(root),
-        running_sim() as sim,
-        SimPods(root / "pods", boot_delay_s=BOOT_S, restart_delay_s=(0.2, 0.4)).attached(
-            sim
-        ) as pods,
-    ):
-        target = f"bench-lost-{uuid.uuid4().hex[:8]}"
-        RunpodTarget(
-            credentials=RunpodCredentials(
-                api_key=SecretStr(sim.api_key), rest_url=sim.rest_url, graphql_url=sim.graphql_url
-            ),
-            job_venv=str(REPO / ".venv-job"),
-            gpu_types=[GPU],
-            image="overbrainer/bench:1",
-            max_hours=1.0,
-            cpu_threads=1,
-        ).save(target)
-        yield sim, pods, target
 
 
 def restart_once_kept(sim: Any, pods: Any, runs_dir: Path, lost: list[str]) -> threading.Thread:
@@ -122,7 +87,11 @@ def main() -> None:
     model, dataset = tiny_model(REPO / ".cache"), tiny_dataset(REPO / ".cache")
     training = training_of(model, dataset, STEPS).model_copy(update={"save_steps": SAVE_STEPS})
     try:
-        with simulated(root) as (sim, pods, target):
+        with simulated_pods_and_target(root, "bench-lost", restart_delay_s=(0.2, 0.4)) as (
+            sim,
+            pods,
+            target,
+        ):
             progress(f"a {STEPS}-step fine-tune whose pod's container restarts once a checkpoint")
             runs_dir = root / "runs"
             lost: list[str] = []

@@ -182,6 +182,16 @@ def simulated_pods(root: Path, prefix: str) -> Iterator[tuple[Any, str]]:
     """A private Prefect server, the Runpod simulator with its pods (booting in
     BOOT_S) under `root`, and a saved Runpod target block on it; yields the
     simulator and the block's name. Everything is stopped on exit."""
+    with simulated_pods_and_target(root, prefix) as (sim, _pods, target):
+        yield sim, target
+
+
+@contextmanager
+def simulated_pods_and_target(
+    root: Path, prefix: str, **pod_options: Any
+) -> Iterator[tuple[Any, Any, str]]:
+    """`simulated_pods`, yielding the simulated pods too (`SimPods`, made
+    with `pod_options`: a restart delay...)."""
     from pydantic import SecretStr
 
     from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
@@ -191,7 +201,7 @@ def simulated_pods(root: Path, prefix: str) -> Iterator[tuple[Any, str]]:
     with (
         prefect_server(root),
         running_sim() as sim,
-        SimPods(root / "pods", boot_delay_s=BOOT_S).attached(sim),
+        SimPods(root / "pods", boot_delay_s=BOOT_S, **pod_options).attached(sim) as pods,
     ):
         target = f"{prefix}-{uuid.uuid4().hex[:8]}"
         RunpodTarget(
@@ -206,7 +216,7 @@ def simulated_pods(root: Path, prefix: str) -> Iterator[tuple[Any, str]]:
             max_hours=1.0,
             cpu_threads=1,
         ).save(target)
-        yield sim, target
+        yield sim, pods, target
 
 
 def main() -> None:
