@@ -1,10 +1,10 @@
 """A pod lost under a training costs only time (issue 29): on the project's
 simulated pods (real sshd processes running the real bootstrap and watchdog),
-a container restarted mid-training, once a checkpoint was kept in the runs
-store, has the run go on by itself from that checkpoint in a new run on a new
-pod, its steps continuing from the checkpoint's, every pod and what it cost in
-the summary; with `max_restarts` 0 the run fails with the loss and no second
-pod is made."""
+a pod terminated by Runpod, then the next pod's container restarted, each once
+a checkpoint was kept in the runs store, has the run go on by itself each time
+from the last kept checkpoint in a new run on a new pod, its steps continuing
+from the checkpoint's, every pod and what it cost in the summary; with
+`max_restarts` 0 the run fails with the loss and no second pod is made."""
 
 from __future__ import annotations
 
@@ -36,32 +36,36 @@ pytestmark = pytest.mark.slow
 RESTART_BOUND_S = 240.0  # for a checkpoint to be kept, then the container restarted
 
 
-def restart_once_a_checkpoint_is_kept(
+def lose_pods_once_a_checkpoint_is_kept(
     sim: RunpodSim,
     pods: SimPods,
     runs_dir: Path,
-    restarted: list[tuple[str, int]],
-    terminate: bool = False,
+    lost: list[tuple[str, int]],
+    ways: tuple[str, ...] = ("restarted",),
 ) -> threading.Thread:
-    """A thread that restarts the container of the first run's pod once a
-    checkpoint of it is kept in the runs store (its host restarts it, as
-    Runpod's do), or with `terminate`, has Runpod terminate the pod (the
-    account's balance ran out), noting (run, kept step)."""
+    """A thread that loses the pod of each run in turn, once a checkpoint of
+    that run is kept in the runs store, the n-th the n-th of `ways`:
+    "restarted" (its host restarts its container, as Runpod's do) or
+    "terminated" (Runpod terminates it: the account's balance ran out), noting
+    (run, kept step) for each."""
 
     def watch() -> None:
-        deadline = time.monotonic() + RESTART_BOUND_S
-        while time.monotonic() < deadline and not restarted:
+        deadline = time.monotonic() + RESTART_BOUND_S * len(ways)
+        while time.monotonic() < deadline and len(lost) < len(ways):
             runs = Runs(runs_dir)
+            done = {run_id for run_id, _ in lost}
             for record in runs.list(skipped=lambda _name, _error: None):
+                if record.id in done:
+                    continue
                 kept = last_kept(runs, record.id)
                 pod = PodRecord.load(runs, record.id)
                 if kept is not None and pod is not None and pod.pod_id is not None:
-                    if terminate:
+                    if ways[len(lost)] == "terminated":
                         sim.terminate(pod.pod_id)
                     else:
                         pods.restart(sim.pod(pod.pod_id))
-                    restarted.append((record.id, kept.step))
-                    return
+                    lost.append((record.id, kept.step))
+                    break
             time.sleep(0.2)
 
     thread = threading.Thread(target=watch, daemon=True)
@@ -75,53 +79,53 @@ def steps_of(runs: Runs, run_id: str) -> list[int]:
     return [e["step"] for e in events if e.get("event") == "log"]
 
 
-@pytest.mark.parametrize("lost", ["restarted", "terminated"])
-def test_a_pod_lost_mid_training_goes_on_from_its_kept_checkpoint_on_a_new_pod(
+def test_a_training_goes_on_from_its_kept_checkpoint_on_a_new_pod_each_time_its_pod_is_lost(
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
     tiny: tuple[Path, Path],
     tmp_path: Path,
-    lost: str,
 ) -> None:
+    """Its first pod terminated by Runpod, then its second pod's container
+    restarted (max_restarts 2): three pods, each run going on from the one
+    before's kept checkpoint, all three in the summary."""
     runs_dir = tmp_path / "runs"
     pods_of.restart_delay_s = (0.2, 0.4)
-    restarted: list[tuple[str, int]] = []
-    watcher = restart_once_a_checkpoint_is_kept(
-        sim, pods_of, runs_dir, restarted, terminate=lost == "terminated"
-    )
+    lost: list[tuple[str, int]] = []
+    ways = ("terminated", "restarted")
+    watcher = lose_pods_once_a_checkpoint_is_kept(sim, pods_of, runs_dir, lost, ways)
     name = target(sim)
     training = spec(*tiny, max_steps=40, save_steps=5)
     result = run(train(target=name, training=training, runs_dir=str(runs_dir)))
     watcher.join(timeout=5)
-    assert restarted, "no checkpoint was kept before the run ended"
-    (lost_id, kept_step) = restarted[0]
+    assert len(lost) == 2, f"a checkpoint was not kept before each loss: {lost}"
     assert isinstance(result, RunResult)
     assert result.state == RunState.SUCCEEDED, result.message
     runs = Runs(runs_dir)
-    first_run = runs.load(lost_id)
-    told = first_run.message or ""
-    assert first_run.state == RunState.FAILED, told
-    assert ("restarted" if lost == "restarted" else "Runpod terminated it") in told, told
-    # a new run on a new pod, from the kept checkpoint, its steps going on from there
-    went_on = runs.load(result.run_id)
-    assert went_on.id != lost_id and went_on.resumed_from is not None
-    assert went_on.resumed_from.run_id == lost_id and went_on.resumed_from.step == kept_step
-    assert min(steps_of(runs, went_on.id)) > kept_step and max(steps_of(runs, went_on.id)) == 40
-    first, second = PodRecord.load(runs, lost_id), PodRecord.load(runs, went_on.id)
-    assert first is not None and second is not None and first.pod_id != second.pod_id
-    assert first.state == PodState.DELETED
-    if lost == "restarted":
-        assert first.restarted is not None
-    else:
-        assert first.deleted_by == "unknown" and first.restarted is None
-    assert second.state == PodState.DELETED
-    assert sim.pods() == [] and len(sim.pods(include_deleted=True)) == 2
-    # the summary lists both pods: why the first was lost, where the second went on from
+    (terminated_id, first_step), (restarted_id, second_step) = lost
+    told = [runs.load(run_id).message or "" for run_id, _ in lost]
+    assert [runs.load(run_id).state for run_id, _ in lost] == [RunState.FAILED] * 2, told
+    assert "Runpod terminated it" in told[0] and "restarted" in told[1], told
+    # each new run on a new pod, from the kept checkpoint before it, its steps going on
+    second, went_on = runs.load(restarted_id), runs.load(result.run_id)
+    assert second.resumed_from is not None and went_on.resumed_from is not None
+    assert (second.resumed_from.run_id, second.resumed_from.step) == (terminated_id, first_step)
+    assert (went_on.resumed_from.run_id, went_on.resumed_from.step) == (restarted_id, second_step)
+    assert min(steps_of(runs, restarted_id)) > first_step
+    assert min(steps_of(runs, went_on.id)) > second_step and max(steps_of(runs, went_on.id)) == 40
+    pods = [PodRecord.load(runs, run_id) for run_id in (terminated_id, restarted_id, went_on.id)]
+    assert all(pod is not None and pod.state == PodState.DELETED for pod in pods), pods
+    assert len({pod.pod_id for pod in pods if pod is not None}) == 3
+    assert pods[0] is not None and pods[0].deleted_by == "unknown" and pods[0].restarted is None
+    assert pods[1] is not None and pods[1].restarted is not None
+    assert sim.pods() == [] and len(sim.pods(include_deleted=True)) == 3
+    # the summary lists every pod: why each was lost, where the next went on from
     (summary,) = [a for a in artifacts_of(went_on.id) if a.key == f"run-{went_on.id}-summary"]
     text = str(summary.data)
-    assert "## Machines" in text and lost_id in text and "lost: " in text, text
-    assert f"checkpoint-{kept_step} (step {kept_step})" in text, text
+    assert "## Machines" in text and terminated_id in text and restarted_id in text, text
+    assert text.count("| lost: ") == 2, text
+    for step in (first_step, second_step):
+        assert f"checkpoint-{step} (step {step})" in text, text
 
 
 def test_with_max_restarts_0_a_run_lost_with_its_pod_fails_with_the_loss(
@@ -134,7 +138,7 @@ def test_with_max_restarts_0_a_run_lost_with_its_pod_fails_with_the_loss(
     runs_dir = tmp_path / "runs"
     pods_of.restart_delay_s = (0.2, 0.4)
     restarted: list[tuple[str, int]] = []
-    watcher = restart_once_a_checkpoint_is_kept(sim, pods_of, runs_dir, restarted)
+    watcher = lose_pods_once_a_checkpoint_is_kept(sim, pods_of, runs_dir, restarted)
     name = target(sim, max_restarts=0)
     training = spec(*tiny, max_steps=40, save_steps=5)
     state = run(train(target=name, training=training, runs_dir=str(runs_dir), return_state=True))
