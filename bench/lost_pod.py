@@ -79,8 +79,8 @@ def main() -> None:
     kept, and measures what the loss cost."""
     from overbrainer_prefect.flows import RunResult, train
     from overbrainer_prefect.runpod.pod import PodRecord
-    from overbrainer_prefect.runs.ids import parse_rfc3339
     from overbrainer_prefect.runs.store import Runs
+    from overbrainer_prefect.timestamps import parse_rfc3339
     from tests.tinymodel import tiny_dataset, tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="bench-lost-pod-"))

@@ -146,8 +146,8 @@ def retrieval(root: Path) -> None:
 
 def record_updates(root: Path) -> None:
     """100 writers changing their run's record 10 times each, at once."""
-    from overbrainer_prefect.runs.records import RecordChanged
     from overbrainer_prefect.runs.store import RunRecord, Runs
+    from overbrainer_prefect.store.records import RecordChanged
     from tests.s3server import S3Server
 
     with S3Server.start(root / "moto-records.log") as s3:

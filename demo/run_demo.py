@@ -188,7 +188,7 @@ def fine_tune() -> tuple[Any, float]:
 
 def seconds_of(started: str | None, ended: str | None) -> float | None:
     """The seconds between two RFC 3339 times of a record, if both are there."""
-    from overbrainer_prefect.runs.ids import parse_rfc3339
+    from overbrainer_prefect.timestamps import parse_rfc3339
 
     if not started or not ended:
         return None

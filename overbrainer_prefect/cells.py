@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.timestamps import parse_rfc3339
 
 
 def table_cell(text: str) -> str:

@@ -29,8 +29,8 @@ from overbrainer_prefect.kinds.compare import CompareResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.nightly.decision import NightFacts, night_facts
 from overbrainer_prefect.runs.metrics import MetricsSummary, stored_summary
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.trainers.base import METRICS_FILE
 
 

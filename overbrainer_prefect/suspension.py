@@ -25,13 +25,13 @@ from prefect.runtime import deployment, flow_run
 
 from overbrainer_prefect.artifacts import PrefectReporter, remember_live_artifacts
 from overbrainer_prefect.budget_leases import Leases
-from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.lock import follower_of
-from overbrainer_prefect.runs.records import store_errors
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.steps.reporters import Reporter
+from overbrainer_prefect.store.records import store_errors
 from overbrainer_prefect.targets.base import Logger
 from overbrainer_prefect.targets.sharing import current
+from overbrainer_prefect.timestamps import parse_rfc3339
 
 IN_PROCESS_ENV = "OVERBRAINER_FOLLOW_IN_PROCESS"
 """Set to 1 in a deployment's environment: its flow runs follow their jobs themselves."""

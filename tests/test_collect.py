@@ -25,10 +25,10 @@ from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.executors.base import JobSpec
 from overbrainer_prefect.flows.collect import CREATE_GRACE_S, collect
 from overbrainer_prefect.runs import Runs, RunState
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.lock import follow_lock
 from overbrainer_prefect.runs.store import RunRecord
 from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.procs import alive
 from tests.shelljobs import WRITE_OUTPUT, wait_for

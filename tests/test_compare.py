@@ -21,8 +21,9 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from overbrainer_prefect.flows import CompareResult, compare
 from overbrainer_prefect.kinds.compare import NotComparable, answers_markdown
 from overbrainer_prefect.runs import Runs, RunState
-from overbrainer_prefect.runs.ids import new_run_id, rfc3339
+from overbrainer_prefect.runs.ids import new_run_id
 from overbrainer_prefect.runs.store import BASES_DIR, RunRecord
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.compare import (
     BadCompareInput,
     BadQuestions,

@@ -54,10 +54,10 @@ from overbrainer_prefect.delivery.record import (
 from overbrainer_prefect.delivery.sources import LocalFile, SourceError, find_gguf
 from overbrainer_prefect.executors.base import JOB_LOG
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import METRICS_FILE, Artifacts
 from overbrainer_prefect.trainers.spec import TrainingSpec

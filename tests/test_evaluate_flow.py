@@ -42,7 +42,7 @@ from overbrainer_prefect.finetune import CompareSettings, DeliverSettings
 from overbrainer_prefect.flows import FineTuneResult, FineTuneSpec, evaluate, fine_tune
 from overbrainer_prefect.flows.runs import runs as runs_flow
 from overbrainer_prefect.runs import Runs
-from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.export import ExportSpec
 from tests.conftest import job_venv
 from tests.flowrun import run

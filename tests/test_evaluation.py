@@ -477,8 +477,9 @@ def test_the_evaluation_trainer_stages_its_models_items_and_scripts_and_runs_on_
 def test_an_evaluations_record_is_found_by_its_id_like_an_export_or_a_compare(
     tmp_path: Path,
 ) -> None:
-    from overbrainer_prefect.runs.ids import new_run_id, rfc3339
+    from overbrainer_prefect.runs.ids import new_run_id
     from overbrainer_prefect.runs.store import RunRecord, Runs
+    from overbrainer_prefect.timestamps import rfc3339
 
     runs = Runs(tmp_path / "runs")
     run_id, evaluation_id = new_run_id(), new_run_id()

@@ -34,13 +34,13 @@ from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
 from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runpod.reaper import BY, REAPER_LOG
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.lock import follow_lock
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import reporters
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import TargetFacts, TrainError
 from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim, running_sim

@@ -70,7 +70,7 @@ def killed_when(
 def collect_now(runs_dir: Path, since_created: RunRecord | None = None) -> Any:
     """One `collect`, once the record is older than the collector's grace."""
     if since_created is not None:
-        from overbrainer_prefect.runs.ids import parse_rfc3339
+        from overbrainer_prefect.timestamps import parse_rfc3339
 
         age = time.time() - parse_rfc3339(since_created.created).timestamp()
         time.sleep(max(0.0, COLLECT_GRACE_S - age))

@@ -20,7 +20,7 @@ from overbrainer_prefect.runs import (
     is_valid_run_id,
     new_run_id,
 )
-from overbrainer_prefect.runs.records import RecordChanged
+from overbrainer_prefect.store.records import RecordChanged
 
 
 def record(run_id: str, **changes: object) -> RunRecord:

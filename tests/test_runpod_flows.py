@@ -688,8 +688,9 @@ def ended_run_with_pod(sim: RunpodSim, runs_dir: Path, retrieved: bool) -> str:
     """A failed run here whose job ran and whose pod is still up: its files
     retrieved and verified (a manifest), or not (the note); returns the pod's id."""
     from overbrainer_prefect.executors.base import JobId
-    from overbrainer_prefect.runs.ids import new_run_id, rfc3339
+    from overbrainer_prefect.runs.ids import new_run_id
     from overbrainer_prefect.runs.store import RunRecord
+    from overbrainer_prefect.timestamps import rfc3339
 
     run_id = new_run_id()
     runs = Runs(runs_dir)
@@ -837,8 +838,9 @@ def test_the_cancel_flow_cancels_a_job_on_its_pod_retrieves_what_it_left_and_end
 def test_the_sweep_deletes_a_pod_whose_job_never_started_within_boot_grace_and_no_other(
     prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.runs.ids import new_run_id, rfc3339
+    from overbrainer_prefect.runs.ids import new_run_id
     from overbrainer_prefect.runs.store import RunRecord
+    from overbrainer_prefect.timestamps import rfc3339
 
     runs_dir = tmp_path / "runs"
     runs = Runs(runs_dir)

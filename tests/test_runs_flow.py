@@ -17,9 +17,9 @@ from overbrainer_prefect.blocks import AmbiguousTarget, LocalTarget, SshTarget, 
 from overbrainer_prefect.flows.runs import runs
 from overbrainer_prefect.kinds.listing import age_text
 from overbrainer_prefect.runpod.pod import PodRecord
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.timestamps import rfc3339
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

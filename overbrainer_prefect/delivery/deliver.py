@@ -35,8 +35,8 @@ from overbrainer_prefect.delivery.sources import (
     normalize_quant,
 )
 from overbrainer_prefect.evaluation.gate import GateDecision
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.timestamps import rfc3339
 
 What = Literal["adapter", "gguf", "both"]
 """What a Hub delivery commits: the adapter, the GGUF, or both."""

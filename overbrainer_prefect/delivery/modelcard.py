@@ -16,9 +16,9 @@ from huggingface_hub import ModelCard, ModelCardData
 from overbrainer_prefect.delivery.sources import ExportedGguf, LocalFile
 from overbrainer_prefect.executors.manifest import sha256_file
 from overbrainer_prefect.runs.metrics import stored_summary
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs
 from overbrainer_prefect.store import StoreError
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.trainers.axolotl import DATA_DIR
 from overbrainer_prefect.trainers.base import METRICS_FILE
 from overbrainer_prefect.trainers.spec import HUB_ID, TrainingSpec

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from overbrainer_prefect.runs.records import read_record, update_record
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import read_record, update_record
 
 DELIVERIES_FILE = "deliveries.json"
 

@@ -23,16 +23,16 @@ from collections.abc import Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.evaluation.results import EvaluationResult
-from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.records import (
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store import StoreError
+from overbrainer_prefect.store.records import (
     DeploymentRecord,
     RecordChanged,
     RecordError,
     read_record,
     write_record,
 )
-from overbrainer_prefect.runs.store import Runs
-from overbrainer_prefect.store import StoreError
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.export import NAME_CHARS
 
 DELIVERED_DIR = ".delivered"

@@ -31,8 +31,8 @@ from overbrainer_prefect.evaluation.spec import (
     Group,
     JudgeModel,
 )
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.export import UnknownQuant, check_quant
 from overbrainer_prefect.trainers.gguf_job import GgufRef

@@ -23,8 +23,8 @@ from overbrainer_prefect.evaluation.judge import JudgeCall, JudgeOutcome, OpenAI
 from overbrainer_prefect.evaluation.scorers import ScorerKind, passes
 from overbrainer_prefect.evaluation.spec import EvalItem, EvaluationPlan, Group
 from overbrainer_prefect.evaluation.stats import mcnemar_exact, wilson
-from overbrainer_prefect.runs.records import RecordError, record_bytes
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import RecordError, record_bytes
 from overbrainer_prefect.trainers.compare import ModelAnswer
 
 RESULTS_FILE = "results.json"

@@ -33,18 +33,18 @@ from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
 from overbrainer_prefect.kinds.registry import kind_of
 from overbrainer_prefect.kinds.training import next_step
-from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.steps.hooks import HOOK_GRACE_S
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.suspension import waited_for, waited_in_pipeline
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.sharing import shared
 from overbrainer_prefect.targets.spend import spent
+from overbrainer_prefect.timestamps import parse_rfc3339
 
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""

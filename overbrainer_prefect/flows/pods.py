@@ -34,10 +34,10 @@ from overbrainer_prefect.runpod.orphans import (
     sweep_host_keys,
 )
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.timestamps import rfc3339
 
 
 @flow(name="pods", persist_result=True)

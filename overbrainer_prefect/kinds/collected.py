@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState
+from overbrainer_prefect.store.records import RecordError
 
 
 class Collected(BaseModel):

@@ -17,9 +17,9 @@ from overbrainer_prefect.kinds.export import NAME as EXPORT
 from overbrainer_prefect.kinds.export import gguf_entry, reusable
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.runs.manifest import load_manifest, stored_wrong
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
 from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.trainers.base import Trainer
 from overbrainer_prefect.trainers.compare import (

@@ -12,13 +12,13 @@ from overbrainer_prefect.cells import size_text, table_cell
 from overbrainer_prefect.executors.base import Executor, FileDigest
 from overbrainer_prefect.kinds.base import Check, ChildResult, JobKind, NewJob, child_next_step
 from overbrainer_prefect.kinds.files import FileEntry
-from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.manifest import load_manifest, stored_wrong
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, local_path, subject
 from overbrainer_prefect.sizing import DiskJob, export_disk
 from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.base import JobNeed, Logger
+from overbrainer_prefect.timestamps import parse_rfc3339
 from overbrainer_prefect.trainers.base import METRICS_FILE, Trainer, TrainError
 from overbrainer_prefect.trainers.export import (
     CONFIG_FILE,

@@ -14,9 +14,7 @@ from overbrainer_prefect.cells import sig
 from overbrainer_prefect.delivery.record import load_deliveries
 from overbrainer_prefect.kinds.registry import KINDS
 from overbrainer_prefect.kinds.training import next_step
-from overbrainer_prefect.runs.ids import parse_rfc3339
 from overbrainer_prefect.runs.metrics import stored_summary
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import (
     RunRecord,
     Runs,
@@ -24,7 +22,9 @@ from overbrainer_prefect.runs.store import (
     follow_again,
     local_path,
 )
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.spend import spent
+from overbrainer_prefect.timestamps import parse_rfc3339
 from overbrainer_prefect.trainers.base import METRICS_FILE
 
 

@@ -22,8 +22,8 @@ from typing import TypeVar
 
 from overbrainer_prefect.money.budgets import Budgets
 from overbrainer_prefect.money.ledger import Ask, Entry, Ledger, Left, Who, admit
-from overbrainer_prefect.runs.records import RecordChanged, read_record, write_record
 from overbrainer_prefect.runs.store import Runs, RunsError
+from overbrainer_prefect.store.records import RecordChanged, read_record, write_record
 
 LEDGER_DIR = ".ledger"
 LEDGER_FILE = "ledger.json"

@@ -19,8 +19,8 @@ from overbrainer_prefect.nightly.fingerprint import (
     pinned,
 )
 from overbrainer_prefect.nightly.record import Night, load_night, save_night
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.spec import TrainingSpec
 
 DELIVERED, LAST = "delivered", "last"

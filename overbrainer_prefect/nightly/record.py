@@ -18,13 +18,13 @@ from pydantic import Field
 
 from overbrainer_prefect.evaluation.gate import deployment_stem
 from overbrainer_prefect.nightly.fingerprint import Fingerprint
-from overbrainer_prefect.runs.records import (
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import (
     DeploymentRecord,
     RecordError,
     load_deployment_record,
     save_deployment_record,
 )
-from overbrainer_prefect.runs.store import Runs
 
 NIGHTLY_DIR = ".nightly"
 """Under the runs directory: the fingerprints of each deployment's nights."""

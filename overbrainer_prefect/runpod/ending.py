@@ -30,10 +30,10 @@ from overbrainer_prefect.runpod.fate import (
 from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name, usd
-from overbrainer_prefect.runs.ids import parse_rfc3339
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
 from overbrainer_prefect.steps.context import ENDED_BY
+from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.timestamps import parse_rfc3339
 
 
 class DeleteRefused(PodError):

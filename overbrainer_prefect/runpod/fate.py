@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from overbrainer_prefect.runpod.bootstrap import WATCHDOG_LOG
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
-from overbrainer_prefect.runs.ids import parse_rfc3339
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs, RunsError
+from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.timestamps import parse_rfc3339
 
 RETRIEVED_REASON = "the client retrieved and verified the run's files (.pod/retrieved)"
 """Why the watchdog deletes a pod at once once the client marked its files retrieved."""

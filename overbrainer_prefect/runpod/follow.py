@@ -26,12 +26,12 @@ from overbrainer_prefect.runpod.ending import is_gone, remove
 from overbrainer_prefect.runpod.fate import Restart, lost_to_restart, restart_lost_message
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, RunsError, RunState, subject
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.steps.reporters import Reporter
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.trainers.base import Trainer
 
 

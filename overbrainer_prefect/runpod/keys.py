@@ -24,8 +24,8 @@ from pathlib import Path
 import asyncssh
 from pydantic import SecretStr
 
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import RecordError
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from pydantic import BaseModel, Field
 
 from overbrainer_prefect.runpod.orphans import PodRow
-from overbrainer_prefect.runs.ids import rfc3339
+from overbrainer_prefect.timestamps import rfc3339
 
 
 class PodsError(ValueError):

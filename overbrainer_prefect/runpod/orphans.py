@@ -17,11 +17,11 @@ from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.keys import HOST_KEY_SECRET_PREFIX
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
-from overbrainer_prefect.runs.ids import parse_rfc3339, rfc3339
 from overbrainer_prefect.runs.lock import is_followed
 from overbrainer_prefect.runs.manifest import has_manifest
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, follow_again, subject
+from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.timestamps import parse_rfc3339, rfc3339
 
 
 @dataclass(frozen=True)

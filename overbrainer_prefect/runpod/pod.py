@@ -15,9 +15,10 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from overbrainer_prefect.runs.ids import is_valid_run_id, rfc3339
-from overbrainer_prefect.runs.records import StoredRecord, read_record, write_record
+from overbrainer_prefect.runs.ids import is_valid_run_id
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import StoredRecord, read_record, write_record
+from overbrainer_prefect.timestamps import rfc3339
 
 POD_RECORD = "pod.json"
 """The pod record of a run, in its local run directory (never uploaded)."""

@@ -61,8 +61,8 @@ from overbrainer_prefect.runpod.models import PodRequest, secret_ref
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, SshAddress, pod_name
 from overbrainer_prefect.runpod.reaper import start_reaper
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.timestamps import rfc3339
 
 BANNER_TIMEOUT_S = 5.0  # seconds to read sshd's banner on a starting pod
 BANNER_POLL_S = 0.5  # between two knocks on a pod's sshd once Runpod shows its endpoint (billed)

@@ -20,8 +20,8 @@ from pathlib import Path
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.runpod.bootstrap import BETWEEN_MARKER, JOB_FILE, LEASE_FILE
 from overbrainer_prefect.runs.ids import is_valid_run_id
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs, RunsError
+from overbrainer_prefect.store.records import RecordError
 
 LINK_FILE = "pod.link"
 """In the local run directory of a job run on another record's pod: that record."""

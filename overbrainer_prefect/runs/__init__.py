@@ -1,7 +1,6 @@
 """Runs: their IDs, their records in `runs/<id>/`, and the steps of a run."""
 
-from overbrainer_prefect.runs.ids import is_valid_run_id, new_run_id, rfc3339
-from overbrainer_prefect.runs.records import InvalidRecord, RecordError, RecordIoError
+from overbrainer_prefect.runs.ids import is_valid_run_id, new_run_id
 from overbrainer_prefect.runs.store import (
     RECORD_FILE,
     InvalidRunId,
@@ -12,6 +11,7 @@ from overbrainer_prefect.runs.store import (
     RunsError,
     RunState,
 )
+from overbrainer_prefect.store.records import InvalidRecord, RecordError, RecordIoError
 
 __all__ = [
     "RECORD_FILE",
@@ -27,5 +27,4 @@ __all__ = [
     "RunsError",
     "is_valid_run_id",
     "new_run_id",
-    "rfc3339",
 ]

@@ -13,8 +13,8 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.executors.base import FileDigest
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import RecordError
 
 CHECKPOINTS_FILE = "checkpoints.json"
 """The checkpoints of a run kept in its store, in its directory."""

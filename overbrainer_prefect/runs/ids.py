@@ -24,13 +24,3 @@ def is_valid_run_id(value: str) -> bool:
     """Whether `value` is a run ID: `YYYYMMDD-HHMMSS-xxxx`, lowercase letters and
     digits, never a path (no `/`, no `..`)."""
     return bool(_ID.match(value))
-
-
-def rfc3339(moment: datetime | None = None) -> str:
-    """`moment` (default: now) as RFC 3339 UTC with seconds, e.g. `2026-09-22T14:30:05Z`."""
-    return (moment or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_rfc3339(value: str) -> datetime:
-    """The UTC time an `rfc3339` string names. Raises ValueError when it is not one."""
-    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.records import store_errors
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import Busy
+from overbrainer_prefect.store.records import store_errors
+from overbrainer_prefect.timestamps import rfc3339
 
 LOCK_FILE = ".follow.lock"
 FOLLOWER_LOCK = ".follower.lock"

@@ -8,8 +8,8 @@ from pydantic import TypeAdapter
 
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.executors.manifest import recheck
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import RecordError
 
 MANIFEST_FILE = "manifest.json"
 """The verified manifest of a run's retrieved files, kept beside them in its store."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.records import RecordError
 
 
 @dataclass(frozen=True)

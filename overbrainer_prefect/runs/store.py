@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runs.ids import is_valid_run_id
-from overbrainer_prefect.runs.records import (
+from overbrainer_prefect.store import LocalStore, ObjectInfo, Store, open_store
+from overbrainer_prefect.store.base import join
+from overbrainer_prefect.store.records import (
     InvalidRecord,
     RecordError,
     RecordIoError,
@@ -25,8 +27,6 @@ from overbrainer_prefect.runs.records import (
     store_errors,
     write_record,
 )
-from overbrainer_prefect.store import LocalStore, ObjectInfo, Store, open_store
-from overbrainer_prefect.store.base import join
 from overbrainer_prefect.store.where import RUNS_DIR, RUNS_ROOT_ENV
 
 log = logging.getLogger(__name__)

@@ -31,11 +31,11 @@ from overbrainer_prefect.runs.checkpoints import (
     load_kept,
     save_kept,
 )
-from overbrainer_prefect.runs.ids import rfc3339
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.steps.direct import put_files
+from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.timestamps import rfc3339
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ from overbrainer_prefect.executors.base import (
     ExecError,
     JobStatus,
 )
-from overbrainer_prefect.runs.ids import rfc3339
 from overbrainer_prefect.runs.store import (
     RunRecord,
     Runs,
@@ -19,6 +18,7 @@ from overbrainer_prefect.runs.store import (
 from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.steps.errors import NotStarted, RunError
 from overbrainer_prefect.steps.retrieve import retrieve
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import (
     STOP_FILE,
     Trainer,

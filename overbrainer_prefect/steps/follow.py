@@ -18,7 +18,6 @@ from overbrainer_prefect.executors.base import (
     JobStatus,
 )
 from overbrainer_prefect.runs.failure import TAIL_LINES, failure_cause
-from overbrainer_prefect.runs.ids import parse_rfc3339, rfc3339
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import (
     RunRecord,
@@ -31,6 +30,7 @@ from overbrainer_prefect.steps.checkpoints import Checkpointing, Keeper
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, NotStarted, Unreachable
 from overbrainer_prefect.steps.retrieve import recorded, retrieve
+from overbrainer_prefect.timestamps import parse_rfc3339, rfc3339
 from overbrainer_prefect.trainers.base import (
     Trainer,
 )

@@ -18,7 +18,6 @@ from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.runs.checkpoints import load_kept, sorted_against
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE, load_manifest, manifest_bytes
 from overbrainer_prefect.runs.metrics import stored_summary
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import (
     RunRecord,
     Runs,
@@ -28,6 +27,7 @@ from overbrainer_prefect.runs.store import (
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.direct import put_files
 from overbrainer_prefect.steps.errors import NotEnded
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.trainers.base import (
     Trainer,
 )

@@ -17,7 +17,7 @@ from overbrainer_prefect.executors.base import (
     JobId,
     JobSpec,
 )
-from overbrainer_prefect.runs.ids import new_run_id, rfc3339
+from overbrainer_prefect.runs.ids import new_run_id
 from overbrainer_prefect.runs.lock import LOCK_FILE
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE
 from overbrainer_prefect.runs.store import (
@@ -29,6 +29,7 @@ from overbrainer_prefect.runs.store import (
 from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.steps.direct import FETCH_ENV, fetch_command, fetch_plan, push_staged
 from overbrainer_prefect.store import StoreError
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import (
     JobContext,
     TargetFacts,

@@ -73,12 +73,12 @@ from overbrainer_prefect.runpod.vram import (
     model_shape,
     training_vram,
 )
-from overbrainer_prefect.runs.records import RecordIoError
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.steps import retrieve
 from overbrainer_prefect.steps.context import COLLECTOR, Outcome, RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, RunError, failure_reason
 from overbrainer_prefect.steps.reporters import Reporter
+from overbrainer_prefect.store.records import RecordIoError
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.targets.disk import fit_disk
 from overbrainer_prefect.targets.host import BlockTarget, Bounds

@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.runs.manifest import load_manifest
-from overbrainer_prefect.runs.records import RecordError
 from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.trainers.base import (
     METRICS_FILE,
     Artifacts,

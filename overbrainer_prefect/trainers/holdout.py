@@ -19,9 +19,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from overbrainer_prefect.runs.records import RecordError, record_bytes
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store.local import write_atomic
+from overbrainer_prefect.store.records import RecordError, record_bytes
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
 
