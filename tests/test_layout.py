@@ -19,6 +19,7 @@ CORE_PACKAGES = (
     "trainers",
     "runpod",
     "targets",
+    "targets/runpod",
     "evaluation",
     "delivery",
     "nightly",

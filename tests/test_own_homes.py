@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
-from overbrainer_prefect.runpod.context import PodContext
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.targets.runpod.context import PodContext
 from tests.runpod_sim import running_sim
 from tests.runpod_sim.pods import SimPods
 from tests.sshd import Sshd

@@ -28,18 +28,19 @@ from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runpod import Pod, PodRequest, RunpodClient
 from overbrainer_prefect.runpod.boot import START_MARK, ContainerWatch, log_verdict
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV, WATCHDOG_LOG
-from overbrainer_prefect.runpod.context import PodContext, PodError
-from overbrainer_prefect.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
-from overbrainer_prefect.runpod.gpucheck import gpu_mismatch
-from overbrainer_prefect.runpod.orphans import PodRow, orphan_warnings, pod_rows
+from overbrainer_prefect.runpod.errors import PodError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
-from overbrainer_prefect.runpod.reaper import BY, REAPER_LOG
 from overbrainer_prefect.runs.lock import follow_lock
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import reporters
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
+from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
+from overbrainer_prefect.targets.runpod.gpucheck import gpu_mismatch
+from overbrainer_prefect.targets.runpod.orphans import PodRow, orphan_warnings, pod_rows
+from overbrainer_prefect.targets.runpod.reaper import BY, REAPER_LOG
 from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import TargetFacts, TrainError
 from tests.conftest import job_venv
@@ -56,8 +57,8 @@ FOLLOWER = """
 import asyncio, sys
 from pydantic import SecretStr
 from overbrainer_prefect.runpod import RunpodClient, RunpodTargetSettings, plan_from_api
-from overbrainer_prefect.runpod.context import PodContext
-from overbrainer_prefect.runpod.provision import provision
+from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.provision import provision
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.steps import start as start_step
 runs_dir, rest, graphql, grace = sys.argv[1:5]

@@ -23,10 +23,10 @@ from prefect.client.orchestration import get_client
 
 from overbrainer_prefect.executors.manifest import sha256_file
 from overbrainer_prefect.flows import collect
-from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR, host_key_secret
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR, host_key_secret
 from tests import test_runpod_flows as on_pods
 from tests.conftest import job_venv
 from tests.flowrun import run

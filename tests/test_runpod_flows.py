@@ -41,11 +41,11 @@ from overbrainer_prefect.driver import on_cancelled
 from overbrainer_prefect.flows import RunResult, attach, cancel, pods, stop, train
 from overbrainer_prefect.runpod import PodRequest
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
-from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR
-from overbrainer_prefect.runpod.listing import PodsError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
+from overbrainer_prefect.targets.runpod.listing import PodsError
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import job_venv
 from tests.flowrun import run

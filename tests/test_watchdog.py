@@ -32,22 +32,23 @@ from overbrainer_prefect.runpod.bootstrap import (
     bootstrap_script,
     parse_armed,
 )
-from overbrainer_prefect.runpod.context import PodContext, PodError, PodGone
-from overbrainer_prefect.runpod.follow import (
+from overbrainer_prefect.runpod.errors import PodError, PodGone
+from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord, PodState
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import follow
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import RunContext
+from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.follow import (
     guard_fires,
     overrun,
     renewal_due,
     settle,
     watch_leased,
 )
-from overbrainer_prefect.runpod.keys import CLIENT_KEY, SSH_DIR
-from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord, PodState
-from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, Provisioned, provision
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.steps import end as end_step
-from overbrainer_prefect.steps import follow
-from overbrainer_prefect.steps import start as start_step
-from overbrainer_prefect.steps.context import RunContext
+from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
+from overbrainer_prefect.targets.runpod.provision import DEFAULT_WORKDIR, Provisioned, provision
 from tests.procs import alive
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, descendants
@@ -574,7 +575,7 @@ def test_a_deleted_pod_takes_its_job_with_it(bed: Bed) -> None:
 def test_a_pod_shared_by_a_pipeline_watches_each_job_and_ends_at_the_next_job_grace(
     bed: Bed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from overbrainer_prefect.runpod.shared import job_dir, mark_between, name_job
+    from overbrainer_prefect.targets.runpod.shared import job_dir, mark_between, name_job
 
     monkeypatch.setenv(TIMING_ENV, FAST + ",next_job_grace_s=5")
 
@@ -648,7 +649,7 @@ def test_a_pod_found_gone_is_blamed_on_the_bound_that_passed_first() -> None:
 
 
 def test_pods_are_named_after_their_run_and_found_back_by_name() -> None:
-    from overbrainer_prefect.runpod.pod import pod_name, run_of_pod_name
+    from overbrainer_prefect.targets.runpod.names import pod_name, run_of_pod_name
 
     name = pod_name("20260101-000000-r1r1", 2)
     assert name == "ob-20260101-000000-r1r1-a2"
@@ -660,12 +661,12 @@ def test_pods_are_named_after_their_run_and_found_back_by_name() -> None:
 def test_a_detached_run_names_attach_the_pods_flow_and_what_bounds_its_pod(
     tmp_path: Path,
 ) -> None:
-    from overbrainer_prefect.runpod.ending import (
+    from overbrainer_prefect.runs.store import RunRecord
+    from overbrainer_prefect.targets.runpod.ending import (
         detached_message,
         kept_message,
         unretrieved_message,
     )
-    from overbrainer_prefect.runs.store import RunRecord
 
     runs = Runs(tmp_path / "runs")
     run_id = "20260101-000000-r1r1"
@@ -703,8 +704,8 @@ def test_a_detached_run_names_attach_the_pods_flow_and_what_bounds_its_pod(
 
 
 def test_a_failed_run_keeps_only_the_status_of_an_api_answer() -> None:
-    from overbrainer_prefect.runpod.context import INTERRUPTED, run_message
     from overbrainer_prefect.runpod.errors import RunpodError
+    from overbrainer_prefect.targets.runpod.context import INTERRUPTED, run_message
 
     answered = RunpodError(500, "server error", "try later", detail="server text with rpa_KEY")
     assert run_message(answered) == "Runpod answered 500"

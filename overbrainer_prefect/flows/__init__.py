@@ -18,7 +18,7 @@ from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.listing import RunsListing
 from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.money.view import SpendView
-from overbrainer_prefect.runpod.listing import PodsResult
+from overbrainer_prefect.targets.runpod.listing import PodsResult
 
 __all__ = [
     "Collected",

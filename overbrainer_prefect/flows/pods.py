@@ -21,22 +21,23 @@ from prefect.artifacts import acreate_table_artifact
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget, load_target
 from overbrainer_prefect.kinds.registry import KINDS
-from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import delete_and_confirm
-from overbrainer_prefect.runpod.ending import forget_if_gone, remove, sweep_others
-from overbrainer_prefect.runpod.errors import RunpodError
-from overbrainer_prefect.runpod.listing import PodsError, PodsResult, pod_listing
-from overbrainer_prefect.runpod.orphans import (
+from overbrainer_prefect.runpod.errors import PodError, RunpodError
+from overbrainer_prefect.runpod.pod import PodRecord
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
+from overbrainer_prefect.runs_dir import runs_at
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.ending import forget_if_gone, remove, sweep_others
+from overbrainer_prefect.targets.runpod.listing import PodsError, PodsResult, pod_listing
+from overbrainer_prefect.targets.runpod.names import run_of_pod_name
+from overbrainer_prefect.targets.runpod.orphans import (
     PodRow,
     files_here,
     orphan_warnings,
     pod_rows,
     sweep_host_keys,
 )
-from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
-from overbrainer_prefect.runs_dir import runs_at
-from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.timestamps import rfc3339
 
 

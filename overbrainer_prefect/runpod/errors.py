@@ -152,6 +152,17 @@ class PodNotGone(RunpodError):
         return f"pod {self.pod_id} may still exist"
 
 
+class PodError(TargetError):
+    """A step with a run's pod failed. The message is one line saying what
+    happened to the run and its pod, and what to do next; it never quotes an
+    answer of the API."""
+
+
+class PodGone(PodError):
+    """The run's pod no longer exists (deleted by its watchdog at one of its
+    bounds, or by someone else); `kept` is the reason its run fails with."""
+
+
 def is_capacity_text(text: str) -> bool:
     """Whether Runpod's `text` is its capacity refusal."""
     lowered = text.lower()

@@ -12,19 +12,36 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from overbrainer_prefect.runs.ids import is_valid_run_id
-from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store import Store
 from overbrainer_prefect.store.records import StoredRecord, read_record, write_record
 from overbrainer_prefect.timestamps import rfc3339
 
 POD_RECORD = "pod.json"
 """The pod record of a run, in its local run directory (never uploaded)."""
 
-POD_NAME_PREFIX = "ob-"
-"""Every pod of a run is named `ob-<run id>-a<attempt>`."""
+
+class RecordHome(Protocol):
+    """Where pod records are kept: the runs they were made for (the run store,
+    `runs.store.Runs`), seen only through what a pod record needs of it."""
+
+    @property
+    def store(self) -> Store:
+        """The store the runs are in."""
+        ...
+
+    def run_dir(self, run_id: str) -> Path:
+        """The local run directory of `run_id`. Raises InvalidRunId when
+        `run_id` is not a run ID."""
+        ...
+
+    def key(self, *parts: str) -> str:
+        """The key in `store` of `parts` (a run ID, then names) of these runs."""
+        ...
 
 
 class PodState(StrEnum):
@@ -174,7 +191,7 @@ class PodRecord(StoredRecord):
     )
 
     @classmethod
-    def load(cls, runs: Runs, run_id: str) -> PodRecord | None:
+    def load(cls, runs: RecordHome, run_id: str) -> PodRecord | None:
         """The pod record of the run `run_id`, or None when it has none.
 
         Raises InvalidRunId, RecordIoError or InvalidRecord (with a line and
@@ -187,7 +204,7 @@ class PodRecord(StoredRecord):
         record._etag = etag
         return record
 
-    def save(self, runs: Runs) -> None:
+    def save(self, runs: RecordHome) -> None:
         """Writes `pod.json`: created when new, else only over the version it
         was read at. Raises RecordChanged when another process wrote it
         since, RecordIoError when it cannot be written."""
@@ -309,18 +326,3 @@ def max_cost_reached(max_cost_usd: float | None, rate: float | None) -> str:
 def usd(amount: float) -> str:
     """`$0.44`, or `$0.0025` below a cent."""
     return f"${amount:.2f}" if amount >= 0.01 or amount == 0 else f"${amount:.2g}"
-
-
-def pod_name(run_id: str, attempt: int) -> str:
-    """The unique name of the `attempt`-th pod asked for the run `run_id`."""
-    return f"{POD_NAME_PREFIX}{run_id}-a{attempt}"
-
-
-def run_of_pod_name(name: str) -> str | None:
-    """The run ID a pod named `ob-<run id>-a<n>` belongs to, or None."""
-    if not name.startswith(POD_NAME_PREFIX):
-        return None
-    body, sep, attempt = name[len(POD_NAME_PREFIX) :].rpartition("-a")
-    if not sep or not attempt.isdigit():
-        return None
-    return body if is_valid_run_id(body) else None

@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 
 from overbrainer_prefect.runpod.client import RunpodClient
-from overbrainer_prefect.runpod.context import PodError
-from overbrainer_prefect.runpod.errors import RunpodError
+from overbrainer_prefect.runpod.errors import PodError, RunpodError
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 
 GB = 10**9

@@ -33,14 +33,35 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, SupportsInt, cast
+from typing import Literal, Protocol, SupportsInt, cast
 
 from pydantic import SecretStr
 
-from overbrainer_prefect.trainers.spec import TrainingSpec
-
 Adapter = Literal["lora", "qlora", "full"]
 Sharding = Literal["ddp", "zero1", "zero2", "zero3", "fsdp"]
+
+
+class FineTune(Protocol):
+    """What the VRAM of a fine-tune depends on: the fields of a training spec
+    (`trainers.spec.TrainingSpec`) the estimate reads."""
+
+    @property
+    def adapter(self) -> Adapter: ...
+    @property
+    def sequence_len(self) -> int: ...
+    @property
+    def micro_batch_size(self) -> int: ...
+    @property
+    def lora_r(self) -> int: ...
+    @property
+    def gradient_checkpointing(self) -> bool: ...
+    @property
+    def sharding(self) -> Sharding: ...
+    @property
+    def extra(self) -> Mapping[str, object]:
+        """Further axolotl keys (`gradient_checkpointing` may be among them)."""
+        ...
+
 
 GB = 1_000_000_000
 GIB = 1 << 30
@@ -202,7 +223,7 @@ def estimate_vram(
     )
 
 
-def training_vram(shape: ModelShape, spec: TrainingSpec, gpus: int = 1) -> VramEstimate:
+def training_vram(shape: ModelShape, spec: FineTune, gpus: int = 1) -> VramEstimate:
     """The VRAM each of `gpus` GPUs needs to run the fine-tune `spec` of a model
     of `shape`: its adapter, sequence length, micro-batch, LoRA rank, gradient
     checkpointing (the field, or `extra`'s) and sharding."""

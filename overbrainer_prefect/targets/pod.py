@@ -12,7 +12,7 @@ Within a pipeline that shares its places (`targets.sharing`: a fine-tune),
 the pod made for its first job is sized for its largest job and runs every
 later job too (a new run directory on it each, the same keys), each job
 with its own record, follow, retrieval and verification; those jobs' records
-link to the pod's owner (`runpod.shared`). Between two jobs the pod stays for
+link to the pod's owner (`targets.runpod.shared`). Between two jobs the pod stays for
 the next, bounded by its watchdog's next-job grace; once the pipeline ends the
 pod is deleted (its last job's files verified, or the pipeline failed).
 """
@@ -35,36 +35,10 @@ from overbrainer_prefect.money.limits import BudgetError
 from overbrainer_prefect.money.pods import ask_of, capped, cost_facts_of
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
-from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, PodGone
-from overbrainer_prefect.runpod.ending import (
-    detached_message,
-    end_pod,
-    fetch_watchdog_log,
-    is_gone,
-    kept_message,
-    release,
-    remove_hint,
-    sweep_others,
-)
-from overbrainer_prefect.runpod.errors import RunpodError
-from overbrainer_prefect.runpod.follow import settle, watch_leased
-from overbrainer_prefect.runpod.gpucheck import check_gpus
+from overbrainer_prefect.runpod.errors import PodError, PodGone, RunpodError
 from overbrainer_prefect.runpod.gpus import LaunchPlan, plan_from_api
-from overbrainer_prefect.runpod.keys import SSH_DIR
-from overbrainer_prefect.runpod.orphans import orphan_warnings, pod_rows, sweep_host_keys
 from overbrainer_prefect.runpod.pod import POD_RECORD, PodRecord, PodState
-from overbrainer_prefect.runpod.provision import DEFAULT_WORKDIR, provision
-from overbrainer_prefect.runpod.reconnect import reconnect
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings, settings_from
-from overbrainer_prefect.runpod.shared import (
-    LINK_FILE,
-    PIPELINE_LINK,
-    home_of,
-    job_dir,
-    mark_between,
-    name_job,
-    write_link,
-)
 from overbrainer_prefect.runpod.volume import ensure_volume
 from overbrainer_prefect.runpod.vram import (
     GB,
@@ -82,6 +56,32 @@ from overbrainer_prefect.store.records import RecordIoError
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.targets.disk import fit_disk
 from overbrainer_prefect.targets.host import BlockTarget, Bounds
+from overbrainer_prefect.targets.runpod.context import INTERRUPTED, PodContext
+from overbrainer_prefect.targets.runpod.ending import (
+    detached_message,
+    end_pod,
+    fetch_watchdog_log,
+    is_gone,
+    kept_message,
+    release,
+    remove_hint,
+    sweep_others,
+)
+from overbrainer_prefect.targets.runpod.follow import settle, watch_leased
+from overbrainer_prefect.targets.runpod.gpucheck import check_gpus
+from overbrainer_prefect.targets.runpod.keys import SSH_DIR
+from overbrainer_prefect.targets.runpod.orphans import orphan_warnings, pod_rows, sweep_host_keys
+from overbrainer_prefect.targets.runpod.provision import DEFAULT_WORKDIR, provision
+from overbrainer_prefect.targets.runpod.reconnect import reconnect
+from overbrainer_prefect.targets.runpod.shared import (
+    LINK_FILE,
+    PIPELINE_LINK,
+    home_of,
+    job_dir,
+    mark_between,
+    name_job,
+    write_link,
+)
 from overbrainer_prefect.targets.sharing import current
 from overbrainer_prefect.trainers.axolotl import launch_summary
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer
@@ -141,7 +141,7 @@ class PodPlaced:
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
         """The job's context on its pod (its pod record, keys and watchdog log
         never uploaded): its probe must see the GPUs the pod bills for
-        (`runpod.gpucheck`), and a job found lost is asked of Runpod: a pod
+        (`targets.runpod.gpucheck`), and a job found lost is asked of Runpod: a pod
         deleted under it ends the watch unreachable, `settle` says why."""
         pod = self.pod
         return replace(
@@ -184,7 +184,7 @@ class PodPlaced:
 
     async def end(self, outcome: Outcome) -> None:
         """Deletes the pod (confirmed) once the job's files are verified, else
-        leaves it to its watchdog's retrieve grace (see `runpod.ending.end_pod`).
+        leaves it to its watchdog's retrieve grace (see `targets.runpod.ending.end_pod`).
         On a pod a pipeline shares, the pod stays for the pipeline's next job."""
         if self.share is not None and not self.pod.gone:
             await self.share.between(self.ctx, self.ssh, outcome.record, outcome.retrieved)
@@ -683,7 +683,7 @@ class PodTarget(BlockTarget):
     async def place(
         self, store: Runs, record: RunRecord, reservation: Reservation[LaunchPlan]
     ) -> AsyncIterator[PodPlaced]:
-        """Provisions the job's pod (see `runpod.provision`) and yields it. On
+        """Provisions the job's pod (see `targets.runpod.provision`) and yields it. On
         exit, a job that never started has every pod of it deleted and its
         record failed with the reason; a started one keeps its pod (its
         follower ended it, or its watchdog bounds it).

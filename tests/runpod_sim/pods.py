@@ -347,8 +347,8 @@ def deleted_once_verified(pod: object) -> bool:
     run's files: by the client's delete, or by its watchdog at a look that came between
     the client's `retrieved` marker (written first, so that a refused delete still ends
     the pod) and that delete. Both are the design; which one wins is a race."""
-    from overbrainer_prefect.runpod.fate import RETRIEVED_REASON
     from overbrainer_prefect.runpod.pod import PodRecord, PodState
+    from overbrainer_prefect.targets.runpod.fate import RETRIEVED_REASON
 
     assert isinstance(pod, PodRecord), pod
     return pod.state == PodState.DELETED and (

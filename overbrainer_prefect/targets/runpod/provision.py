@@ -46,22 +46,23 @@ from overbrainer_prefect.runpod.bootstrap import (
     parse_armed,
     pod_env,
 )
-from overbrainer_prefect.runpod.context import INTERRUPTED, PodContext, PodError, run_message
-from overbrainer_prefect.runpod.ending import fetch_watchdog_log, release, remove_hint
-from overbrainer_prefect.runpod.errors import NoCapacity, RunpodError
+from overbrainer_prefect.runpod.errors import NoCapacity, PodError, RunpodError
 from overbrainer_prefect.runpod.gpus import GpuChoice, LaunchPlan, create_with_fallback, overpriced
-from overbrainer_prefect.runpod.keys import (
+from overbrainer_prefect.runpod.models import PodRequest, secret_ref
+from overbrainer_prefect.runpod.pod import PodRecord, PodState, SshAddress
+from overbrainer_prefect.runpod.settings import RunpodTargetSettings
+from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.targets.runpod.context import INTERRUPTED, PodContext, run_message
+from overbrainer_prefect.targets.runpod.ending import fetch_watchdog_log, release, remove_hint
+from overbrainer_prefect.targets.runpod.keys import (
     PodKeys,
     client_key_path,
     generate,
     host_key_secret,
     write_ssh_config,
 )
-from overbrainer_prefect.runpod.models import PodRequest, secret_ref
-from overbrainer_prefect.runpod.pod import PodRecord, PodState, SshAddress, pod_name
-from overbrainer_prefect.runpod.reaper import start_reaper
-from overbrainer_prefect.runpod.settings import RunpodTargetSettings
-from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.targets.runpod.names import pod_name
+from overbrainer_prefect.targets.runpod.reaper import start_reaper
 from overbrainer_prefect.timestamps import rfc3339
 
 BANNER_TIMEOUT_S = 5.0  # seconds to read sshd's banner on a starting pod

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
 
-from overbrainer_prefect.runpod.orphans import PodRow
+from overbrainer_prefect.targets.runpod.orphans import PodRow
 from overbrainer_prefect.timestamps import rfc3339
 
 

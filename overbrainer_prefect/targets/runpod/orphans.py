@@ -14,13 +14,14 @@ from datetime import UTC, datetime
 
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.errors import RunpodError
-from overbrainer_prefect.runpod.keys import HOST_KEY_SECRET_PREFIX
 from overbrainer_prefect.runpod.models import Pod
-from overbrainer_prefect.runpod.pod import PodRecord, run_of_pod_name
+from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.lock import is_followed
 from overbrainer_prefect.runs.manifest import has_manifest
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, follow_again, subject
 from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.targets.runpod.keys import HOST_KEY_SECRET_PREFIX
+from overbrainer_prefect.targets.runpod.names import run_of_pod_name
 from overbrainer_prefect.timestamps import parse_rfc3339, rfc3339
 
 

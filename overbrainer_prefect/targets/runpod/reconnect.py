@@ -7,12 +7,13 @@ from __future__ import annotations
 from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.bootstrap import ALIVE_FILE
-from overbrainer_prefect.runpod.context import PodContext, PodError
-from overbrainer_prefect.runpod.ending import look_up_pod, remove_hint
-from overbrainer_prefect.runpod.keys import client_key_path, write_ssh_config
+from overbrainer_prefect.runpod.errors import PodError
 from overbrainer_prefect.runpod.pod import PodRecord, SshAddress
-from overbrainer_prefect.runpod.provision import pod_executor
 from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.ending import look_up_pod, remove_hint
+from overbrainer_prefect.targets.runpod.keys import client_key_path, write_ssh_config
+from overbrainer_prefect.targets.runpod.provision import pod_executor
 
 
 async def reconnect(

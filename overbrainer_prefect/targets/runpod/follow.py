@@ -21,9 +21,7 @@ from typing import Any
 
 from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
 from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, WATCHDOG_LOG, PodTiming
-from overbrainer_prefect.runpod.context import PodContext, PodGone
-from overbrainer_prefect.runpod.ending import is_gone, remove
-from overbrainer_prefect.runpod.fate import Restart, lost_to_restart, restart_lost_message
+from overbrainer_prefect.runpod.errors import PodGone
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, RunsError, RunState, subject
@@ -32,6 +30,9 @@ from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.ending import is_gone, remove
+from overbrainer_prefect.targets.runpod.fate import Restart, lost_to_restart, restart_lost_message
 from overbrainer_prefect.trainers.base import Trainer
 
 

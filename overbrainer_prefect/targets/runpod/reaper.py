@@ -17,7 +17,7 @@ Its log is `runs/<id>/.pod/reaper.log`.
 The account key reaches it through its stdin, never its arguments or its
 environment.
 
-    python -m overbrainer_prefect.runpod.reaper RUNS_DIR RUN_ID REST_URL GRAPHQL_URL < key
+    python -m overbrainer_prefect.targets.runpod.reaper RUNS_DIR RUN_ID REST_URL GRAPHQL_URL < key
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from pydantic import SecretStr
 
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
-from overbrainer_prefect.runpod.context import PodContext
-from overbrainer_prefect.runpod.ending import release, remove_hint
 from overbrainer_prefect.runpod.errors import RunpodError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.ending import release, remove_hint
 
 REAPER_LOG = f"{POD_DIR}/reaper.log"
 """The reaper's log, in the local run directory."""

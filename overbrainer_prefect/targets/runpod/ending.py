@@ -17,22 +17,23 @@ from enum import StrEnum
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.runpod.bootstrap import RETRIEVED_MARKER, WATCHDOG_LOG
-from overbrainer_prefect.runpod.context import PodContext, PodError
 from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_and_confirm, look_up
-from overbrainer_prefect.runpod.errors import RunpodError
-from overbrainer_prefect.runpod.fate import (
+from overbrainer_prefect.runpod.errors import PodError, RunpodError
+from overbrainer_prefect.runpod.models import Pod
+from overbrainer_prefect.runpod.pod import PodRecord, PodState, usd
+from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
+from overbrainer_prefect.steps.context import ENDED_BY
+from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.fate import (
     Fate,
     container_restart,
     found_gone,
     restart_message,
     restart_reason,
 )
-from overbrainer_prefect.runpod.keys import forget_client_key, ssh_command
-from overbrainer_prefect.runpod.models import Pod
-from overbrainer_prefect.runpod.pod import PodRecord, PodState, run_of_pod_name, usd
-from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
-from overbrainer_prefect.steps.context import ENDED_BY
-from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.targets.runpod.keys import forget_client_key, ssh_command
+from overbrainer_prefect.targets.runpod.names import run_of_pod_name
 from overbrainer_prefect.timestamps import parse_rfc3339
 
 

@@ -1,5 +1,6 @@
 """What every step with a run's pod shares (the API client, the runs, the
-timing, where messages go), and the error those steps raise."""
+timing, where messages go), and what a run record keeps of the errors those
+steps raise (`PodError`, in the provider's `runpod.errors`)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from typing import Any
 
 from overbrainer_prefect.runpod.bootstrap import PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
-from overbrainer_prefect.runpod.errors import NoCapacity, PodNotGone, RunpodError
+from overbrainer_prefect.runpod.errors import NoCapacity, PodError, PodNotGone, RunpodError
 from overbrainer_prefect.runpod.gpus import GpuChoiceError
 from overbrainer_prefect.runs.store import Runs
-from overbrainer_prefect.steps.errors import INTERRUPTED, TargetError
+from overbrainer_prefect.steps.errors import INTERRUPTED
 
 log = logging.getLogger("overbrainer_prefect.runpod")
 
@@ -28,17 +29,6 @@ class PodContext:
     log: logging.Logger | logging.LoggerAdapter[Any] = log
 
 
-class PodError(TargetError):
-    """A step with a run's pod failed. The message is one line saying what
-    happened to the run and its pod, and what to do next; it never quotes an
-    answer of the API."""
-
-
-class PodGone(PodError):
-    """The run's pod no longer exists (deleted by its watchdog at one of its
-    bounds, or by someone else); `kept` is the reason its run fails with."""
-
-
 def run_message(error: BaseException) -> str:
     """What `run.json` keeps of an error: our own messages as they are, an
     answer of the Runpod API only as its status ("Runpod answered 500")."""
@@ -49,4 +39,4 @@ def run_message(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
-__all__ = ["INTERRUPTED", "PodContext", "PodError", "PodGone", "run_message"]
+__all__ = ["INTERRUPTED", "PodContext", "run_message"]
