@@ -199,6 +199,23 @@ def test_only_the_steps_and_the_driver_change_a_run_record() -> None:
     assert found == []
 
 
+def test_the_runpod_provider_imports_neither_the_run_store_nor_the_trainers() -> None:
+    """A provider answers facts: what works with a run on a pod is the target's
+    (`targets/runpod/`), so a second provider could do as much."""
+    found = []
+    for path in sorted((PACKAGE / "runpod").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in [module or "", *names]:
+                if name.split(".")[:2] in (
+                    ["overbrainer_prefect", "runs"],
+                    ["overbrainer_prefect", "trainers"],
+                ):
+                    found.append(f"{path.relative_to(PACKAGE)}: {name}")
+    assert found == []
+
+
 def test_the_abstract_target_block_is_not_a_block_type_of_its_own() -> None:
     from abc import ABC
 
