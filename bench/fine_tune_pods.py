@@ -43,8 +43,7 @@ QUESTIONS = ["What colour is the sky?", "Name a fruit."]
 def jobs_of(runs_dir: Path, run_id: str) -> list[Any]:
     """The records of every job of the fine-tune of `run_id`: the run, its
     exports, the base model's exports, its compares."""
-    from overbrainer_prefect.runs.store import Runs
-    from overbrainer_prefect.trainers.compare import BASES_DIR
+    from overbrainer_prefect.runs.store import BASES_DIR, Runs
 
     runs = Runs(runs_dir)
     stores = [runs.children(run_id, "export"), runs.children(run_id, "compare")]
@@ -86,6 +85,43 @@ def fine_tune_once(target: str, model: Path, dataset: Path, runs_dir: Path) -> s
     return result.run_id
 
 
+def report(sim: Any, runs_dir: Path, run_id: str, case: str = "") -> None:
+    """Prints what the fine-tune of `run_id` billed outside its jobs: its pods,
+    each job's span, the gaps (boot to the first job, between each two, the last
+    to the delete) and the BENCH lines, suffixed `-<case>` when one is given.
+    Raises RuntimeError when a pod was left."""
+    pods = sim.pods(include_deleted=True)
+    left = [pod.id for pod in pods if pod.deleted_at is None]
+    if left:
+        raise RuntimeError(f"pods left after the fine-tune: {', '.join(left)}")
+    billed = sum(pod.deleted_at - pod.created_at for pod in pods)
+    offset = sim.now() - time.time()  # the billing clock against this machine's
+    spans = sorted(
+        (start + offset, end + offset, record.trainer)
+        for record in jobs_of(runs_dir, run_id)
+        for start, end in [job_span(record)]
+    )
+    ran = sum(end - start for start, end, _ in spans)
+    marks = [pods[0].created_at + BOOT_S] if len(pods) == 1 else []
+    gaps = [spans[0][0] - marks[0]] if marks else []
+    gaps += [spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)]
+    gaps += [pods[0].deleted_at - spans[-1][1]] if marks else []
+    note(
+        f"fine-tune of run {run_id}: {len(pods)} pod(s) billed {billed:.1f} s for "
+        f"{len(spans)} jobs that ran {ran:.1f} s ("
+        + ", ".join(f"{kind} {end - start:.1f}" for start, end, kind in spans)
+        + f" s); a simulated boot is {BOOT_S:g} s"
+    )
+    if gaps:
+        note(
+            "outside the jobs: boot to the first job, between each two, last job to the "
+            "delete: " + ", ".join(f"{gap:.1f}" for gap in gaps) + " s"
+        )
+    suffix = f"-{case}" if case else ""
+    bench(f"fine-tune-pods{suffix}", len(pods), "pods", "<=", 1, digits=0)
+    bench(f"fine-tune-pod-seconds-outside-jobs{suffix}", billed - ran, "s", "<=", OUTSIDE_GOAL_S)
+
+
 def main() -> None:
     """Starts the simulator, its pods and a server; runs one fine-tune; prints its bill."""
     from tests.tinymodel import tiny_dataset, tiny_model
@@ -97,35 +133,7 @@ def main() -> None:
             progress("a fine-tune (train, export, base export, compare) on a pod target")
             runs_dir = root / "runs"
             run_id = fine_tune_once(target, model, dataset, runs_dir)
-            pods = sim.pods(include_deleted=True)
-            left = [pod.id for pod in pods if pod.deleted_at is None]
-            if left:
-                raise RuntimeError(f"pods left after the fine-tune: {', '.join(left)}")
-            billed = sum(pod.deleted_at - pod.created_at for pod in pods)
-            offset = sim.now() - time.time()  # the billing clock against this machine's
-            spans = sorted(
-                (start + offset, end + offset, record.trainer)
-                for record in jobs_of(runs_dir, run_id)
-                for start, end in [job_span(record)]
-            )
-            ran = sum(end - start for start, end, _ in spans)
-            marks = [pods[0].created_at + BOOT_S] if len(pods) == 1 else []
-            gaps = [spans[0][0] - marks[0]] if marks else []
-            gaps += [spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)]
-            gaps += [pods[0].deleted_at - spans[-1][1]] if marks else []
-        note(
-            f"fine-tune of run {run_id}: {len(pods)} pod(s) billed {billed:.1f} s for "
-            f"{len(spans)} jobs that ran {ran:.1f} s ("
-            + ", ".join(f"{kind} {end - start:.1f}" for start, end, kind in spans)
-            + f" s); a simulated boot is {BOOT_S:g} s"
-        )
-        if gaps:
-            note(
-                "outside the jobs: boot to the first job, between each two, last job to the "
-                "delete: " + ", ".join(f"{gap:.1f}" for gap in gaps) + " s"
-            )
-        bench("fine-tune-pods", len(pods), "pods", "<=", 1, digits=0)
-        bench("fine-tune-pod-seconds-outside-jobs", billed - ran, "s", "<=", OUTSIDE_GOAL_S)
+            report(sim, runs_dir, run_id)
     finally:
         with suppress(Exception):
             shutil.rmtree(root, ignore_errors=True)

@@ -34,7 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,21 +188,27 @@ def simulated_pods(root: Path, prefix: str) -> Iterator[tuple[Any, str]]:
 
 @contextmanager
 def simulated_pods_and_target(
-    root: Path, prefix: str, **pod_options: Any
+    root: Path, prefix: str, api_url: str | None = None, **pod_options: Any
 ) -> Iterator[tuple[Any, Any, str]]:
     """`simulated_pods`, yielding the simulated pods too (`SimPods`, made
-    with `pod_options`: a restart delay...)."""
+    with `pod_options`: a restart delay...). With `api_url`, the block is saved
+    on that Prefect server (a deployed stack's) instead of a private one."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
     from pydantic import SecretStr
 
     from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
     from tests.runpod_sim import running_sim
     from tests.runpod_sim.pods import SimPods
 
-    with (
-        prefect_server(root),
-        running_sim() as sim,
-        SimPods(root / "pods", boot_delay_s=BOOT_S, **pod_options).attached(sim) as pods,
-    ):
+    with ExitStack() as context:
+        if api_url is None:
+            context.enter_context(prefect_server(root))
+        else:
+            context.enter_context(temporary_settings(updates={PREFECT_API_URL: api_url}))
+        sim = context.enter_context(running_sim())
+        pods = context.enter_context(
+            SimPods(root / "pods", boot_delay_s=BOOT_S, **pod_options).attached(sim)
+        )
         target = f"{prefix}-{uuid.uuid4().hex[:8]}"
         RunpodTarget(
             credentials=RunpodCredentials(

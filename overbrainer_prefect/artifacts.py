@@ -48,6 +48,9 @@ Spend = float | Callable[[], float | None] | None
 """Dollars spent so far on a run's pod: a value, a function that tells it now, or none."""
 
 JobLog = Callable[[], Awaitable[str]]
+
+NearEnd = Callable[[float], Awaitable[object]]
+"""Called once with the seconds left when a training is that near its end."""
 """Reads (the end of) a job's log, as `steps.follow.job_log_tail` does."""
 
 LIVE_ARTIFACTS_FILE = "prefect-artifacts.json"
@@ -107,6 +110,7 @@ async def live_progress(reporter: object) -> AsyncIterator[None]:
             async with updating:
                 await reporter.flush()
                 await reporter.scan_job_log()
+            await reporter.near_end_check()
 
     pumping = asyncio.create_task(pump())
     try:
@@ -137,7 +141,9 @@ class PrefectReporter:
     and, given `spend`, the dollars spent so far), redrawn every `curve_every_s`.
 
     With `job_log` (a function reading the end of the job's log), the warnings of
-    NOTABLE_WARNINGS found there are logged, each once."""
+    NOTABLE_WARNINGS found there are logged, each once. With `near_end`, it is
+    called once when the training's ETA (its pace to `max_steps`) is at most
+    `near_end_s`."""
 
     def __init__(
         self,
@@ -150,8 +156,12 @@ class PrefectReporter:
         spend: Spend = None,
         job_log: JobLog | None = None,
         artifact_ids: tuple[UUID, UUID] | None = None,
+        near_end: NearEnd | None = None,
+        near_end_s: float = 0.0,
     ) -> None:
         self.logger = logger
+        self.near_end = near_end
+        self.near_end_s = near_end_s
         self.run_id = run_id
         self.log_every_percent = log_every_percent
         self.log_every_s = log_every_s
@@ -249,6 +259,19 @@ class PrefectReporter:
                 self.logger.warning("run %s: %s", self.run_id, message)
                 new.append(message)
         return new
+
+    async def near_end_check(self) -> None:
+        """Calls `near_end` (once) when the training's ETA is at most
+        `near_end_s`; what it raises is logged, never raised."""
+        summary = self._summary
+        eta = summary.eta_seconds() if summary is not None else None
+        if self.near_end is None or eta is None or eta > self.near_end_s:
+            return
+        near_end, self.near_end = self.near_end, None
+        try:
+            await near_end(eta)
+        except Exception as error:
+            self.logger.warning("run %s: %s", self.run_id, error)
 
     async def scan_job_log(self, force: bool = False) -> None:
         """Reads the job's log (at most every JOB_LOG_EVERY_S) for notable

@@ -16,6 +16,7 @@ Nothing here asks which target it holds.
 from __future__ import annotations
 
 import posixpath
+from functools import partial
 from typing import Any
 from uuid import UUID
 
@@ -38,6 +39,7 @@ from overbrainer_prefect.artifacts import (
     live_progress,
 )
 from overbrainer_prefect.blocks import target_named
+from overbrainer_prefect.flowruns import resume
 from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.listing import unfinished_of
 from overbrainer_prefect.kinds.registry import kind_of, recorded_end, trainer_of
@@ -64,17 +66,22 @@ def reporter_for(
     """Where a job's progress goes: a training run's live progress, loss curve
     (with what its pod has cost so far) and log, the job log's warnings that
     matter (the artifacts its suspended flow run opened, when `store` keeps
-    them); or another job's status in the log."""
+    them; and when that flow run is a pipeline's, its resume shortly before
+    the training's end: `suspension.resume_lead_s`); or another job's status
+    in the log."""
     if kind_of(record).progress:
         if placed is None:
             return PrefectReporter(logger, record.id)
         executor, remote = placed.executor, record.remote_dir
+        pipeline = store is not None and suspension.waited_in_pipeline(store, record)
         return PrefectReporter(
             logger,
             record.id,
             spend=placed.spend,
             job_log=lambda: follow.job_log_tail(executor, remote),
             artifact_ids=live_artifacts_of(store, record.id) if store is not None else None,
+            near_end=partial(resume, record, logger) if pipeline else None,
+            near_end_s=suspension.resume_lead_s(),
         )
     return JobReporter(logger, subject(record))
 
@@ -228,16 +235,25 @@ async def _place_and_follow(
 
 async def _resumed(target: Target, store: Runs, record: RunRecord, logger: Logger) -> Finished:
     """The end of the job `record` this flow run started before it suspended:
-    as its follower recorded it; followed here when it has not ended yet (the
-    flow run was resumed early), or waited for while another process follows it."""
-    if not record.state.ended or is_followed(store, record.id):
+    as its follower recorded it; waited for while its follower follows it (it
+    resumed this flow run shortly before the job's end), within the job's own
+    bound; followed here when nobody follows it and it has not ended."""
+    bound_s = float(suspension.timeout_s(record.deadline))
+    if is_followed(store, record.id):
+        logger.info(
+            "%s has not ended yet: its follower resumed this flow run before the end, and "
+            "records it",
+            subject(record),
+        )
+        return Finished(await recorded_end(store, record.id, bound_s), target.ref)
+    if not record.state.ended:
         logger.info("%s has not ended yet: following it here", subject(record))
         try:
             return await follow_again(store.top, store, record, logger, target=target)
         except RunError:
             if not is_followed(store, record.id):
                 raise
-            return Finished(await recorded_end(store, record.id), target.ref)
+            return Finished(await recorded_end(store, record.id, bound_s), target.ref)
     trainer = trainer_of(store.top, record, target.cpu_threads)
     logger.info("%s %s; its follower recorded its end", subject(record), record.state)
     return Finished(retrieve.recorded(store, trainer, record), target.ref)

@@ -21,6 +21,9 @@ from overbrainer_prefect.targets.base import Logger
 CANCELLED_FLOW_RUN = frozenset({StateType.CANCELLING, StateType.CANCELLED})
 """States of a job's flow run that mean someone asked for the job to be cancelled."""
 
+CANCELLING = frozenset({StateType.CANCELLING})
+"""The state of a flow run asked to be cancelled, not cancelled yet."""
+
 LEFT_BEHIND = frozenset({StateType.RUNNING, StateType.CANCELLING, StateType.PENDING})
 """States of a job's flow run that its dead process left behind, which the
 collector settles once it finished the job (releasing its deployment's
@@ -38,18 +41,21 @@ async def cancelled_at(flow_run_id: str | None) -> float | None:
     return state.timestamp.timestamp()
 
 
-async def settle_flow_run(record: RunRecord, ended: str) -> StateType | None:
+async def settle_flow_run(
+    record: RunRecord, ended: str, left: frozenset[StateType] = LEFT_BEHIND
+) -> StateType | None:
     """Ends the flow run that created `record` when its dead process left it
     `Running` or `Pending` (now `Crashed`) or `Cancelling` (now `Cancelled`),
-    saying what became of its job (`ended`); this also frees its deployment's
-    concurrency slot. Returns the state set, None when the flow run had moved
-    on. A server that refuses is logged, not raised: the job is recorded."""
+    those of `left` only, saying what became of its job (`ended`); this also
+    frees its deployment's concurrency slot. Returns the state set, None when
+    the flow run had moved on. A server that refuses is logged, not raised:
+    the job is recorded."""
     if record.flow_run_id is None or record.flow_run_id == str(flow_run.id):
         return None
     try:
         async with get_client() as client:
             found = await client.read_flow_run(UUID(record.flow_run_id))
-            if found.state is None or found.state.type not in LEFT_BEHIND:
+            if found.state is None or found.state.type not in left:
                 return None
             message = (
                 f"its process is gone; the collect flow run {flow_run.id} finished "
@@ -104,11 +110,13 @@ def job_logger(waiting: FlowRun | None, logger: Logger) -> Logger:
     return flow_run_logger(waiting) if waiting is not None else logger
 
 
-async def resume(record: RunRecord, logger: Logger) -> bool:
+async def resume(record: RunRecord, logger: Logger, left_s: float | None = None) -> bool:
     """Resumes the flow run that started `record` when it waits suspended for
     it (the job's record is final): a worker runs it again, and it ends as
-    its job did. Returns whether it was resumed. A server that refuses or
-    cannot be reached is logged with what to do, never raised: the job is
+    its job did. With `left_s`, the job has not ended: about that many seconds
+    are left of it, and the flow run, started again, waits for its follower
+    to record its end. Returns whether it was resumed. A server that refuses
+    or cannot be reached is logged with what to do, never raised: the job is
     recorded, and the next pass of the follower tries again."""
     try:
         waiting = await suspended(record.flow_run_id)
@@ -136,5 +144,14 @@ async def resume(record: RunRecord, logger: Logger) -> bool:
             record.state,
         )
         return False
+    if left_s is not None:
+        logger.info(
+            "%s: about %.0f s of training left: its flow run %s resumed now, so that it goes on "
+            "as soon as the training ends",
+            subject(record),
+            left_s,
+            record.flow_run_id,
+        )
+        return True
     logger.info("%s %s: its flow run %s resumed", subject(record), record.state, record.flow_run_id)
     return True

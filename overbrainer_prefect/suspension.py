@@ -43,6 +43,14 @@ RESUME_MARGIN_S = 2 * 3600
 """How long past its job's bound a suspended flow run may wait to be resumed:
 the checkpoint hold, the retrieval and a follower taking over."""
 
+RESUME_LEAD_ENV = "OVERBRAINER_RESUME_LEAD_S"
+RESUME_LEAD_S = 30.0
+"""How long before a pipeline's training ends (by its pace) its follower
+resumes its flow run, so that a worker runs it again (its poll, 10 s by
+default, and a new process) while the training ends, and the pod the next job
+runs on does not wait for it. The environment's RESUME_LEAD_ENV (the
+follower's) says otherwise; 0 resumes it at the training's last step."""
+
 UNBOUNDED_S = 7 * 24 * 3600
 """How long a flow run whose job nothing bounds may wait suspended."""
 
@@ -110,6 +118,14 @@ def why_not_suspend(store: Runs, budget_held: bool = False) -> str | None:
             "`prefect deployment run follow/always` (see the README's deployments)"
         )
     return None
+
+
+def resume_lead_s() -> float:
+    """RESUME_LEAD_S, or what RESUME_LEAD_ENV says (a number of seconds >= 0)."""
+    try:
+        return max(0.0, float(os.environ.get(RESUME_LEAD_ENV) or RESUME_LEAD_S))
+    except ValueError:
+        return RESUME_LEAD_S
 
 
 def timeout_s(deadline: str | None) -> int:

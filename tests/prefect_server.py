@@ -252,14 +252,14 @@ class Worker:
 
     def start(self) -> None:
         """Starts the worker and waits until the server has seen it poll."""
-        env = self.server.env(
-            PWD=str(self.directory),
-            PREFECT_HOME=str(self.server.home / f"worker-home-{self.name}"),
-            PREFECT_WORKER_QUERY_SECONDS="2",
-            PREFECT_WORKER_PREFETCH_SECONDS="2",
-            PREFECT_LOGGING_LEVEL="INFO",
-            **self.extra,
-        )
+        defaults = {
+            "PWD": str(self.directory),
+            "PREFECT_HOME": str(self.server.home / f"worker-home-{self.name}"),
+            "PREFECT_WORKER_QUERY_SECONDS": "2",  # Prefect's default is 10: tests poll faster
+            "PREFECT_WORKER_PREFETCH_SECONDS": "2",
+            "PREFECT_LOGGING_LEVEL": "INFO",
+        }
+        env = self.server.env(**{**defaults, **self.extra})
         self.process = subprocess.Popen(
             [
                 str(BIN / "prefect"),
@@ -346,7 +346,7 @@ class Stack:
 
     server: PrefectServer
     root: Path
-    runs: Path
+    runs: Path | str  # a local directory, or the s3:// URL of a stack on a bucket
     target: str
     work_dir: Path
     workers: list[Worker] = field(default_factory=list)
@@ -450,18 +450,22 @@ async def quiet_follower(client: Any) -> None:
 
 
 def start_stack(
-    root: Path, database_url: str | None = None, names: list[str] | None = None
+    root: Path,
+    database_url: str | None = None,
+    names: list[str] | None = None,
+    runs: str | None = None,
 ) -> Stack:
     """A server on `database_url` (SQLite by default), the deployments deployed
-    from the repository root with the shared runs root `root/runs` (all of them,
-    or those `names` selects), a local target block and one worker."""
+    from the repository root with the shared runs root `root/runs` (or `runs`,
+    an `s3://` URL) (all of them, or those `names` selects), a local target
+    block and one worker."""
     from tests.conftest import job_venv
 
     server = PrefectServer(root / "server", database_url)
     stack = Stack(
         server=server,
         root=root,
-        runs=root / "runs",
+        runs=runs or root / "runs",
         target=f"local-{uuid.uuid4().hex[:6]}",
         work_dir=root / "work",
     )

@@ -5,6 +5,7 @@ names of a tuned GGUF. (How the Prefect UI renders them: tests/test_ui_live.py.)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -111,6 +112,29 @@ def test_progress_lines_come_every_ten_percent_with_the_first_last_and_every_eva
     assert steps == [1, 20, 40, 55, 60, 80, 100, 120, 140, 160, 180, 200]
     assert handler.lines[3].startswith("run 20261201-120000-abcd: step 55/200 (28 %), loss 1, ")
     assert "eval_loss 2, ETA " in handler.lines[3]
+
+
+def test_near_its_end_a_training_calls_near_end_once_with_the_seconds_left() -> None:
+    """The follower's cue to resume a pipeline's suspended flow run: once the
+    ETA (the pace since the first step, to max_steps) is within near_end_s."""
+    called: list[float] = []
+
+    async def near_end(left_s: float) -> None:
+        called.append(left_s)
+
+    reporter, _ = reporter_lines()
+    reporter.near_end, reporter.near_end_s = near_end, 30.0
+    summary = MetricsSummary()
+    summary.add(json.dumps({"event": "begin", "step": 0, "max_steps": 100, "time": 0}))
+    for step in range(1, 101):  # 2 s a step: 198 s left after the first, 30 s at step 85
+        metric = summary.add(
+            json.dumps({"event": "log", "step": step, "loss": 1.0, "time": 2 * step})
+        )
+        assert metric is not None
+        reporter.metric(metric, summary)
+        asyncio.run(reporter.near_end_check())
+        assert len(called) == (1 if step >= 85 else 0), (step, called)
+    assert called == [30.0]
 
 
 def test_without_max_steps_a_progress_line_comes_at_the_pace_in_seconds() -> None:

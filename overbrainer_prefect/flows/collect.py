@@ -28,7 +28,13 @@ from overbrainer_prefect.blocks import UnknownTarget, target_named
 from overbrainer_prefect.budget_leases import LEASES_FILE, handed_over, release, renewed
 from overbrainer_prefect.driver import follow_again
 from overbrainer_prefect.executors.base import ExecError
-from overbrainer_prefect.flowruns import cancelled_at, resume, settle_flow_run
+from overbrainer_prefect.flowruns import (
+    CANCELLING,
+    LEFT_BEHIND,
+    cancelled_at,
+    resume,
+    settle_flow_run,
+)
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
 from overbrainer_prefect.kinds.registry import kind_of
@@ -157,7 +163,11 @@ async def collect_job(
         )
     files = f"{len(outcome.files)} files " + ("verified" if outcome.retrieved else "not retrieved")
     logger.info("%s %s: %s", name, ended.state, files)
-    await settle_flow_run(ended, f"{ended.state}, {files}")
+    # a flow run that waited suspended is resumed, not settled (one resumed before its job's
+    # end runs again), unless it was cancelled meanwhile
+    await settle_flow_run(
+        ended, f"{ended.state}, {files}", left=LEFT_BEHIND if hooked else CANCELLING
+    )
     if ended.state.ended:
         await resume(ended, logger)
     if ended.job is None:
