@@ -123,7 +123,7 @@ class PodTiming:
     job's files were verified, for the next job to start (the watchdog's
     OVERBRAINER_NEXT_JOB_GRACE): past it, the follower is taken for dead."""
     reaper_unreachable_s: float = 600.0
-    """How long the reaper (see `reaper`) goes on without any answer from the
+    """How long the reaper (see `targets.runpod.reaper`) goes on without any answer from the
     Runpod API before it ends."""
 
     @classmethod
