@@ -9,8 +9,9 @@
   base model's export, the run's export, the compare);
 - the export steps: the export job of that run (staged by its trainer, run
   with its command and environment) against the same steps run bare (peft's
-  merge, llama.cpp's converter, llama_cpp's quantize, in one plain script),
-  PAIRS pairs, alternating.
+  merge, llama.cpp's converter, llama_cpp's quantize, in one plain script,
+  in the export job's own environment, so each step times the same work on
+  both sides), PAIRS pairs, alternating.
 
 Prints `BENCH train-flow-overhead <s> s goal <= 2`, `BENCH fine-tune-overhead
 <s> s goal <= 5`, `BENCH export-<step>-vs-bare <ratio> ratio` and
@@ -48,6 +49,7 @@ QUESTIONS = ["What is a cat?", "Name three colours."]
 MAX_TOKENS = 32
 PAIRS = 1  # export job / bare steps: each takes half a minute or more
 JOB_TIMEOUT_S = 600.0
+JOB_ENV: dict[str, str] = {}  # the export job's environment, once it ran
 
 BARE_EXPORT = """
 import ctypes, json, os, runpy, sys, time
@@ -95,8 +97,8 @@ def job_seconds(record: Any) -> float:
 
 def all_jobs(runs_dir: Path) -> list[tuple[str, Any]]:
     """Every run, export, compare and base model export under `runs_dir`."""
-    from overbrainer_prefect.runs.store import Runs
-    from overbrainer_prefect.trainers.compare import BASES_DIR, base_exports
+    from overbrainer_prefect.runs.store import BASES_DIR, Runs
+    from overbrainer_prefect.trainers.compare import base_exports
 
     runs = Runs(runs_dir)
     found: list[tuple[str, Any]] = []
@@ -151,6 +153,8 @@ def export_job(runs_dir: Path, run_id: str, scratch: Path) -> dict[str, float]:
     trainer.prepare(scratch, ctx)
     env = {k: v for k, v in os.environ.items() if k in SAFE_ENV or k.startswith("LC_")}
     env |= trainer.env(ctx)
+    JOB_ENV.clear()
+    JOB_ENV.update(env)  # the bare steps run in it too
     for command in trainer.commands(ctx):
         done = subprocess.run(
             command, cwd=scratch, env=env, capture_output=True, timeout=JOB_TIMEOUT_S, check=False
@@ -161,20 +165,18 @@ def export_job(runs_dir: Path, run_id: str, scratch: Path) -> dict[str, float]:
 
 
 def bare_export(base: Path, adapter: Path, scratch: Path) -> dict[str, float]:
-    """The same three steps, bare; their seconds."""
+    """The same three steps, bare, in the export job's environment (its
+    threads, caches and bytecode settings: the same work on both sides); their
+    seconds. Raises RuntimeError before the export job ran once."""
     from overbrainer_prefect.trainers.export import converter_path
 
+    if not JOB_ENV:
+        raise RuntimeError("the bare steps run in the export job's environment: run it first")
     python = str(JOB_VENV / "bin" / "python")
     scratch.mkdir(parents=True)
     done = subprocess.run(
         [python, "-c", BARE_EXPORT, str(base), str(adapter), converter_path(python), str(scratch)],
-        env={
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": os.environ.get("HOME", "/root"),
-            "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
-            "TRANSFORMERS_VERBOSITY": "error",
-        },
+        env=dict(JOB_ENV),
         capture_output=True,
         text=True,
         timeout=JOB_TIMEOUT_S,
