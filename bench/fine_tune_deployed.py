@@ -95,7 +95,9 @@ def main() -> None:
             flow_run_id = stack.run_deployment("fine-tune/nightly", spec=spec)
             done = stack.wait_final(flow_run_id, timeout=RUN_TIMEOUT_S)
             if not done.state.is_completed():
-                raise RuntimeError(f"the fine-tune's flow run ended {done.state.name}")
+                raise RuntimeError(
+                    f"the fine-tune's flow run ended {done.state.name}: {done.state.message}"
+                )
             states = [s.name for s in stack.server.call(states_of, flow_run_id)]
             if "Suspended" not in states:
                 raise RuntimeError(f"the flow run never suspended: {states}")

@@ -72,6 +72,12 @@ async def _train_step(
         logger.info("run %s succeeded on %s: reused, not trained again", run.id, run.ended)
         return run.id, None
     if run is not None and run.state == RunState.RUNNING and run.job is not None:
+        if suspended_job(runs, training_kind.NAME, -1) == run.id:
+            # resumed by its follower shortly before the training's end: the training
+            # step waits for the follower to record it, as this flow run started it
+            return None, await train.fn(
+                target=spec.target, training=spec.training, runs_dir=spec.runs_dir
+            )
         logger.info("run %s was left running: following it again", run.id)
         return run.id, await attach(run_id=run.id, runs_dir=spec.runs_dir)
     if run is not None and run.state == RunState.STOPPED:
