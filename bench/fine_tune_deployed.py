@@ -45,23 +45,12 @@ WORKER_POLL = {  # Prefect's defaults (the tests' stacks poll every 2 s)
 }
 
 
-def wait_for(what: str, check: Any, timeout: float, every: float = 1.0) -> Any:
-    """`check()` once it is truthy; RuntimeError naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(every)
-    raise RuntimeError(f"{what} did not happen within {timeout:.0f} s")
-
-
 def main() -> None:
     """A deployed stack, the simulated pods, a follower; one fine-tune from its
     deployment; prints its bill outside the jobs."""
     from overbrainer_prefect.runs.lock import follower_of
     from overbrainer_prefect.runs.store import Runs
-    from tests.prefect_server import FOLLOWER, Worker, start_stack, tiny_training
+    from tests.prefect_server import FOLLOWER, Worker, start_stack, tiny_training, wait_until
     from tests.tinymodel import tiny_dataset, tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="bench-fine-tune-deployed-"))
@@ -80,10 +69,11 @@ def main() -> None:
             target,
         ):
             stack.run_deployment(FOLLOWER)
-            wait_for(
-                "the follower holding the runs directory",
+            wait_until(
                 lambda: follower_of(Runs(stack.runs)),
                 FOLLOWER_TIMEOUT_S,
+                "the follower holding the runs directory",
+                every=1.0,
             )
             progress("a fine-tune from its deployment, suspended while it trains")
             spec = {
