@@ -3,8 +3,11 @@ simulated pods (real sshd processes running the real bootstrap and watchdog),
 a pod terminated by Runpod, then the next pod's container restarted, each once
 a checkpoint was kept in the runs store, has the run go on by itself each time
 from the last kept checkpoint in a new run on a new pod, its steps continuing
-from the checkpoint's, every pod and what it cost in the summary; with
-`max_restarts` 0 the run fails with the loss and no second pod is made."""
+from the checkpoint's, every pod and what it cost in the summary. A pod
+whose host stops answering (frozen, its SSH refused, while Runpod shows it
+running) is deleted by its follower as a lost host; with `max_restarts` 0
+the run then fails with the loss, no second pod is made, and its message
+names how to go on from its kept checkpoint."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 
 from overbrainer_prefect.flows import RunResult, train
 from overbrainer_prefect.money.limits import BudgetError
+from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.checkpoints import last_kept
@@ -26,7 +30,7 @@ from tests.flowrun import run
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
 from tests.test_money_ledger import plan
-from tests.test_runpod_flows import artifacts_of, fast, pods_of, sim, target
+from tests.test_runpod_flows import FAST, artifacts_of, fast, pods_of, sim, target
 from tests.test_train_flow import spec
 
 __all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures, shared with the Runpod flow tests
@@ -46,8 +50,9 @@ def lose_pods_once_a_checkpoint_is_kept(
     """A thread that loses the pod of each run in turn, once a checkpoint of
     that run is kept in the runs store, the n-th the n-th of `ways`:
     "restarted" (its host restarts its container, as Runpod's do) or
-    "terminated" (Runpod terminates it: the account's balance ran out), noting
-    (run, kept step) for each."""
+    "terminated" (Runpod terminates it: the account's balance ran out) or
+    "host lost" (its host freezes and refuses SSH while Runpod shows the pod
+    running), noting (run, kept step) for each."""
 
     def watch() -> None:
         deadline = time.monotonic() + RESTART_BOUND_S * len(ways)
@@ -62,6 +67,8 @@ def lose_pods_once_a_checkpoint_is_kept(
                 if kept is not None and pod is not None and pod.pod_id is not None:
                     if ways[len(lost)] == "terminated":
                         sim.terminate(pod.pod_id)
+                    elif ways[len(lost)] == "host lost":
+                        pods.lose_host(sim.pod(pod.pod_id))
                     else:
                         pods.restart(sim.pod(pod.pod_id))
                     lost.append((record.id, kept.step))
@@ -106,7 +113,10 @@ def test_a_training_goes_on_from_its_kept_checkpoint_on_a_new_pod_each_time_its_
     told = [runs.load(run_id).message or "" for run_id, _ in lost]
     assert [runs.load(run_id).state for run_id, _ in lost] == [RunState.FAILED] * 2, told
     assert "Runpod terminated it" in told[0] and "restarted" in told[1], told
+    assert "start the run again" not in told[0], told
     # each new run on a new pod, from the kept checkpoint before it, its steps going on
+    for text, (_, step) in zip(told, lost, strict=True):  # each says where it went on
+        assert f"checkpoint-{step} (step {step}) in a new run on a new machine" in text, text
     second, went_on = runs.load(restarted_id), runs.load(result.run_id)
     assert second.resumed_from is not None and went_on.resumed_from is not None
     assert (second.resumed_from.run_id, second.resumed_from.step) == (terminated_id, first_step)
@@ -128,25 +138,50 @@ def test_a_training_goes_on_from_its_kept_checkpoint_on_a_new_pod_each_time_its_
         assert f"checkpoint-{step} (step {step})" in text, text
 
 
-def test_with_max_restarts_0_a_run_lost_with_its_pod_fails_with_the_loss(
+def test_a_pod_whose_host_stops_answering_is_deleted_and_with_max_restarts_0_the_run_fails(
     prefect_server: None,
     sim: RunpodSim,
     pods_of: SimPods,
     tiny: tuple[Path, Path],
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A lost host: the pod frozen and its SSH refused while Runpod shows it
+    running. After the follower's tries and `lost_host_s` (5 s here, 180 s
+    by default) the follower deletes the pod, `pod.json` and the run say
+    why and at which step; it is a loss the run could go on from, but with
+    max_restarts 0 it fails, and no second pod is made. What billed: the pod
+    until its delete, about lost_host_s + the tries after the loss."""
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},lost_host_s=5")
     runs_dir = tmp_path / "runs"
-    pods_of.restart_delay_s = (0.2, 0.4)
-    restarted: list[tuple[str, int]] = []
-    watcher = lose_pods_once_a_checkpoint_is_kept(sim, pods_of, runs_dir, restarted)
+    lost: list[tuple[str, int]] = []
+    watcher = lose_pods_once_a_checkpoint_is_kept(sim, pods_of, runs_dir, lost, ("host lost",))
     name = target(sim, max_restarts=0)
     training = spec(*tiny, max_steps=40, save_steps=5)
     state = run(train(target=name, training=training, runs_dir=str(runs_dir), return_state=True))
     watcher.join(timeout=5)
-    assert restarted and state.is_failed(), state
-    assert "restarted" in (state.message or ""), state.message
-    assert [r.id for r in Runs(runs_dir).list()] == [restarted[0][0]]
+    assert lost and state.is_failed(), state
+    assert "stopped answering SSH" in (state.message or ""), state.message
+    runs = Runs(runs_dir)
+    ((run_id, kept_step),) = lost
+    assert [r.id for r in runs.list()] == [run_id]
+    record = runs.load(run_id)
+    assert record.state == RunState.FAILED and "a lost host" in (record.message or ""), record
+    pod = PodRecord.load(runs, run_id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client", pod
+    assert pod.host_lost is not None and pod.lost_step is not None and pod.lost_step >= kept_step
     assert len(sim.pods(include_deleted=True)) == 1 and sim.pods() == []
+    assert not pods_of.running(str(pod.pod_id))  # its frozen processes are gone with it
+    # taken for a lost machine, not resumed only because of max_restarts
+    (summary,) = [a for a in artifacts_of(run_id) if a.key == f"run-{run_id}-summary"]
+    assert "not resumed: max_restarts (0) reached" in str(summary.data), summary.data
+    # the message names the next command, and it works: on from the kept checkpoint
+    assert f"with the train flow (resume_from={run_id})" in (record.message or ""), record
+    again = run(train(target=name, resume_from=run_id, runs_dir=str(runs_dir)))
+    assert isinstance(again, RunResult) and again.state == RunState.SUCCEEDED, again.message
+    went_on = runs.load(again.run_id)
+    assert went_on.resumed_from is not None and went_on.resumed_from.run_id == run_id
+    assert min(steps_of(runs, went_on.id)) > went_on.resumed_from.step >= kept_step
 
 
 def test_max_cost_usd_counts_the_pods_a_training_lost_before() -> None:

@@ -32,11 +32,12 @@ from overbrainer_prefect.kinds.training import (
     stage_checkpoint,
 )
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
-from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
+from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunsError, RunState
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.base import JobNeed, Logger, Target
 from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
@@ -170,6 +171,9 @@ async def _go_on_after_lost_machines(
         if stop is not None:
             logger.warning("run %s: %s; it is not resumed: %s", record.id, why, stop)
             lost[-1].stop = stop
+            if point is not None:
+                again = f"resume it from {point.checkpoint} with the train flow "
+                _note(runs, record, f"{record.message}; {again}(resume_from={record.id})", logger)
             break
         assert point is not None
         logger.warning(
@@ -182,6 +186,8 @@ async def _go_on_after_lost_machines(
             len(lost),
             place.max_restarts,
         )
+        went_on = f"it went on from {point.checkpoint} (step {point.step}) in a new run"
+        _note(runs, record, f"{why}; {went_on} on a new machine", logger)
         spec = resumed_spec(runs, record)
         spent_usd = sum(spent(runs, run.record) or 0.0 for run in lost)
         try:
@@ -193,6 +199,19 @@ async def _go_on_after_lost_machines(
             lost[-1].stop = f"no new machine: {error}"
             break
     return finished, lost
+
+
+def _note(runs: Runs, record: RunRecord, message: str, logger: Logger) -> None:
+    """Gives the lost run `record` (and its saved record) `message`: where it
+    went on, or how to resume it, instead of advice to start it again. A
+    record that cannot be saved keeps its saved message (logged)."""
+    record.message = message
+    try:
+        saved = runs.load(record.id)
+        saved.message = message
+        runs.save(saved)
+    except (RunsError, RecordError) as error:
+        logger.warning("run %s: cannot record where it goes on: %s", record.id, error)
 
 
 async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> ExportResult | str:

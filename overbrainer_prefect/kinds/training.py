@@ -40,15 +40,22 @@ RESUME_DIR = "resume"
 
 def resume_point(runs: Runs, stopped: RunRecord) -> ResumedFrom:
     """The checkpoint a new run can resume from: the one the stopped run saved,
-    retrieved and verified in its local directory.
+    retrieved and verified in its local directory; for a failed run (one
+    lost with its machine, not gone on), its last checkpoint kept in the
+    store while it trained.
 
-    Raises RunError with one line when the run did not stop with a checkpoint or
-    the checkpoint is not here.
+    Raises RunError with one line when the run did not stop with a checkpoint
+    (nor failed with one kept) or the checkpoint is not here.
     """
+    if stopped.state == RunState.FAILED:
+        point = lost_point(runs, stopped)
+        if point is not None:
+            return point
     if stopped.state != RunState.STOPPED or not stopped.checkpoint:
         raise RunError(
-            f"run {stopped.id} is {stopped.state}, not stopped with a checkpoint: only a run "
-            "stopped with the stop flow can be resumed"
+            f"run {stopped.id} is {stopped.state}, not stopped with a checkpoint nor failed with "
+            "one kept: only a run stopped with the stop flow, or lost with its machine once a "
+            "checkpoint was kept, can be resumed"
         )
     checkpoint = PurePosixPath(stopped.checkpoint)
     if checkpoint.is_absolute() or ".." in checkpoint.parts:

@@ -122,6 +122,11 @@ class PodTiming:
     """How long a pod a pipeline shares stays between two of its jobs, once a
     job's files were verified, for the next job to start (the watchdog's
     OVERBRAINER_NEXT_JOB_GRACE): past it, the follower is taken for dead."""
+    lost_host_s: float = 180.0
+    """How long a pod whose job could not be reached (the follower's tries
+    spent) may go on not answering SSH while Runpod shows it running before
+    its host is taken for lost: the client deletes it, and a training goes on
+    from its last kept checkpoint on a new pod (`max_restarts`)."""
     reaper_unreachable_s: float = 600.0
     """How long the reaper (see `targets.runpod.reaper`) goes on without any answer from the
     Runpod API before it ends."""

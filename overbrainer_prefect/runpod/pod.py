@@ -187,7 +187,13 @@ class PodRecord(StoredRecord):
         "logged it): every process of the pod ended, the job with them.",
     )
     lost_step: int | None = Field(
-        default=None, description="The last step the job it lost with that restart had logged."
+        default=None,
+        description="The last step the job it lost (a restart, a lost host) had logged.",
+    )
+    host_lost: str | None = Field(
+        default=None,
+        description="When the client took its host for lost and deleted it (RFC 3339): its "
+        "SSH stayed silent for the timing's `lost_host_s` while Runpod showed it running.",
     )
 
     @classmethod

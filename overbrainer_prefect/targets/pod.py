@@ -67,7 +67,7 @@ from overbrainer_prefect.targets.runpod.ending import (
     remove_hint,
     sweep_others,
 )
-from overbrainer_prefect.targets.runpod.follow import settle, watch_leased
+from overbrainer_prefect.targets.runpod.follow import settle, watch_pod
 from overbrainer_prefect.targets.runpod.gpucheck import check_gpus
 from overbrainer_prefect.targets.runpod.keys import SSH_DIR
 from overbrainer_prefect.targets.runpod.orphans import orphan_warnings, pod_rows, sweep_host_keys
@@ -157,9 +157,7 @@ class PodPlaced:
         then ends the pod. A pod gone under the watch gives the outcome of the
         local files, with the reason (`lost`) the caller fails the record with."""
         try:
-            watched = await watch_leased(
-                ctx, trainer, record, self.pod, self.ctx.timing, ctx.stall_s, self.pod_dir
-            )
+            watched = await watch_pod(ctx, self.ctx, trainer, record, self.pod, self.pod_dir)
             outcome = await settle(self.ctx, self.pod, record.id, watched)
         except PodGone as gone:
             self.ctx.log.warning("%s", gone)
@@ -902,11 +900,18 @@ class PodTarget(BlockTarget):
             return None
         if pod is None or pod.keep:
             return None
+        step = f" at step {pod.lost_step}" if pod.lost_step is not None else ""
         if pod.restarted is not None:
-            step = f" at step {pod.lost_step}" if pod.lost_step is not None else ""
             return f"the container of pod {pod.name} restarted at {pod.restarted}{step}"
+        if pod.host_lost is not None:
+            lost = f"deleted at {pod.host_lost}"
+            return f"the host of pod {pod.name} stopped answering SSH ({lost}){step}"
         if pod.gone and pod.deleted_by == "unknown":
-            return f"pod {pod.name} was lost: {pod.delete_reason or 'Runpod terminated it'}"
+            return (
+                f"pod {pod.name} was terminated by neither this client nor its watchdog: Runpod "
+                "terminated it (the account's balance ran out, its host was lost) or someone did "
+                "in the console"
+            )
         return None
 
     def leftover(self, store: Runs, record: RunRecord) -> bool:

@@ -17,7 +17,8 @@ container, the pod's SSH sessions have a home of their own, the pod's `/root`
 (the bootstrap's sshd sets `HOME`): nothing they run reads this machine's
 profile or leaves a file or a lock in its home.
 
-Knobs: `boot_delay_s` (the image takes that long to start), `never_ssh`
+`lose_host` freezes a pod and cuts its SSH, as a host lost under a running
+pod looks from outside. Knobs: `boot_delay_s` (the image takes that long to start), `never_ssh`
 (the pod's sshd never starts: the watchdog still runs, and its boot grace
 deletes the pod), `start_command` (the image runs this instead of the start
 command asked for: one that exits is restarted, as Runpod restarts a
@@ -205,6 +206,19 @@ class SimPods:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(main, signal.SIGKILL)
+
+    def lose_host(self, pod: SimPod) -> None:
+        """The pod's host is lost while Runpod still shows the pod running:
+        every process of the pod is frozen (SIGSTOP: its job, its watchdog,
+        which would start sshd again), then its sshd processes are killed, so
+        that SSH to it is refused. Its deletion (SIGKILL) ends them all."""
+        with self._lock:
+            proc = self._procs.get(pod.id)
+        if proc is None:
+            return
+        frozen = [proc.pid, *descendants(proc.pid)]
+        kill_pids([pid for pid in frozen if not _is_sshd(pid)], signal.SIGSTOP)
+        kill_pids([pid for pid in descendants(proc.pid) if _is_sshd(pid)], signal.SIGKILL)
 
     def restarts(self, pod_id: str) -> int:
         """How often the pod's container was restarted (its start command exited)."""

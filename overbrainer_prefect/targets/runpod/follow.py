@@ -33,6 +33,7 @@ from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.runpod.context import PodContext
 from overbrainer_prefect.targets.runpod.ending import is_gone, remove
 from overbrainer_prefect.targets.runpod.fate import Restart, lost_to_restart, restart_lost_message
+from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import Trainer
 
 
@@ -45,12 +46,14 @@ class LeaseReporter:
         self.inner = inner
         self.pod = pod
         self.last_progress = time.monotonic()
+        self.last_step: int | None = None
         self.warned = False
 
     def metric(self, metric: Metric, summary: MetricsSummary) -> None:
         """Passes the metric on; notes the progress; warns once of an overrun."""
         self.inner.metric(metric, summary)
         self.last_progress = time.monotonic()
+        self.last_step = metric.step
         if not self.warned:
             note = overrun(summary.eta_seconds(), self.pod, time.time())
             if note is not None:
@@ -118,6 +121,11 @@ class Watched:
     deadline_passed: bool = False
     restart: Restart | None = None
     """The restart of the pod's container that lost the job, when one did."""
+    last_step: int | None = None
+    """The last step the watch saw the job log."""
+    host_lost: str | None = None
+    """Why the pod was deleted as a lost host (its SSH silent while Runpod
+    showed it running), when it was."""
 
 
 async def renew_lease(executor: Executor, path: str) -> None:
@@ -186,15 +194,82 @@ async def watch_leased(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
     if not watching.done() or watching.cancelled():
-        return Watched(deadline_passed=True)
+        return Watched(deadline_passed=True, last_step=progress.last_step)
     error = watching.exception()
     if error is None:
         outcome = watching.result()
         restart = await told_restart(ctx, record, pod, outcome, pod_dir)
-        return Watched(outcome=outcome, restart=restart)
+        return Watched(outcome=outcome, restart=restart, last_step=progress.last_step)
     if not isinstance(error, Exception):
         raise error
-    return Watched(error=error)
+    return Watched(error=error, last_step=progress.last_step)
+
+
+LOOK_AGAIN_S = 5.0  # between two tries of a silent pod's SSH
+MAX_WATCHES = 20  # watches of one job whose pod fell silent and answered again
+
+
+async def watch_pod(
+    ctx: RunContext,
+    pod_ctx: PodContext,
+    trainer: Trainer,
+    record: RunRecord,
+    pod: PodRecord,
+    pod_dir: str | None = None,
+) -> Watched:
+    """`watch_leased`, and when the job could not be reached on a pod that
+    Runpod still shows: the pod's SSH tried again for the timing's
+    `lost_host_s`. Answering again, the job is watched again (its metrics
+    read from the start, up to MAX_WATCHES watches); still silent, its host
+    is taken for lost: the pod is deleted (confirmed), `pod.json` says when
+    and at which step (`host_lost`, `lost_step`), and the Watched says why.
+    Raises PodError when that delete is refused (the pod may still bill)."""
+    timing = pod_ctx.timing
+    watched = await watch_leased(ctx, trainer, record, pod, timing, ctx.stall_s, pod_dir)
+    for _ in range(MAX_WATCHES):
+        if not isinstance(watched.error, Unreachable) or pod.keep or await is_gone(pod_ctx, pod):
+            return watched
+        ctx.reporter.warning(
+            f"pod {pod.name} does not answer SSH while Runpod shows it: trying it again for "
+            f"{timing.lost_host_s:g} s before its host is taken for lost"
+        )
+        if not await answers(ctx.executor, timing.lost_host_s):
+            return await drop_lost_host(pod_ctx, pod, watched)
+        ctx.reporter.warning(f"pod {pod.name} answers SSH again: its job is followed again")
+        watched = await watch_leased(ctx, trainer, record, pod, timing, ctx.stall_s, pod_dir)
+    return watched
+
+
+async def answers(executor: Executor, within_s: float) -> bool:
+    """Whether the host of `executor` runs a command over SSH within
+    `within_s` seconds, tried every LOOK_AGAIN_S. Never raises."""
+    end = time.monotonic() + within_s
+    while (left := end - time.monotonic()) > 0:
+        try:
+            async with asyncio.timeout(left):
+                await executor.run(["true"], timeout=max(1.0, min(left, 30.0)))
+            return True
+        except (ExecError, TimeoutError):
+            pass
+        await asyncio.sleep(min(LOOK_AGAIN_S, max(0.0, end - time.monotonic())))
+    return False
+
+
+async def drop_lost_host(ctx: PodContext, pod: PodRecord, watched: Watched) -> Watched:
+    """Deletes the pod of a lost host (confirmed), recording when and the
+    last step its job logged; returns `watched` with why. Raises PodError
+    when the delete is refused."""
+    step = f", its job lost at step {watched.last_step}" if watched.last_step is not None else ""
+    reason = (
+        f"the host of pod {pod.name} stopped answering SSH while Runpod showed the pod "
+        f"running (silent {ctx.timing.lost_host_s:g} s more after the follower's tries){step}: "
+        "a lost host"
+    )
+    pod.host_lost = rfc3339()
+    pod.lost_step = watched.last_step
+    pod.save(ctx.runs)
+    await remove(ctx, pod, reason)
+    return dataclasses.replace(watched, host_lost=reason)
 
 
 async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched) -> Outcome:
@@ -210,6 +285,8 @@ async def settle(ctx: PodContext, pod: PodRecord, run_id: str, watched: Watched)
     if watched.deadline_passed:
         await remove(ctx, pod, "max_hours reached: the client's guard")
         raise PodGone(f"run {run_id} failed: {MAX_HOURS_REACHED}", kept=MAX_HOURS_REACHED)
+    if watched.host_lost is not None:
+        raise PodGone(f"run {run_id} failed: {watched.host_lost}", kept=watched.host_lost)
     if watched.error is not None:
         error = watched.error
         if isinstance(error, Unreachable) and await is_gone(ctx, pod):
