@@ -138,6 +138,48 @@ def test_a_training_goes_on_from_its_kept_checkpoint_on_a_new_pod_each_time_its_
         assert f"checkpoint-{step} (step {step})" in text, text
 
 
+def lose_host_twice(
+    sim: RunpodSim,
+    pods: SimPods,
+    runs_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    lost: list[tuple[str, int]],
+) -> threading.Thread:
+    """A thread that loses the host of the run's pod once a checkpoint of it
+    is kept and brings it back once its follower says it tries SSH again;
+    then, once a later checkpoint is kept, loses it for good. Notes (run,
+    kept step) at each loss."""
+
+    def kept() -> tuple[str, int, str] | None:
+        runs = Runs(runs_dir)
+        for record in runs.list(skipped=lambda _name, _error: None):
+            point, pod = last_kept(runs, record.id), PodRecord.load(runs, record.id)
+            if point is not None and pod is not None and pod.pod_id is not None:
+                return record.id, point.step, pod.pod_id
+        return None
+
+    def watch() -> None:
+        deadline = time.monotonic() + RESTART_BOUND_S
+        while time.monotonic() < deadline and len(lost) < 2:
+            found = kept()
+            if found is not None and (not lost or found[1] > lost[0][1]):
+                run_id, step, pod_id = found
+                pods.lose_host(sim.pod(pod_id))
+                lost.append((run_id, step))
+                if len(lost) == 1:
+                    while time.monotonic() < deadline and TRYING_AGAIN not in caplog.text:
+                        time.sleep(0.2)
+                    pods.find_host(sim.pod(pod_id))
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+TRYING_AGAIN = "does not answer SSH while Runpod shows it: trying it again"
+
+
 def test_a_pod_whose_host_stops_answering_is_deleted_and_with_max_restarts_0_the_run_fails(
     prefect_server: None,
     sim: RunpodSim,
@@ -145,25 +187,29 @@ def test_a_pod_whose_host_stops_answering_is_deleted_and_with_max_restarts_0_the
     tiny: tuple[Path, Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A lost host: the pod frozen and its SSH refused while Runpod shows it
-    running. After the follower's tries and `lost_host_s` (5 s here, 180 s
-    by default) the follower deletes the pod, `pod.json` and the run say
-    why and at which step; it is a loss the run could go on from, but with
-    max_restarts 0 it fails, and no second pod is made. What billed: the pod
-    until its delete, about lost_host_s + the tries after the loss."""
-    monkeypatch.setenv(TIMING_ENV, f"{FAST},lost_host_s=5")
+    running. Back within `lost_host_s` (8 s here, 180 s by default), its job
+    is followed again; the second time it stays silent, the follower
+    deletes the pod, `pod.json` and the run say why and at which step; it is
+    a loss the run could go on from, but with max_restarts 0 it fails, and
+    no second pod is made. What billed: the pod until its delete, about
+    lost_host_s + the tries after the loss."""
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},lost_host_s=8")
     runs_dir = tmp_path / "runs"
     lost: list[tuple[str, int]] = []
-    watcher = lose_pods_once_a_checkpoint_is_kept(sim, pods_of, runs_dir, lost, ("host lost",))
+    watcher = lose_host_twice(sim, pods_of, runs_dir, caplog, lost)
     name = target(sim, max_restarts=0)
     training = spec(*tiny, max_steps=40, save_steps=5)
     state = run(train(target=name, training=training, runs_dir=str(runs_dir), return_state=True))
     watcher.join(timeout=5)
-    assert lost and state.is_failed(), state
+    assert len(lost) == 2 and state.is_failed(), (lost, state)
+    assert "answers SSH again: its job is followed again" in caplog.text
     assert "stopped answering SSH" in (state.message or ""), state.message
     runs = Runs(runs_dir)
-    ((run_id, kept_step),) = lost
+    (run_id, _), (same_run, kept_step) = lost
+    assert same_run == run_id  # the same run, followed again after its host came back
     assert [r.id for r in runs.list()] == [run_id]
     record = runs.load(run_id)
     assert record.state == RunState.FAILED and "a lost host" in (record.message or ""), record

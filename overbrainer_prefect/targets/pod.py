@@ -903,7 +903,7 @@ class PodTarget(BlockTarget):
         step = f" at step {pod.lost_step}" if pod.lost_step is not None else ""
         if pod.restarted is not None:
             return f"the container of pod {pod.name} restarted at {pod.restarted}{step}"
-        if pod.host_lost is not None:
+        if pod.host_lost is not None and pod.gone:
             lost = f"deleted at {pod.host_lost}"
             return f"the host of pod {pod.name} stopped answering SSH ({lost}){step}"
         if pod.gone and pod.deleted_by == "unknown":

@@ -18,12 +18,13 @@ container, the pod's SSH sessions have a home of their own, the pod's `/root`
 profile or leaves a file or a lock in its home.
 
 `lose_host` freezes a pod and cuts its SSH, as a host lost under a running
-pod looks from outside. Knobs: `boot_delay_s` (the image takes that long to start), `never_ssh`
-(the pod's sshd never starts: the watchdog still runs, and its boot grace
-deletes the pod), `start_command` (the image runs this instead of the start
-command asked for: one that exits is restarted, as Runpod restarts a
-container, after `restart_delay_s`), `restart_delay_s` (the least and the
-most seconds between an exit and the restart: 2-4 s as on Runpod).
+pod looks from outside; `find_host` brings it back. Knobs: `boot_delay_s`
+(the image takes that long to start), `never_ssh` (the pod's sshd never
+starts: the watchdog still runs, and its boot grace deletes the pod),
+`start_command` (the image runs this instead of the start command asked for:
+one that exits is restarted, as Runpod restarts a container, after
+`restart_delay_s`), `restart_delay_s` (the least and the most seconds
+between an exit and the restart: 2-4 s as on Runpod).
 
 A pod's directory holds `console.log` (what its start command printed: the
 `container` log of the API), `system.log` (its container's starts and exits:
@@ -219,6 +220,14 @@ class SimPods:
         frozen = [proc.pid, *descendants(proc.pid)]
         kill_pids([pid for pid in frozen if not _is_sshd(pid)], signal.SIGSTOP)
         kill_pids([pid for pid in descendants(proc.pid) if _is_sshd(pid)], signal.SIGKILL)
+
+    def find_host(self, pod: SimPod) -> None:
+        """The lost host of `lose_host` comes back: the pod's processes go on
+        (SIGCONT), and its watchdog starts its sshd again."""
+        with self._lock:
+            proc = self._procs.get(pod.id)
+        if proc is not None:
+            kill_pids([proc.pid, *descendants(proc.pid)], signal.SIGCONT)
 
     def restarts(self, pod_id: str) -> int:
         """How often the pod's container was restarted (its start command exited)."""

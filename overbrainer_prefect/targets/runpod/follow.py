@@ -256,19 +256,19 @@ async def answers(executor: Executor, within_s: float) -> bool:
 
 
 async def drop_lost_host(ctx: PodContext, pod: PodRecord, watched: Watched) -> Watched:
-    """Deletes the pod of a lost host (confirmed), recording when and the
+    """Deletes the pod of a lost host (confirmed), then records when and the
     last step its job logged; returns `watched` with why. Raises PodError
-    when the delete is refused."""
+    when the delete is refused (nothing recorded lost: it may still bill)."""
     step = f", its job lost at step {watched.last_step}" if watched.last_step is not None else ""
     reason = (
         f"the host of pod {pod.name} stopped answering SSH while Runpod showed the pod "
         f"running (silent {ctx.timing.lost_host_s:g} s more after the follower's tries){step}: "
         "a lost host"
     )
+    await remove(ctx, pod, reason)
     pod.host_lost = rfc3339()
     pod.lost_step = watched.last_step
     pod.save(ctx.runs)
-    await remove(ctx, pod, reason)
     return dataclasses.replace(watched, host_lost=reason)
 
 
