@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import os
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,14 +239,67 @@ class PrefectServer:
             return asyncio.run(go())
 
 
+HIDE_SCRIPT = (
+    'while [ "$1" != -- ]; do mount -t tmpfs -o ro,size=64k hidden "$1" || exit 97; '
+    'shift; done; shift; exec "$@"'
+)
+"""Covers each directory before `--` with an empty read-only tmpfs, then runs the rest."""
+
+
+@functools.cache
+def own_mounts_allowed() -> bool:
+    """Whether this machine lets a process have a mount namespace of its own
+    (`unshare --mount`: root, or a user namespace allowed)."""
+    try:
+        done = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "true"],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def in_own_mounts(argv: list[str], hide: Sequence[Path]) -> list[str]:
+    """`argv` run in a mount namespace of its own in which every directory of
+    `hide` is an empty read-only tmpfs (the process keeps its PID: unshare and
+    sh exec it)."""
+    paths = [str(path) for path in hide]
+    unshare = ["unshare", "--mount", "--propagation", "private"]
+    return [*unshare, "sh", "-c", HIDE_SCRIPT, "hide", *paths, "--", *argv]
+
+
+def hidden_from(pid: int) -> list[str]:
+    """The mount points of the tmpfs `in_own_mounts` made in the namespace of
+    the process `pid` (empty when it shares this one's)."""
+    try:
+        lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    return [line.split()[4] for line in lines if " - tmpfs hidden " in line]
+
+
 class Worker:
     """`prefect worker start --pool <pool> --type process`, started in `directory`
     (the root of a clone of this repository) with `env` added."""
 
-    def __init__(self, server: PrefectServer, name: str, directory: Path, **env: str) -> None:
+    def __init__(
+        self,
+        server: PrefectServer,
+        name: str,
+        directory: Path,
+        hide: Sequence[Path] = (),
+        **env: str,
+    ) -> None:
         self.server = server
         self.name = name
         self.directory = directory
+        self.hide = list(hide)
+        """Directories this worker (and every process it starts) must not
+        see: in a mount namespace of its own, where `unshare` is allowed,
+        an empty read-only tmpfs covers each (see `in_own_mounts`)."""
         self.extra = env
         self.log = server.home / f"worker-{name}.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -260,18 +314,12 @@ class Worker:
             "PREFECT_LOGGING_LEVEL": "INFO",
         }
         env = self.server.env(**{**defaults, **self.extra})
+        argv = [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"]
+        argv += ["--name", self.name]
+        if self.hide and own_mounts_allowed():
+            argv = in_own_mounts(argv, self.hide)
         self.process = subprocess.Popen(
-            [
-                str(BIN / "prefect"),
-                "worker",
-                "start",
-                "--pool",
-                POOL,
-                "--type",
-                "process",
-                "--name",
-                self.name,
-            ],
+            argv,
             cwd=self.directory,
             env=env,
             stdout=self.log.open("ab"),

@@ -1,13 +1,15 @@
-"""The train deployment on a Prefect server backed by PostgreSQL, its runs in
-a bucket of a real S3 server (moto's) and nowhere on a disk, with two real
-process workers that share nothing but the server and the bucket (each its
-own working directory, a clone of the flows, and its own HOME and staging
-directory): the flow run suspends on worker A once its job trains (issue 28);
-worker A and the follower it ran are SIGKILLed mid-training; once A's follow
-lease expired, a follower on worker B follows the job to its end from the
-bucket, verified there, and resumes the flow run, which worker B runs to
-`Completed` (issue 27). What bills: nothing (a local target); what is lost:
-nothing.
+"""The train deployment on a Prefect server backed by PostgreSQL, its runs in a
+bucket of a real S3 server (moto's) and nowhere on a disk, with two real
+process workers that share nothing but the server and the bucket (each its own
+working directory, a clone of the flows, and its own HOME and staging
+directory, in a mount namespace of its own where the other's HOME and clone
+are empty, where `unshare` is allowed; the local target's jobs run in the
+staging directories, the target machine's disk): the flow run suspends on
+worker A once its job trains (issue 28); worker A and the follower it ran are
+SIGKILLed mid-training; once A's follow lease expired, a follower on worker B
+follows the job to its end from the bucket, verified there, and resumes the
+flow run, which worker B runs to `Completed` (issue 27). What bills: nothing
+(a local target); what is lost: nothing.
 
 A module of its own (not in the `deployed` unit of tests/scheduling.py): it
 starts its own stack, so it runs beside the deployment tests on another
@@ -29,6 +31,8 @@ from tests.prefect_server import (
     Stack,
     Worker,
     clone,
+    hidden_from,
+    own_mounts_allowed,
     start_stack,
     tiny_training,
     wait_until,
@@ -42,23 +46,31 @@ pytest_plugins = ["tests.prefect_server", "tests.postgres"]
 pytestmark = pytest.mark.slow
 
 
-def own_worker(stack: Stack, name: str, root: Path) -> Worker:
+def own_worker(stack: Stack, name: str, other: str, root: Path) -> Worker:
     """A worker of the stack in a clone of its own, with its own HOME and
-    staging directory, and the tests' follow lease TTL; started."""
-    home = root / name / "home"
-    home.mkdir(parents=True)
-    where = clone(root / name / "clone")
+    staging directory (where its local jobs run: the target machine's disk),
+    and the tests' follow lease TTL, in a mount namespace of its own where
+    the other worker's HOME and clone are empty (where `unshare` is
+    allowed); started."""
+    for who in (name, other):
+        for part in ("home", "clone"):
+            (root / who / part).mkdir(parents=True, exist_ok=True)
+    home, where = root / name / "home", clone(root / name / "clone")
     worker = Worker(
         stack.server,
         f"{name}-{uuid.uuid4().hex[:6]}",
         where,
+        hide=[root / other / "home", root / other / "clone"],
         HOME=str(home),
         OVERBRAINER_PROJECT_DIR=str(where),
-        OVERBRAINER_WORK_DIR=str(home / "staging"),
+        OVERBRAINER_WORK_DIR=str(root / name / "staging"),
         **{TTL_ENV: str(LEASE_TTL_S)},
     )
     stack.workers.append(worker)
     worker.start()
+    assert worker.process is not None
+    if own_mounts_allowed():  # what the other worker holds is not even visible to this one
+        assert hidden_from(worker.process.pid) == [str(p) for p in worker.hide]
     return worker
 
 
@@ -71,7 +83,7 @@ def test_on_postgresql_a_suspended_run_of_a_killed_worker_is_finished_by_another
     try:
         for started in stack.workers:
             started.stop()  # the stack's own shares this process's HOME: A and B have theirs
-        a = own_worker(stack, "a", tmp_path)
+        a = own_worker(stack, "a", "b", tmp_path)
         start_follower(stack)
         flow_run_id = stack.run_deployment(
             "train/local", target=stack.target, training=tiny_training(*tiny, max_steps=300)
@@ -86,7 +98,7 @@ def test_on_postgresql_a_suspended_run_of_a_killed_worker_is_finished_by_another
         wait_until(lambda: follower_of(runs) is None, LEASE_TTL_S + 60, "A's lease to expire")
 
         # worker B, sharing nothing with A but the server and the bucket, takes it over
-        b = own_worker(stack, "b", tmp_path)
+        b = own_worker(stack, "b", "a", tmp_path)
         start_follower(stack)
         done = stack.wait_final(flow_run_id, timeout=600)
         assert done.state.is_completed(), done.state
