@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -372,3 +373,37 @@ def test_a_real_fine_tune_keeps_each_checkpoint_in_its_runs_directory_while_it_t
     # the final retrieval verified the kept files where they were: not copied again
     for path, inode in kept_while_running.items():
         assert (local / path).stat().st_ino == inode, f"{path} was copied again"
+
+
+def test_a_checkpoint_kept_on_a_volume_is_linked_in_by_the_job_only_as_it_was_kept(
+    tmp_path: Path,
+) -> None:
+    """The job's first command (the shipped `overbrainer_store.py get`) links a
+    file kept on the machine's network volume into the new run directory, once
+    its size and SHA-256 are the kept ones; a changed or missing file fails the
+    job in one line, and nothing is linked in."""
+    script = Path(start_step.__file__).parents[1] / "jobs" / "overbrainer_store.py"
+    kept = tmp_path / "volume" / "overbrainer" / "old-run" / "output" / "checkpoint-5" / "a.bin"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(os.urandom(3000))
+    entry = {"path": "resume/checkpoint-5/a.bin", "size": 3000, "sha256": sha256_file(kept)[1]}
+
+    def get(source: Path) -> subprocess.CompletedProcess[str]:
+        plan = json.dumps({"files": [{**entry, "source": str(source)}]})
+        argv = [sys.executable, str(script), "get", str(tmp_path / "new"), "--plan-env", "PLAN"]
+        env = {**os.environ, "PLAN": plan}
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+    linked = tmp_path / "new" / "resume" / "checkpoint-5" / "a.bin"
+    missing = get(tmp_path / "elsewhere" / "a.bin")
+    assert missing.returncode == 2 and "network volume this machine does not mount" in (
+        missing.stderr
+    ), missing.stderr
+    done = get(kept)
+    assert done.returncode == 0, done.stderr
+    assert linked.stat().st_ino == kept.stat().st_ino  # a link: no second copy on the volume
+    linked.unlink()
+    kept.write_bytes(os.urandom(3000))  # changed since it was kept
+    changed = get(kept)
+    assert changed.returncode == 2 and "not the ones recorded" in changed.stderr, changed.stderr
+    assert not linked.exists() and len(changed.stderr.strip().splitlines()) == 1

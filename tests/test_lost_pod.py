@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 
 from overbrainer_prefect.flows import RunResult, train
+from overbrainer_prefect.kinds.training import resume_point
 from overbrainer_prefect.money.limits import BudgetError
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs import Runs, RunState
-from overbrainer_prefect.runs.checkpoints import last_kept
+from overbrainer_prefect.runs.checkpoints import last_kept, load_kept
 from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.targets.pod import _after_lost_pods
+from overbrainer_prefect.trainers.staging import stored_inputs
 from tests.flowrun import run
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
@@ -95,13 +97,18 @@ def test_a_training_goes_on_from_its_kept_checkpoint_on_a_new_pod_each_time_its_
 ) -> None:
     """Its first pod terminated by Runpod, then its second pod's container
     restarted (max_restarts 2): three pods, each run going on from the one
-    before's kept checkpoint, all three in the summary."""
+    before's kept checkpoint, all three in the summary. The target keeps the
+    checkpoints on its network volume (`checkpoints_on: volume`): hashed
+    where the job wrote them, none copied while it trained; the next pod, in
+    the volume's data center, links the terminated pod's in from there."""
     runs_dir = tmp_path / "runs"
     pods_of.restart_delay_s = (0.2, 0.4)
     lost: list[tuple[str, int]] = []
     ways = ("terminated", "restarted")
     watcher = lose_pods_once_a_checkpoint_is_kept(sim, pods_of, runs_dir, lost, ways)
-    name = target(sim)
+    volume = sim.add_volume(10, "EU-RO-1")
+    on_volume = {"network_volume_id": volume, "data_center_ids": ["EU-RO-1"]}
+    name = target(sim, checkpoints_on="volume", **on_volume)
     training = spec(*tiny, max_steps=40, save_steps=5)
     result = run(train(target=name, training=training, runs_dir=str(runs_dir)))
     watcher.join(timeout=5)
@@ -122,6 +129,12 @@ def test_a_training_goes_on_from_its_kept_checkpoint_on_a_new_pod_each_time_its_
     assert (second.resumed_from.run_id, second.resumed_from.step) == (terminated_id, first_step)
     assert (went_on.resumed_from.run_id, went_on.resumed_from.step) == (restarted_id, second_step)
     assert min(steps_of(runs, restarted_id)) > first_step
+    # kept on the volume, never copied: the next pod linked the terminated one's in from it
+    kept = load_kept(runs, terminated_id).checkpoints
+    assert kept and all(point.volume == volume for point in kept), kept
+    assert not list(runs.run_dir(terminated_id).glob("output/checkpoint-*")), "copied"
+    inputs = stored_inputs(runs.run_dir(restarted_id))
+    assert inputs and all(f"/{terminated_id}/output/checkpoint-" in str(i.source) for i in inputs)
     assert min(steps_of(runs, went_on.id)) > second_step and max(steps_of(runs, went_on.id)) == 40
     pods = [PodRecord.load(runs, run_id) for run_id in (terminated_id, restarted_id, went_on.id)]
     assert all(pod is not None and pod.state == PodState.DELETED for pod in pods), pods
@@ -221,13 +234,11 @@ def test_a_pod_whose_host_stops_answering_is_deleted_and_with_max_restarts_0_the
     # taken for a lost machine, not resumed only because of max_restarts
     (summary,) = [a for a in artifacts_of(run_id) if a.key == f"run-{run_id}-summary"]
     assert "not resumed: max_restarts (0) reached" in str(summary.data), summary.data
-    # the message names the next command, and it works: on from the kept checkpoint
+    # the message names the next command, which goes on from the last kept checkpoint (a
+    # resume from a kept checkpoint is the first test's, from the store and from a volume)
     assert f"with the train flow (resume_from={run_id})" in (record.message or ""), record
-    again = run(train(target=name, resume_from=run_id, runs_dir=str(runs_dir)))
-    assert isinstance(again, RunResult) and again.state == RunState.SUCCEEDED, again.message
-    went_on = runs.load(again.run_id)
-    assert went_on.resumed_from is not None and went_on.resumed_from.run_id == run_id
-    assert min(steps_of(runs, went_on.id)) > went_on.resumed_from.step >= kept_step
+    point, last = resume_point(runs, record), last_kept(runs, run_id)
+    assert last is not None and (point.run_id, point.step) == (run_id, last.step), point
 
 
 def test_max_cost_usd_counts_the_pods_a_training_lost_before() -> None:

@@ -604,6 +604,8 @@ def test_the_runpod_target_block_holds_its_settings_with_their_constraints(
         ({"gpu_count": 0}, "greater than or equal to 1"),
         ({"container_disk_gb": 5}, "greater than or equal to 20"),
         ({"max_volume_gb": 100}, "max_volume_gb needs a network_volume_id"),
+        ({"checkpoints_on": "volume"}, "checkpoints_on 'volume' needs a network_volume_id"),
+        ({"checkpoints_on": "disk"}, "'store' or 'volume'"),
     ]:
         with pytest.raises(ValidationError, match=said):
             RunpodTarget(credentials=credentials, **bad)

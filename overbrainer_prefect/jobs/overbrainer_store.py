@@ -33,6 +33,7 @@ import hashlib
 import http.client
 import json
 import os
+import shutil
 import sys
 import time
 import urllib.parse
@@ -168,13 +169,48 @@ def put(root: str, plan: dict) -> dict[str, dict]:  # type: ignore[type-arg]
     return sent
 
 
+def link_in(entry: dict, target_path: str) -> None:  # type: ignore[type-arg]
+    """Links the file `entry["source"]` (on this machine's network volume) at
+    `target_path` (copies it where it cannot be linked), after checking its
+    size and SHA-256 where it is."""
+    path, source = entry["path"], entry["source"]
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(source, "rb") as file:
+            while block := file.read(BLOCK):
+                digest.update(block)
+                size += len(block)
+    except OSError as error:
+        raise Failed(
+            f"{path}: {source} cannot be read ({error.strerror}): it was kept on a network "
+            "volume this machine does not mount, or was removed from it"
+        ) from None
+    if size != entry["size"] or digest.hexdigest() != entry["sha256"]:
+        raise Failed(
+            f"{path}: {source} holds {size} bytes that are not the ones recorded "
+            f"({entry['size']} bytes, SHA-256 {entry['sha256'][:12]}...)"
+        )
+    partial = f"{target_path}.linking"
+    if os.path.lexists(partial):
+        os.unlink(partial)
+    try:
+        os.link(source, partial)
+    except OSError:
+        shutil.copyfile(source, partial)
+    os.replace(partial, target_path)
+
+
 def get(root: str, plan: dict) -> None:  # type: ignore[type-arg]
-    """Fetches each file of `plan`, checks its size and SHA-256, and renames it in."""
+    """Fetches each file of `plan` (or links it in from this machine's
+    network volume), checks its size and SHA-256, and renames it in."""
     deadline = time.monotonic() + float(plan.get("deadline_s", 3600))
     for entry in plan["files"]:
         path = entry["path"]
         target_path = os.path.join(root, path)
         os.makedirs(os.path.dirname(target_path) or ".", exist_ok=True)
+        if "source" in entry:
+            link_in(entry, target_path)
+            continue
         partial = f"{target_path}.fetching"
 
         def attempt(entry=entry, path=path, partial=partial) -> None:  # type: ignore[no-untyped-def]

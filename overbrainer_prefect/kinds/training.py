@@ -16,7 +16,7 @@ from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.kinds.base import JobKind, JobResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.files import FileEntry
-from overbrainer_prefect.runs.checkpoints import last_kept, load_kept
+from overbrainer_prefect.runs.checkpoints import KeptCheckpoint, last_kept, load_kept
 from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
 from overbrainer_prefect.steps.context import Outcome
@@ -29,7 +29,7 @@ from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.holdout import holdout_problem
 from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
-from overbrainer_prefect.trainers.staging import stage_stored
+from overbrainer_prefect.trainers.staging import stage_on_volume, stage_stored
 
 NAME = "training"
 """A training run's records: `<runs dir>/<id>/run.json`."""
@@ -85,6 +85,18 @@ def _checkpoint_files(runs: Runs, run_id: str, checkpoint: str) -> list[FileDige
     return [file.digest() for point in kept for file in point.files]
 
 
+def _on_volume(runs: Runs, point: ResumedFrom) -> KeptCheckpoint | None:
+    """The checkpoint of `point` as it was kept on a network volume, when it
+    was and its run's files were never retrieved into the store (where they
+    were, the store's copy is staged)."""
+    prefix = f"{point.checkpoint.rstrip('/')}/"
+    if any(entry.path.startswith(prefix) for entry in load_manifest(runs, point.run_id)):
+        return None
+    kept = load_kept(runs, point.run_id).checkpoints
+    found = [p for p in kept if p.path.rstrip("/") == prefix[:-1] and p.volume is not None]
+    return found[-1] if found and found[-1].remote else None
+
+
 def lost_point(runs: Runs, lost: RunRecord) -> ResumedFrom | None:
     """Where a run lost with its machine goes on from: its last checkpoint
     kept in the store while it trained; None when none was kept."""
@@ -97,12 +109,20 @@ def lost_point(runs: Runs, lost: RunRecord) -> ResumedFrom | None:
 def stage_checkpoint(runs: Runs, point: ResumedFrom, record: RunRecord) -> str:
     """Stages the checkpoint of `point` in the new run `record`'s directory
     (from the runs' store: hard links from a local one, fetched by the job from
-    an object store) and returns its path there, relative to the run
+    an object store; one kept on a network volume and never retrieved, linked
+    in by the job from there) and returns its path there, relative to the run
     directory (what the trainer resumes from). Raises TrainError when a file
     of it is not in the store."""
     relative = resume_path(point)
     again = f"retrieve it with the attach flow (run_id={point.run_id})"
     local = runs.run_dir(record.id)
+    on_volume = _on_volume(runs, point)
+    if on_volume is not None:
+        for file in on_volume.files:
+            inside = file.path[len(point.checkpoint.rstrip("/")) + 1 :]
+            source = f"{on_volume.remote}/{inside}"
+            stage_on_volume(local, f"{relative}/{inside}", source, file.size, file.sha256)
+        return relative
     for entry in _checkpoint_files(runs, point.run_id, point.checkpoint):
         inside = entry.path[len(point.checkpoint.rstrip("/")) + 1 :]
         key = runs.key(point.run_id, entry.path)

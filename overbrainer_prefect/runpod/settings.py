@@ -110,8 +110,8 @@ class RunpodSettingsFields(BaseModel):
         default=2,
         ge=0,
         description="How many times a training whose pod is lost under it (terminated by "
-        "Runpod, its container restarted) goes on, by itself, from its last checkpoint kept in "
-        "the runs store, on a new pod; 0: the run fails with the loss.",
+        "Runpod, its container restarted, its host silent) goes on, by itself, from its last "
+        "kept checkpoint (see checkpoints_on), on a new pod; 0: the run fails with the loss.",
     )
     data_center_ids: list[str] = Field(
         default_factory=list,
@@ -121,6 +121,14 @@ class RunpodSettingsFields(BaseModel):
         default=None,
         description="A network volume to mount at /workspace; needs exactly one data center, "
         "the volume's.",
+    )
+    checkpoints_on: Literal["store", "volume"] = Field(
+        default="store",
+        description="Where a training's checkpoints are kept as it saves them, for a new pod to "
+        "go on from when its pod is lost: `store` (copied into the runs store) or `volume` "
+        "(left on the network volume, where the job wrote them, and checked by SHA-256 there: "
+        "nothing is copied while it trains; a new pod in the volume's data center links them "
+        "in). `volume` needs a network_volume_id.",
     )
     max_volume_gb: int | None = Field(
         default=None,
@@ -218,7 +226,18 @@ class RunpodSettingsFields(BaseModel):
             )
         if self.max_volume_gb is not None and self.network_volume_id is None:
             raise ValueError("max_volume_gb needs a network_volume_id: set one, or unset it")
+        if self.checkpoints_on == "volume" and self.network_volume_id is None:
+            raise ValueError(
+                "checkpoints_on 'volume' needs a network_volume_id: set one, or keep the "
+                "checkpoints in the runs store (checkpoints_on 'store')"
+            )
         return self
+
+    @property
+    def checkpoints_volume(self) -> str | None:
+        """The network volume a training's checkpoints are kept on, where its
+        job writes them (`checkpoints_on: volume`); None: in the runs store."""
+        return self.network_volume_id if self.checkpoints_on == "volume" else None
 
     @property
     def is_auto(self) -> bool:

@@ -1,8 +1,9 @@
-"""The checkpoints of a run kept in its store while its job trains
-(`checkpoints.json`, beside its record): each one's step, its directory
-(relative to the run directory, where the final retrieval puts it too) and
-its files as the store was verified to hold them. The last one is where a
-run lost with its machine can go on from."""
+"""The checkpoints of a run kept while its job trains (`checkpoints.json`,
+beside its record): each one's step, its directory (relative to the run
+directory, where the final retrieval puts it too) and its files as the
+store was verified to hold them, or, for one left on a pod's network volume
+(a Runpod target's `checkpoints_on: volume`), as the pod hashed them there.
+The last one is where a run lost with its machine can go on from."""
 
 from __future__ import annotations
 
@@ -56,8 +57,17 @@ class KeptCheckpoint(BaseModel):
 
     step: int = Field(ge=0, description="The step it was saved at.")
     path: RunPath = Field(description="Its directory, relative to the run directory.")
-    kept: str = Field(description="When it was verified in the store, RFC 3339.")
+    kept: str = Field(description="When it was verified where it was kept, RFC 3339.")
     files: list[KeptFile]
+    volume: str | None = Field(
+        default=None,
+        description="The network volume it was kept on, where the job wrote it (not copied "
+        "into the store), its files hashed there; None: kept in the store.",
+    )
+    remote: str | None = Field(
+        default=None,
+        description="On `volume`: its directory, absolute, as a pod mounting the volume sees it.",
+    )
 
 
 class KeptCheckpoints(BaseModel):
@@ -71,6 +81,10 @@ class KeptCheckpoints(BaseModel):
     def last(self) -> KeptCheckpoint | None:
         """The kept checkpoint of the highest step, None when none was kept."""
         return max(self.checkpoints, key=lambda point: point.step, default=None)
+
+    def in_store(self) -> KeptCheckpoints:
+        """The checkpoints kept in the store (not those left on a volume)."""
+        return KeptCheckpoints(checkpoints=[p for p in self.checkpoints if p.volume is None])
 
     def add(self, point: KeptCheckpoint) -> None:
         """Adds `point`, replacing one kept before at the same path."""

@@ -9,7 +9,10 @@ kept yet goes to the run's store where the final retrieval would put it
 (`output/checkpoint-N/`): downloaded and hashed here into a local runs
 directory, put by the target itself into an object store (`direct.put_files`).
 It counts as kept once every file's SHA-256 is verified against the
-target's own, and is then added to the run's `checkpoints.json`. One keep at
+target's own, and is then added to the run's `checkpoints.json`. On a pod
+whose run directory is on a network volume that keeps the checkpoints
+(`RunContext.checkpoints_volume`), nothing moves: the pod hashes it where
+the job wrote it, and that is what is recorded. One keep at
 a time runs beside the follow loop; a failure is a warning, tried again at the
 next checkpoint, and never fails the run.
 """
@@ -100,13 +103,21 @@ async def complete_checkpoints(executor: Executor, remote: str, directory: str) 
 
 
 async def keep(
-    executor: Executor, python: str, runs: Runs, record_id: str, remote: str, path: str, step: int
+    executor: Executor,
+    python: str,
+    runs: Runs,
+    record_id: str,
+    remote: str,
+    path: str,
+    step: int,
+    volume: str | None = None,
 ) -> KeptCheckpoint:
     """Brings the checkpoint directory `path` of the job in `remote` into the
     store of `runs` (record `record_id`), at the same path, and checks every
     file against the target's SHA-256 manifest of it: downloaded and hashed
-    here into a local store, put and checked by an object store. Then adds it
-    to the run's `checkpoints.json`. Returns it.
+    here into a local store, put and checked by an object store; with
+    `volume` (the network volume `remote` is on), left there, as hashed
+    there. Then adds it to the run's `checkpoints.json`. Returns it.
 
     Raises ExecError when the target or the store fails, a file does not
     verify, or `checkpoints.json` cannot be written.
@@ -115,9 +126,9 @@ async def keep(
     if not any(PurePosixPath(f.path).name == COMPLETE_MARK for f in manifest):
         raise ExecError("keep the checkpoint", f"{path} is gone or incomplete on the target")
     parts: dict[str, list[str]] = {}
-    if runs.store.direct:
+    if volume is None and runs.store.direct:
         parts = await put_files(executor, python, runs, record_id, remote, manifest)
-    else:
+    elif volume is None:  # on a volume, hashed where the job wrote it: the manifest is the check
         local = runs.run_dir(record_id)
         await executor.download(remote, local, [path])
         await asyncio.to_thread(verify, local, [path], (), manifest)
@@ -134,6 +145,8 @@ async def keep(
             )
             for f in manifest
         ],
+        volume=volume,
+        remote=f"{remote.rstrip('/')}/{path}" if volume is not None else None,
     )
     kept = await asyncio.to_thread(load_kept, runs, record_id)
     kept.add(point)
@@ -209,7 +222,16 @@ class Keeper:
         path = found[step]
         name = PurePosixPath(path).name
         try:
-            await keep(ctx.executor, ctx.python, ctx.runs, record.id, record.remote_dir, path, step)
+            await keep(
+                ctx.executor,
+                ctx.python,
+                ctx.runs,
+                record.id,
+                record.remote_dir,
+                path,
+                step,
+                ctx.checkpoints_volume,
+            )
         except Exception as error:  # a keep that fails never fails the run
             self.failed_step = step
             ctx.reporter.warning(
@@ -218,7 +240,7 @@ class Keeper:
             )
             return
         self.kept_step = step
-        ctx.reporter.note(
-            f"{subject(record)}: {name} (step {step}) kept in "
-            f"{ctx.runs.where_of(record.id, path)}, verified"
-        )
+        where = ctx.runs.where_of(record.id, path)
+        if ctx.checkpoints_volume is not None:
+            where = f"network volume {ctx.checkpoints_volume} ({record.remote_dir}/{path})"
+        ctx.reporter.note(f"{subject(record)}: {name} (step {step}) kept in {where}, verified")

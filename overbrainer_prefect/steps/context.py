@@ -54,6 +54,10 @@ class RunContext:
     probed: dict[tuple[str, ...], TargetFacts] = field(default_factory=dict)
     """Probes of the same machine's job environment this process already took
     (its pre-flight's), by the modules asked: not taken again at the start."""
+    checkpoints_volume: str | None = None
+    """The network volume the job's run directory is on, when its checkpoints
+    are kept there as the job writes them (hashed there, not copied into the
+    store): its ID."""
     host_gone: Callable[[], Awaitable[bool]] | None = None
     """The target's own look at whether the machine under a job found lost is
     gone (a pod deleted at its bound): then the watch ends unreachable and the

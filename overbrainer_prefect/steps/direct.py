@@ -180,11 +180,16 @@ def fetch_command(python: str, remote: str) -> list[str]:
 
 def fetch_plan(runs: Runs, inputs: Sequence[StoredInput]) -> str:
     """The fetch plan of a job's inputs (its presigned URLs: a secret of the
-    job). Raises StoreError when the store cannot sign them."""
+    job; or, for a file on the machine's network volume, its path there).
+    Raises StoreError when the store cannot sign them."""
     files = [
         {
             "path": item.path,
-            "url": runs.store.sign_get(item.key),
+            **(
+                {"source": item.source}
+                if item.source is not None
+                else {"url": runs.store.sign_get(str(item.key))}
+            ),
             "size": item.size,
             "sha256": item.sha256,
         }

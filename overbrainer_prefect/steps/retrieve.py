@@ -67,7 +67,7 @@ async def retrieve(
         and required is not None
         and not any(f.path == required or f.path.startswith(f"{required}/") for f in manifest)
     )
-    kept = await asyncio.to_thread(load_kept, runs, record_id)
+    kept = (await asyncio.to_thread(load_kept, runs, record_id)).in_store()
     if runs.store.direct:
         held = {f.path: f.parts for point in kept.checkpoints for f in point.files if f.parts}
         await put_files(executor, python, runs, record_id, remote, manifest, held)

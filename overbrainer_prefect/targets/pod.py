@@ -123,6 +123,9 @@ class PodPlaced:
     """The record the pod was made for, when that is another job's."""
     share: PodShare | None = None
     """The pipeline that shares the pod: the pod stays for its next job."""
+    checkpoints_volume: str | None = None
+    """The network volume the job's checkpoints are kept on (see
+    `RunContext.checkpoints_volume`), when the target keeps them there."""
 
     @property
     def executor(self) -> Executor:
@@ -149,6 +152,7 @@ class PodPlaced:
             local_only=LOCAL_RECORDS,
             check_facts=lambda facts: check_gpus(pod, facts),
             host_gone=lambda: is_gone(self.ctx, pod),
+            checkpoints_volume=self.checkpoints_volume,
         )
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
@@ -712,6 +716,7 @@ class PodTarget(BlockTarget):
                             pod_dir=held.pod_dir,
                             owner=held.owner(),
                             share=held,
+                            checkpoints_volume=settings.checkpoints_volume,
                         )
                     finally:
                         await executor.close()
@@ -735,6 +740,7 @@ class PodTarget(BlockTarget):
                 self._bounds,
                 settings.retrieve_grace_s,
                 remote_dir_here=ready.remote_dir,
+                checkpoints_volume=settings.checkpoints_volume,
             )
             sharing = current()
             if sharing is not None and self.ref not in sharing.held:  # the pipeline's pod
@@ -832,6 +838,7 @@ class PodTarget(BlockTarget):
                     pod_dir=job_dir(pod.workdir or DEFAULT_WORKDIR, owner_id) if linked else None,
                     owner=owner if linked else None,
                     share=self._share_of(home, owner, pod),
+                    checkpoints_volume=self.settings.checkpoints_volume,
                 )
             finally:
                 await executor.close()

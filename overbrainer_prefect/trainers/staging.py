@@ -9,8 +9,9 @@ from __future__ import annotations
 import shutil
 from importlib import resources
 from pathlib import Path
+from typing import Self
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter
+from pydantic import BaseModel, ConfigDict, TypeAdapter, model_validator
 
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import StoreError
@@ -46,16 +47,25 @@ STORE_MODULE = "overbrainer_store"
 
 
 class StoredInput(BaseModel):
-    """A file a job reads from the runs' store: where it goes in the job's run
-    directory, the store key it comes from (under the runs directory), its
-    size and SHA-256 (what the job checks it against)."""
+    """A file a job reads before it starts: where it goes in the job's run
+    directory, where it comes from (the store key under the runs directory,
+    or the absolute path of a file on the network volume the job's machine
+    mounts: linked in), its size and SHA-256 (what the job checks it
+    against)."""
 
     model_config = ConfigDict(extra="forbid")
 
     path: str
-    key: str
+    key: str | None = None
+    source: str | None = None
     size: int
     sha256: str
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> Self:
+        if (self.key is None) == (self.source is None):
+            raise ValueError(f"{self.path}: give either the store key or the source on a volume")
+        return self
 
 
 _INPUTS = TypeAdapter(list[StoredInput])
@@ -86,9 +96,23 @@ def stage_stored(
         raise TrainError(f"cannot look at {runs.store.where(key)}: {error}") from None
     if info is None:
         raise TrainError(missing)
-    inputs = stored_inputs(local_run_dir)
-    inputs = [item for item in inputs if item.path != dest]
-    inputs.append(StoredInput(path=dest, key=key, size=size, sha256=sha256))
+    _add_input(local_run_dir, StoredInput(path=dest, key=key, size=size, sha256=sha256))
+
+
+def stage_on_volume(local_run_dir: Path, dest: str, source: str, size: int, sha256: str) -> None:
+    """Lists the file `source` (an absolute path on the network volume the
+    job's machine mounts) in the job's inputs, for `dest` of its run
+    directory: its first command links it in (copies it where it cannot)
+    and checks its size and SHA-256 there, so that nothing passes through
+    this machine. Raises OSError when the inputs cannot be written."""
+    _add_input(local_run_dir, StoredInput(path=dest, source=source, size=size, sha256=sha256))
+
+
+def _add_input(local_run_dir: Path, item: StoredInput) -> None:
+    """Adds `item` to the job's inputs (replacing one for the same path), with
+    the script that fetches them."""
+    inputs = [known for known in stored_inputs(local_run_dir) if known.path != item.path]
+    inputs.append(item)
     local_run_dir.mkdir(parents=True, exist_ok=True)
     (local_run_dir / INPUTS_FILE).write_bytes(_INPUTS.dump_json(inputs, indent=2))
     copy_job_script(local_run_dir, STORE_MODULE)

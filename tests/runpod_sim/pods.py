@@ -26,7 +26,9 @@ one that exits is restarted, as Runpod restarts a container, after
 `restart_delay_s`), `restart_delay_s` (the least and the most seconds
 between an exit and the restart: 2-4 s as on Runpod).
 
-A pod's directory holds `console.log` (what its start command printed: the
+A pod that mounts a network volume has the volume's directory as its
+`/workspace` (`volumes/<id>`, shared by every pod that mounts it, kept when
+the pod is deleted). A pod's directory holds `console.log` (what its start command printed: the
 `container` log of the API), `system.log` (its container's starts and exits:
 the `system` log) and `container.json` (its last start, its restarts).
 """
@@ -159,6 +161,7 @@ class SimPods:
         self.sshd = sshd
         self._lock = threading.Lock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._volumes: dict[str, str] = {}  # pod ID -> the network volume it mounts
 
     @contextmanager
     def attached(self, sim: RunpodSim) -> Iterator[SimPods]:
@@ -183,7 +186,11 @@ class SimPods:
         return self.dir_of(pod_id) / "root"
 
     def workspace_of(self, pod_id: str) -> Path:
-        """The pod's `/workspace`."""
+        """The pod's `/workspace`: its network volume's directory, shared by
+        every pod that mounts the volume, when it mounts one."""
+        volume = self._volumes.get(pod_id)
+        if volume is not None:
+            return self.root / "volumes" / volume
         return self.dir_of(pod_id) / "workspace"
 
     def watchdog_log(self, pod_id: str, run_id: str) -> str:
@@ -250,6 +257,9 @@ class SimPods:
         if pod.status != "RUNNING":  # a secret it references is missing: it never starts
             return
         directory = self.dir_of(pod.id)
+        network = (pod.request.get("mounts") or {}).get("network") or [{}]
+        if network[0].get("volumeId"):
+            self._volumes[pod.id] = str(network[0]["volumeId"])
         workspace = self.workspace_of(pod.id)
         workspace.mkdir(parents=True, exist_ok=True)
         own_home(self.home_of(pod.id))
