@@ -249,16 +249,18 @@ HIDE_SCRIPT = (
 @functools.cache
 def own_mounts_allowed() -> bool:
     """Whether this machine lets a process have a mount namespace of its own
-    (`unshare --mount`: root, or a user namespace allowed)."""
-    try:
-        done = subprocess.run(
-            ["unshare", "--mount", "--propagation", "private", "true"],
-            capture_output=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    in which it mounts a tmpfs (`unshare --mount`: root, or a user namespace
+    allowed), tried once on a directory of its own."""
+    with tempfile.TemporaryDirectory(prefix="own-mounts-") as directory:
+        try:
+            done = subprocess.run(
+                in_own_mounts(["true"], [Path(directory)]),
+                capture_output=True,
+                timeout=10,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
     return done.returncode == 0
 
 
