@@ -48,10 +48,10 @@ Spend = float | Callable[[], float | None] | None
 """Dollars spent so far on a run's pod: a value, a function that tells it now, or none."""
 
 JobLog = Callable[[], Awaitable[str]]
+"""Reads (the end of) a job's log, as `steps.follow.job_log_tail` does."""
 
 NearEnd = Callable[[float], Awaitable[object]]
 """Called once with the seconds left when a training is that near its end."""
-"""Reads (the end of) a job's log, as `steps.follow.job_log_tail` does."""
 
 LIVE_ARTIFACTS_FILE = "prefect-artifacts.json"
 """In a job's run directory: the IDs of its live artifacts (progress, loss

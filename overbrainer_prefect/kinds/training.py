@@ -29,7 +29,7 @@ from overbrainer_prefect.trainers.base import Trainer, TrainError
 from overbrainer_prefect.trainers.holdout import holdout_problem
 from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
-from overbrainer_prefect.trainers.staging import stage_on_volume, stage_stored
+from overbrainer_prefect.trainers.staging import StoredInput, stage_on_volume, stage_stored
 
 NAME = "training"
 """A training run's records: `<runs dir>/<id>/run.json`."""
@@ -60,7 +60,7 @@ def resume_point(runs: Runs, stopped: RunRecord) -> ResumedFrom:
     checkpoint = PurePosixPath(stopped.checkpoint)
     if checkpoint.is_absolute() or ".." in checkpoint.parts:
         raise RunError(f"run {stopped.id} names an invalid checkpoint: it cannot be resumed")
-    if not _checkpoint_files(runs, stopped.id, str(checkpoint)):
+    if not _checkpoint_files(runs, stopped.id, str(checkpoint))[0]:
         raise RunError(
             f"the checkpoint {checkpoint} of run {stopped.id} is not in "
             f"{runs.where_of(stopped.id)}: retrieve it with the attach flow (run_id={stopped.id})"
@@ -73,28 +73,20 @@ def resume_point(runs: Runs, stopped: RunRecord) -> ResumedFrom:
     )
 
 
-def _checkpoint_files(runs: Runs, run_id: str, checkpoint: str) -> list[FileDigest]:
+def _checkpoint_files(
+    runs: Runs, run_id: str, checkpoint: str
+) -> tuple[list[FileDigest], KeptCheckpoint | None]:
     """The files of a run's checkpoint as its verified manifest lists them, or,
-    when its files were never retrieved (its machine was lost), as the store
-    was verified to hold them when it was kept while the job trained."""
+    when its files were never retrieved (its machine was lost), as they were
+    verified when it was kept while the job trained; with, for one kept on a
+    network volume (not in the store), how it was kept there."""
     prefix = f"{checkpoint.rstrip('/')}/"
     listed = [entry for entry in load_manifest(runs, run_id) if entry.path.startswith(prefix)]
     if listed:
-        return listed
+        return listed, None
     kept = [p for p in load_kept(runs, run_id).checkpoints if p.path.rstrip("/") == prefix[:-1]]
-    return [file.digest() for point in kept for file in point.files]
-
-
-def _on_volume(runs: Runs, point: ResumedFrom) -> KeptCheckpoint | None:
-    """The checkpoint of `point` as it was kept on a network volume, when it
-    was and its run's files were never retrieved into the store (where they
-    were, the store's copy is staged)."""
-    prefix = f"{point.checkpoint.rstrip('/')}/"
-    if any(entry.path.startswith(prefix) for entry in load_manifest(runs, point.run_id)):
-        return None
-    kept = load_kept(runs, point.run_id).checkpoints
-    found = [p for p in kept if p.path.rstrip("/") == prefix[:-1] and p.volume is not None]
-    return found[-1] if found and found[-1].remote else None
+    on_volume = kept[-1] if kept and kept[-1].volume is not None and kept[-1].remote else None
+    return [file.digest() for point in kept for file in point.files], on_volume
 
 
 def lost_point(runs: Runs, lost: RunRecord) -> ResumedFrom | None:
@@ -116,15 +108,22 @@ def stage_checkpoint(runs: Runs, point: ResumedFrom, record: RunRecord) -> str:
     relative = resume_path(point)
     again = f"retrieve it with the attach flow (run_id={point.run_id})"
     local = runs.run_dir(record.id)
-    on_volume = _on_volume(runs, point)
+    files, on_volume = _checkpoint_files(runs, point.run_id, point.checkpoint)
+    start = len(point.checkpoint.rstrip("/")) + 1
     if on_volume is not None:
-        for file in on_volume.files:
-            inside = file.path[len(point.checkpoint.rstrip("/")) + 1 :]
-            source = f"{on_volume.remote}/{inside}"
-            stage_on_volume(local, f"{relative}/{inside}", source, file.size, file.sha256)
+        linked = [
+            StoredInput(
+                path=f"{relative}/{entry.path[start:]}",
+                source=f"{on_volume.remote}/{entry.path[start:]}",
+                size=entry.size,
+                sha256=entry.sha256,
+            )
+            for entry in files
+        ]
+        stage_on_volume(local, linked)
         return relative
-    for entry in _checkpoint_files(runs, point.run_id, point.checkpoint):
-        inside = entry.path[len(point.checkpoint.rstrip("/")) + 1 :]
+    for entry in files:
+        inside = entry.path[start:]
         key = runs.key(point.run_id, entry.path)
         missing = f"{runs.store.where(key)} is missing: {again}"
         stage_stored(runs, key, local, f"{relative}/{inside}", entry.size, entry.sha256, missing)

@@ -7,6 +7,7 @@ by the job itself from an object store (`stage_stored`)."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Self
@@ -96,23 +97,24 @@ def stage_stored(
         raise TrainError(f"cannot look at {runs.store.where(key)}: {error}") from None
     if info is None:
         raise TrainError(missing)
-    _add_input(local_run_dir, StoredInput(path=dest, key=key, size=size, sha256=sha256))
+    _add_inputs(local_run_dir, [StoredInput(path=dest, key=key, size=size, sha256=sha256)])
 
 
-def stage_on_volume(local_run_dir: Path, dest: str, source: str, size: int, sha256: str) -> None:
-    """Lists the file `source` (an absolute path on the network volume the
-    job's machine mounts) in the job's inputs, for `dest` of its run
-    directory: its first command links it in (copies it where it cannot)
-    and checks its size and SHA-256 there, so that nothing passes through
-    this machine. Raises OSError when the inputs cannot be written."""
-    _add_input(local_run_dir, StoredInput(path=dest, source=source, size=size, sha256=sha256))
+def stage_on_volume(local_run_dir: Path, files: Sequence[StoredInput]) -> None:
+    """Lists `files` (each with its `source`, an absolute path on the network
+    volume the job's machine mounts) in the job's inputs: its first command
+    links each in (copies it where it cannot) and checks its size and
+    SHA-256 there, so that nothing passes through this machine. Raises
+    OSError when the inputs cannot be written."""
+    _add_inputs(local_run_dir, files)
 
 
-def _add_input(local_run_dir: Path, item: StoredInput) -> None:
-    """Adds `item` to the job's inputs (replacing one for the same path), with
-    the script that fetches them."""
-    inputs = [known for known in stored_inputs(local_run_dir) if known.path != item.path]
-    inputs.append(item)
+def _add_inputs(local_run_dir: Path, items: Sequence[StoredInput]) -> None:
+    """Adds `items` to the job's inputs (replacing those for the same paths),
+    with the script that fetches them."""
+    paths = {item.path for item in items}
+    inputs = [known for known in stored_inputs(local_run_dir) if known.path not in paths]
+    inputs.extend(items)
     local_run_dir.mkdir(parents=True, exist_ok=True)
     (local_run_dir / INPUTS_FILE).write_bytes(_INPUTS.dump_json(inputs, indent=2))
     copy_job_script(local_run_dir, STORE_MODULE)
