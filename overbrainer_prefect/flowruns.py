@@ -15,6 +15,7 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Crashed
 
+from overbrainer_prefect.resume_here import HERE
 from overbrainer_prefect.runs.store import RunRecord, subject
 from overbrainer_prefect.targets.base import Logger
 
@@ -112,8 +113,9 @@ def job_logger(waiting: FlowRun | None, logger: Logger) -> Logger:
 
 async def resume(record: RunRecord, logger: Logger, left_s: float | None = None) -> bool:
     """Resumes the flow run that started `record` when it waits suspended for
-    it (the job's record is final): a worker runs it again, and it ends as
-    its job did. With `left_s`, the job has not ended: about that many seconds
+    it (the job's record is final): a worker runs it again (in the follower,
+    the follower itself when it may: `resume_here`), and it ends as its job
+    did. With `left_s`, the job has not ended: about that many seconds
     are left of it, and the flow run, started again, waits for its follower
     to record its end. Returns whether it was resumed. A server that refuses
     or cannot be reached is logged with what to do, never raised: the job is
@@ -154,4 +156,7 @@ async def resume(record: RunRecord, logger: Logger, left_s: float | None = None)
         )
         return True
     logger.info("%s %s: its flow run %s resumed", subject(record), record.state, record.flow_run_id)
+    here = HERE.get()
+    if here is not None:  # in the follower: it runs the flow run again itself when it may
+        await here.take(waiting, logger)
     return True

@@ -22,6 +22,7 @@ import pytest
 
 from overbrainer_prefect.evaluation.results import SCORED_FILE
 from overbrainer_prefect.money.limits import POD_LIMIT, SPEND_LIMIT
+from overbrainer_prefect.resume_here import CLAIM
 from overbrainer_prefect.runpod.pod import PodState
 from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.lock import follower_of
@@ -129,6 +130,17 @@ def logs_of(stack: Stack, flow_run_id: uuid.UUID) -> str:
     return str(stack.server.call(read))
 
 
+def states_after_pause(stack: Stack, flow_run_id: uuid.UUID) -> list[tuple[str, str]]:
+    """The (type, name) of each state the flow run took after its last pause."""
+
+    async def read(client: Any) -> list[tuple[str, str]]:
+        found = sorted(await client.read_flow_run_states(flow_run_id), key=lambda s: s.timestamp)
+        paused = [n for n, s in enumerate(found) if s.type.value == "PAUSED"]
+        return [(s.type.value, s.name) for s in found[paused[-1] + 1 :]] if paused else []
+
+    return list(stack.server.call(read))
+
+
 def test_a_train_run_waits_suspended_while_followers_die_and_the_server_restarts(
     deployed: Stack, follower: list[uuid.UUID], tiny: tuple[Path, Path]
 ) -> None:
@@ -171,6 +183,13 @@ def test_a_train_run_waits_suspended_while_followers_die_and_the_server_restarts
     log = logs_of(deployed, flow_run_id)
     assert "waits suspended" in log and "its follower recorded its end" in log, log[-3000:]
     assert f"run {record.id}: step" in log, "the follower's progress lines, in the run's own log"
+    # resumed, it ran again in the follower's process (claimed by it, no worker's process)
+    assert states_after_pause(deployed, flow_run_id) == [
+        ("SCHEDULED", "Resuming"),
+        ("PENDING", CLAIM),
+        ("RUNNING", "Running"),
+        ("COMPLETED", "Completed"),
+    ]
 
 
 def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(

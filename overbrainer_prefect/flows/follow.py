@@ -23,7 +23,12 @@ from prefect.runtime import deployment, flow_run
 
 from overbrainer_prefect.flowruns import cancelled_at, job_logger, suspended
 from overbrainer_prefect.flows.collect import candidates, collect_job
+from overbrainer_prefect.flows.compare import compare
+from overbrainer_prefect.flows.evaluate import evaluate
+from overbrainer_prefect.flows.export import export
+from overbrainer_prefect.flows.train import train
 from overbrainer_prefect.kinds.collected import Collected
+from overbrainer_prefect.resume_here import HERE, Here, recover
 from overbrainer_prefect.runs.lock import RunBusy, follower_lock
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.runs_dir import runs_at
@@ -32,6 +37,9 @@ from overbrainer_prefect.suspension import waited_for
 from overbrainer_prefect.targets.base import Logger, Target
 
 KEEP_ROWS = 200  # what a follower returns of the jobs it finished: the last ones
+
+RUN_HERE = {f.name: f for f in (train, export, compare, evaluate)}
+"""The flows whose resumed runs this follower runs again itself (`resume_here`)."""
 
 
 class _Followed:
@@ -58,7 +66,18 @@ async def follow(
     try:
         with follower_lock(runs, str(flow_run.id)):
             logger.info("following every job of %s for %g min", runs.where, minutes)
-            rows = await _follow_for(runs, minutes * 60, every_s, logger)
+            await recover(runs, str(flow_run.id), logger)
+            here = Here(runs, RUN_HERE, str(flow_run.id))
+            token = HERE.set(here)
+            try:
+                rows = await _follow_for(runs, minutes * 60, every_s, logger)
+            finally:
+                HERE.reset(token)
+                if await asyncio.to_thread(here.join):
+                    logger.warning(
+                        "flow runs still run in this follower's process: the next follower "
+                        "runs them again"
+                    )
     except RunBusy as busy:
         logger.info(
             "%s is followed by another follower (%s): this one ends", runs.where, busy.holder

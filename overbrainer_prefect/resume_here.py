@@ -1,0 +1,231 @@
+"""Resumed flow runs run again in the follower's own process.
+
+A suspended `train` (or `export`, `compare`, `evaluate`) flow run, once its
+job's files are verified, has little left to do: read its job's record and
+end as it ended. Resumed the plain way, it waits for a worker's poll and a new
+Python process (seconds of a core each, minutes when a hundred jobs end
+together on a small machine). So the follower claims it itself, as a worker
+would (Prefect's `Pending`, which a worker cannot take from it), and runs it
+in a thread of its own process with Prefect's own engine, from its
+beginning, as the worker's process would have: same state, result,
+artifacts and log.
+
+It does so only where the worker would have run it the same way: a flow of
+this package, from a deployment of the follower's own work pool, with the
+same pull steps and job variables, whose environment is the follower's; at
+most MAX_HERE at once. Any other is left to the worker. A follower that dies
+while it runs one leaves a marker in the runs directory; its successor puts
+that flow run back to `Scheduled`, and it runs again (it only reads records).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping
+from contextvars import ContextVar
+from typing import Any
+from uuid import UUID
+
+from prefect.client.orchestration import PrefectClient, get_client
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.responses import (
+    DeploymentResponse,
+    OrchestrationResult,
+    SetStateStatus,
+)
+from prefect.flow_engine import run_flow
+from prefect.flows import Flow
+from prefect.runtime import flow_run
+from prefect.states import Pending, Scheduled
+
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.targets.base import Logger
+
+MAX_HERE = 4
+"""Resumed flow runs a follower runs at once; more are left to the worker."""
+
+HERE_DIR = ".resumed-here"
+"""Under a runs directory: a marker per flow run a follower runs in its process."""
+
+CLAIM = "ResumedByFollower"
+"""The name of the `Pending` state by which a follower claims a resumed flow run."""
+
+JOIN_S = 300.0
+"""How long a follower at its term's end waits for the flow runs it runs."""
+
+Own = tuple[str | None, object, dict[str, Any]]
+"""A follower's work pool, pull steps and job variables."""
+
+AnyFlow = Flow[..., Any]
+"""One of this package's flows, whatever its parameters."""
+
+HERE: ContextVar[Here | None] = ContextVar("overbrainer_resume_here", default=None)
+"""Set in the follower: where the flow runs it resumes may run again."""
+
+
+class Here:
+    """The flow runs this process runs again (`flows`: this package's flows, by
+    name), and the work pool, pull steps and job variables a deployment's
+    flow run must have for that (the follower's own)."""
+
+    def __init__(self, runs: Runs, flows: Mapping[str, AnyFlow], follower: str | None) -> None:
+        self.runs = runs.top
+        self.flows = dict(flows)
+        self.follower = follower
+        self._threads: dict[UUID, threading.Thread] = {}
+        self._mine: Own | None = None
+        self._names: dict[UUID, str] = {}
+
+    def running(self) -> int:
+        """How many flow runs run here now."""
+        self._threads = {k: t for k, t in self._threads.items() if t.is_alive()}
+        return len(self._threads)
+
+    async def take(self, waiting: FlowRun, logger: Logger) -> bool:
+        """Claims the flow run `waiting`, just resumed (`Scheduled`), and runs it
+        in a thread of this process when it may run here (see the module);
+        returns whether it does. Raises nothing: a refusal, or a server or a
+        store that cannot be reached, leaves it to the worker."""
+        try:
+            flow = await self._flow_for(waiting)
+            if flow is None or self.running() >= MAX_HERE:
+                return False
+            marker = self.runs.key(HERE_DIR, f"{waiting.id}.json")
+            self.runs.store.write(marker, json.dumps({"follower": self.follower}).encode())
+            async with get_client() as client:
+                answer: OrchestrationResult[object] = await client.set_flow_run_state(
+                    waiting.id,
+                    Pending(name=CLAIM, message=f"run again by the follower {self.follower}"),
+                )
+                if answer.status != SetStateStatus.ACCEPT:
+                    self.runs.store.delete(marker)
+                    return False
+                claimed = await client.read_flow_run(waiting.id)
+        except Exception as error:
+            logger.warning("flow run %s is left to the worker: %s", waiting.id, error)
+            return False
+        thread = threading.Thread(
+            target=self._run,
+            args=(flow, claimed, marker, logger),
+            name=f"flow-run-{waiting.id}",
+            daemon=True,
+        )
+        self._threads[waiting.id] = thread
+        thread.start()  # a new thread starts with an empty context: no flow run of this one's
+        logger.info("flow run %s runs again in this follower's process", waiting.id)
+        return True
+
+    def _run(self, flow: AnyFlow, claimed: FlowRun, marker: str, logger: Logger) -> None:
+        try:
+            # as a worker's process runs it: its parameters from the flow run, then its engine
+            started = run_flow(flow, flow_run=claimed, return_type="state")
+            state = asyncio.run(started) if asyncio.iscoroutine(started) else started
+            logger.info("flow run %s: %s", claimed.id, getattr(state, "name", state))
+        except BaseException as error:  # its engine recorded its end; this thread just ends
+            logger.warning("flow run %s ended here with %r", claimed.id, error)
+        finally:
+            try:
+                self.runs.store.delete(marker)
+            except Exception as error:  # the next follower finds its flow run final
+                logger.warning("cannot remove %s: %s", self.runs.store.where(marker), error)
+
+    def join(self, timeout_s: float = JOIN_S) -> int:
+        """Waits up to `timeout_s` for the flow runs running here; returns how
+        many still run (their markers let the next follower run them again)."""
+        deadline = time.monotonic() + timeout_s
+        for thread in list(self._threads.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return self.running()
+
+    async def _flow_for(self, waiting: FlowRun) -> AnyFlow | None:
+        """This package's flow of `waiting` when it may run here, else None."""
+        if waiting.deployment_id is None:
+            return None
+        async with get_client() as client:
+            name = self._names.get(waiting.flow_id)
+            if name is None:
+                name = self._names[waiting.flow_id] = (await client.read_flow(waiting.flow_id)).name
+            flow = self.flows.get(name)
+            if flow is None:
+                return None
+            theirs = await client.read_deployment(waiting.deployment_id)
+            mine = await self._own(client)
+        if theirs.entrypoint is None or theirs.entrypoint.rsplit(":", 1)[-1] != flow.fn.__name__:
+            return None
+        pool, pull, variables = mine
+        wanted = {**(theirs.job_variables or {}), **(waiting.job_variables or {})}
+        env = {**(variables.get("env") or {}), **(wanted.pop("env", None) or {})}
+        same_env = all(os.environ.get(k) == (None if v is None else str(v)) for k, v in env.items())
+        rest = {k: v for k, v in variables.items() if k != "env"}
+        if theirs.work_pool_name != pool or theirs.pull_steps != pull or wanted != rest:
+            return None
+        return flow if same_env else None
+
+    async def _own(self, client: PrefectClient) -> Own:
+        """The work pool, pull steps and job variables of this follower."""
+        if self._mine is None:
+            this = await client.read_flow_run(UUID(str(flow_run.id)))
+            found: DeploymentResponse | None = (
+                await client.read_deployment(this.deployment_id) if this.deployment_id else None
+            )
+            variables = {**((found.job_variables if found else None) or {})}
+            variables.update(this.job_variables or {})
+            self._mine = (
+                found.work_pool_name if found else None,
+                found.pull_steps if found else None,
+                variables,
+            )
+        return self._mine
+
+
+async def recover(runs: Runs, follower: str | None, logger: Logger) -> int:
+    """Puts back to `Scheduled` the flow runs a dead follower was running again
+    in its process (its markers; `Pending` or `Running` still, claimed by it),
+    so that they run again; removes the markers of those that ended. Returns
+    how many. Raises nothing: what cannot be read now is looked at by the next
+    follower."""
+    top = runs.top
+    put_back = 0
+    try:
+        names = top.store.names(top.key(HERE_DIR))
+    except Exception as error:
+        logger.warning("cannot read %s: %s", top.store.where(top.key(HERE_DIR)), error)
+        return 0
+    for name in names:
+        marker = top.key(HERE_DIR, name)
+        try:
+            found = top.store.read(marker)
+            holder = json.loads(found.data).get("follower") if found is not None else None
+            if holder == follower:
+                continue
+            flow_run_id = UUID(name.removesuffix(".json"))
+            async with get_client() as client:
+                states = sorted(
+                    await client.read_flow_run_states(flow_run_id), key=lambda s: s.timestamp
+                )
+                now = states[-1] if states else None
+                claims = [s for s in states if s.type == StateType.PENDING]
+                ours = bool(claims) and claims[-1].name == CLAIM
+                if now is not None and now.type in (StateType.PENDING, StateType.RUNNING) and ours:
+                    await client.set_flow_run_state(
+                        flow_run_id,
+                        Scheduled(
+                            name="Resuming",
+                            message=f"its follower {holder} died while it ran it: it runs again",
+                        ),
+                        force=True,
+                    )
+                    put_back += 1
+                    logger.info(
+                        "flow run %s was run again by the follower %s, which died: it runs again",
+                        flow_run_id,
+                        holder,
+                    )
+            top.store.delete(marker)
+        except Exception as error:
+            logger.warning("cannot look at %s now: %s", top.store.where(marker), error)
+    return put_back

@@ -1,0 +1,105 @@
+"""Resumed flow runs run again in the follower's process (`resume_here`), on
+the real (ephemeral) Prefect server: a follower that died while it ran some
+has them put back to `Scheduled` by the next one, and only them (not a run a
+worker claimed, not one that ended, not the live follower's own); a flow run
+that may not run here (not from a deployment) is left to the worker,
+untouched. The whole way (a deployment run resumed and run again by the
+follower) is tested in test_suspended_runs.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from uuid import UUID
+
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.states import Completed, Paused, Pending, Running, Scheduled, State
+
+from overbrainer_prefect.resume_here import CLAIM, HERE_DIR, Here, recover
+from overbrainer_prefect.runs import Runs
+
+LOG = logging.getLogger("test_resume_here")
+
+
+@flow(name="stand-in-resumed")
+def stand_in() -> None:
+    """A flow whose runs stand for resumed train flow runs."""
+
+
+async def _run_through(*states: State[object]) -> UUID:
+    """A flow run of the stand-in taken through `states`, in order (each accepted)."""
+    async with get_client() as client:
+        made = await client.create_flow_run(stand_in, state=Scheduled())
+        for state in states:
+            answer = await client.set_flow_run_state(made.id, state, force=True)
+            assert answer.state is not None and answer.state.type == state.type, answer
+        return made.id
+
+
+async def _state_of(flow_run_id: UUID) -> tuple[StateType, str]:
+    async with get_client() as client:
+        found = await client.read_flow_run(flow_run_id)
+    assert found.state is not None
+    return found.state.type, found.state.name or ""
+
+
+def test_the_next_follower_puts_back_only_what_a_dead_follower_was_running(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+
+    def claimed() -> Pending[object]:
+        return Pending(name=CLAIM)
+
+    async def scenario() -> None:
+        running_here = await _run_through(claimed(), Running())  # the dead follower ran it
+        pending_here = await _run_through(claimed())  # claimed, its engine not started yet
+        by_a_worker = await _run_through(Pending(), Running())  # a worker's own process runs it
+        ended = await _run_through(claimed(), Running(), Completed())
+        live_ones = await _run_through(claimed(), Running())  # the live follower runs it
+        for flow_run_id, follower in (
+            (running_here, "dead"),
+            (pending_here, "dead"),
+            (by_a_worker, "dead"),  # a marker left when the claim was refused, then it died
+            (ended, "dead"),
+            (live_ones, "live"),
+        ):
+            runs.store.write(
+                runs.key(HERE_DIR, f"{flow_run_id}.json"),
+                json.dumps({"follower": follower}).encode(),
+            )
+
+        assert await recover(runs, "live", LOG) == 2
+        assert await _state_of(running_here) == (StateType.SCHEDULED, "Resuming")
+        assert await _state_of(pending_here) == (StateType.SCHEDULED, "Resuming")
+        assert await _state_of(by_a_worker) == (StateType.RUNNING, "Running")
+        assert await _state_of(ended) == (StateType.COMPLETED, "Completed")
+        assert await _state_of(live_ones) == (StateType.RUNNING, "Running")
+        # the dead follower's markers are gone, the live one's stays
+        assert runs.store.names(runs.key(HERE_DIR)) == [f"{live_ones}.json"]
+        # looked at again: nothing left to put back
+        assert await recover(runs, "live", LOG) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_flow_run_not_from_a_deployment_is_left_to_the_worker_untouched(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    here = Here(runs, {"stand-in-resumed": stand_in}, "live")
+
+    async def scenario() -> None:
+        waiting = await _run_through(Paused(reschedule=True), Scheduled(name="Resuming"))
+        async with get_client() as client:
+            found = await client.read_flow_run(waiting)
+        assert not await here.take(found, LOG)
+        assert await _state_of(waiting) == (StateType.SCHEDULED, "Resuming")
+
+    asyncio.run(scenario())
+    assert here.running() == 0
+    assert not (runs.root / HERE_DIR).exists()
