@@ -43,6 +43,26 @@ PUMP_EVERY_S = 1.0  # how often a live run's artifacts are looked at (each at it
 LOG_EVERY_PERCENT = 10.0  # a progress line each time training passes another 10 %...
 LOG_EVERY_S = 60.0  # ...or a minute after the last one, whichever comes first
 JOB_LOG_EVERY_S = 30.0  # how often the job's log is read for the warnings that matter
+LIVE_UPDATES_PER_S = 10.0
+"""Progress artifacts a process updates per second at most, all its live runs
+together: a follower of a hundred trainings updates each every 10 s, not 2 s,
+and its Prefect server is not kept busy with them."""
+LIVE_CURVES_PER_S = 1.0
+"""Loss curves a process redraws per second at most, all its live runs together."""
+
+
+class _Live:
+    """How many runs' artifacts this process keeps live now (`live_progress`)."""
+
+    runs = 0
+
+
+def paced(every_s: float, per_s: float) -> float:
+    """How often one live run's artifact is updated: every `every_s`, or less
+    often when this process keeps so many live that all of them together
+    would be updated more than `per_s` times a second."""
+    return max(every_s, _Live.runs / per_s)
+
 
 Spend = float | Callable[[], float | None] | None
 """Dollars spent so far on a run's pod: a value, a function that tells it now, or none."""
@@ -103,6 +123,7 @@ async def live_progress(reporter: object) -> AsyncIterator[None]:
         return
     await reporter.open()
     updating = asyncio.Lock()
+    _Live.runs += 1
 
     async def pump() -> None:
         while True:
@@ -116,6 +137,7 @@ async def live_progress(reporter: object) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        _Live.runs -= 1
         # the pump is cancelled between two updates, never in one: a cancelled
         # request may still reach the server after the last one, and a finished
         # run would then show the progress of a moment before its end
@@ -290,7 +312,8 @@ class PrefectReporter:
     async def flush(self, force: bool = False) -> None:
         """Pushes the latest progress to its artifact (at most every
         PROGRESS_EVERY_S) and redraws the loss curve (at most every
-        `curve_every_s`). An artifact the API refuses is reported once in the
+        `curve_every_s`), each less often when this process keeps many runs
+        live (`paced`). An artifact the API refuses is reported once in the
         log, and never fails the run."""
         try:
             await self._flush_progress(force)
@@ -308,7 +331,8 @@ class PrefectReporter:
             progress = self._progress_now()
         if progress is None:
             return
-        if not force and time.monotonic() - self._last_update < PROGRESS_EVERY_S:
+        every_s = paced(PROGRESS_EVERY_S, LIVE_UPDATES_PER_S)
+        if not force and time.monotonic() - self._last_update < every_s:
             return
         await aupdate_progress_artifact(artifact_id=self.progress_id, progress=progress)
         self._pending = None
@@ -326,7 +350,8 @@ class PrefectReporter:
             return
         if not (self._curve_dirty or (force and self.spend is not None)):
             return
-        if not force and time.monotonic() - self._last_curve < self.curve_every_s:
+        every_s = paced(self.curve_every_s, LIVE_CURVES_PER_S)
+        if not force and time.monotonic() - self._last_curve < every_s:
             return
         markdown = curve_markdown(self.run_id, self._summary, self.spent())
         async with get_client() as client:

@@ -12,12 +12,17 @@ import re
 
 import pytest
 
+from overbrainer_prefect import artifacts
 from overbrainer_prefect.artifacts import (
+    LIVE_CURVES_PER_S,
+    LIVE_UPDATES_PER_S,
+    PROGRESS_EVERY_S,
     PrefectReporter,
     code_cell,
     curve_markdown,
     metric_rows,
     notable_warnings,
+    paced,
     table_cell,
 )
 from overbrainer_prefect.losscurve import data_uri, loss_svg, nice_ticks, thin
@@ -230,3 +235,14 @@ def test_a_tuned_gguf_is_named_for_its_run_and_says_its_base() -> None:
         "run 20261130-184143-h2vk, tuned from smollm2-base"
     )
     assert model_title(run_id, None) == "run 20261130-184143-h2vk"
+
+
+def test_a_process_keeping_many_runs_live_updates_each_less_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(artifacts._Live, "runs", 1)
+    assert paced(PROGRESS_EVERY_S, LIVE_UPDATES_PER_S) == PROGRESS_EVERY_S
+    assert paced(10.0, LIVE_CURVES_PER_S) == 10.0
+    monkeypatch.setattr(artifacts._Live, "runs", 100)  # a follower of a hundred trainings
+    assert paced(PROGRESS_EVERY_S, LIVE_UPDATES_PER_S) == 100 / LIVE_UPDATES_PER_S
+    assert paced(10.0, LIVE_CURVES_PER_S) == 100 / LIVE_CURVES_PER_S
