@@ -86,7 +86,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from follow_scale import METRIC_LOG, percentile  # noqa: E402
 from kit.lines import bench, note, progress, run_main  # noqa: E402
-from kit.process import rss_bytes  # noqa: E402
+from kit.process import TICK, cpu_seconds, rss_bytes, tree_cpu_seconds  # noqa: E402
 
 RUNS = 100  # train deployment runs at once
 REFERENCE_RUNS = 10  # the first ones: the follower's memory with them alone is the reference
@@ -195,6 +195,28 @@ class Seen:
     training_samples: int = 0
     breakdown: str = ""
     follower_rss: dict[int, int] = field(default_factory=dict)  # jobs training -> most RSS
+    cpu: dict[str, str] = field(default_factory=dict)  # phase -> cores used by each part
+
+
+def machine_busy_s() -> float:
+    """CPU seconds this machine spent busy (all cores), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / TICK
+
+
+def postgres_cpu_s() -> float:
+    """CPU seconds of the live PostgreSQL processes of this machine."""
+    from tests import procs
+
+    total = 0.0
+    for pid, proc in procs.table().items():
+        if proc.name.startswith("postgres"):
+            try:
+                total += cpu_seconds(pid, reaped=False)
+            except OSError:
+                continue
+    return total
 
 
 class Bench:
@@ -338,6 +360,34 @@ class Bench:
         """Tells the jobs of the flow runs to train."""
         for record in self.records_of(flow_runs).values():
             (self.control / f"go-{Path(record.remote_dir).name}").touch()
+
+    def cpu_now(self) -> dict[str, float]:
+        """CPU seconds so far of the parts: the follower, the worker (itself),
+        the Prefect server (its tree), PostgreSQL, the whole machine."""
+        server = self.stack.server.process
+        worker = self.stack.workers[0].process
+        assert server is not None and worker is not None and self.follower_pid is not None
+        found = {
+            "follower": cpu_seconds(self.follower_pid, reaped=False),
+            "worker": cpu_seconds(worker.pid, reaped=False),
+            "server": tree_cpu_seconds(server.pid),
+            "postgres": postgres_cpu_s(),
+            "machine": machine_busy_s(),
+            "wall": time.monotonic(),
+        }
+        return found
+
+    def cpu_since(self, phase: str, before: dict[str, float]) -> None:
+        """Records the cores each part used since `before` (`cpu_now`), as `phase`."""
+        now = self.cpu_now()
+        wall = now["wall"] - before["wall"]
+        self.seen.cpu[phase] = (
+            ", ".join(
+                f"{name} {(now[name] - before[name]) / wall:.2f}"
+                for name in ("follower", "worker", "server", "postgres", "machine")
+            )
+            + f" cores over {wall:.0f} s"
+        )
 
     def sample_training(self, jobs: int, seconds: float, count_processes: bool) -> None:
         """Samples the follower's memory (and the processes) for `seconds`
@@ -550,10 +600,14 @@ def run_phases(
     progress(f"all {total} suspended after {started_s:.0f} s; their jobs train")
     b.go(rest)
     time.sleep(2 * PACE_S)
+    training = b.cpu_now()
     b.sample_training(total, WINDOW_S, count_processes=True)
+    b.cpu_since(f"all {total} jobs training", training)
 
     progress(f"the jobs told to end, one every {END_EVERY_S:g} s")
+    ending = b.cpu_now()
     end_jobs(b)
+    b.cpu_since("the jobs ending, 2 s apart", ending)
     progress("waiting for every flow run to complete")
     done, read = wait_completed(b)
     logged = b.call(_first_metric_logged, b.flow_runs)
@@ -648,6 +702,8 @@ def measure(root: Path, total: int, reference: int) -> None:
         f"({seen.breakdown}); while the runs started: at most {seen.peak_start}"
     )
     rss_low, rss_high = seen.follower_rss[reference], seen.follower_rss[total]
+    for phase, shares in seen.cpu.items():
+        note(f"CPU while {phase}: {shares}")
     note(
         f"follower RSS {rss_low / 2**20:.0f} MiB with {reference} jobs training, "
         f"{rss_high / 2**20:.0f} MiB with {total}"
