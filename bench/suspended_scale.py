@@ -431,7 +431,10 @@ async def _after_pause(
     client: Any, flow_runs: list[uuid.UUID]
 ) -> dict[uuid.UUID, dict[str, float]]:
     """For each flow run, when it entered each state type after its last
-    pause (the resume's Scheduled, Pending, Running, Completed), by type."""
+    pause (the resume's Scheduled, Pending, Running, Completed), by type;
+    IN_FOLLOWER when the follower claimed it."""
+    from overbrainer_prefect.resume_here import CLAIM
+
     found: dict[uuid.UUID, dict[str, float]] = {}
     for flow_run_id in flow_runs:
         states = sorted(await client.read_flow_run_states(flow_run_id), key=lambda s: s.timestamp)
@@ -440,6 +443,8 @@ async def _after_pause(
         times: dict[str, float] = {}
         for state in after:
             times.setdefault(state.type.value, state.timestamp.timestamp())
+            if state.type.value == "PENDING" and state.name == CLAIM:
+                times["IN_FOLLOWER"] = 1.0  # claimed by the follower: run again in its process
         found[flow_run_id] = times
     return found
 
@@ -715,6 +720,11 @@ def measure(root: Path, total: int, reference: int) -> None:
         f" s, p95 {percentile(first_logged, 0.95):.2f} s, max {max(first_logged):.2f} s "
         f"({reference} of them with {reference} jobs followed, the others "
         f"{total - reference} at once)"
+    )
+    here = sum(1 for f in stages.values() if "IN_FOLLOWER" in f)
+    note(
+        f"{here} of {len(stages)} resumed flow runs ran again in the follower, "
+        "the others by the worker"
     )
     note(
         f"job verified -> flow run Completed: p50 {statistics.median(resumes):.2f} s, "

@@ -7,6 +7,7 @@ cannot be used refused at once, in one line."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from overbrainer_prefect.steps.direct import script_argv
 from overbrainer_prefect.store import (
     AlreadyExists,
     Busy,
@@ -273,3 +275,51 @@ def test_a_store_that_stops_answering_loses_no_write(
         assert store.read("r2/run.json").data == b"created in the outage"  # type: ignore[union-attr]
         assert store.read("counter").data == b"1"  # type: ignore[union-attr]
         assert store.read("r1/run.json").data == b"before"  # type: ignore[union-attr]
+
+
+def test_the_target_puts_a_file_of_many_parts_over_several_connections_reading_it_once(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job script's `put` of a file of more parts than it has senders: the
+    store holds it whole, each part's SHA-256 and the file's are those of the
+    bytes on disk. A store that does not answer fails it after the plan's
+    deadline, in a last line naming the file and part, never its URL."""
+    monkeypatch.setenv(PART_ENV, "5")
+    store = _s3(s3.bucket_url())
+    data = os.urandom((4 * 5 + 3) << 20)  # five parts of at most 5 MiB
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "model.gguf").write_bytes(data)
+    chunks = [data[i : i + (5 << 20)] for i in range(0, len(data), 5 << 20)]
+    digests = [hashlib.sha256(chunk).hexdigest() for chunk in chunks]
+    signed = store.sign_put(
+        "r1/gguf/model.gguf", len(data), digests if store.signs_digests() else None
+    )
+    assert len(signed.parts) == 5
+
+    def plan(urls: list[str], deadline_s: float) -> bytes:
+        parts = [
+            {"url": url, "headers": dict(p.headers), "offset": p.offset, "length": p.length}
+            for url, p in zip(urls, signed.parts, strict=True)
+        ]
+        files = [{"path": "gguf/model.gguf", "parts": parts}]
+        return json.dumps({"deadline_s": deadline_s, "files": files}).encode()
+
+    argv = script_argv(sys.executable, "put", str(tmp_path))
+    done = subprocess.run(
+        argv, input=plan([p.url for p in signed.parts], 120), capture_output=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    sent = json.loads(done.stdout)["gguf/model.gguf"]
+    assert sent["sha256"] == hashlib.sha256(data).hexdigest() and sent["parts"] == digests
+    store.complete(signed, sent["etags"], sent["parts"])
+    info = store.head("r1/gguf/model.gguf")
+    assert info is not None and info.size == len(data)
+    assert info.sha256 == expected_checksum(digests)
+
+    nobody = f"http://127.0.0.1:{free_port()}/runs/r1/gguf/model.gguf?X-Amz-Signature=s3cr3t"
+    failed = subprocess.run(argv, input=plan([nobody] * 5, 3), capture_output=True, timeout=120)
+    said = failed.stderr.decode()
+    last = said.strip().splitlines()[-1]
+    assert failed.returncode == 2 and "gguf/model.gguf (part" in last, said
+    assert "did not answer in time" in last
+    assert "s3cr3t" not in said and "127.0.0.1" not in said

@@ -9,7 +9,7 @@ as a job's first command, from the environment variable `--plan-env NAME`,
 which reaches the job like its secrets): URLs are never in an argument, a
 log line or a message.
 
-    parts DIR PART_SIZE   stdin: ["path", ...]
+    parts DIR             stdin: {"path": <bytes of each part>, ...}
                           stdout: {"path": ["<sha256 of each part>", ...]}
     put DIR               stdin: {"files": [{"path", "parts": [{"url", "headers",
                           "offset", "length"}]}], "deadline_s": N}
@@ -33,12 +33,17 @@ import hashlib
 import http.client
 import json
 import os
+import queue
 import shutil
 import sys
+import threading
 import time
 import urllib.parse
 
 BLOCK = 1 << 20  # bytes read, hashed and sent at a time
+READ_AHEAD = 1  # parts read and hashed ahead of the senders (each held in memory until put)
+HOLD = 64 << 20  # the biggest part held in memory; a file with bigger ones is streamed
+SENDERS = 4  # connections that put a file's parts at once (rclone's default too)
 FIRST_PAUSE_S = 1.0  # the first pause before a request is tried again; doubled each time
 MAX_PAUSE_S = 30.0
 REQUEST_TIMEOUT_S = 120.0  # a connection that moves nothing for this long is dropped
@@ -75,6 +80,106 @@ class _Span:
         return data
 
 
+class _Part:
+    """One part of a file as it was read: its bytes (in blocks, the request
+    body, sent again as they are when a try fails) and their SHA-256."""
+
+    def __init__(self, index: int, blocks: list, sha256: str) -> None:  # type: ignore[type-arg]
+        self.index = index
+        self.blocks = blocks
+        self.sha256 = sha256
+
+
+class _Reader(threading.Thread):
+    """Reads the parts of one file in order, each byte once, hashing it into
+    its part's SHA-256 and the whole file's, and hands each part to the
+    senders (at most READ_AHEAD parts waiting): a part is read and hashed
+    while the store takes the one before."""
+
+    def __init__(self, file, path: str, parts: list, stop: threading.Event) -> None:  # type: ignore[no-untyped-def,type-arg]
+        super().__init__(daemon=True)
+        self.file, self.path, self.parts, self.stop = file, path, parts, stop
+        self.ready: queue.Queue = queue.Queue(READ_AHEAD)  # type: ignore[type-arg]
+        self.whole = hashlib.sha256()
+        self.error: BaseException | None = None
+
+    def _hand(self, item) -> None:  # type: ignore[no-untyped-def]
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def run(self) -> None:
+        try:
+            for index, part in enumerate(self.parts):
+                if self.stop.is_set():
+                    return
+                self.file.seek(part["offset"])
+                digest, blocks, left = hashlib.sha256(), [], part["length"]
+                while left > 0:
+                    block = self.file.read(min(BLOCK, left))
+                    if not block:
+                        raise Failed(
+                            f"{self.path} (part {index + 1} of {len(self.parts)}): "
+                            "the file is shorter than when it was listed"
+                        )
+                    digest.update(block)
+                    self.whole.update(block)
+                    blocks.append(block)
+                    left -= len(block)
+                self._hand(_Part(index, blocks, digest.hexdigest()))
+        except BaseException as error:  # handed to the senders, raised by put
+            self.error = error
+        self._hand(None)
+
+
+class _Sender:
+    """Sends parts by their URLs on a connection of its own, kept open from
+    one part to the next where the store allows it."""
+
+    def __init__(self) -> None:
+        self.connection: http.client.HTTPConnection | None = None
+        self.netloc = ""
+
+    def _open(self, url: str) -> tuple[http.client.HTTPConnection, str]:
+        parts = urllib.parse.urlsplit(url)
+        if self.connection is None or self.netloc != f"{parts.scheme}://{parts.netloc}":
+            self.close()
+            self.connection, _ = _connection(url)
+            self.netloc = f"{parts.scheme}://{parts.netloc}"
+        return self.connection, parts.path + (f"?{parts.query}" if parts.query else "")
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+
+    def send(self, part: dict, blocks: list, what: str, deadline: float) -> str:  # type: ignore[type-arg]
+        """The ETag of the part, put with `blocks` as its body."""
+
+        def attempt() -> str:
+            connection, target = self._open(part["url"])
+            headers = dict(part["headers"])
+            headers["Content-Length"] = str(part["length"])
+            put = False
+            try:
+                connection.request("PUT", target, body=iter(blocks), headers=headers)
+                response = connection.getresponse()
+                _answer(response, what)
+                response.read()
+                put = True
+                return response.getheader("ETag") or ""
+            except (OSError, http.client.HTTPException) as error:
+                raise Retry(type(error).__name__) from None
+            finally:
+                if not put:  # a try that failed leaves nothing behind on the next one's connection
+                    self.close()
+
+        return str(_retried(what, deadline, attempt))
+
+
 def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
@@ -106,10 +211,12 @@ def _answer(response: http.client.HTTPResponse, what: str) -> None:
         raise Failed(f"{what}: the store answered HTTP {response.status}{code}")
 
 
-def parts(root: str, part_size: int, paths: list[str]) -> dict[str, list[str]]:
-    """The SHA-256 of each `part_size` part of each file (one part for an empty file)."""
+def parts(root: str, lengths: dict[str, int]) -> dict[str, list[str]]:
+    """The SHA-256 of each part of each file of `lengths` (path: bytes of each
+    part but the last; one part for an empty file). Raises OSError when a file
+    cannot be read."""
     found: dict[str, list[str]] = {}
-    for path in paths:
+    for path, part_size in lengths.items():
         full = os.path.join(root, path)
         count = max(1, -(-os.path.getsize(full) // part_size))
         digests = []
@@ -128,44 +235,104 @@ def parts(root: str, part_size: int, paths: list[str]) -> dict[str, list[str]]:
     return found
 
 
+def _put_streamed(file, path: str, parts: list, deadline: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """Puts the `parts` of one open file one after the other, each read from
+    the file as it is sent and hashed as it is read (a part sent again is
+    hashed again from where the file's digest stood before it): for a file
+    whose parts are too big to hold in memory (a single PUT of up to
+    `part_size`)."""
+    tags, digests, whole = [], [], hashlib.sha256()
+    for number, part in enumerate(parts, start=1):
+        what = f"{path} (part {number} of {len(parts)})"
+        body: list[_Span] = []
+
+        def attempt(part=part, what=what, body=body, before=whole) -> str:  # type: ignore[no-untyped-def]
+            connection, target = _connection(part["url"])
+            headers = dict(part["headers"])
+            headers["Content-Length"] = str(part["length"])
+            body[:] = [_Span(file, part["offset"], part["length"], before)]
+            try:
+                connection.request("PUT", target, body=body[0], headers=headers)
+                response = connection.getresponse()
+                _answer(response, what)
+                response.read()
+                return response.getheader("ETag") or ""
+            except (OSError, http.client.HTTPException) as error:
+                raise Retry(type(error).__name__) from None
+            finally:
+                connection.close()
+
+        tags.append(_retried(what, deadline, attempt))
+        span = body[0]
+        if span.left:
+            raise Failed(f"{what}: the file is shorter than when it was listed")
+        digests.append(span.digest.hexdigest())
+        whole = span.whole
+    return {"etags": tags, "parts": digests, "sha256": whole.hexdigest()}
+
+
+def _put_file(file, path: str, parts: list, deadline: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """Puts the `parts` of one open file: a reader hashes them in order while
+    SENDERS put them, each on its own connection (streamed instead where a
+    part is bigger than HOLD)."""
+    if any(part["length"] > HOLD for part in parts):
+        return _put_streamed(file, path, parts, deadline)
+    stop = threading.Event()
+    reader = _Reader(file, path, parts, stop)
+    tags: list[str] = [""] * len(parts)
+    digests: list[str] = [""] * len(parts)
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def sender() -> None:
+        own = _Sender()
+        try:
+            while not stop.is_set():
+                with lock:  # one sender at a time takes the next part
+                    try:
+                        item = reader.ready.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if item is None:
+                        reader.ready.put(None)  # the end, for the other senders too
+                        return
+                what = f"{path} (part {item.index + 1} of {len(parts)})"
+                tags[item.index] = own.send(parts[item.index], item.blocks, what, deadline)
+                digests[item.index] = item.sha256
+        except BaseException as error:  # raised by put
+            failures.append(error)
+            stop.set()
+        finally:
+            own.close()
+
+    reader.start()
+    senders = [threading.Thread(target=sender, daemon=True) for _ in range(SENDERS)]
+    for thread in senders:
+        thread.start()
+    for thread in senders:
+        thread.join()
+    stop.set()
+    reader.join()
+    if failures:
+        raise failures[0]
+    if reader.error is not None:
+        raise reader.error
+    return {"etags": tags, "parts": digests, "sha256": reader.whole.hexdigest()}
+
+
 def put(root: str, plan: dict) -> dict[str, dict]:  # type: ignore[type-arg]
     """Puts each part of each file of `plan` by its URL; the ETag and SHA-256
-    of each part sent, and the file's SHA-256, hashed as its bytes were read
-    (one read of the file; a part sent again is hashed again from where the
-    file's digest stood before it)."""
+    of each part sent, and the file's SHA-256. Each file is read once, in
+    order, every byte hashed into its part's digest and the file's as it is
+    read; a part tried again is sent from the very bytes hashed (or, for a
+    part too big to hold, read and hashed again). Raises
+    Failed when a part cannot be put before the plan's deadline, the store
+    refuses it, or a file is shorter than its parts."""
     deadline = time.monotonic() + float(plan.get("deadline_s", 3600))
     sent: dict[str, dict] = {}  # type: ignore[type-arg]
     for entry in plan["files"]:
-        path = entry["path"]
-        tags, digests, whole = [], [], hashlib.sha256()
-        with open(os.path.join(root, path), "rb") as file:
-            for number, part in enumerate(entry["parts"], start=1):
-                what = f"{path} (part {number} of {len(entry['parts'])})"
-                body: list[_Span] = []
-
-                def attempt(part=part, what=what, file=file, body=body, before=whole) -> str:  # type: ignore[no-untyped-def]
-                    connection, target = _connection(part["url"])
-                    headers = dict(part["headers"])
-                    headers["Content-Length"] = str(part["length"])
-                    body[:] = [_Span(file, part["offset"], part["length"], before)]
-                    try:
-                        connection.request("PUT", target, body=body[0], headers=headers)
-                        response = connection.getresponse()
-                        _answer(response, what)
-                        response.read()
-                        return response.getheader("ETag") or ""
-                    except (OSError, http.client.HTTPException) as error:
-                        raise Retry(type(error).__name__) from None
-                    finally:
-                        connection.close()
-
-                tags.append(_retried(what, deadline, attempt))
-                span = body[0]
-                if span.left:
-                    raise Failed(f"{what}: the file is shorter than when it was listed")
-                digests.append(span.digest.hexdigest())
-                whole = span.whole
-        sent[path] = {"etags": tags, "parts": digests, "sha256": whole.hexdigest()}
+        with open(os.path.join(root, entry["path"]), "rb") as file:
+            sent[entry["path"]] = _put_file(file, entry["path"], entry["parts"], deadline)
     return sent
 
 
@@ -251,7 +418,7 @@ def main(argv: list[str]) -> int:
     command, root = argv[0], argv[1]
     try:
         if command == "parts":
-            print(json.dumps(parts(root, int(argv[2]), json.load(sys.stdin))))
+            print(json.dumps(parts(root, json.load(sys.stdin))))
         elif command == "put":
             print(json.dumps(put(root, json.load(sys.stdin))))
         else:

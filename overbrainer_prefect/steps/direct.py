@@ -26,6 +26,7 @@ from typing import ParamSpec, TypeVar
 from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import SignedPut, StoreError
+from overbrainer_prefect.store.base import part_length
 from overbrainer_prefect.store.digest import expected_checksum
 from overbrainer_prefect.store.s3 import SLOWEST_BPS
 from overbrainer_prefect.trainers.staging import SCRIPTS_DIR, STORE_MODULE, StoredInput
@@ -115,9 +116,13 @@ async def put_files(
     signing: bool = await _store(store.signs_digests)
     if todo and signing:
         signed_digests = {e.path: [e.sha256] for e in todo if e.size <= store.part_size}
-        big = [entry.path for entry in todo if entry.size > store.part_size]
+        big = {
+            entry.path: part_length(entry.size, store.part_size)
+            for entry in todo
+            if entry.size > store.part_size
+        }
         if big:
-            argv = script_argv(python, "parts", remote, str(store.part_size))
+            argv = script_argv(python, "parts", remote)
             signed_digests |= json.loads(
                 await _run(executor, argv, json.dumps(big).encode(), timeout)
             )

@@ -30,6 +30,17 @@ UPDATE_TRIES = 30  # compare-and-swap rounds an update makes before it gives up 
 RACE_PAUSE_S = 0.005  # the first pause after a lost race (doubled each time, randomised)
 RACE_PAUSE_MAX_S = 0.5
 
+CHUNK = 16 << 20
+"""Bytes each part of a file put in several parts holds (the last may hold
+fewer; at most the store's `part_size`): AWS's CLI puts 8 MiB parts, rclone
+5 MiB ones. A part moves in well under a second at a pod's speeds, so a
+failed try costs little to repeat; a target holds a few in memory while it
+puts them over several connections at once (which hides each request's
+round trip); a store handles it in buffers it reuses (moto concatenates the
+parts, then hashes them again, when a put completes); and MAX_PARTS of them
+still make a 160 GiB file (a bigger file gets bigger parts)."""
+MAX_PARTS = 10_000  # S3's most parts of one file
+
 
 class StoreError(Exception):
     """The store cannot do what was asked. The message is one line; it never
@@ -207,7 +218,9 @@ class Store(Protocol):
 
     @property
     def part_size(self) -> int:
-        """Bytes a part of a signed put holds (a file is hashed in such parts)."""
+        """The most bytes a part of a signed put holds: a file of at most as
+        many is put whole (one part, its store SHA-256 its own), a bigger one
+        in parts of `part_length` bytes (a file is hashed in such parts)."""
         ...
 
     def lock(self, key: str, holder: Mapping[str, object]) -> AbstractContextManager[None]:
@@ -278,14 +291,26 @@ def holder_text(data: Mapping[str, object]) -> str:
     return f"{text}, since {data.get('since')}"
 
 
+def part_length(size: int, part_size: int) -> int:
+    """Bytes each part (but the last) of a file of `size` bytes holds in a
+    store whose parts hold at most `part_size`: the whole file when it fits in
+    one, else CHUNK (at most `part_size`; more, in whole MiB, where the file
+    would need more than MAX_PARTS parts). Never fails."""
+    if size <= part_size:
+        return max(size, 1)
+    fewest = -(-size // MAX_PARTS)
+    return max(1, min(part_size, max(CHUNK, -(-fewest // (1 << 20)) << 20)))
+
+
 def parts_of(size: int, part_size: int) -> Iterator[tuple[int, int]]:
-    """(offset, length) of each part of a file of `size` bytes (one empty part
-    for an empty file)."""
+    """(offset, length) of each part of a file of `size` bytes in a store
+    whose parts hold at most `part_size` (see `part_length`; one empty part
+    for an empty file). Never fails."""
     if size == 0:
         yield 0, 0
         return
+    length = part_length(size, part_size)
     offset = 0
     while offset < size:
-        length = min(part_size, size - offset)
-        yield offset, length
+        yield offset, min(length, size - offset)
         offset += length

@@ -39,6 +39,7 @@ from overbrainer_prefect.store.base import (
     Versioned,
     check_key,
     join,
+    part_length,
     parts_of,
 )
 from overbrainer_prefect.store.check import check_s3
@@ -62,8 +63,10 @@ BACKOFF_MAX_S = 15.0  # the longest pause between two tries
 
 PART_ENV = "OVERBRAINER_STORE_PART_MB"
 PART_SIZE = 512 << 20
-"""Bytes a part of a presigned put holds: S3 takes at most 5 GiB in one put and
-10,000 parts a file, so a 16 GB GGUF is 32 parts."""
+"""The most bytes a part of a presigned put holds: a file of at most as many
+(an adapter, a checkpoint's shard) is one PUT, its store SHA-256 its own,
+checkable from the manifest alone; a bigger one (a GGUF) is put in parts of
+`base.CHUNK` (16 MiB), so a 16 GB GGUF is 954 parts."""
 MIN_PART = 5 << 20  # S3's smallest part (but the last)
 
 SIGNED_MIN_S = 900  # how long a presigned URL is valid at least
@@ -116,7 +119,8 @@ def outage_s() -> float:
 
 
 def part_size() -> int:
-    """`$OVERBRAINER_STORE_PART_MB` MiB (at least S3's 5), else PART_SIZE."""
+    """`$OVERBRAINER_STORE_PART_MB` MiB (at least S3's 5), else PART_SIZE: the
+    most bytes a part holds (see `base.part_length`)."""
     try:
         wanted = int(float(os.environ.get(PART_ENV) or 0) * (1 << 20))
     except ValueError:
@@ -194,7 +198,8 @@ class S3Store:
 
     @property
     def part_size(self) -> int:
-        """Bytes a part of a presigned put holds (`$OVERBRAINER_STORE_PART_MB`)."""
+        """The most bytes a part of a presigned put holds, the biggest file put
+        whole (`$OVERBRAINER_STORE_PART_MB`; see `base.part_length`)."""
         return self._part_size
 
     @property
@@ -495,7 +500,7 @@ class S3Store:
         elif part_sha256 is None or len(spans) != len(part_sha256):
             raise StoreError(
                 f"{key}: {len(part_sha256 or ())} part digests for {len(spans)} parts of "
-                f"{self.part_size} bytes"
+                f"{part_length(size, self.part_size)} bytes"
             )
         digests: list[str | None] = list(part_sha256) if part_sha256 else [None] * len(spans)
         expires = self._expires(size)
