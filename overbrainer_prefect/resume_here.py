@@ -101,13 +101,13 @@ class Here:
                     waiting.id,
                     Pending(name=CLAIM, message=f"run again by the follower {self.follower}"),
                 )
-                if answer.status != SetStateStatus.ACCEPT:
-                    self.runs.store.delete(marker)
-                    return False
-                claimed = await client.read_flow_run(waiting.id)
+            if answer.status != SetStateStatus.ACCEPT or answer.state is None:
+                self.runs.store.delete(marker)
+                return False
         except Exception as error:
             logger.warning("flow run %s is left to the worker: %s", waiting.id, error)
             return False
+        claimed = waiting.model_copy(update={"state": answer.state})  # as the server has it now
         thread = threading.Thread(
             target=self._run,
             args=(flow, claimed, marker, logger),
