@@ -90,9 +90,11 @@ class Here:
         in a thread of this process when it may run here (see the module);
         returns whether it does. Raises nothing: a refusal, or a server or a
         store that cannot be reached, leaves it to the worker."""
+        if self.running() >= MAX_HERE:  # full: no need to ask the server about it
+            return False
         try:
             flow = await self._flow_for(waiting)
-            if flow is None or self.running() >= MAX_HERE:
+            if flow is None:
                 return False
             marker = self.runs.key(HERE_DIR, f"{waiting.id}.json")
             self.runs.store.write(marker, json.dumps({"follower": self.follower}).encode())
