@@ -5,7 +5,9 @@ worker claimed, not one that ended, not the live follower's own); one that
 ended its term while it still runs some keeps them (the next follower leaves
 them to its process while it lives, and runs them again once it died, on a
 local and an object store); a flow run that may not run here (not from a
-deployment) is left to the worker, untouched. The whole way (a deployment
+deployment) is left to the worker, untouched; a suspended flow run whose
+job runs past its pause's bound has that bound pushed ahead by its follower,
+and still resumes. The whole way (a deployment
 run resumed and run again by the follower) is tested in
 test_suspended_runs.py."""
 
@@ -19,6 +21,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from datetime import UTC, datetime
 from pathlib import Path
 from uuid import UUID
 
@@ -26,7 +29,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
-from prefect.states import Completed, Paused, Pending, Running, Scheduled, State
+from prefect.states import Completed, Paused, Pending, Running, Scheduled, State, Suspended
 
 from overbrainer_prefect import resume_here
 from overbrainer_prefect.resume_here import (
@@ -40,6 +43,7 @@ from overbrainer_prefect.resume_here import (
 )
 from overbrainer_prefect.runs import Runs
 from overbrainer_prefect.store.lease import TTL_ENV
+from overbrainer_prefect.suspension import RESUME_MARGIN_S, extend_pause
 
 LOG = logging.getLogger("test_resume_here")
 
@@ -189,5 +193,49 @@ def test_a_flow_run_an_ended_followers_process_still_runs_is_left_to_it_until_it
         assert await _state_of(running) == (StateType.SCHEDULED, "Resuming")
         assert runs.store.names(runs.key(HERE_DIR)) == []
         assert runs.store.holder(running_lock(runs, running)) is None
+
+    asyncio.run(scenario())
+
+
+def test_a_suspended_flow_run_whose_job_runs_past_its_bound_still_resumes(
+    prefect_server: None,
+) -> None:
+    """A job its follower renews runs past the bound its flow run's pause was
+    set to: the follower holding it pushes the pause's end ahead, so the
+    flow run is resumed (not failed by Prefect) once the job ends; a pause
+    not pushed fails as Prefect fails it."""
+
+    async def suspended_for(seconds: int) -> UUID:
+        async with get_client() as client:
+            flow_id = await client.create_flow(stand_in)
+            deployment_id = await client.create_deployment(flow_id=flow_id, name="paused")
+            made = await client.create_flow_run_from_deployment(deployment_id)
+            await client.set_flow_run_state(made.id, Running(), force=True)
+            answer = await client.set_flow_run_state(
+                made.id, Suspended(timeout_seconds=seconds, pause_key=f"job-{made.id}")
+            )
+            assert answer.state is not None and answer.state.type == StateType.PAUSED, answer
+            return made.id
+
+    async def resumed(flow_run_id: UUID) -> tuple[StateType, str]:
+        async with get_client() as client:
+            await client.resume_flow_run(flow_run_id)
+        return await _state_of(flow_run_id)
+
+    async def scenario() -> None:
+        kept, left = await suspended_for(3), await suspended_for(3)
+        until = await extend_pause(str(kept), LOG)
+        assert until is not None
+        assert await extend_pause(str(kept), LOG) is None  # time enough left: nothing written
+        async with get_client() as client:
+            found = await client.read_flow_run(kept)
+        assert found.state is not None and found.state.name == "Suspended"
+        assert found.state.state_details.pause_key == f"job-{kept}"
+        assert found.state.state_details.pause_timeout is not None
+        left_s = (found.state.state_details.pause_timeout - datetime.now(UTC)).total_seconds()
+        assert RESUME_MARGIN_S - 60 < left_s <= RESUME_MARGIN_S
+        await asyncio.sleep(3.5)  # past the bound it was suspended with
+        assert await resumed(kept) == (StateType.SCHEDULED, "Resuming")
+        assert (await resumed(left))[0] == StateType.FAILED
 
     asyncio.run(scenario())

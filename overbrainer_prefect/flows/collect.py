@@ -46,7 +46,7 @@ from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.steps.hooks import HOOK_GRACE_S
 from overbrainer_prefect.store.records import RecordError
-from overbrainer_prefect.suspension import waited_for, waited_in_pipeline
+from overbrainer_prefect.suspension import kept_suspended, waited_for, waited_in_pipeline
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.sharing import shared
 from overbrainer_prefect.targets.spend import spent
@@ -202,9 +202,9 @@ async def _follow_for_its_flow_run(
     released once it ended) and, for the training of a pipeline, its pod,
     which stays up for the pipeline's next job once the training succeeded
     (its watchdog's next_job_grace bounds it), as it would have, had the
-    pipeline followed it."""
+    pipeline followed it; its pause kept from timing out while it runs."""
     leases = handed_over(store, record.id)
-    async with renewed(leases, logger, at_once=True):
+    async with renewed(leases, logger, at_once=True), kept_suspended(store, record, logger):
         if cancel or not waited_in_pipeline(store, record):
             finished = await follow_again(runs, store, record, logger, cancel=cancel, target=target)
         else:
