@@ -109,15 +109,19 @@ class Here:
         store that cannot be reached, leaves it to the worker."""
         if self.running() >= MAX_HERE:  # full: no need to ask the server about it
             return False
-        held = ExitStack()  # its lock, held from before its claim until its marker is gone
+        held = ExitStack()  # its lock, held from before its marker until its marker is gone
+        locked = False
         marker = self.runs.key(HERE_DIR, f"{waiting.id}.json")
         try:
             flow = await self._flow_for(waiting)
             if flow is None:
                 return False
             lock = running_lock(self.runs, waiting.id)
-            held.enter_context(self.runs.store.lock(lock, {"flow_run_id": self.follower}))
-            held.callback(self.runs.store.delete, lock)  # after its release (callbacks: LIFO)
+            with ExitStack() as taking:  # raises Busy: nothing held, nothing removed
+                taking.enter_context(self.runs.store.lock(lock, {"flow_run_id": self.follower}))
+                held.callback(self.runs.store.delete, lock)  # last: once it is released
+                held.enter_context(taking.pop_all())
+            locked = True
             self.runs.store.write(marker, json.dumps({"follower": self.follower}).encode())
             async with get_client() as client:
                 answer: OrchestrationResult[object] = await client.set_flow_run_state(
@@ -128,7 +132,8 @@ class Here:
                 self._let_go(marker, held, logger)
                 return False
         except Exception as error:
-            self._let_go(marker, held, logger)
+            if locked:  # its marker may be written: removed, then its lock
+                self._let_go(marker, held, logger)
             logger.warning("flow run %s is left to the worker: %s", waiting.id, error)
             return False
         claimed = waiting.model_copy(update={"state": answer.state})  # as the server has it now
@@ -160,9 +165,13 @@ class Here:
         """Removes a flow run's marker, then releases and removes its lock."""
         try:
             self.runs.store.delete(marker)
-            held.close()
         except Exception as error:  # the next follower finds its flow run final
             logger.warning("cannot remove %s: %s", self.runs.store.where(marker), error)
+        finally:
+            try:
+                held.close()
+            except Exception as error:  # a lock left expires, or drops with this process
+                logger.warning("cannot release the lock of %s: %s", marker, error)
 
     def join(self, timeout_s: float = JOIN_S) -> int:
         """Waits up to `timeout_s` for the flow runs running here; returns how
