@@ -45,7 +45,10 @@ from overbrainer_prefect.suspension import waited_for
 from overbrainer_prefect.targets.base import Logger, Target
 
 KEEP_ROWS = 200  # what a follower returns of the jobs it finished: the last ones
-HANDOVER_S = LEASE_S  # the most a follower waits for its successor to hold the runs directory
+HANDOVER_S = 600.0
+"""The most a follower that holds GPU budget leases of its jobs waits (renewing
+them) for its successor to hold the runs directory: the follow deployment's
+schedule starts one within ten minutes when the one it started does not come."""
 HANDOVER_LOOK_S = 2.0  # between two looks at who holds it
 
 RUN_HERE = {f.name: f for f in (train, export, compare, evaluate)}
@@ -77,7 +80,7 @@ async def follow(
     here = Here(runs, RUN_HERE, str(flow_run.id))
     async with AsyncExitStack() as handing:  # the budget's leases, renewed across the hand-over
         try:
-            rows = await _term(runs, here, minutes * 60, every_s, handing, logger)
+            rows, leases = await _term(runs, here, minutes * 60, every_s, handing, logger)
         except RunBusy as busy:
             logger.info(
                 "%s is followed by another follower (%s): this one ends", runs.where, busy.holder
@@ -87,7 +90,7 @@ async def follow(
             await handing.aclose()
             await _join(here, logger)
             raise
-        if await _successor(runs_dir, minutes, every_s, logger):
+        if await _successor(runs_dir, minutes, every_s, logger) and leases:
             await _taken_over(runs, logger)
     await _join(here, logger)
     return rows
@@ -100,11 +103,13 @@ async def _term(
     every_s: float,
     handing: AsyncExitStack,
     logger: Logger,
-) -> list[Collected]:
+) -> tuple[list[Collected], int]:
     """Holds the runs directory's follower lock and follows every job for
     `seconds`, with `here` running resumed flow runs; before it lets go of
     the lock, the GPU budget's leases of the jobs it followed are renewed on
-    `handing` (from then until its successor follows them). Raises RunBusy."""
+    `handing` (from then until its successor follows them). Returns what it
+    did with the jobs that ended, and how many leases it renews. Raises
+    RunBusy."""
     this = str(flow_run.id)
     with follower_lock(runs, this):
         logger.info("following every job of %s for %g min", runs.where, seconds / 60)
@@ -114,7 +119,7 @@ async def _term(
         followed: list[_Followed] = []
         token = HERE.set(here)
         try:
-            return await _follow_for(runs, seconds, every_s, logger, followed)
+            rows = await _follow_for(runs, seconds, every_s, logger, followed)
         finally:
             HERE.reset(token)
             again.cancel()
@@ -123,6 +128,7 @@ async def _term(
             await handing.enter_async_context(
                 renewed(leases, logger, at_once=True, last_on_exit=True)
             )
+    return rows, len(leases)
 
 
 def _budget_leases(followed: list[_Followed]) -> list[UUID]:
