@@ -118,9 +118,10 @@ async def _follow_for(
 
 
 async def _take_new(runs: Runs, followed: dict[str, _Followed], logger: Logger) -> None:
-    """Starts following the jobs nobody follows that this follower does not."""
+    """Starts following the jobs nobody follows that this follower does not
+    (the live ones alone are read, and not those it follows: `candidates`)."""
     try:
-        found = await candidates(runs)
+        found = await candidates(runs, following=set(followed))
     except Exception as error:  # the store or the server is away: the next pass tries again
         logger.warning("cannot look for jobs to follow now: %s", error)
         return

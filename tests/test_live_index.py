@@ -1,0 +1,201 @@
+"""The live index on the real S3 server: a follower's pass and a collect read
+only the runs that are live (not ended, or still holding something), never
+the history; an index is built once for a runs directory that had none; a
+run whose creator was killed right after its index entry is still found;
+an ended run that holds nothing leaves the index."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+
+from overbrainer_prefect.blocks import LocalTarget
+from overbrainer_prefect.flows.collect import candidates
+from overbrainer_prefect.runs import Runs, RunState, new_run_id
+from overbrainer_prefect.runs.live import LIVE_DIR, STALE_S, marker_key
+from overbrainer_prefect.runs.lock import follow_lock
+from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.store.records import record_bytes
+from overbrainer_prefect.store.s3 import S3Store
+from overbrainer_prefect.timestamps import rfc3339
+from tests.s3server import S3Server
+
+REPO = Path(__file__).resolve().parents[1]
+HISTORY = 2_000  # ended runs written straight into the bucket, as an old runs directory holds
+
+
+@pytest.fixture
+def target(prefect_server: None, tmp_path: Path) -> str:
+    name = f"live-{uuid.uuid4().hex[:8]}"
+    LocalTarget(job_venv="/nonexistent", work_dir=str(tmp_path / "work")).save(name)
+    return f"overbrainer-local-target/{name}"
+
+
+@flow(name="live-pass")
+async def one_pass(runs_dir: str, following: list[str]) -> list[str]:
+    """What one pass of the follower (or a collect) finds to do: the keys of its candidates."""
+    found = await candidates(Runs(runs_dir), following=set(following))
+    return [store.key(record.id) for store, record, _ in found]
+
+
+def record_of(target: str, state: RunState) -> RunRecord:
+    return RunRecord(
+        id=new_run_id(),
+        target=target,
+        created=rfc3339(),
+        remote_dir="/nonexistent",
+        state=state,
+    )
+
+
+def write_history(s3: S3Server, bucket: str, target: str, count: int) -> list[str]:
+    """`count` ended runs written straight into the bucket (no index entry)."""
+    client = s3.client()
+    records = [record_of(target, RunState.SUCCEEDED) for _ in range(count)]
+    records = list({r.id: r for r in records}.values())  # two IDs in one second may meet
+
+    def put(record: RunRecord) -> None:
+        client.put_object(Bucket=bucket, Key=f"runs/{record.id}/run.json", Body=record_bytes(record))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(put, records))
+    return [r.id for r in records]
+
+
+@contextmanager
+def requests_to(runs: Runs) -> Iterator[list[str]]:
+    """The URLs of every request the runs directory's store sends in the block."""
+    store = runs.store
+    assert isinstance(store, S3Store)
+    sent: list[str] = []
+
+    def count(request: Any, **_: Any) -> None:
+        sent.append(f"{request.method} {request.url}")
+
+    store.client.meta.events.register("before-send.s3", count)
+    try:
+        yield sent
+    finally:
+        store.client.meta.events.unregister("before-send.s3", count)
+
+
+def test_a_pass_reads_only_the_live_runs_never_the_history(s3: S3Server, target: str) -> None:
+    bucket = s3.bucket()
+    url = s3.bucket_url(bucket=bucket)
+    history = write_history(s3, bucket, target, HISTORY)
+    runs = Runs(url)
+    live = [record_of(target, RunState.RUNNING) for _ in range(3)]
+    for record in live:
+        runs.save(record)
+    followed = live[0]
+
+    with follow_lock(runs, followed.id, "another-flow-run"):
+        first = asyncio.run(one_pass(url, []))  # builds the index once: reads everything
+        with requests_to(runs) as sent:
+            second = asyncio.run(one_pass(url, []))
+        with requests_to(runs) as sent_following:
+            third = asyncio.run(one_pass(url, [live[1].id]))
+
+    unfollowed = sorted(r.id for r in live[1:])
+    assert sorted(first) == sorted(second) == unfollowed
+    assert third == [live[2].id]
+    assert len(sent) <= 1 + len(live) + len(unfollowed), sent  # list, locks, records
+    assert not [line for line in sent if any(run_id in line for run_id in history)]
+    assert not [line for line in sent_following if live[1].id in line]
+    names = runs.store.names(LIVE_DIR)
+    assert ".built" in names and not set(history) & set(names)
+
+
+def test_a_run_killed_after_its_index_entry_is_still_found(s3: S3Server, target: str) -> None:
+    url = s3.bucket_url()
+    runs = Runs(url)
+    asyncio.run(one_pass(url, []))  # an index, built on nothing
+    run_id = new_run_id()
+    created = kill_while_creating(url, target, run_id, before_record=False)
+    assert created.returncode == -signal.SIGKILL, created.stderr
+
+    assert asyncio.run(one_pass(url, [])) == [run_id]
+    assert runs.load(run_id).state == RunState.PREPARING
+
+
+def test_a_creator_killed_before_its_record_leaves_an_entry_dropped_once_stale(
+    s3: S3Server, target: str
+) -> None:
+    url = s3.bucket_url()
+    runs = Runs(url)
+    asyncio.run(one_pass(url, []))
+    run_id = new_run_id()
+    created = kill_while_creating(url, target, run_id, before_record=True)
+    assert created.returncode == -signal.SIGKILL, created.stderr
+    assert runs.store.names(LIVE_DIR) == [".built", run_id]
+
+    assert asyncio.run(one_pass(url, [])) == []
+    assert run_id in runs.store.names(LIVE_DIR)  # young: its creator may only be slow
+
+    old = {"record": run_id, "since": "2000-01-01T00:00:00Z"}
+    runs.store.write(marker_key(run_id), json.dumps(old).encode())
+    assert STALE_S < 3600 * 24 * 365
+    assert asyncio.run(one_pass(url, [])) == []
+    assert runs.store.names(LIVE_DIR) == [".built"]
+
+
+def kill_while_creating(
+    url: str, target: str, run_id: str, before_record: bool
+) -> subprocess.CompletedProcess[str]:
+    """Creates the run `run_id` in another process, killed (SIGKILL) right
+    after its record was created, or right before (after its index entry)."""
+    script = f"""
+import os, signal
+from overbrainer_prefect.runs import Runs
+from overbrainer_prefect.runs.store import RunRecord
+from overbrainer_prefect.timestamps import rfc3339
+runs = Runs({url!r})
+record = RunRecord(id={run_id!r}, target={target!r}, created=rfc3339(), remote_dir="/x")
+if {before_record!r}:
+    runs.store.create = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+else:
+    runs.store.write = (
+        lambda key, data, write=runs.store.write: write(key, data)
+        if runs.store.head({run_id!r} + "/run.json") is None
+        else os.kill(os.getpid(), signal.SIGKILL)
+    )
+runs.save(record)
+"""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_an_ended_run_that_holds_nothing_leaves_the_index(
+    s3: S3Server, target: str, tmp_path: Path, where: str
+) -> None:
+    url = s3.bucket_url() if where == "s3" else str(tmp_path / "runs")
+    runs = Runs(url)
+    record = record_of(target, RunState.RUNNING)
+    runs.save(record)
+    assert asyncio.run(one_pass(url, [])) == [record.id]
+
+    record.state = RunState.SUCCEEDED
+    runs.save(record)
+    assert asyncio.run(one_pass(url, [])) == []
+    assert runs.store.names(LIVE_DIR) == [".built"]
+    assert runs.load(record.id).state == RunState.SUCCEEDED
