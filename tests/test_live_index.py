@@ -68,7 +68,8 @@ def write_history(s3: S3Server, bucket: str, target: str, count: int) -> list[st
     records = list({r.id: r for r in records}.values())  # two IDs in one second may meet
 
     def put(record: RunRecord) -> None:
-        client.put_object(Bucket=bucket, Key=f"runs/{record.id}/run.json", Body=record_bytes(record))
+        key = f"runs/{record.id}/run.json"
+        client.put_object(Bucket=bucket, Key=key, Body=record_bytes(record))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(put, records))
@@ -95,28 +96,44 @@ def requests_to(runs: Runs) -> Iterator[list[str]]:
 def test_a_pass_reads_only_the_live_runs_never_the_history(s3: S3Server, target: str) -> None:
     bucket = s3.bucket()
     url = s3.bucket_url(bucket=bucket)
-    history = write_history(s3, bucket, target, HISTORY)
     runs = Runs(url)
+    assert asyncio.run(one_pass(url, [])) == []  # the index, built on nothing
+    history = write_history(s3, bucket, target, HISTORY)  # runs that ended and left it
     live = [record_of(target, RunState.RUNNING) for _ in range(3)]
     for record in live:
         runs.save(record)
-    followed = live[0]
 
-    with follow_lock(runs, followed.id, "another-flow-run"):
-        first = asyncio.run(one_pass(url, []))  # builds the index once: reads everything
+    with follow_lock(runs, live[0].id, "another-flow-run"):
         with requests_to(runs) as sent:
-            second = asyncio.run(one_pass(url, []))
+            found = asyncio.run(one_pass(url, []))
         with requests_to(runs) as sent_following:
-            third = asyncio.run(one_pass(url, [live[1].id]))
+            following = asyncio.run(one_pass(url, [live[1].id]))
 
-    unfollowed = sorted(r.id for r in live[1:])
-    assert sorted(first) == sorted(second) == unfollowed
-    assert third == [live[2].id]
-    assert len(sent) <= 1 + len(live) + len(unfollowed), sent  # list, locks, records
+    assert found == sorted(r.id for r in live[1:])
+    assert following == [live[2].id]
+    assert len(sent) <= 1 + len(live) + len(found), sent  # list, locks, unfollowed records
     assert not [line for line in sent if any(run_id in line for run_id in history)]
     assert not [line for line in sent_following if live[1].id in line]
-    names = runs.store.names(LIVE_DIR)
-    assert ".built" in names and not set(history) & set(names)
+
+
+def test_a_runs_directory_without_an_index_has_it_built_once_with_the_live_runs_alone(
+    s3: S3Server, target: str
+) -> None:
+    bucket = s3.bucket()
+    url = s3.bucket_url(bucket=bucket)
+    runs = Runs(url)
+    history = write_history(s3, bucket, target, 40)
+    running = record_of(target, RunState.RUNNING)
+    s3.client().put_object(
+        Bucket=bucket, Key=f"runs/{running.id}/run.json", Body=record_bytes(running)
+    )
+    assert runs.live() is None
+
+    assert asyncio.run(one_pass(url, [])) == [running.id]
+    assert runs.store.names(LIVE_DIR) == [".built", running.id]
+    with requests_to(runs) as sent:
+        assert asyncio.run(one_pass(url, [])) == [running.id]
+    assert not [line for line in sent if any(run_id in line for run_id in history)]
 
 
 def test_a_run_killed_after_its_index_entry_is_still_found(s3: S3Server, target: str) -> None:
