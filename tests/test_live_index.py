@@ -34,7 +34,7 @@ from overbrainer_prefect.timestamps import rfc3339
 from tests.s3server import S3Server
 
 REPO = Path(__file__).resolve().parents[1]
-HISTORY = 2_000  # ended runs written straight into the bucket, as an old runs directory holds
+HISTORY = 500  # ended runs written straight into the bucket, as an old runs directory holds
 
 
 @pytest.fixture
