@@ -478,10 +478,14 @@ class Runs:
         """Builds the live index of a runs directory written before it had one:
         reads every record once (every store of `stores`), marks those
         `live` says are, then says the index is built. Records that cannot be
-        read are marked (a pass looks at them again). Returns how many were
-        marked. Raises RecordIoError when the store cannot be read or written."""
+        read are marked (a pass looks at them again). A directory that holds
+        nothing yet is left as it is (its first record makes it). Returns how
+        many were marked. Raises RecordIoError when the store cannot be read or
+        written."""
         top = self.top
         marked = 0
+        if not top._names(""):
+            return marked
         for store in top.stores():
             unreadable: dict[str, RecordError] = {}
             for record in store.list(skipped=unreadable.__setitem__):
