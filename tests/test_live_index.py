@@ -24,8 +24,9 @@ from prefect import flow
 
 from overbrainer_prefect.blocks import LocalTarget
 from overbrainer_prefect.flows.collect import candidates
+from overbrainer_prefect.kinds.listing import unfinished_of
 from overbrainer_prefect.runs import Runs, RunState, new_run_id
-from overbrainer_prefect.runs.live import LIVE_DIR, STALE_S, marker_key
+from overbrainer_prefect.runs.live import LIVE_DIR, STALE_S, mark_built, marker_key
 from overbrainer_prefect.runs.lock import follow_lock
 from overbrainer_prefect.runs.store import RunRecord
 from overbrainer_prefect.store.records import record_bytes
@@ -216,3 +217,25 @@ def test_an_ended_run_that_holds_nothing_leaves_the_index(
     assert asyncio.run(one_pass(url, [])) == []
     assert runs.store.names(LIVE_DIR) == [".built"]
     assert runs.load(record.id).state == RunState.SUCCEEDED
+
+
+def test_the_jobs_a_cancelled_flow_run_left_are_found_in_the_live_index(tmp_path: Path) -> None:
+    runs = Runs(tmp_path / "runs")
+    mine, other, ended = (record_of("local/x", RunState.RUNNING) for _ in range(3))
+    mine.flow_run_id = ended.flow_run_id = "flow-run-1"
+    other.flow_run_id = "flow-run-2"
+    ended.state = RunState.FAILED
+    for record in (mine, other, ended):
+        runs.save(record)
+    export = record_of("local/x", RunState.PREPARING)
+    export.flow_run_id, export.parent, export.trainer = "flow-run-1", mine.id, "export"
+    runs.children(mine.id, "export").save(export)
+
+    def unfinished() -> list[str]:
+        return [record.id for _, record in unfinished_of(runs, ["flow-run-1"])]
+
+    assert sorted(unfinished()) == sorted([mine.id, export.id])  # no index: every record
+    mark_built(runs.store)
+    assert unfinished() == [mine.id, export.id]  # the run first, then what is below it
+    runs.unmark_live(mine.id)
+    assert unfinished() == [export.id]  # the index alone is read

@@ -173,7 +173,9 @@ def unfinished_of(runs: Runs, flow_run_ids: Iterable[str]) -> list[tuple[Runs, R
         ]
     else:
         records = []
-        for store, record_id in entries:
+        for store, record_id in sorted(
+            entries, key=lambda entry: (bool(entry[0].prefix), entry[1])
+        ):
             try:
                 records.append((store, store.load(record_id)))
             except (RunsError, RecordError):  # not there yet, or unreadable: not this one's
