@@ -109,12 +109,15 @@ def test_a_pass_reads_only_the_live_runs_never_the_history(s3: S3Server, target:
             found = asyncio.run(one_pass(url, []))
         with requests_to(runs) as sent_following:
             following = asyncio.run(one_pass(url, [live[1].id]))
+        with requests_to(runs) as sent_all_followed:  # a follower that follows them all
+            assert asyncio.run(one_pass(url, [r.id for r in live[1:]])) == []
 
     assert found == sorted(r.id for r in live[1:])
     assert following == [live[2].id]
     assert len(sent) <= 1 + len(live) + len(found), sent  # list, locks, unfollowed records
     assert not [line for line in sent if any(run_id in line for run_id in history)]
     assert not [line for line in sent_following if live[1].id in line]
+    assert len(sent_all_followed) == 2, sent_all_followed  # the listing, the other's lock
 
 
 def test_a_runs_directory_without_an_index_has_it_built_once_with_the_live_runs_alone(
