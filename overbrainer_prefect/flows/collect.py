@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Container
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 
 import anyio.from_thread
 import anyio.to_thread
@@ -65,6 +67,9 @@ from overbrainer_prefect.timestamps import parse_rfc3339
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""
 
+LIVE_READERS = (
+    8  # live jobs a pass reads at once (a round trip each), within boto3's 10 connections
+)
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
 
 
@@ -130,24 +135,36 @@ def _unfollowed(
     entries: list[tuple[Runs, str]], following: Container[str]
 ) -> list[tuple[Runs, RunRecord]]:
     """The records of the live index's `entries` that no live process
-    follows, runs first, oldest first; a marker whose record never came is
-    dropped once stale. Store calls: run in a worker thread."""
-    found: list[tuple[Runs, RunRecord]] = []
-    for store, record_id in sorted(entries, key=lambda entry: (bool(entry[0].prefix), entry[1])):
-        if store.key(record_id) in following:
-            continue
+    follows, runs first, oldest first, read LIVE_READERS at a time (a store's
+    round trip each); a marker whose record never came is dropped once
+    stale. Store calls: run in a worker thread."""
+
+    def unfollowed(store: Runs, record_id: str) -> RunRecord | None:
         try:
             if is_followed(store, record_id):
-                continue
-            found.append((store, store.load(record_id)))
+                return None
+            return store.load(record_id)
         except RunNotFound:
-            try:
+            with suppress(RecordError):  # else the next pass drops it
                 store.drop_if_stale(record_id)
-            except RecordError:
-                continue  # the next pass drops it
         except RecordError:  # unreadable now: the next pass looks again
-            continue
-    return found
+            pass
+        return None
+
+    todo = [
+        (store, record_id)
+        for store, record_id in sorted(entries, key=lambda entry: (bool(entry[0].prefix), entry[1]))
+        if store.key(record_id) not in following
+    ]
+    if not todo:
+        return []
+    with ThreadPoolExecutor(min(LIVE_READERS, len(todo))) as pool:
+        records = list(pool.map(lambda entry: unfollowed(*entry), todo))
+    return [
+        (store, record)
+        for (store, _), record in zip(todo, records, strict=True)
+        if record is not None
+    ]
 
 
 def _decided(
