@@ -63,6 +63,7 @@ class _Followed:
     ) -> None:
         self.store, self.record, self.target, self.task = store, record, target, task
         self.cancel_sent = False
+        self.waited = False  # whether its flow run was seen waiting suspended for it
 
 
 @flow(name="follow", persist_result=True)
@@ -211,9 +212,10 @@ async def _follow_for(
 
 
 async def _take_new(runs: Runs, followed: dict[str, _Followed], logger: Logger) -> None:
-    """Starts following the jobs nobody follows that this follower does not."""
+    """Starts following the jobs nobody follows that this follower does not
+    (the live ones alone are read, and not those it follows: `candidates`)."""
     try:
-        found = await candidates(runs)
+        found = await candidates(runs, following=set(followed))
     except Exception as error:  # the store or the server is away: the next pass tries again
         logger.warning("cannot look for jobs to follow now: %s", error)
         return
@@ -239,7 +241,9 @@ async def _cancel_asked(followed: dict[str, _Followed], logger: Logger) -> None:
         record, target = job.record, job.target
         if job.cancel_sent or record.job is None or target is None:
             continue
-        if not waited_for(job.store, record):
+        if not job.waited:  # read once it says so: a flow run that suspended stays so
+            job.waited = await asyncio.to_thread(waited_for, job.store, record)
+        if not job.waited:
             continue
         try:
             if await cancelled_at(record.flow_run_id) is None:
