@@ -43,7 +43,7 @@ from overbrainer_prefect.flowruns import resume
 from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.listing import unfinished_of
 from overbrainer_prefect.kinds.registry import kind_of, recorded_end, trainer_of
-from overbrainer_prefect.runs.lock import RunBusy, follow_lock, is_followed
+from overbrainer_prefect.runs.lock import RunBusy, follow_lock, is_followed, lost_line
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.server_budget import PrefectBudget
@@ -54,6 +54,7 @@ from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import INTERRUPTED, RunError, failure_reason
 from overbrainer_prefect.steps.hooks import cancel_recorded, crashed_recorded
 from overbrainer_prefect.steps.reporters import JobReporter, Reporter
+from overbrainer_prefect.store import LeaseLost
 from overbrainer_prefect.targets.base import Logger, Placed, Reservation, Target
 from overbrainer_prefect.trainers.base import Trainer
 
@@ -151,7 +152,9 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
     cannot reserve it; (the record failed, nothing left billing) when it
     cannot be placed or its job cannot start; RunError when the job cannot
     be followed to its end (it keeps running: the message says how to follow
-    it again).
+    it again). A follow lock lost on the way (another follower took the job)
+    stops everything at once, says so in one line, and ends as that follower
+    records the job's end.
     """
     store = job.store
     waited = suspension.suspended_job(store, job.kind, job.attempt)
@@ -183,10 +186,16 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
                 return await _place_and_follow(
                     target, job, store, record, trainer, reservation, budget, logger
                 )
+            except LeaseLost as lost:
+                logger.warning("%s", lost_line(record.id, lost))
+                lost_run = record.id
             except BaseException as error:
                 if store.load(record.id).job is None:  # nothing runs: the record says why
                     end_step.fail(store, record.id, failure_reason(error))
                 raise
+    # another follower took the job: its end is as that follower records it
+    bound_s = float(suspension.timeout_s(store.load(lost_run).deadline))
+    return Finished(await recorded_end(store, lost_run, bound_s), target.ref)
 
 
 async def _place_and_follow(
@@ -337,9 +346,11 @@ async def follow_again(
     its record: what attach, an export or compare followed again, and the
     collector do. `runs` is the runs directory, `store` the record's own.
 
-    Raises RunError when another live process follows the job, or it cannot
-    be followed to its end; UnknownTarget when its target block is gone.
-    `target` is the record's own, when the caller has it already.
+    Raises RunError when another live process follows the job (also when
+    another took it from this one on the way: said in one line, and nothing
+    more done), or it cannot be followed to its end; UnknownTarget when its
+    target block is gone. `target` is the record's own, when the caller has
+    it already.
     """
     target = target or await target_named(record.target, logger)
     try:
@@ -353,6 +364,13 @@ async def follow_again(
         raise RunError(
             f"{subject(record)} is already followed by {busy.holder}: it records the outcome; "
             "follow it again only once that follower has ended"
+        ) from None
+    except LeaseLost as lost:
+        line = lost_line(record.id, lost)
+        logger.warning("%s", line)
+        raise RunError(
+            f"{subject(record)} is already followed by another process ({line}): it records "
+            "the outcome"
         ) from None
 
 

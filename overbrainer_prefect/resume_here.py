@@ -43,6 +43,7 @@ from prefect.runtime import flow_run
 from prefect.states import Pending, Scheduled
 
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store import Held, LeaseLost
 from overbrainer_prefect.targets.base import Logger
 
 MAX_HERE = 4
@@ -70,9 +71,17 @@ HERE: ContextVar[Here | None] = ContextVar("overbrainer_resume_here", default=No
 class Here:
     """The flow runs this process runs again (`flows`: this package's flows, by
     name), and the work pool, pull steps and job variables a deployment's
-    flow run must have for that (the follower's own)."""
+    flow run must have for that (the follower's own); none once the
+    follower's lock `held` is lost."""
 
-    def __init__(self, runs: Runs, flows: Mapping[str, AnyFlow], follower: str | None) -> None:
+    def __init__(
+        self,
+        runs: Runs,
+        flows: Mapping[str, AnyFlow],
+        follower: str | None,
+        held: Held | None = None,
+    ) -> None:
+        self.held = held
         self.runs = runs.top
         self.flows = dict(flows)
         self.follower = follower
@@ -91,6 +100,8 @@ class Here:
         returns whether it does. Raises nothing: a refusal, or a server or a
         store that cannot be reached, leaves it to the worker."""
         if self.running() >= MAX_HERE:  # full: no need to ask the server about it
+            return False
+        if self.held is not None and self.held.lost:  # another follower runs them now
             return False
         try:
             flow = await self._flow_for(waiting)
@@ -184,11 +195,15 @@ class Here:
         return self._mine
 
 
-async def recover(runs: Runs, follower: str | None, logger: Logger) -> int:
+async def recover(
+    runs: Runs, follower: str | None, logger: Logger, held: Held | None = None
+) -> int:
     """Puts back to `Scheduled` the flow runs a dead follower was running again
     in its process (its markers; `Pending` or `Running` still, claimed by it),
     so that they run again; removes the markers of those that ended. Returns
-    how many. Raises nothing: what cannot be read now is looked at by the next
+    how many. Each is done only while this follower still holds the runs
+    directory's lock `held`: once it is lost it stops at once and says so.
+    Raises nothing: what cannot be read now is looked at by the next
     follower."""
     top = runs.top
     put_back = 0
@@ -205,6 +220,8 @@ async def recover(runs: Runs, follower: str | None, logger: Logger) -> int:
             if holder == follower:
                 continue
             flow_run_id = UUID(name.removesuffix(".json"))
+            if held is not None:
+                held.check()
             async with get_client() as client:
                 states = sorted(
                     await client.read_flow_run_states(flow_run_id), key=lambda s: s.timestamp
@@ -213,6 +230,8 @@ async def recover(runs: Runs, follower: str | None, logger: Logger) -> int:
                 claims = [s for s in states if s.type == StateType.PENDING]
                 ours = bool(claims) and claims[-1].name == CLAIM
                 if now is not None and now.type in (StateType.PENDING, StateType.RUNNING) and ours:
+                    if held is not None:
+                        held.check()  # another follower may run it now: never put it back then
                     await client.set_flow_run_state(
                         flow_run_id,
                         Scheduled(
@@ -227,7 +246,18 @@ async def recover(runs: Runs, follower: str | None, logger: Logger) -> int:
                         flow_run_id,
                         holder,
                     )
+            if held is not None:
+                held.check()
             top.store.delete(marker)
+        except LeaseLost as lost:
+            logger.warning(
+                "another follower took the runs directory %s at %s: this one stops recovering "
+                "its flow runs (%s)",
+                top.where,
+                lost.at,
+                lost.why,
+            )
+            break
         except Exception as error:
             logger.warning("cannot look at %s now: %s", top.store.where(marker), error)
     return put_back

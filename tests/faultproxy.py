@@ -19,6 +19,7 @@ It runs in threads of the test's own process, is stopped by `stop` (or its
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -49,10 +50,8 @@ class _Connection:
     def close(self) -> None:
         self.closed.set()
         for sock in (self.client, self.server):
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
 
 

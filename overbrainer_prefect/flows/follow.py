@@ -33,6 +33,7 @@ from overbrainer_prefect.runs.lock import RunBusy, follower_lock
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
+from overbrainer_prefect.store import Held
 from overbrainer_prefect.suspension import waited_for
 from overbrainer_prefect.targets.base import Logger, Target
 
@@ -59,18 +60,20 @@ async def follow(
     """Follows every job of the runs directory for `minutes` (see the
     module), looking for new ones every `every_s` seconds; returns what it
     did with the jobs that ended meanwhile. Ends at once, saying who follows,
-    when another follower holds the runs directory. Raises RecordIoError when
+    when another follower holds the runs directory, and as soon as it finds
+    its lock there lost (another follower took it): it says so in one line,
+    lets go of its jobs and starts no successor. Raises RecordIoError when
     the runs directory cannot be read at its start."""
     runs = await runs_at(runs_dir)
     logger = get_run_logger()
     try:
-        with follower_lock(runs, str(flow_run.id)):
+        with follower_lock(runs, str(flow_run.id)) as held:
             logger.info("following every job of %s for %g min", runs.where, minutes)
-            await recover(runs, str(flow_run.id), logger)
-            here = Here(runs, RUN_HERE, str(flow_run.id))
+            await recover(runs, str(flow_run.id), logger, held)
+            here = Here(runs, RUN_HERE, str(flow_run.id), held)
             token = HERE.set(here)
             try:
-                rows = await _follow_for(runs, minutes * 60, every_s, logger)
+                rows = await _follow_for(runs, minutes * 60, every_s, logger, held)
             finally:
                 HERE.reset(token)
                 if await asyncio.to_thread(here.join):
@@ -83,12 +86,14 @@ async def follow(
             "%s is followed by another follower (%s): this one ends", runs.where, busy.holder
         )
         return []
+    if held.lost:
+        return rows  # the follower that took the runs directory is the one that goes on
     await _successor(runs_dir, minutes, every_s, logger)
     return rows
 
 
 async def _follow_for(
-    runs: Runs, seconds: float, every_s: float, logger: Logger
+    runs: Runs, seconds: float, every_s: float, logger: Logger, held: Held
 ) -> list[Collected]:
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
@@ -97,6 +102,15 @@ async def _follow_for(
     acting = ENDED_BY.set(COLLECTOR)  # what it deletes is recorded deleted by the collector
     try:
         while loop.time() < end:
+            if held.lost:
+                logger.warning(
+                    "another follower took the runs directory %s at %s (%s): this one stops "
+                    "following it",
+                    runs.where,
+                    held.lost_at,
+                    held.why,
+                )
+                break
             await _take_new(runs, followed, logger)
             await _cancel_asked(followed, logger)
             for key in [k for k, job in followed.items() if job.task.done()]:

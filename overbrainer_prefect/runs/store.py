@@ -18,6 +18,7 @@ from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runs.ids import is_valid_run_id
 from overbrainer_prefect.store import LocalStore, ObjectInfo, Store, open_store
 from overbrainer_prefect.store.base import join
+from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.store.records import (
     InvalidRecord,
     RecordError,
@@ -351,9 +352,11 @@ class Runs:
         over the version it was read at (see the class).
 
         Raises InvalidRunId for an invalid ID, RecordChanged when another
-        process wrote it since, RecordIoError when it cannot be written.
+        process wrote it since, RecordIoError when it cannot be written,
+        LeaseLost (nothing written) when this task lost the run's follow lock.
         """
         key = self.key(self._checked(record.id), self.record_file)
+        check_guarded(record.id)
         record._etag = write_record(self.store, key, record, record._etag)
 
     def load(self, run_id: str) -> RunRecord:
@@ -410,8 +413,10 @@ class Runs:
 
     def write_bytes(self, run_id: str, rel: str, data: bytes) -> None:
         """Writes the file `rel` of the run `run_id` (one writer's file, never a
-        record). Raises RecordIoError when it cannot be written."""
+        record). Raises RecordIoError when it cannot be written, LeaseLost
+        (nothing written) when this task lost the run's follow lock."""
         key = self.key(self._checked(run_id), rel)
+        check_guarded(run_id)
         with store_errors(self.store.where(key)):
             self.store.write(key, data)
 
@@ -430,7 +435,10 @@ class Runs:
         return [ObjectInfo(info.key[len(base) + 1 :], info.size, info.sha256) for info in found]
 
     def remove(self, run_id: str, rel: str) -> None:
-        """Removes the file (or directory) `rel` of the run `run_id`. Raises RecordIoError."""
+        """Removes the file (or directory) `rel` of the run `run_id`. Raises
+        RecordIoError, and LeaseLost (nothing removed) when this task lost the
+        run's follow lock."""
         key = self.key(self._checked(run_id), rel)
+        check_guarded(run_id)
         with store_errors(self.store.where(key)):
             self.store.delete(key)
