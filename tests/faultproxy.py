@@ -15,11 +15,13 @@ It runs in threads of the test's own process, is stopped by `stop` (or its
         proxy.drop_answers(1)      # the next request is applied, its answer lost
         proxy.fail(3)              # the next 3 requests are answered 503
         proxy.latency(0.2)         # every chunk waits 0.2 s
+        proxy.date(None)           # answers come without a Date header (or with the one given)
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -30,6 +32,7 @@ POLL_S = 0.05  # how often a held connection looks whether it may go on
 CHUNK = 65536
 JOIN_S = 5.0  # how long `stop` waits for each of its threads
 INTERIM = b"HTTP/1.1 1"  # an interim answer (`100 Continue`), not the request's answer
+DATE = re.compile(rb"\r\nDate: [^\r]*", re.IGNORECASE)  # the Date header of an answer
 UNAVAILABLE = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
     b"Content-Length: 113\r\nConnection: close\r\n\r\n"
@@ -39,10 +42,13 @@ UNAVAILABLE = (
 
 
 class _Connection:
-    """One client connection and its own to the server."""
+    """One client connection and its own to the server, opened with its first
+    bytes forwarded (the server, moto's, serves one connection at a time: a
+    connection held open before its request came would hold every client)."""
 
-    def __init__(self, client: socket.socket, server: socket.socket) -> None:
-        self.client, self.server = client, server
+    def __init__(self, client: socket.socket) -> None:
+        self.client = client
+        self.server: socket.socket | None = None
         self.in_flight = False  # a request was sent whose answer has not begun
         self.dropping = False  # the answer of the request in flight is to be lost
         self.closed = threading.Event()
@@ -50,6 +56,8 @@ class _Connection:
     def close(self) -> None:
         self.closed.set()
         for sock in (self.client, self.server):
+            if sock is None:
+                continue
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
@@ -70,6 +78,7 @@ class FaultProxy:
         self._drops = 0
         self._fails = 0
         self._latency_s = 0.0
+        self._date: bytes | bool | None = True  # True: the server's own
         self._connections: list[_Connection] = []
         self._threads: list[threading.Thread] = []
         self.requests = 0
@@ -114,6 +123,18 @@ class FaultProxy:
         with self._lock:
             self._latency_s = seconds
 
+    def date(self, value: bytes | None) -> None:
+        """Every answer from now on carries `value` as its `Date` header (None: none)."""
+        with self._lock:
+            self._date = value
+
+    def _dated(self, data: bytes) -> bytes:
+        """An answer's first chunk with its Date header as `date` said."""
+        if self._date is True or not data.startswith(b"HTTP/"):
+            return data
+        header = b"" if self._date is None else b"\r\nDate: " + bytes(self._date)
+        return DATE.sub(lambda _: header, data, count=1)
+
     @property
     def stalled(self) -> bool:
         """Whether bytes are held now."""
@@ -137,19 +158,22 @@ class FaultProxy:
                 continue
             except OSError:
                 return
-            try:
-                server = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            for sock in (client, server):
-                sock.settimeout(POLL_S * 4)
-            connection = _Connection(client, server)
+            client.settimeout(POLL_S * 4)
+            connection = _Connection(client)
             with self._lock:
                 self._connections.append(connection)
             self._start(self._pump, "faultproxy up", connection, True)
-            self._start(self._pump, "faultproxy down", connection, False)
         self._close_all()
+
+    def _connect(self, connection: _Connection) -> socket.socket:
+        """The connection's own to the server, opened now if it is not yet
+        (and its answers' pump started). Raises OSError."""
+        if connection.server is None:
+            server = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            server.settimeout(POLL_S * 4)
+            connection.server = server
+            self._start(self._pump, "faultproxy down", connection, False)
+        return connection.server
 
     def _held(self, connection: _Connection) -> bool:
         """Waits while the proxy stalls; False when the proxy or the connection ended."""
@@ -161,7 +185,7 @@ class FaultProxy:
 
     def _pump(self, connection: _Connection, upward: bool) -> None:
         source = connection.client if upward else connection.server
-        sink = connection.server if upward else connection.client
+        assert source is not None
         try:
             while self._live() and not connection.closed.is_set():
                 try:
@@ -190,14 +214,14 @@ class FaultProxy:
                             connection.client.sendall(UNAVAILABLE)
                             break
                         connection.in_flight = True
-                    sink.sendall(data)
+                    self._connect(connection).sendall(data)
                 elif data.startswith(INTERIM):  # `100 Continue`: the request goes on
-                    sink.sendall(data)
+                    connection.client.sendall(data)
                 else:
                     connection.in_flight = False
                     if connection.dropping:  # applied by the server: its answer is lost
                         break
-                    sink.sendall(data)
+                    connection.client.sendall(self._dated(data))
         except OSError:
             pass
         finally:

@@ -214,12 +214,14 @@ class PodRecord(StoredRecord):
     def save(self, runs: RecordHome) -> None:
         """Writes `pod.json`: created when new, else only over the version it
         was read at. Raises RecordChanged when another process wrote it
-        since, RecordIoError when it cannot be written, LeaseLost (nothing
-        written) when this task lost the run's follow lock: what follows a
-        pod record's write (a create, a delete) is never done then."""
+        since, RecordIoError when it cannot be written, LeaseLost when this
+        task lost the run's follow lock, before the write (nothing written)
+        or while it was written: what follows a pod record's write (a create,
+        a delete) is never done then."""
         runs.run_dir(self.run_id)
         check_guarded(self.run_id)
         self._etag = write_record(runs.store, runs.key(self.run_id, POD_RECORD), self, self._etag)
+        check_guarded(self.run_id)  # lost while it was written: no create, no delete after it
 
     @property
     def name(self) -> str:

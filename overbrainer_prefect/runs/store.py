@@ -353,11 +353,13 @@ class Runs:
 
         Raises InvalidRunId for an invalid ID, RecordChanged when another
         process wrote it since, RecordIoError when it cannot be written,
-        LeaseLost (nothing written) when this task lost the run's follow lock.
+        LeaseLost when this task lost the run's follow lock (before: nothing
+        written; while it was written: what the caller does next is not done).
         """
         key = self.key(self._checked(record.id), self.record_file)
         check_guarded(record.id)
         record._etag = write_record(self.store, key, record, record._etag)
+        check_guarded(record.id)  # lost while it was written: nothing that follows is done
 
     def load(self, run_id: str) -> RunRecord:
         """The record of the run `run_id`, with its version.

@@ -164,6 +164,7 @@ class Lease:
         self._why: str | None = None
         self._lost_at: str | None = None
         self._taken = False
+        self._looked = False  # whether a check looked who took the lease
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -201,9 +202,15 @@ class Lease:
         return self._taken
 
     def check(self) -> None:
-        """Raises LeaseLost (saying why) when the lease is lost; nothing while held."""
-        if self.lost:
-            raise LeaseLost(self.key, self._why or "", self._lost_at or rfc3339(), self._taken)
+        """Raises LeaseLost (saying why, and who took it when another process
+        did: the first check after the loss looks, once, within `call_s`)
+        when the lease is lost; nothing while held."""
+        if not self.lost:
+            return
+        if not self._taken and not self._looked:
+            self._looked = True
+            self._watch()
+        raise LeaseLost(self.key, self._why or "", self._lost_at or rfc3339(), self._taken)
 
     def _lose_locked(self, why: str, at: float | None = None, taken: bool = False) -> None:
         if self._why is not None:

@@ -1,0 +1,299 @@
+"""A lease is a promise, kept or let go, on the real S3 server through the
+fault proxy (`tests/faultproxy.py`): a store that stalls longer than the TTL
+while one follower holds a run leaves exactly one follower after it (the
+first finds its lease lost before anyone could take it, stops at once and
+says so; the other follows afterwards); a renewal whose answer was lost is
+still its own; a holder whose clock is a minute off neither steals a live
+lease nor keeps a dead one; a store whose `Date` is missing or absurd is
+refused at its check in one line; a local runs directory's lock is never lost."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from overbrainer_prefect.runs.lock import follow_lock
+from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.store import LeaseLost, S3Store, StoreRefused, open_store
+from overbrainer_prefect.store.check import check_s3
+from overbrainer_prefect.store.lease import TTL_ENV, Lease, lease_holder
+from overbrainer_prefect.store.s3 import OUTAGE_ENV, READ_TIMEOUT_ENV
+from overbrainer_prefect.timestamps import rfc3339
+from tests.faultproxy import FaultProxy
+from tests.s3server import S3Server
+
+RUN = "20260101-000000-cafe"
+TTL_S = 4.0  # short leases keep the tests in seconds: lost within 3 s, taken after 5 to 6 s
+STALL_S = 9.0  # longer than the TTL and than the time another process needs to take it
+REPO = Path(__file__).resolve().parents[1]
+
+FOLLOWER = """
+import logging, sys, threading, time
+from overbrainer_prefect.runs.lock import RunBusy, follow_lock, lost_line
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store import LeaseLost
+from overbrainer_prefect.store.records import RecordChanged
+
+logging.basicConfig(stream=sys.stdout, level=logging.ERROR, format="LOG %(message)s")
+url, run_id, name, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+runs = Runs(url)
+end = time.monotonic() + seconds
+
+
+def say(*words):
+    print(*words, flush=True)
+
+
+def watch(held, done):  # what the holder knows of its lease, as soon as it knows it
+    while not done.wait(0.05):
+        if held.lost:
+            say("LOST-SEEN", time.monotonic())
+            return
+
+
+def act():  # an act that assumes the lock: a record write (checks the lock first)
+    while True:
+        record = runs.load(run_id)
+        record.message = f"{record.message or ''} {name}".strip()
+        try:
+            runs.save(record)
+            return
+        except RecordChanged:
+            continue
+
+
+while time.monotonic() < end:
+    try:
+        with follow_lock(runs, run_id, name) as held:
+            done = threading.Event()
+            threading.Thread(target=watch, args=(held, done), daemon=True).start()
+            say("FOLLOWING", time.monotonic())
+            try:
+                while time.monotonic() < end:
+                    act()
+                    say("ACT", time.monotonic())
+                    time.sleep(0.2)
+            except LeaseLost as lost:
+                say("STOPPED", time.monotonic(), lost_line(run_id, lost))
+            done.set()
+        break
+    except RunBusy:
+        time.sleep(0.3)
+say("END", time.monotonic())
+"""
+
+
+def _record(runs: Runs) -> None:
+    runs.save(RunRecord(id=RUN, target="local", created=rfc3339(), remote_dir="/tmp/r"))
+
+
+def _follower(url: str, name: str, seconds: float, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER, url, RUN, name, str(seconds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, TTL_ENV: str(TTL_S), **env},
+    )
+
+
+def _lines(process: subprocess.Popen[str], timeout: float) -> list[str]:
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    finally:
+        process.kill()
+        process.wait(10)
+    return out.splitlines()
+
+
+def _at(lines: list[str], word: str) -> list[float]:
+    return [float(line.split()[1]) for line in lines if line.startswith(word + " ")]
+
+
+@pytest.fixture
+def proxy(s3: S3Server) -> Iterator[FaultProxy]:
+    with FaultProxy(s3.port, max_s=120) as proxy:
+        yield proxy
+
+
+def test_a_stall_longer_than_the_ttl_leaves_exactly_one_follower(
+    s3: S3Server, proxy: FaultProxy
+) -> None:
+    """Follower A reaches the store through the proxy, B (another machine)
+    directly and waits for the run. The store stalls for A longer than the
+    TTL: A finds its lease lost before anyone could take it (within 3/4 of
+    the TTL), B takes it only after, A's acts all come before B's, and A
+    stops and says so in one line."""
+    bucket = s3.bucket()
+    direct = s3.bucket_url(bucket=bucket)
+    _record(Runs(direct))
+    a = _follower(
+        s3.bucket_url(bucket=bucket, endpoint=proxy.endpoint),
+        "A",
+        STALL_S + 6,
+        **{READ_TIMEOUT_ENV: "1", OUTAGE_ENV: "60"},
+    )
+    try:
+        assert a.stdout is not None
+        first = [a.stdout.readline(), a.stdout.readline()]
+        assert first[0].startswith("FOLLOWING") and first[1].startswith("ACT"), first
+        b = _follower(direct, "B", STALL_S + 2)
+        assert b.stdout is not None
+        time.sleep(1.0)  # B waits: A follows
+        stalled_at = time.monotonic()
+        proxy.stall(STALL_S)
+        b_lines = _lines(b, STALL_S + 20)
+        a_lines = [*first, *_lines(a, 20)]
+    finally:
+        a.kill()
+        a.wait(10)
+    lost_seen = _at(a_lines, "LOST-SEEN")
+    b_following = _at(b_lines, "FOLLOWING")
+    assert lost_seen and b_following, (a_lines, b_lines)
+    # A let go before anyone could take it, by its own count of its last renewal
+    assert stalled_at < lost_seen[0] <= stalled_at + TTL_S * 0.75 + 0.5
+    assert b_following[0] > lost_seen[0]
+    # by the store's clock, not before a TTL after A's last renewal (sent at most TTL/4 before)
+    assert b_following[0] - stalled_at >= TTL_S * 0.75
+    # exactly one follows at a time: every act of A's before every act of B's
+    acts = (Runs(direct).load(RUN).message or "").split()
+    assert "A" in acts and "B" in acts
+    assert acts == sorted(acts), acts
+    assert max(_at(a_lines, "ACT")) < min(_at(b_lines, "ACT"))
+    stopped = [line for line in a_lines if line.startswith("STOPPED ")]
+    assert len(stopped) == 1 and f"run {RUN}" in stopped[0], a_lines
+    assert f"another follower took run {RUN} at " in stopped[0]
+    assert stopped[0].endswith("this one stops following it")
+    assert any("is lost since" in line for line in a_lines)  # said as soon as it knew
+    assert not any(line.startswith("STOPPED") for line in b_lines)
+
+
+def test_a_renewal_whose_answer_was_lost_is_still_its_own(
+    s3: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TTL_ENV, str(TTL_S))
+    store = open_store(s3.bucket_url(endpoint=proxy.endpoint))
+    assert isinstance(store, S3Store)
+    lease = Lease(store, "r/.follow.lock", {"flow_run_id": "f"})
+    lease.take()
+    proxy.drop_answers(1)
+    assert lease.renew()  # no answer: it may have landed, and the lease is kept
+    assert proxy.dropped == 1
+    assert lease.renew() and not lease.lost  # it landed: recognised as its own, not a race lost
+    lease.check()
+    lease.release()
+    assert lease_holder(store, "r/.follow.lock") is None
+
+
+SKEWED = """
+import sys, time
+skew = float(sys.argv[3])
+real = time.time
+time.time = lambda: real() + skew  # this machine's clock is a minute off
+from overbrainer_prefect.store import Busy, open_store
+store = open_store(sys.argv[1])
+try:
+    with store.lock(sys.argv[2], {"flow_run_id": "skewed"}) as held:
+        print("TOOK", flush=True)
+        time.sleep(float(sys.argv[4]))
+        print("LOST" if held.lost else "HELD", flush=True)
+except Busy as busy:
+    print("BUSY", busy.holder, flush=True)
+"""
+
+
+def _skewed(url: str, key: str, skew: float, hold_s: float) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", SKEWED, url, key, str(skew), str(hold_s)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, TTL_ENV: str(TTL_S)},
+    )
+
+
+def test_a_holder_whose_clock_is_a_minute_off_neither_steals_nor_keeps_a_lease(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine a minute ahead does not take a live lease (it would, were
+    expiry its own clock's); a machine a minute behind holds its lease as
+    long as it renews it, and once it dies its lease expires within the TTL
+    by the store's clock (it would live a minute more, were expiry its own)."""
+    monkeypatch.setenv(TTL_ENV, str(TTL_S))
+    url = s3.bucket_url()
+    store = open_store(url)
+    with store.lock("r/.follow.lock", {"flow_run_id": "here"}) as held:
+        ahead = _skewed(url, "r/.follow.lock", 60.0, 0)
+        assert _lines(ahead, 30)[0].startswith("BUSY"), "a clock ahead stole a live lease"
+        assert not held.lost
+    behind = _skewed(url, "r/.behind.lock", -60.0, TTL_S * 2)
+    assert behind.stdout is not None and behind.stdout.readline().strip() == "TOOK"
+    time.sleep(TTL_S + 2)
+    assert "skewed" in (store.holder("r/.behind.lock") or "")  # renewed: still held
+    behind.kill()
+    behind.wait(10)
+    killed = time.monotonic()
+    while store.holder("r/.behind.lock") is not None:
+        assert time.monotonic() - killed < TTL_S + 3, "a dead holder's lease outlived its TTL"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("date", [None, b"Mon, 01 Jan 1990 00:00:00 GMT", b"yesterday"])
+def test_a_store_whose_date_is_missing_or_absurd_is_refused_at_its_check(
+    s3: S3Server, proxy: FaultProxy, date: bytes | None
+) -> None:
+    proxy.date(date)
+    store = open_store(s3.bucket_url(endpoint=proxy.endpoint))
+    assert isinstance(store, S3Store)
+    with pytest.raises(StoreRefused) as refused:
+        check_s3(store)
+    message = str(refused.value)
+    assert "\n" not in message and "Date" in message and "clock" in message
+    assert re.search(r"cannot hold leases", message)
+
+
+def test_a_local_runs_directory_lock_is_never_lost(tmp_path: Path) -> None:
+    runs = Runs(tmp_path / "runs")
+    _record(runs)
+    with follow_lock(runs, RUN) as held:
+        time.sleep(0.1)
+        assert not held.lost and held.why is None
+        held.check()
+        record = runs.load(RUN)
+        record.message = "still ours"
+        runs.save(record)
+
+
+def test_a_lost_lease_refuses_every_write_of_its_run(
+    s3: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the follow lock of a run is lost, its record, its files and its
+    pod record are written no more: LeaseLost, nothing written."""
+    monkeypatch.setenv(TTL_ENV, "2")
+    runs = Runs(s3.bucket_url(endpoint=proxy.endpoint))
+    _record(runs)
+    with follow_lock(runs, RUN) as held:
+        proxy.stall(2.5)
+        deadline = time.monotonic() + 3
+        while not held.lost:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proxy.release()
+        record = runs.load(RUN)
+        record.message = "after the loss"
+        with pytest.raises(LeaseLost):
+            runs.save(record)
+        with pytest.raises(LeaseLost):
+            runs.write_bytes(RUN, "manifest.json", b"{}")
+        with pytest.raises(LeaseLost):
+            runs.remove(RUN, "run.json")
+    assert runs.load(RUN).message is None
