@@ -16,6 +16,7 @@ Nothing here asks which target it holds.
 from __future__ import annotations
 
 import posixpath
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 from uuid import UUID
@@ -105,16 +106,37 @@ async def start_job(
     return record
 
 
+@dataclass(frozen=True)
+class _Taken:
+    """What the follow task returns when its follow lock was lost: the flow
+    says so in one line, where a task's exception would log a traceback."""
+
+    lost: LeaseLost
+
+
 @task(name="follow-job", cache_policy=NO_CACHE, persist_result=False)
+async def _follow_task(
+    placed: Placed, ctx: RunContext, trainer: Trainer, record: RunRecord
+) -> Outcome | _Taken:
+    try:
+        async with live_progress(ctx.reporter):
+            outcome = await placed.follow(ctx, trainer, record)
+        return _settle_lost(ctx.runs, outcome)
+    except LeaseLost as lost:
+        return _Taken(lost)
+
+
 async def follow_job(
     placed: Placed, ctx: RunContext, trainer: Trainer, record: RunRecord
 ) -> Outcome:
     """Follows the job to its end, retrieves and verifies its files, and ends
-    what it ran on by the outcome; a job whose machine is gone under it has
-    its record failed with why."""
-    async with live_progress(ctx.reporter):
-        outcome = await placed.follow(ctx, trainer, record)
-    return _settle_lost(ctx.runs, outcome)
+    what it ran on by the outcome (a task of the flow run); a job whose
+    machine is gone under it has its record failed with why. Raises LeaseLost
+    when the job's follow lock was lost on the way (nothing more done)."""
+    followed = await _follow_task(placed, ctx, trainer, record)
+    if isinstance(followed, _Taken):
+        raise followed.lost
+    return followed
 
 
 def _settle_lost(store: Runs, outcome: Outcome) -> Outcome:

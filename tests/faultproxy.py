@@ -41,6 +41,16 @@ UNAVAILABLE = (
 )
 
 
+def _gone(sock: socket.socket) -> bool:
+    """Whether the peer of `sock` closed it (nothing more will come)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, TimeoutError):  # nothing to read now: still there
+        return False
+    except OSError:
+        return True
+
+
 class _Connection:
     """One client connection and its own to the server, opened with its first
     bytes forwarded (the server, moto's, serves one connection at a time: a
@@ -176,9 +186,11 @@ class FaultProxy:
         return connection.server
 
     def _held(self, connection: _Connection) -> bool:
-        """Waits while the proxy stalls; False when the proxy or the connection ended."""
+        """Waits while the proxy stalls; False when the proxy or the connection
+        ended, or its client gave up meanwhile (closed it: what it sent is
+        lost with the stall, never delivered late)."""
         while self.stalled:
-            if not self._live() or connection.closed.is_set():
+            if not self._live() or connection.closed.is_set() or _gone(connection.client):
                 return False
             time.sleep(POLL_S)
         return self._live() and not connection.closed.is_set()

@@ -19,15 +19,25 @@ from pathlib import Path
 
 import pytest
 
-from overbrainer_prefect.runs.lock import follow_lock
-from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.blocks import LocalTarget
+from overbrainer_prefect.runs.lock import follow_lock, is_followed
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps import context
+from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.store import LeaseLost, S3Store, StoreRefused, open_store
 from overbrainer_prefect.store.check import check_s3
 from overbrainer_prefect.store.lease import TTL_ENV, Lease, lease_holder
 from overbrainer_prefect.store.s3 import OUTAGE_ENV, READ_TIMEOUT_ENV
 from overbrainer_prefect.timestamps import rfc3339
+from tests import test_object_store as on_store
 from tests.faultproxy import FaultProxy
+from tests.flowrun import run
 from tests.s3server import S3Server
+from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
+from tests.test_object_store import COLLECT, rows_of, worker_env
+from tests.test_train_flow import kill, wait_until
+
+local_target = on_store.local_target  # a local target block (the shared Prefect server's)
 
 RUN = "20260101-000000-cafe"
 TTL_S = 4.0  # short leases keep the tests in seconds: lost within 3 s, taken after 5 to 6 s
@@ -297,3 +307,76 @@ def test_a_lost_lease_refuses_every_write_of_its_run(
         with pytest.raises(LeaseLost):
             runs.remove(RUN, "run.json")
     assert runs.load(RUN).message is None
+
+
+def test_a_collect_that_lost_its_run_in_a_stall_stops_and_says_so_and_another_finishes_it(
+    prefect_server: None, s3: S3Server, proxy: FaultProxy, local_target: str, tmp_path: Path
+) -> None:
+    """Collect A, whose store stalls (through the proxy), follows a running
+    job; its lease lapses. A finds it lost at once (its job's status comes
+    from the target, not the store), does nothing more with the run, says so
+    in one line and ends without a traceback. Collect B, on another machine,
+    starts meanwhile, takes the run and follows it to its end: the run is
+    succeeded, as B recorded it."""
+    bucket = s3.bucket()
+    direct = s3.bucket_url(bucket=bucket)
+    runs = Runs(direct)
+    go = tmp_path / "go"
+
+    async def start_one() -> str:
+        loaded = await LocalTarget.aload(local_target)
+        assert isinstance(loaded, LocalTarget)
+        executor = loaded.executor(local_target)
+        ctx = context.RunContext(runs=runs, executor=executor, python=loaded.python)
+        trainer = ShellTrainer(
+            f"while [ ! -e {go} ]; do sleep 0.2; done; {WRITE_METRICS}; {WRITE_OUTPUT}"
+        )
+        record = start_step.create(
+            runs,
+            target=local_target,
+            target_kind="local",
+            workdir=executor.workdir,
+            spec={"base_model": "/none", "datasets": ["/none.jsonl"], "max_steps": 3},
+        )
+        await start_step.start(ctx, trainer, record)
+        return record.id
+
+    run_id = run(start_one())
+    logs = {name: tmp_path / f"{name}.log" for name in "ab"}
+    a = _collect(s3.bucket_url(bucket=bucket, endpoint=proxy.endpoint), tmp_path / "a", logs["a"])
+    try:
+        wait_until(lambda: is_followed(runs, run_id), 120, "collect A to follow the run")
+        proxy.stall(STALL_S + 6)
+        time.sleep(TTL_S + 2)  # A's lease lapses, by the store's clock
+        b = _collect(direct, tmp_path / "b", logs["b"])
+        wait_until(lambda: "following its job" in logs["b"].read_text(), 120, "B to follow")
+        go.touch()
+        assert b.wait(timeout=180) == 0, logs["b"].read_text()[-3000:]
+        assert a.wait(timeout=120) == 0, logs["a"].read_text()[-3000:]
+    finally:
+        kill(a)
+    assert rows_of(logs["b"]) == [[run_id, "followed to its end", "succeeded"]]
+    assert rows_of(logs["a"]) == []
+    a_log = logs["a"].read_text()
+    said = [line for line in a_log.splitlines() if "this one stops following it" in line]
+    assert len(said) == 1 and f"run {run_id}" in said[0], a_log[-3000:]
+    assert "Traceback" not in a_log and "RecordChanged" not in a_log, a_log[-3000:]
+    assert runs.load(run_id).state == RunState.SUCCEEDED
+
+
+def _collect(url: str, home: Path, log: Path) -> subprocess.Popen[bytes]:
+    """A `collect` of `url` in a worker process of its own; its store
+    requests give up after 1 s (tried again for 120 s), its leases last TTL_S."""
+    return subprocess.Popen(
+        [sys.executable, "-c", COLLECT, url],
+        cwd=home,
+        env={
+            **worker_env(home),  # makes `home`
+            TTL_ENV: str(TTL_S),
+            READ_TIMEOUT_ENV: "1",
+            OUTAGE_ENV: "120",
+        },
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )

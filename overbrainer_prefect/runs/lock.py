@@ -49,8 +49,8 @@ def lost_line(run_id: str, lost: LeaseLost) -> str:
     if lost.taken:
         return f"another follower took run {run_id} at {lost.at}: this one stops following it"
     return (
-        f"run {run_id}'s follow lock could not be renewed in time ({lost.why}; at {lost.at}): "
-        "this one stops following it, and the next follower takes it"
+        f"another follower may take run {run_id} from {lost.at} (its follow lock was "
+        f"{lost.why}; the follower or the next collect takes it): this one stops following it"
     )
 
 

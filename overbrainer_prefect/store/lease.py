@@ -26,6 +26,7 @@ nonce in the lease, never taken for a race lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -180,8 +181,7 @@ class Lease:
             late = kept is not None and time.monotonic() >= kept + self.ttl * KEEP_PART
             if self._why is None and late:
                 self._lose_locked(
-                    f"it could not be renewed for {self.ttl * KEEP_PART:g} s "
-                    f"(its TTL is {self.ttl:g} s): another process may take it"
+                    f"not renewed for {self.ttl * KEEP_PART:g} s of its {self.ttl:g} s TTL"
                 )
             return self._why is not None
 
@@ -337,8 +337,10 @@ class Lease:
 
     def _watch(self) -> bool:
         """Once the lease is lost for want of renewal: whether another process
-        took it since (then it is said taken, by whom and when). False when it
-        did or the lease is gone: nothing more to watch."""
+        took it since (then it is said taken, by whom and when). A renewal of
+        this holder's that landed late (its answer never came) is released,
+        so the next process need not wait a TTL more for a lease nobody holds.
+        False when it was taken or the lease is gone: nothing more to watch."""
         try:
             dated = self.store.read_dated(self.key, self.call_s)
         except StoreError:
@@ -346,7 +348,13 @@ class Lease:
         if dated.found is None:
             return False
         lease = _parse(dated.found.data)
-        if lease.get("token") == self.token or not _live(lease, dated):
+        if lease.get("token") == self.token:
+            if _live(lease, dated):  # a failed release: the next look tries again
+                with contextlib.suppress(StoreError):
+                    released = self._content("released", released=True)
+                    self.store.put_quick(self.key, released, dated.found.etag, self.call_s)
+            return True
+        if not _live(lease, dated):
             return True
         self._taken_by(dated)
         return False
