@@ -34,98 +34,23 @@ from tests.faultproxy import FaultProxy
 from tests.flowrun import run
 from tests.s3server import S3Server
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
+from tests.stallfollowers import RUN, lines_of, stall_round
 from tests.test_object_store import COLLECT, rows_of, worker_env
 from tests.test_train_flow import kill, wait_until
 
 local_target = on_store.local_target  # a local target block (the shared Prefect server's)
 
-RUN = "20260101-000000-cafe"
 TTL_S = 4.0  # short leases keep the tests in seconds: lost within 3 s, taken after 5 to 6 s
 STALL_S = 9.0  # longer than the TTL and than the time another process needs to take it
 REPO = Path(__file__).resolve().parents[1]
-
-FOLLOWER = """
-import logging, sys, threading, time
-from overbrainer_prefect.runs.lock import RunBusy, follow_lock, lost_line
-from overbrainer_prefect.runs.store import Runs
-from overbrainer_prefect.store import LeaseLost
-from overbrainer_prefect.store.records import RecordChanged
-
-logging.basicConfig(stream=sys.stdout, level=logging.ERROR, format="LOG %(message)s")
-url, run_id, name, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-runs = Runs(url)
-end = time.monotonic() + seconds
-
-
-def say(*words):
-    print(*words, flush=True)
-
-
-def watch(held, done):  # what the holder knows of its lease, as soon as it knows it
-    while not done.wait(0.05):
-        if held.lost:
-            say("LOST-SEEN", time.monotonic())
-            return
-
-
-def act():  # an act that assumes the lock: a record write (checks the lock first)
-    while True:
-        record = runs.load(run_id)
-        record.message = f"{record.message or ''} {name}".strip()
-        try:
-            runs.save(record)
-            return
-        except RecordChanged:
-            continue
-
-
-while time.monotonic() < end:
-    try:
-        with follow_lock(runs, run_id, name) as held:
-            done = threading.Event()
-            threading.Thread(target=watch, args=(held, done), daemon=True).start()
-            say("FOLLOWING", time.monotonic())
-            try:
-                while time.monotonic() < end:
-                    act()
-                    say("ACT", time.monotonic())
-                    time.sleep(0.2)
-            except LeaseLost as lost:
-                say("STOPPED", time.monotonic(), lost_line(run_id, lost))
-            done.set()
-        break
-    except RunBusy:
-        time.sleep(0.3)
-say("END", time.monotonic())
-"""
 
 
 def _record(runs: Runs) -> None:
     runs.save(RunRecord(id=RUN, target="local", created=rfc3339(), remote_dir="/tmp/r"))
 
 
-def _follower(url: str, name: str, seconds: float, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", FOLLOWER, url, RUN, name, str(seconds)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, TTL_ENV: str(TTL_S), **env},
-    )
-
-
 def _lines(process: subprocess.Popen[str], timeout: float) -> list[str]:
-    try:
-        out, _ = process.communicate(timeout=timeout)
-    finally:
-        process.kill()
-        process.wait(10)
-    return out.splitlines()
-
-
-def _at(lines: list[str], word: str) -> list[float]:
-    return [float(line.split()[1]) for line in lines if line.startswith(word + " ")]
+    return lines_of(process, timeout)
 
 
 @pytest.fixture
@@ -138,52 +63,27 @@ def test_a_stall_longer_than_the_ttl_leaves_exactly_one_follower(
     s3: S3Server, proxy: FaultProxy
 ) -> None:
     """Follower A reaches the store through the proxy, B (another machine)
-    directly and waits for the run. The store stalls for A longer than the
-    TTL: A finds its lease lost before anyone could take it (within 3/4 of
-    the TTL), B takes it only after, A's acts all come before B's, and A
-    stops and says so in one line."""
-    bucket = s3.bucket()
-    direct = s3.bucket_url(bucket=bucket)
-    _record(Runs(direct))
-    a = _follower(
-        s3.bucket_url(bucket=bucket, endpoint=proxy.endpoint),
-        "A",
-        STALL_S + 6,
-        **{READ_TIMEOUT_ENV: "1", OUTAGE_ENV: "60"},
-    )
-    try:
-        assert a.stdout is not None
-        first = [a.stdout.readline(), a.stdout.readline()]
-        assert first[0].startswith("FOLLOWING") and first[1].startswith("ACT"), first
-        b = _follower(direct, "B", STALL_S + 2)
-        assert b.stdout is not None
-        time.sleep(1.0)  # B waits: A follows
-        stalled_at = time.monotonic()
-        proxy.stall(STALL_S)
-        b_lines = _lines(b, STALL_S + 20)
-        a_lines = [*first, *_lines(a, 20)]
-    finally:
-        a.kill()
-        a.wait(10)
-    lost_seen = _at(a_lines, "LOST-SEEN")
-    b_following = _at(b_lines, "FOLLOWING")
-    assert lost_seen and b_following, (a_lines, b_lines)
+    directly and waits for the run (`tests/stallfollowers.py`). The store
+    stalls for A longer than the TTL: A finds its lease lost before anyone
+    could take it (within 3/4 of the TTL), B takes it only after, A's acts all
+    come before B's, and A stops and says so in one line."""
+    seen = stall_round(s3, proxy, TTL_S, STALL_S)
+    lost_seen, b_following = seen.at("A", "LOST-SEEN"), seen.at("B", "FOLLOWING")
+    assert lost_seen and b_following, (seen.a_lines, seen.b_lines)
     # A let go before anyone could take it, by its own count of its last renewal
-    assert stalled_at < lost_seen[0] <= stalled_at + TTL_S * 0.75 + 0.5
+    assert seen.stalled_at < lost_seen[0] <= seen.stalled_at + TTL_S * 0.75 + 0.5
     assert b_following[0] > lost_seen[0]
     # by the store's clock, not before a TTL after A's last renewal (sent at most TTL/4 before)
-    assert b_following[0] - stalled_at >= TTL_S * 0.75
+    assert b_following[0] - seen.stalled_at >= TTL_S * 0.75
     # exactly one follows at a time: every act of A's before every act of B's
-    acts = (Runs(direct).load(RUN).message or "").split()
-    assert "A" in acts and "B" in acts
-    assert acts == sorted(acts), acts
-    assert max(_at(a_lines, "ACT")) < min(_at(b_lines, "ACT"))
-    stopped = [line for line in a_lines if line.startswith("STOPPED ")]
-    assert len(stopped) == 1 and f"run {RUN}" in stopped[0], a_lines
+    assert "A" in seen.acts and "B" in seen.acts
+    assert not seen.both_followed, (seen.a_lines, seen.b_lines, seen.acts)
+    stopped = [line for line in seen.a_lines if line.startswith("STOPPED ")]
+    assert len(stopped) == 1, seen.a_lines
     assert f"another follower took run {RUN} at " in stopped[0]
     assert stopped[0].endswith("this one stops following it")
-    assert any("is lost since" in line for line in a_lines)  # said as soon as it knew
-    assert not any(line.startswith("STOPPED") for line in b_lines)
+    assert any("is lost since" in line for line in seen.a_lines)  # said as soon as it knew
+    assert not any(line.startswith("STOPPED") for line in seen.b_lines)
 
 
 def test_a_renewal_whose_answer_was_lost_is_still_its_own(
