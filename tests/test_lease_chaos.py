@@ -9,18 +9,24 @@ refused at its check in one line; a local runs directory's lock is never lost.""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from overbrainer_prefect.blocks import LocalTarget
-from overbrainer_prefect.runs.lock import follow_lock, is_followed
+from overbrainer_prefect.resume_here import HERE_DIR, recover
+from overbrainer_prefect.runpod.pod import PodRecord
+from overbrainer_prefect.runs.lock import follow_lock, follower_lock, is_followed
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps import context
 from overbrainer_prefect.steps import start as start_step
@@ -206,7 +212,49 @@ def test_a_lost_lease_refuses_every_write_of_its_run(
             runs.write_bytes(RUN, "manifest.json", b"{}")
         with pytest.raises(LeaseLost):
             runs.remove(RUN, "run.json")
+        with pytest.raises(LeaseLost):  # no pod record, so no create or delete after it
+            PodRecord(run_id=RUN, host_key="k").save(runs)
     assert runs.load(RUN).message is None
+    assert PodRecord.load(runs, RUN) is None
+
+
+def test_a_follower_that_lost_the_runs_directory_puts_back_no_flow_run(
+    s3: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """recover() puts a dead follower's flow runs back to Scheduled only while
+    this follower holds the runs directory: once its lock is lost it stops at
+    once and says so, leaving the markers to the follower that took over."""
+    monkeypatch.setenv(TTL_ENV, "2")
+    runs = Runs(s3.bucket_url(endpoint=proxy.endpoint))
+    marker = runs.top.key(HERE_DIR, f"{uuid.uuid4()}.json")
+    runs.store.write(marker, json.dumps({"follower": "dead"}).encode())
+    logger = logging.getLogger("test-recover")
+    with follower_lock(runs, "me") as held, _captured(logger) as said:
+        proxy.stall(2.5)
+        deadline = time.monotonic() + 3
+        while not held.lost:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proxy.release()
+        assert run(recover(runs, "me", logger, held)) == 0
+    assert runs.store.read(marker) is not None  # left to the follower that took over
+    assert any("this one stops recovering" in line for line in said), said
+
+
+@contextmanager
+def _captured(logger: logging.Logger) -> Iterator[list[str]]:
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_a_collect_that_lost_its_run_in_a_stall_stops_and_says_so_and_another_finishes_it(
