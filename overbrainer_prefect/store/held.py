@@ -33,11 +33,3 @@ def check_guarded(name: str) -> None:
     for guarded, held in _HELD.get():
         if guarded == name:
             held.check()
-
-
-def guard_of(name: str) -> Held | None:
-    """The lock this task holds on `name`, None when it holds none."""
-    for guarded, held in _HELD.get():
-        if guarded == name:
-            return held
-    return None
