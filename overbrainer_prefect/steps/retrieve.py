@@ -27,6 +27,7 @@ from overbrainer_prefect.runs.store import (
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.direct import put_files
 from overbrainer_prefect.steps.errors import NotEnded
+from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.trainers.base import (
     Trainer,
@@ -56,8 +57,11 @@ async def retrieve(
     is kept beside them. Returns it and, for a succeeded job, whether its required
     entry held no file at all.
 
-    Raises ExecError when the target or the store fails or a file does not verify.
+    Raises ExecError when the target or the store fails or a file does not
+    verify; LeaseLost, having written nothing, when this task lost the run's
+    follow lock.
     """
+    check_guarded(record_id)
     artifacts = trainer.artifacts()
     entries = [*artifacts.entries, JOB_LOG]
     manifest = await executor.manifest(remote, entries, artifacts.exclude)

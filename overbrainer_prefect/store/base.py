@@ -74,6 +74,58 @@ class Busy(StoreError):
         self.holder = holder
 
 
+class LeaseLost(Exception):
+    """A lock this process held is no longer its own: another process took it
+    (`taken`), or it could not be renewed in time. Not a StoreError: nothing
+    may go on as if the store had only failed once. `key`, `why` and `at`
+    (RFC 3339) say which, why and when it was found lost."""
+
+    def __init__(self, key: str, why: str, at: str, taken: bool) -> None:
+        super().__init__(f"{key} is no longer held by this process since {at}: {why}")
+        self.key, self.why, self.at, self.taken = key, why, at, taken
+
+
+class Held(Protocol):
+    """A lock held: whether it still is (a local lock always, a lease until
+    another process takes it or it cannot be renewed in time)."""
+
+    @property
+    def lost(self) -> bool:
+        """Whether this process no longer holds the lock."""
+        ...
+
+    @property
+    def why(self) -> str | None:
+        """Why it was lost, None while it is held."""
+        ...
+
+    @property
+    def lost_at(self) -> str | None:
+        """When it was found lost (RFC 3339), None while it is held."""
+        ...
+
+    @property
+    def taken(self) -> bool:
+        """Whether another process took it (not only: it could not be renewed)."""
+        ...
+
+    def check(self) -> None:
+        """Raises LeaseLost when the lock is lost."""
+        ...
+
+
+class Kept:
+    """A lock that stays held as long as its holder lives (a kernel lock)."""
+
+    lost = False
+    why: str | None = None
+    lost_at: str | None = None
+    taken = False
+
+    def check(self) -> None:
+        """Nothing: a kernel lock is not lost while its holder lives."""
+
+
 @dataclass(frozen=True)
 class Versioned:
     """An object's content and its version, read together (never a version of
@@ -223,11 +275,13 @@ class Store(Protocol):
         in parts of `part_length` bytes (a file is hashed in such parts)."""
         ...
 
-    def lock(self, key: str, holder: Mapping[str, object]) -> AbstractContextManager[None]:
+    def lock(self, key: str, holder: Mapping[str, object]) -> AbstractContextManager[Held]:
         """Holds the lock `key` for the length of the block, as `holder`
-        (said in messages). Raises Busy, at once, when another live holder
-        holds it. A holder that dies loses it (a local store's at once, an
-        object store's lease when it expires)."""
+        (said in messages); the block gets what says whether it still holds
+        it (`Held`). Raises Busy, at once, when another live holder holds
+        it. A holder that dies loses it (a local store's at once, an object
+        store's lease when it expires); a lease is also lost when it cannot
+        be renewed in time."""
         ...
 
     def holder(self, key: str) -> str | None:

@@ -22,6 +22,7 @@ from overbrainer_prefect.store.base import (
     AlreadyExists,
     Busy,
     Changed,
+    Kept,
     ObjectInfo,
     SignedPut,
     StoreError,
@@ -272,9 +273,10 @@ class LocalStore:
         raise StoreError(f"{self.url} is a local directory: no target gets files there itself")
 
     @contextmanager
-    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[None]:
+    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[Kept]:
         """Holds an advisory `flock` on the file `key` (created if needed),
-        which says who holds it. Raises Busy at once when another live
+        which says who holds it; the kernel keeps it while this process
+        lives (`Kept`: never lost). Raises Busy at once when another live
         process holds it."""
         path = self.local_path(key)
         try:
@@ -290,7 +292,7 @@ class LocalStore:
             me = {"pid": os.getpid(), "host": socket.gethostname(), **holder}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(me).encode(), 0)
-            yield
+            yield Kept()
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 

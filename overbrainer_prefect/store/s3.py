@@ -2,7 +2,10 @@
 record change a conditional put (`If-None-Match: *` to create, `If-Match:
 <ETag>` to replace), files put by targets themselves with presigned URLs whose
 parts' SHA-256 the store checks (or, where it only computes them, reports),
-and a lock a lease object renewed by compare-and-swap (`store/lease.py`).
+and a lock a lease object renewed by compare-and-swap (`store/lease.py`),
+whose requests go through a client of their own with short timeouts and no
+retries, and whose expiry is the store's clock (its `Date`): a store whose
+`Date` is missing or absurd is refused.
 
 A store that does not answer is tried again with backoff for
 `OVERBRAINER_STORE_OUTAGE_S` seconds before StoreUnreachable; a conditional
@@ -16,10 +19,12 @@ import logging
 import os
 import random
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -44,7 +49,7 @@ from overbrainer_prefect.store.base import (
 )
 from overbrainer_prefect.store.check import check_s3
 from overbrainer_prefect.store.digest import b64_sha256, hex_sha256
-from overbrainer_prefect.store.lease import Lease, lease_holder
+from overbrainer_prefect.store.lease import Dated, Lease, lease_holder
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -87,8 +92,14 @@ ChecksumMode = Literal["checked", "computed"]
 computes it from what it received when asked (`x-amz-sdk-checksum-algorithm`)
 and reports it, and the manifest is compared with that."""
 
-Client = Callable[[], "S3Client"]
-"""Makes the boto3 S3 client of a store (credentials and endpoint inside)."""
+Client = Callable[[Config], "S3Client"]
+"""Makes a boto3 S3 client of a store with the given settings (credentials
+and endpoint inside): `client_config` for its records and files,
+`lease_config` for its leases."""
+
+CLOCK_ABSURD_S = 24 * 3600.0
+"""A store whose `Date` is this far from this machine's clock is refused: one
+of the two clocks is wrong, and a lease's expiry is the store's."""
 
 _REFUSED = {
     "InvalidAccessKeyId": "its access key is not known: check the credentials",
@@ -144,12 +155,22 @@ def client_config() -> Config:
     )
 
 
-def default_client(endpoint_url: str | None) -> S3Client:
+def lease_config(timeout_s: float) -> Config:
+    """`client_config` for lease requests: one try that gives up within
+    `timeout_s` (half to connect, half to read), so a renewal is bounded
+    well under its lease's TTL."""
+    return client_config().merge(Config(connect_timeout=timeout_s / 2, read_timeout=timeout_s / 2))
+
+
+def default_client(endpoint_url: str | None, config: Config | None = None) -> S3Client:
     """An S3 client from boto3's own credential chain (environment, profile,
     the instance's or pod's role), at `endpoint_url` when given (else boto3's:
-    `AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, or AWS)."""
+    `AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, or AWS), with `config` (else
+    `client_config`)."""
     session = boto3.session.Session()
-    client: S3Client = session.client("s3", endpoint_url=endpoint_url, config=client_config())
+    client: S3Client = session.client(
+        "s3", endpoint_url=endpoint_url, config=config or client_config()
+    )
     return client
 
 
@@ -165,6 +186,29 @@ def _failure(error: botocore.exceptions.ClientError) -> _Failure:
     return _Failure(str(err.get("Code", "")), int(meta.get("HTTPStatusCode", 0) or 0))
 
 
+_NO_ANSWER = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.HTTPClientError,  # a read timeout, a connection closed before its answer
+    botocore.exceptions.ResponseStreamingError,
+)
+"""What botocore raises when the store did not answer (or not all of it)."""
+
+
+def _transient(error: Exception) -> str | None:
+    """Why `error` is worth trying again (no answer, a 5xx, SlowDown), None
+    when it is the store's answer for good."""
+    if isinstance(error, botocore.exceptions.ClientError):
+        failure = _failure(error)
+        if failure.status >= 500 or failure.code in ("SlowDown", "RequestTimeout"):
+            return f"it answered {failure.status or failure.code}"
+        return None
+    if isinstance(error, _NO_ANSWER):
+        return type(error).__name__
+    return None
+
+
 class S3Store:
     """A `Store` in `bucket` under `prefix` (see the module)."""
 
@@ -178,6 +222,8 @@ class S3Store:
         self.endpoint_url = endpoint_url
         self._make_client = client
         self._client: S3Client | None = None
+        self._quick: dict[float, S3Client] = {}
+        self._quick_lock = threading.Lock()
         self.checksums: ChecksumMode | None = None
         """How the store knows a put's SHA-256, once `store.check` found out."""
         self.outage_s = outage_s()
@@ -206,8 +252,17 @@ class S3Store:
     def client(self) -> S3Client:
         """The boto3 client, made on first use."""
         if self._client is None:
-            self._client = self._make_client()
+            self._client = self._make_client(client_config())
         return self._client
+
+    def quick_client(self, timeout_s: float) -> S3Client:
+        """A client of this store whose every request is one try that gives up
+        within `timeout_s` (`lease_config`), made once per timeout."""
+        with self._quick_lock:
+            client = self._quick.get(timeout_s)
+            if client is None:
+                client = self._quick[timeout_s] = self._make_client(lease_config(timeout_s))
+            return client
 
     def local_path(self, key: str) -> None:
         """None: nothing of an object store is a local file."""
@@ -229,25 +284,12 @@ class S3Store:
         while True:
             try:
                 return call()
-            except botocore.exceptions.ClientError as error:
-                failure = _failure(error)
-                if failure.status >= 500 or failure.code in ("SlowDown", "RequestTimeout"):
-                    reason = f"it answered {failure.status or failure.code}"
-                else:
+            except (botocore.exceptions.ClientError, *_NO_ANSWER) as error:
+                reason = _transient(error)
+                if reason is None:
                     raise
-            except (
-                botocore.exceptions.EndpointConnectionError,
-                botocore.exceptions.ConnectionError,
-                botocore.exceptions.ConnectTimeoutError,
-                botocore.exceptions.ReadTimeoutError,
-                botocore.exceptions.ResponseStreamingError,
-            ) as error:
-                reason = type(error).__name__
             except botocore.exceptions.NoCredentialsError:
-                raise StoreRefused(
-                    f"no credentials for {self.url}: give a credentials block "
-                    "(OVERBRAINER_STORE_CREDENTIALS) or the AWS environment variables"
-                ) from None
+                raise self._no_credentials() from None
             if time.monotonic() + pause > deadline:
                 raise StoreUnreachable(
                     f"the store {self.url} did not answer for {self.outage_s:g} s "
@@ -256,6 +298,49 @@ class S3Store:
             log.warning("the store %s did not answer (%s: %s); again", self.url, what, reason)
             time.sleep(pause * (0.5 + random.random() / 2))
             pause = min(pause * 2, BACKOFF_MAX_S)
+
+    def _no_credentials(self) -> StoreRefused:
+        return StoreRefused(
+            f"no credentials for {self.url}: give a credentials block "
+            "(OVERBRAINER_STORE_CREDENTIALS) or the AWS environment variables"
+        )
+
+    def _once(self, what: str, call: Callable[[], T]) -> T:
+        """`call`, tried once: StoreUnreachable when the store did not answer
+        (or answered a 5xx), the ClientError of a refusal as it is."""
+        try:
+            return call()
+        except (botocore.exceptions.ClientError, *_NO_ANSWER) as error:
+            reason = _transient(error)
+            if reason is None:
+                raise
+        except botocore.exceptions.NoCredentialsError:
+            raise self._no_credentials() from None
+        raise StoreUnreachable(f"the store {self.url} did not answer in time ({what}: {reason})")
+
+    def store_clock(self, response: Mapping[str, object]) -> float:
+        """The store's time when it sent `response` (its `Date`, Unix seconds).
+        Raises StoreRefused, in one line, when the answer has no `Date` or one
+        more than CLOCK_ABSURD_S from this machine's clock: a lease's expiry
+        is the store's clock."""
+        meta = response.get("ResponseMetadata")
+        headers = meta.get("HTTPHeaders") if isinstance(meta, Mapping) else None
+        date = headers.get("date") if isinstance(headers, Mapping) else None
+        why = "it sends no Date header"
+        if isinstance(date, str):
+            try:
+                moment = parsedate_to_datetime(date).timestamp()
+            except (TypeError, ValueError):
+                why = "its Date header is not a date"
+            else:
+                if abs(moment - time.time()) <= CLOCK_ABSURD_S:
+                    return moment
+                why = f"its Date header ({date}) is more than a day from this machine's clock"
+        raise StoreRefused(
+            f"the store {self.url} cannot hold leases: {why}; a lease's expiry is the store's "
+            "clock: fix the store's (or this machine's) clock, or use a store that dates its "
+            "answers (AWS S3, MinIO, R2)"
+        )
 
     def refused(self, error: botocore.exceptions.ClientError, what: str) -> StoreRefused:
         """The one-line refusal of a client error (its code and status, never its body)."""
@@ -572,11 +657,67 @@ class S3Store:
             ExpiresIn=self._expires(size),
         )
 
+    def read_dated(self, key: str, timeout_s: float | None = None) -> Dated:
+        """The object `key` with the store's clock (its `Date`) and its
+        `Last-Modified`, from one GET: tried once within `timeout_s` by the
+        quick client, or with the store's retries when None. Raises
+        StoreUnreachable; StoreRefused when the store refuses, or gives no
+        usable `Date` (`store_clock`)."""
+        full = self.full(key)
+        client = self.client if timeout_s is None else self.quick_client(timeout_s)
+
+        def get() -> Dated:
+            try:
+                answer = client.get_object(Bucket=self.bucket, Key=full)
+            except botocore.exceptions.ClientError as error:
+                if _failure(error).code in ("NoSuchKey", "404"):
+                    return Dated(None, self.store_clock(error.response), None)
+                raise
+            data = answer["Body"].read()
+            now = self.store_clock(answer)
+            return Dated(Versioned(data, answer["ETag"]), now, answer["LastModified"].timestamp())
+
+        try:
+            if timeout_s is None:
+                return self._call(f"read {key}", get)
+            return self._once(f"read {key}", get)
+        except botocore.exceptions.ClientError as error:
+            raise self.refused(error, f"read {key}") from None
+
+    def put_quick(self, key: str, data: bytes, etag: str | None, timeout_s: float) -> str:
+        """Creates `key` (`etag` None) or replaces its version `etag`, in one
+        try by the quick client (a lease's write). Raises AlreadyExists,
+        Changed, StoreUnreachable (no answer: it may have landed), StoreRefused."""
+        full = self.full(key)
+        client = self.quick_client(timeout_s)
+
+        def put() -> str:
+            if etag is None:
+                answer = client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
+            else:
+                answer = client.put_object(Bucket=self.bucket, Key=full, Body=data, IfMatch=etag)
+            return answer["ETag"]
+
+        try:
+            return self._once(f"write {key}", put)
+        except botocore.exceptions.ClientError as error:
+            failure = _failure(error)
+            if failure.status in (409, 412) or failure.code in (
+                "PreconditionFailed",
+                "ConditionalRequestConflict",
+                "NoSuchKey",
+            ):
+                if etag is None:
+                    raise AlreadyExists(f"{self.where(key)} exists") from None
+                raise Changed(f"{self.where(key)} changed since it was read") from None
+            raise self.refused(error, f"write {key}") from None
+
     @contextmanager
-    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[None]:
-        """A lease on `key` (see `store/lease.py`). Raises Busy."""
-        with Lease(self, key, holder):
-            yield
+    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[Lease]:
+        """A lease on `key` (see `store/lease.py`); the block gets it, to ask
+        whether it still holds it (`lost`, `check`). Raises Busy."""
+        with Lease(self, key, holder) as lease:
+            yield lease
 
     def holder(self, key: str) -> str | None:
         """Who holds the lease `key`, None when it is free or expired."""
