@@ -39,13 +39,13 @@ from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
 from overbrainer_prefect.kinds.registry import kind_of
 from overbrainer_prefect.kinds.training import next_step
-from overbrainer_prefect.runs.lock import RunBusy, is_followed
+from overbrainer_prefect.runs.lock import RunBusy, followed_by
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.steps.hooks import HOOK_GRACE_S
-from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.store.records import RecordChanged, RecordError
 from overbrainer_prefect.suspension import waited_for, waited_in_pipeline
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.sharing import shared
@@ -54,6 +54,8 @@ from overbrainer_prefect.timestamps import parse_rfc3339
 
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""
+
+CHANGE_ROUNDS = 5  # rounds a job's records are read again after another process changed them
 
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
 
@@ -65,18 +67,27 @@ def _age_s(record: RunRecord) -> float:
         return float("inf")
 
 
-async def candidates(runs: Runs) -> list[tuple[Runs, RunRecord, Target | None]]:
+async def candidates(
+    runs: Runs, followed: list[str] | None = None
+) -> list[tuple[Runs, RunRecord, Target | None]]:
     """The jobs the collector has something to do with, each with its store and
     target (None when its target block is gone): every job not ended that no
     live process follows (the follow lock decides, never a flow run's state),
     and every ended job whose target still holds something for it (a pod not
-    deleted). Runs first, oldest first."""
+    deleted). Runs first, oldest first. Each job not ended that a live process
+    follows is said in `followed` (who, until when)."""
     logger = get_run_logger()
     found: list[tuple[Runs, RunRecord, Target | None]] = []
     targets: dict[str, Target | None] = {}
     for store in runs.stores():
         for record in store.list(skipped=lambda _name, _error: None):
-            if is_followed(store, record.id):
+            follower = followed_by(store, record.id)
+            if follower is not None:
+                if followed is not None and not record.state.ended:
+                    followed.append(
+                        f"{subject(record)} is followed by {follower}; the next collect takes "
+                        "it if that follower is gone"
+                    )
                 continue
             if record.target not in targets:
                 try:
@@ -124,20 +135,7 @@ async def collect_job(
         logger.info("%s: its flow run was just cancelled: left to its cancellation hook", name)
         return None
     try:
-        if record.job is None and not record.state.ended:
-            logger.info("%s never started its job and nobody prepares it: abandoning it", name)
-        elif not record.state.ended:
-            logger.info(
-                "%s is %s and nobody follows it: %s",
-                name,
-                record.state,
-                "its flow run was cancelled, so its job is cancelled"
-                if cancel
-                else "following its job to its end",
-            )
-        else:
-            logger.info("%s is %s, but its target still holds something: ending it", name, was)
-        finished = await _follow_for_its_flow_run(runs, store, record, logger, cancel, target)
+        finished = await _decided(runs, store, record, logger, cancel, target)
     except RunError as error:
         if "already followed" in str(error):
             return None
@@ -187,6 +185,49 @@ async def collect_job(
             "message": ended.message,
         }
     )
+
+
+async def _decided(
+    runs: Runs,
+    store: Runs,
+    record: RunRecord,
+    logger: Logger,
+    cancel: bool,
+    target: Target | None,
+) -> Finished:
+    """Brings the job `record` to its final state (`_follow_for_its_flow_run`),
+    saying first what it does. A record another process changed meanwhile (a
+    compare-and-swap lost: a pod's reaper recorded its delete, a write whose
+    answer was lost landed) is read again and decided again from what it says
+    now, up to CHANGE_ROUNDS times, as `update_record` does.
+
+    Raises what `_follow_for_its_flow_run` raises; RecordChanged when the
+    records kept changing for every round."""
+    name = subject(record)
+    for round_ in range(CHANGE_ROUNDS):
+        if record.job is None and not record.state.ended:
+            logger.info("%s never started its job and nobody prepares it: abandoning it", name)
+        elif not record.state.ended:
+            logger.info(
+                "%s is %s and nobody follows it: %s",
+                name,
+                record.state,
+                "its flow run was cancelled, so its job is cancelled"
+                if cancel
+                else "following its job to its end",
+            )
+        else:
+            logger.info(
+                "%s is %s, but its target still holds something: ending it", name, record.state
+            )
+        try:
+            return await _follow_for_its_flow_run(runs, store, record, logger, cancel, target)
+        except RecordChanged as changed:
+            if round_ + 1 == CHANGE_ROUNDS:
+                raise
+            logger.info("%s: %s; reading it again", name, changed)
+            record = store.load(record.id)
+    raise AssertionError("unreachable: the last round returns or raises")
 
 
 async def _follow_for_its_flow_run(
@@ -245,7 +286,8 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
     other job is done, the first unexpected error one of them met.
     """
     runs = await runs_at(runs_dir)
-    found = await candidates(runs)
+    followed: list[str] = []
+    found = await candidates(runs, followed)
     acting = ENDED_BY.set(COLLECTOR)  # the jobs' tasks below copy it: pods say who deleted them
     try:
         results = await asyncio.gather(
@@ -272,15 +314,16 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
         elif result is not None:
             rows.append(result)
     await acreate_markdown_artifact(
-        markdown=collected_markdown(rows, runs.where),
+        markdown=collected_markdown(rows, runs.where, followed),
         key=COLLECT_ARTIFACT,
         description="What the last collect did",
     )
     get_run_logger().info(
-        "collected %d run(s) in %s%s",
+        "collected %d run(s) in %s%s%s",
         len(rows),
         runs.where,
         "".join(f"; {r.run_id}: {r.action}, {r.state}" for r in rows),
+        "".join(f"; {line}" for line in followed),
     )
     if errors:
         raise errors[0]

@@ -10,8 +10,10 @@ when it dies (store/lease.py). Either says who holds it, for messages.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime
 
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import Busy
@@ -80,6 +82,32 @@ def _held(runs: Runs, key: str, what: str, flow_run_id: str | None) -> Iterator[
         except Busy as busy:
             raise RunBusy(what, busy.holder) from None
         yield
+
+
+def followed_by(runs: Runs, run_id: str) -> str | None:
+    """Who follows the run `run_id` now and until when its lock holds without
+    them (`F until T` for a lease, `F while it lives` for a lock its holder's
+    death drops), None when no live process does. Raises RecordIoError."""
+    key = runs.key(run_id, LOCK_FILE)
+    with store_errors(runs.store.where(key)):
+        holder = runs.store.holder(key)
+        if holder is None:
+            return None
+        found = None if runs.store.local_path(key) is not None else runs.store.read(key)
+    until = _expires(found.data) if found is not None else None
+    if until is None:
+        return f"{holder} while it lives"
+    return f"{holder} until {rfc3339(datetime.fromtimestamp(until, UTC))}"
+
+
+def _expires(data: bytes) -> float | None:
+    """When the lease `data` expires (Unix seconds), None when it does not say."""
+    try:
+        lease = json.loads(data)
+    except ValueError:
+        return None
+    expires = lease.get("expires") if isinstance(lease, dict) else None
+    return float(expires) if isinstance(expires, int | float) else None
 
 
 def is_followed(runs: Runs, run_id: str) -> bool:
