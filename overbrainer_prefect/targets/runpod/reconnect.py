@@ -47,7 +47,9 @@ async def reconnect(
             f"the client key of run {pod.run_id} ({key}) is gone, so its pod {pod.pod_id} cannot "
             f"be reached; {remove_hint(pod.run_id)}"
         )
-    pod.ssh = SshAddress(host=remote.ssh.host, port=remote.ssh.port, user=remote.ssh.username)
+    address = SshAddress(host=remote.ssh.host, port=remote.ssh.port, user=remote.ssh.username)
+    moved = pod.ssh != address  # pod.json is written only then: its follower may hold it too
+    pod.ssh = address
     workdir = pod.workdir or record.remote_dir.rsplit("/", 1)[0]
     executor = pod_executor(ctx, pod, workdir, f"{name}: pod {pod.pod_id}")
     try:
@@ -58,7 +60,8 @@ async def reconnect(
     write_ssh_config(
         ctx.runs, pod.run_id, remote.ssh.host, remote.ssh.port, remote.ssh.username, pod.host_key
     )
-    pod.save(ctx.runs)
+    if moved:
+        pod.save(ctx.runs)
     await _check_watchdog(ctx, pod, record, executor)
     return executor
 
