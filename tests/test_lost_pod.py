@@ -226,6 +226,7 @@ def test_a_pod_whose_host_stops_answering_is_deleted_and_with_max_restarts_0_the
     assert [r.id for r in runs.list()] == [run_id]
     record = runs.load(run_id)
     assert record.state == RunState.FAILED and "a lost host" in (record.message or ""), record
+    assert "Runpod's runtime of it stalled" in (record.message or ""), record  # its 2nd witness
     pod = PodRecord.load(runs, run_id)
     assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client", pod
     assert pod.host_lost is not None and pod.lost_step is not None and pod.lost_step >= kept_step
