@@ -689,3 +689,50 @@ def test_a_pod_whose_ssh_is_cut_on_this_side_while_runpod_shows_it_running_is_no
     said = [r.getMessage() for r in caplog.records if "this side's network" in r.getMessage()]
     assert said and "Runpod shows its container running on" in said[0], said
     assert f"pod {billed.id} is not deleted: its job is followed again" in said[0], said
+
+
+@pytest.mark.slow
+def test_every_pod_a_follower_follows_going_silent_at_once_deletes_none_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two pods followed by one process lose their hosts at the same moment
+    (Runpod's view of each stalls too): that is this side's network, so
+    neither is deleted and the follower says so; once they answer again,
+    both jobs are followed to their end."""
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},lost_host_s=6")
+    runs = [Runs(tmp_path / "runs-a"), Runs(tmp_path / "runs-b")]
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as sim_pods:
+        ready: list[PodRecord] = []
+        lock = threading.Lock()
+
+        def lose_both() -> None:
+            wait_for(lambda: len(ready) == 2, 60, "both jobs' first metric")
+            for pod in ready:
+                sim_pods.lose_host(sim.pod(pod.pod_id or ""))
+            wait_for(lambda: "went silent at once" in caplog.text, 120, "the follower to wait")
+            for pod in ready:
+                sim_pods.find_host(sim.pod(pod.pod_id or ""))
+
+        def first_metric(pod: PodRecord) -> None:
+            wait_for(lambda: metrics_written(sim_pods, pod), 30, "the job's first metric")
+            with lock:
+                ready.append(pod)
+
+        async def both() -> list[Outcome]:
+            place = pod_target(sim)
+            return list(
+                await asyncio.gather(
+                    *(train_on(place, r, progressing(20, 0.5), first_metric) for r in runs)
+                )
+            )
+
+        threading.Thread(target=lose_both, daemon=True).start()
+        with caplog.at_level(logging.WARNING):
+            outcomes = asyncio.run(both())
+        assert len(sim.pods(include_deleted=True)) == 2
+    assert [o.record.state for o in outcomes] == [RunState.SUCCEEDED] * 2, outcomes
+    for store in runs:
+        pod = the_pod(store)
+        assert pod.host_lost is None and pod.deleted_by == "client", pod
+    said = [r.getMessage() for r in caplog.records if "went silent at once" in r.getMessage()]
+    assert said and "every pod this process follows (2) went silent at once" in said[0], said
