@@ -41,6 +41,7 @@ from overbrainer_prefect.targets.runpod.context import PodContext
 from overbrainer_prefect.targets.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
 from overbrainer_prefect.targets.runpod.follow import Silence, runpod_agrees
 from overbrainer_prefect.targets.runpod.gpucheck import gpu_mismatch
+from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.targets.runpod.orphans import PodRow, orphan_warnings, pod_rows
 from overbrainer_prefect.targets.runpod.reaper import BY, REAPER_LOG
 from overbrainer_prefect.timestamps import rfc3339
@@ -736,3 +737,30 @@ def test_every_pod_a_follower_follows_going_silent_at_once_deletes_none_of_them(
         assert pod.host_lost is None and pod.deleted_by == "client", pod
     said = [r.getMessage() for r in caplog.records if "went silent at once" in r.getMessage()]
     assert said and "every pod this process follows (2) went silent at once" in said[0], said
+
+
+def test_a_followed_pod_reached_again_by_another_task_is_still_ended_by_its_follower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runs directory's follower reaches a pod again to cancel the job of
+    a suspended run while that job's own follow holds the pod: the follow
+    still records the pod's end (the second reach left pod.json as it was),
+    and its host key secret and client key go."""
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim):
+        place = pod_target(sim)
+
+        def reach_again(pod: PodRecord) -> None:
+            async def reach() -> None:
+                async with place.reach(runs, runs.load(pod.run_id)) as placed:
+                    assert placed is not None
+
+            asyncio.run(reach())
+
+        outcome = asyncio.run(train_on(place, runs, TRAINS, reach_again))
+        assert sim.secret_names() == []
+    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved, outcome.record
+    pod = the_pod(runs)
+    assert pod.state == PodState.DELETED and pod.secret_deleted, pod
+    assert not (runs.run_dir(pod.run_id) / SSH_DIR / CLIENT_KEY).exists()

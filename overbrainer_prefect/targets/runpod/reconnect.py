@@ -47,9 +47,7 @@ async def reconnect(
             f"the client key of run {pod.run_id} ({key}) is gone, so its pod {pod.pod_id} cannot "
             f"be reached; {remove_hint(pod.run_id)}"
         )
-    address = SshAddress(host=remote.ssh.host, port=remote.ssh.port, user=remote.ssh.username)
-    moved = pod.ssh != address  # pod.json is written only then: its follower may hold it too
-    pod.ssh = address
+    pod.ssh = SshAddress(host=remote.ssh.host, port=remote.ssh.port, user=remote.ssh.username)
     workdir = pod.workdir or record.remote_dir.rsplit("/", 1)[0]
     executor = pod_executor(ctx, pod, workdir, f"{name}: pod {pod.pod_id}")
     try:
@@ -60,8 +58,7 @@ async def reconnect(
     write_ssh_config(
         ctx.runs, pod.run_id, remote.ssh.host, remote.ssh.port, remote.ssh.username, pod.host_key
     )
-    if moved:
-        pod.save(ctx.runs)
+    pod.save(ctx.runs)
     await _check_watchdog(ctx, pod, record, executor)
     return executor
 
