@@ -820,11 +820,12 @@ class PodTarget(BlockTarget):
         async with self.account(home) as ctx:
             if (
                 record.state.ended
+                and current() is None
                 and _next_job_grace_passed(pod)
                 and _held_by_its_pipeline(pod, record)
             ):
-                # its watchdog deletes it at its next-job grace; a next job may have just
-                # started on it: only looked up here, never deleted
+                # outside its pipeline (a collect, an attach): its watchdog deletes it at its
+                # next-job grace, and a next job may have just started on it: only looked up
                 if await look_up_pod(ctx, pod, f"pod {pod.pod_id} of {subject(record)}") is None:
                     yield None
                     return
