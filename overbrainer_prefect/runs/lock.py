@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime
 
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import Busy, Held, LeaseLost
 from overbrainer_prefect.store.held import guarding
+from overbrainer_prefect.store.lease import LeaseStore, lease_until
 from overbrainer_prefect.store.records import store_errors
 from overbrainer_prefect.timestamps import rfc3339
 
@@ -98,6 +100,23 @@ def _held(runs: Runs, key: str, what: str, flow_run_id: str | None) -> Iterator[
         except Busy as busy:
             raise RunBusy(what, busy.holder) from None
         yield held
+
+
+def followed_by(runs: Runs, run_id: str) -> str | None:
+    """Who follows the run `run_id` now and until when its lock holds without
+    them (`F until T` for a lease, by the store's clock; `F while it lives`
+    for a lock its holder's death drops), None when no live process does.
+    Raises RecordIoError."""
+    key = runs.key(run_id, LOCK_FILE)
+    with store_errors(runs.store.where(key)):
+        holder = runs.store.holder(key)
+        if holder is None:
+            return None
+        store = runs.store
+        until = lease_until(store, key) if isinstance(store, LeaseStore) else None
+    if until is None:
+        return f"{holder} while it lives"
+    return f"{holder} until {rfc3339(datetime.fromtimestamp(until, UTC))}"
 
 
 def is_followed(runs: Runs, run_id: str) -> bool:

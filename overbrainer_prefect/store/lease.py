@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from overbrainer_prefect.store.base import (
     AlreadyExists,
@@ -85,6 +85,7 @@ class Dated:
     modified: float | None
 
 
+@runtime_checkable
 class LeaseStore(Protocol):
     """What a lease needs of its store: reads that carry the store's clock, and
     conditional writes that give up within a timeout of their own."""
@@ -141,6 +142,20 @@ def lease_holder(store: LeaseStore, key: str) -> str | None:
         return None
     lease = _parse(dated.found.data)
     return _holder(lease) if _live(lease, dated) else None
+
+
+def lease_until(store: LeaseStore, key: str) -> float | None:
+    """When the lease `key` lapses unless renewed (Unix seconds, by the
+    store's clock: its last write plus its TTL), None when nobody holds it.
+    Raises StoreError."""
+    dated = store.read_dated(key)
+    if dated.found is None or dated.modified is None:
+        return None
+    lease = _parse(dated.found.data)
+    if not _live(lease, dated):
+        return None
+    ttl = lease.get("ttl")
+    return dated.modified + (float(ttl) if isinstance(ttl, int | float) else TTL_S)
 
 
 class Lease:
