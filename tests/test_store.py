@@ -6,6 +6,7 @@ cannot be used refused at once, in one line."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -20,7 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from overbrainer_prefect.steps.direct import script_argv
+from overbrainer_prefect.executors.base import ExecError
+from overbrainer_prefect.executors.local import LocalExecutor
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.steps.direct import put_files, script_argv
 from overbrainer_prefect.store import (
     AlreadyExists,
     Busy,
@@ -323,3 +327,134 @@ def test_the_target_puts_a_file_of_many_parts_over_several_connections_reading_i
     assert failed.returncode == 2 and "gguf/model.gguf (part" in last, said
     assert "did not answer in time" in last
     assert "s3cr3t" not in said and "127.0.0.1" not in said
+
+
+def _uploads(s3: S3Server, bucket: str) -> list[str]:
+    """The keys of the multipart uploads begun and neither completed nor aborted."""
+    answer = s3.client().list_multipart_uploads(Bucket=bucket)
+    return [upload["Key"] for upload in answer.get("Uploads", [])]
+
+
+def test_a_put_in_parts_that_fails_is_aborted_and_leaves_no_part_billing(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of three parts changed on the target after it was listed: its
+    put is refused (what was sent is not what was listed) and its upload
+    aborted, so none of its parts stays in the bucket; an upload a dead
+    process began for the same file is aborted when it is put again."""
+    monkeypatch.setenv(PART_ENV, "5")
+    bucket = s3.bucket()
+    runs = Runs(s3.bucket_url(bucket=bucket))
+    executor = LocalExecutor(tmp_path / "target", name="box")
+    remote = tmp_path / "target" / "r1"
+    (remote / "gguf").mkdir(parents=True)
+    (remote / "gguf" / "model.gguf").write_bytes(os.urandom(11 << 20))
+    manifest = asyncio.run(executor.manifest(str(remote), ["gguf"]))
+    (remote / "gguf" / "model.gguf").write_bytes(os.urandom(11 << 20))  # changed since
+    with pytest.raises(ExecError, match="changed on the target after it was listed"):
+        asyncio.run(put_files(executor, sys.executable, runs, "r1", str(remote), manifest))
+    assert _uploads(s3, bucket) == []
+
+    key = runs.store.full(runs.key("r1", "gguf/model.gguf"))  # type: ignore[attr-defined]
+    s3.client().create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256")
+    manifest = asyncio.run(executor.manifest(str(remote), ["gguf"]))
+    asyncio.run(put_files(executor, sys.executable, runs, "r1", str(remote), manifest))
+    assert _uploads(s3, bucket) == []
+
+
+class ForgetfulFront:
+    """An HTTP front of the S3 server for a complete whose answer is lost:
+    it passes every request on, but answers the first complete of each
+    upload only after `late_s` (past the client's read timeout: the client
+    tries again), and a complete of an upload completed before with
+    `404 NoSuchUpload`, as MinIO and R2 do (moto and AWS answer it again)."""
+
+    def __init__(self, backend: str, late_s: float) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlsplit
+
+        completed: set[str] = set()
+        port = int(backend.rsplit(":", 1)[1])
+
+        class Handler(BaseHTTPRequestHandler):
+            def _pass(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                upload = parse_qs(urlsplit(self.path).query).get("uploadId", [""])[0]
+                if self.command == "POST" and upload in completed:
+                    error = b"<Error><Code>NoSuchUpload</Code></Error>"
+                    self.send_response(404)
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                server = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                server.request(self.command, self.path, body, dict(self.headers))
+                answer = server.getresponse()
+                data = answer.read()
+                if self.command == "POST" and upload and answer.status == 200:
+                    completed.add(upload)
+                    time.sleep(late_s)  # the client gave up on this answer
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("content-length", "connection", "transfer-encoding"):
+                        self.send_header(name, value)
+                length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                server.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        """`http://127.0.0.1:PORT`."""
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        """Stops serving."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_complete_tried_again_after_its_answer_was_lost_is_recognised(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store completes a put in parts, but its answer comes too late (the
+    client's read timeout, 1 s here): the complete is tried again, and the
+    store, which no longer knows the upload, answers NoSuchUpload. The retry
+    finds the very file its parts make: the put counts, never "no such
+    bucket"."""
+    monkeypatch.setenv(PART_ENV, "5")
+    monkeypatch.setenv(READ_TIMEOUT_ENV, "1")
+    monkeypatch.setenv(OUTAGE_ENV, "20")
+    bucket = s3.bucket()
+    front = ForgetfulFront(s3.endpoint, late_s=2.0)
+    try:
+        store = _s3(f"s3://{bucket}/runs?endpoint_url={front.endpoint}")
+        data = os.urandom(11 << 20)
+        digests = [
+            hashlib.sha256(data[i : i + (5 << 20)]).hexdigest()
+            for i in range(0, len(data), 5 << 20)
+        ]
+        signed = store.sign_put("r1/gguf/model.gguf", len(data), digests)
+        etags = []
+        with httpx.Client() as http:
+            for part in signed.parts:
+                body = data[part.offset : part.offset + part.length]
+                answer = http.put(part.url, content=body, headers=dict(part.headers))
+                assert answer.status_code == 200
+                etags.append(answer.headers["etag"])
+        store.complete(signed, etags, digests)
+        info = store.head("r1/gguf/model.gguf")
+        assert info is not None and info.sha256 == expected_checksum(digests)
+    finally:
+        front.close()

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest
+from overbrainer_prefect.runs.checkpoints import KeptFile
 from overbrainer_prefect.runs.store import Runs
-from overbrainer_prefect.store import SignedPut, StoreError
+from overbrainer_prefect.store import SignedPut, Store, StoreError
 from overbrainer_prefect.store.base import part_length
 from overbrainer_prefect.store.digest import expected_checksum
 from overbrainer_prefect.store.s3 import SLOWEST_BPS
@@ -79,16 +80,18 @@ async def put_files(
     record_id: str,
     remote: str,
     manifest: Sequence[FileDigest],
-    held: Mapping[str, Sequence[str]] | None = None,
+    held: Mapping[str, KeptFile] | None = None,
 ) -> dict[str, list[str]]:
     """Has the target put the files of `manifest` (relative to its run
     directory `remote`) into the store of `runs`, under the record
     `record_id`, then checks that the store holds every one of them, whole.
     A file the store already holds with the same SHA-256 (a retrieval tried
     again) is not put again, nor one of several parts that `held` says was
-    put before with the same parts (by path: their SHA-256s, e.g. a
-    checkpoint kept while the job trained). Returns the SHA-256 of each
-    file's parts as the store holds it, by path.
+    put before (by path, e.g. a checkpoint kept while the job trained) as
+    the very file the manifest lists (its size and whole SHA-256), its parts'
+    SHA-256s the store's. A put in parts that does not complete is aborted
+    (none of its parts stays billing). Returns the SHA-256 of each file's
+    parts as the store holds it, by path.
 
     Raises ExecError when the target cannot put them, the store does not
     answer, or a file the store holds is not the manifest's.
@@ -99,9 +102,11 @@ async def put_files(
     parts: dict[str, list[str]] = {entry.path: [entry.sha256] for entry in manifest}
     for entry in manifest:
         info = await _store(store.head, runs.key(record_id, entry.path))
-        before = list(held.get(entry.path, ()))
-        if entry.size > store.part_size and before:
-            parts[entry.path] = before  # what the store reports for it, if it holds it
+        kept = held.get(entry.path)
+        if entry.size > store.part_size and kept is not None and kept.digest() == entry:
+            # put before as this very file (its size and whole SHA-256, hashed in the same
+            # read as its parts): the store holds it when it holds those parts
+            parts[entry.path] = list(kept.parts)
         if not (
             info and info.size == entry.size and info.sha256 == expected_checksum(parts[entry.path])
         ):
@@ -127,43 +132,18 @@ async def put_files(
                 await _run(executor, argv, json.dumps(big).encode(), timeout)
             )
     signed: list[SignedPut] = []
-    for entry in todo:
-        key = runs.key(record_id, entry.path)
-        digests = signed_digests.get(entry.path)
-        signed.append(await _store(store.sign_put, key, entry.size, digests))
-    if signed:
-        plan = {
-            "deadline_s": timeout,
-            "files": [
-                {
-                    "path": entry.path,
-                    "parts": [
-                        {
-                            "url": part.url,
-                            "headers": dict(part.headers),
-                            "offset": part.offset,
-                            "length": part.length,
-                        }
-                        for part in put.parts
-                    ],
-                }
-                for entry, put in zip(todo, signed, strict=True)
-            ],
-        }
-        output = await _run(
-            executor, script_argv(python, "put", remote), json.dumps(plan).encode(), timeout
-        )
-        sent = json.loads(output)
-        for entry, put in zip(todo, signed, strict=True):
-            got = sent[entry.path]
-            if got["sha256"] != entry.sha256:  # what was sent is not what was listed
-                raise ExecError(
-                    "verify",
-                    f"{entry.path} changed on the target after it was listed "
-                    f"({entry.sha256[:12]}... then {got['sha256'][:12]}...)",
-                )
-            parts[entry.path] = list(got["parts"])
-            await _store(store.complete, put, got["etags"], parts[entry.path])
+    completed: list[SignedPut] = []
+    try:
+        for entry in todo:
+            key = runs.key(record_id, entry.path)
+            digests = signed_digests.get(entry.path)
+            signed.append(await _store(store.sign_put, key, entry.size, digests))
+        if signed:
+            await _put_signed(executor, python, store, remote, todo, signed, parts, completed)
+    finally:  # a put in parts begun and not completed: its parts would bill for ever
+        for put in signed:
+            if put not in completed:
+                await asyncio.to_thread(store.abort, put)
     for entry in manifest:
         info = await _store(store.head, runs.key(record_id, entry.path))
         want = expected_checksum(parts[entry.path])
@@ -175,6 +155,56 @@ async def put_files(
                 f"{entry.size} bytes ({entry.sha256[:12]}...)",
             )
     return parts
+
+
+async def _put_signed(
+    executor: Executor,
+    python: str,
+    store: Store,
+    remote: str,
+    todo: Sequence[FileDigest],
+    signed: Sequence[SignedPut],
+    parts: dict[str, list[str]],
+    completed: list[SignedPut],
+) -> None:
+    """Has the target put the files `todo` by their `signed` requests, then
+    completes each whose bytes sent are the listed ones, in order: its parts'
+    SHA-256 into `parts`, itself into `completed`. Raises ExecError when the
+    target cannot put them or a file changed, or what the store raises."""
+    timeout = max(MIN_PUT_S, sum(entry.size for entry in todo) / SLOWEST_BPS)
+    plan = {
+        "deadline_s": timeout,
+        "files": [
+            {
+                "path": entry.path,
+                "parts": [
+                    {
+                        "url": part.url,
+                        "headers": dict(part.headers),
+                        "offset": part.offset,
+                        "length": part.length,
+                    }
+                    for part in put.parts
+                ],
+            }
+            for entry, put in zip(todo, signed, strict=True)
+        ],
+    }
+    output = await _run(
+        executor, script_argv(python, "put", remote), json.dumps(plan).encode(), timeout
+    )
+    sent = json.loads(output)
+    for entry, put in zip(todo, signed, strict=True):
+        got = sent[entry.path]
+        if got["sha256"] != entry.sha256:  # what was sent is not what was listed
+            raise ExecError(
+                "verify",
+                f"{entry.path} changed on the target after it was listed "
+                f"({entry.sha256[:12]}... then {got['sha256'][:12]}...)",
+            )
+        parts[entry.path] = list(got["parts"])
+        await _store(store.complete, put, got["etags"], parts[entry.path])
+        completed.append(put)
 
 
 def fetch_command(python: str, remote: str) -> list[str]:

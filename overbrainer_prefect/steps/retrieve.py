@@ -69,7 +69,7 @@ async def retrieve(
     )
     kept = (await asyncio.to_thread(load_kept, runs, record_id)).in_store()
     if runs.store.direct:
-        held = {f.path: f.parts for point in kept.checkpoints for f in point.files if f.parts}
+        held = {f.path: f for point in kept.checkpoints for f in point.files if f.parts}
         await put_files(executor, python, runs, record_id, remote, manifest, held)
     else:
         local = runs.run_dir(record_id)

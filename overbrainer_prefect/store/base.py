@@ -211,6 +211,13 @@ class Store(Protocol):
         SHA-256s, in order); nothing for a single-part one."""
         ...
 
+    def abort(self, signed: SignedPut) -> None:
+        """Gives up a multipart put that will not be completed, so that none
+        of its parts stays in the store (they bill); nothing for a
+        single-part one. Never raises: a put it cannot abort is aborted by the
+        next put of its key."""
+        ...
+
     def sign_get(self, key: str) -> str:
         """A URL that gets `key` for a short while. Raises StoreError on a store
         that is not `direct`."""

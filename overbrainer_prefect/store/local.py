@@ -267,6 +267,9 @@ class LocalStore:
         """Refused, as `sign_put`."""
         raise StoreError(f"{self.url} is a local directory: no target puts files there itself")
 
+    def abort(self, signed: SignedPut) -> None:
+        """Nothing: no target puts files in a local directory itself."""
+
     def sign_get(self, key: str) -> str:
         """Refused: a local store's files pass through this machine."""
         raise StoreError(f"{self.url} is a local directory: no target gets files there itself")

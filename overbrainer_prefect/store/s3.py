@@ -43,7 +43,7 @@ from overbrainer_prefect.store.base import (
     parts_of,
 )
 from overbrainer_prefect.store.check import check_s3
-from overbrainer_prefect.store.digest import b64_sha256, hex_sha256
+from overbrainer_prefect.store.digest import b64_sha256, expected_checksum, hex_sha256
 from overbrainer_prefect.store.lease import Lease, lease_holder
 
 if TYPE_CHECKING:
@@ -98,6 +98,7 @@ _REFUSED = {
     "403": "access denied: check the credentials and the bucket's policy",
     "ExpiredToken": "its session token expired: renew the credentials",
     "InvalidToken": "its session token is not valid: check the credentials",
+    "NoSuchUpload": "it no longer knows that put in parts (aborted, or expired): put it again",
     "NoSuchBucket": "there is no such bucket: create it, or fix the runs directory's URL",
     "404": "there is no such bucket: create it, or fix the runs directory's URL",
     "InvalidBucketName": "the bucket name is not valid: fix the runs directory's URL",
@@ -513,6 +514,7 @@ class S3Store:
                     ExpiresIn=expires,
                 )
                 return SignedPut(key, [SignedPart(url, headers, 0, size)])
+            self._abort_earlier(key)
             upload = self._call(
                 f"start a multipart put of {key}",
                 lambda: self.client.create_multipart_upload(
@@ -539,8 +541,68 @@ class S3Store:
             parts.append(SignedPart(url, headers, offset, length))
         return SignedPut(key, parts, upload["UploadId"])
 
+    def _abort_earlier(self, key: str) -> None:
+        """Aborts the multipart puts of `key` begun before and never completed
+        nor aborted (a process that died while it put the file): their parts
+        bill until then. Raises StoreRefused when the store refuses to list them."""
+        full = self.full(key)
+        try:
+            answer = self._call(
+                f"list the unfinished puts of {key}",
+                lambda: self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=full),
+            )
+        except botocore.exceptions.ClientError as error:
+            raise self.refused(error, f"list the unfinished puts of {key}") from None
+        for upload in answer.get("Uploads", []):
+            if upload.get("Key") == full and upload.get("UploadId"):
+                self.abort(SignedPut(key, [], upload["UploadId"]))
+
+    def abort(self, signed: SignedPut) -> None:
+        """Aborts a multipart put that will not be completed (its parts bill
+        until then); nothing for a single-part one. One try, never raises: a
+        put it cannot abort is aborted by the next put of its key."""
+        if signed.upload_id is None:
+            return
+        upload_id = signed.upload_id
+        try:
+            self.client.abort_multipart_upload(
+                Bucket=self.bucket, Key=self.full(signed.key), UploadId=upload_id
+            )
+        except botocore.exceptions.ClientError as error:
+            if _failure(error).code in ("NoSuchUpload", "404"):
+                return  # completed, or aborted already
+            log.warning(
+                "cannot abort the unfinished put of %s (%s): its parts stay in the store "
+                "until the next put of that file aborts it",
+                self.where(signed.key),
+                _failure(error).code or _failure(error).status,
+            )
+        except botocore.exceptions.BotoCoreError as error:
+            log.warning(
+                "cannot abort the unfinished put of %s (%s): its parts stay in the store "
+                "until the next put of that file aborts it",
+                self.where(signed.key),
+                type(error).__name__,
+            )
+
+    def _landed(self, signed: SignedPut, part_sha256: Sequence[str]) -> bool:
+        """Whether the store holds at `signed.key` the very file its parts
+        make (their size, their composite SHA-256): a complete whose answer was
+        lost, tried again on a store that forgets a completed upload."""
+        info = self.head(signed.key)
+        size = sum(part.length for part in signed.parts)
+        return (
+            info is not None
+            and info.size == size
+            and info.sha256 == expected_checksum(list(part_sha256))
+        )
+
     def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:
-        """Completes a multipart put with its parts' ETags and SHA-256s."""
+        """Completes a multipart put with its parts' ETags and SHA-256s. A
+        complete tried again after its answer was lost, on a store that no
+        longer knows the upload, is recognised by the file it made. Raises
+        StoreRefused when the store refuses it, or no longer knows an upload
+        that did not land (aborted, or expired)."""
         if signed.upload_id is None:
             return
         parts = [
@@ -560,7 +622,15 @@ class S3Store:
                 ),
             )
         except botocore.exceptions.ClientError as error:
-            raise self.refused(error, f"complete the put of {signed.key}") from None
+            if _failure(error).code not in ("NoSuchUpload", "404"):
+                raise self.refused(error, f"complete the put of {signed.key}") from None
+            if self._landed(signed, part_sha256):
+                return  # this very put, completed by a try whose answer was lost
+            raise StoreRefused(
+                f"the store {self.url} no longer knows the put of {signed.key} in parts "
+                "(it was aborted, or expired): put the file again (the retrieval that put "
+                "it, or attach, tries again)"
+            ) from None
 
     def sign_get(self, key: str) -> str:
         """A presigned GET of `key`, valid SIGNED_MIN_S seconds at least."""
