@@ -458,3 +458,30 @@ def test_a_complete_tried_again_after_its_answer_was_lost_is_recognised(
         assert info is not None and info.sha256 == expected_checksum(digests)
     finally:
         front.close()
+
+
+def test_a_store_that_does_not_answer_at_the_first_contact_is_refused_within_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At a flow's start, nothing listening at the endpoint, or a listener
+    that never answers, is refused in one line within seconds (the outage
+    bound, minutes, is for a store that stops answering mid-run)."""
+    import socket
+
+    monkeypatch.delenv(OUTAGE_ENV, raising=False)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections are taken, never answered
+    try:
+        for endpoint in (
+            f"http://127.0.0.1:{free_port()}",
+            f"http://127.0.0.1:{silent.getsockname()[1]}",
+        ):
+            began = time.monotonic()
+            with pytest.raises(StoreUnreachable) as unreachable:
+                check_s3(_s3(f"s3://runs-y/p?endpoint_url={endpoint}"))
+            said = str(unreachable.value)
+            assert time.monotonic() - began < 20, said
+            assert "did not answer" in said and endpoint in said and "\n" not in said
+    finally:
+        silent.close()

@@ -25,7 +25,10 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 import boto3
 import botocore.exceptions
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config
+from botocore.httpsession import URLLib3Session
+from botocore.utils import get_environ_proxies
 
 from overbrainer_prefect.store.base import (
     AlreadyExists,
@@ -80,6 +83,13 @@ CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0
 READ_TIMEOUT_ENV = "OVERBRAINER_STORE_READ_TIMEOUT_S"
 """How long a request waits for the store's answer before it is tried again."""
+
+PROBE_S = 5.0
+"""How long the first contact with a store waits for it to answer at all
+before the flow is refused: a store that is not there when a flow starts is
+a wrong URL or network, not an outage to wait out (OUTAGE_S is for those)."""
+PROBE_CONNECT_S = 2.0  # a try of the first contact: its connect ...
+PROBE_READ_S = 4.0  # ... and its wait for any answer
 
 ChecksumMode = Literal["checked", "computed"]
 """How the store knows a put's SHA-256: `checked`, it refuses a part whose
@@ -257,6 +267,47 @@ class S3Store:
             log.warning("the store %s did not answer (%s: %s); again", self.url, what, reason)
             time.sleep(pause * (0.5 + random.random() / 2))
             pause = min(pause * 2, BACKOFF_MAX_S)
+
+    def probe(self) -> None:
+        """The first contact with the store: one unsigned HEAD of its bucket
+        at its endpoint (through the same proxies), whose any answer, even a
+        refusal, means it is there; a connection refused is tried again for
+        at most PROBE_S seconds, a listener that does not answer is not.
+        Raises StoreUnreachable with one line when nothing answers (nothing
+        listens, or a listener that never answers): within seconds, where a
+        store that stops answering mid-run is waited for `outage_s`."""
+        endpoint = self.client.meta.endpoint_url
+        url = f"{endpoint.rstrip('/')}/{self.bucket}"
+        configured = self.client.meta.config.proxies  # type: ignore[attr-defined]  # not in the stubs
+        session = URLLib3Session(
+            proxies=configured or get_environ_proxies(url),
+            timeout=(PROBE_CONNECT_S, PROBE_READ_S),  # type: ignore[arg-type]  # (connect, read)
+        )
+        deadline = time.monotonic() + PROBE_S
+        try:
+            while True:
+                try:
+                    session.send(AWSRequest(method="HEAD", url=url).prepare())
+                    return
+                except botocore.exceptions.SSLError:
+                    return  # something answers: the real calls say what is wrong with it
+                except (
+                    botocore.exceptions.ConnectionError,
+                    botocore.exceptions.HTTPClientError,
+                ) as error:
+                    reason = type(error).__name__
+                    waited = isinstance(error, botocore.exceptions.ReadTimeoutError)
+                if waited or time.monotonic() + BACKOFF_FIRST_S > deadline:
+                    raise StoreUnreachable(
+                        f"the store {self.url} did not answer at {endpoint} within "
+                        f"{PROBE_S:g} s ({reason}): "
+                        "check its endpoint (the runs directory's ?endpoint_url=, "
+                        "AWS_ENDPOINT_URL), that it runs, and this machine's network; "
+                        "nothing was made"
+                    )
+                time.sleep(BACKOFF_FIRST_S)
+        finally:
+            session.close()
 
     def refused(self, error: botocore.exceptions.ClientError, what: str) -> StoreRefused:
         """The one-line refusal of a client error (its code and status, never its body)."""
