@@ -22,10 +22,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from overbrainer_prefect.executors.base import CommandResult
+from overbrainer_prefect.executors.base import CommandResult, ExecError, FileDigest
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.manifest import sha256_file
 from overbrainer_prefect.runs.checkpoints import CHECKPOINTS_FILE, last_kept, load_kept
@@ -447,3 +448,58 @@ def test_a_kept_file_of_several_parts_that_changed_since_is_not_verified_by_its_
     back = tmp_path / "back.pt"
     runs.store.get_file(runs.key(record.id, big.path), back)
     assert sha256_file(back) == (listed.size, listed.sha256)  # the target's bytes, verified
+
+
+class WrittenAfterListing(LocalExecutor):
+    """The real local target, on which `path` is written again just after
+    each manifest is taken (as a job still writing would): what is
+    downloaded then is not what was listed."""
+
+    def __init__(self, workdir: Path, path: Path) -> None:
+        super().__init__(workdir, name="box")
+        self.path = path
+
+    async def manifest(self, *args: Any, **kwargs: Any) -> list[FileDigest]:
+        listed = await super().manifest(*args, **kwargs)
+        self.path.write_bytes(os.urandom(1000))
+        return listed
+
+
+def test_a_kept_checkpoint_in_a_local_store_is_replaced_only_by_a_verified_copy(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint kept in a local runs directory, then changed on the
+    target: a final retrieval whose new copy does not verify fails and
+    leaves the kept checkpoint as it was kept; one that verifies replaces
+    it, and checkpoints.json then lists the new files."""
+    runs = Runs(tmp_path / "runs")
+    plain = LocalExecutor(tmp_path / "target", name="box")
+    record = start_step.create(runs, target="box", target_kind="local", workdir=plain.workdir)
+    remote = Path(record.remote_dir)
+    path = saved_on_target(remote, 2, os.urandom(3000))
+    asyncio.run(keep(plain, sys.executable, runs, record.id, record.remote_dir, path, 2))
+    local = runs.run_dir(record.id)
+    kept = load_kept(runs, record.id).checkpoints[0]
+    saved_on_target(remote, 2, os.urandom(3000))  # saved again over it
+    trainer = CheckpointingShell("true")
+    racing = WrittenAfterListing(tmp_path / "target", remote / path / "optimizer.pt")
+    with pytest.raises(ExecError, match="differs from the target"):
+        asyncio.run(retrieve(racing, sys.executable, trainer, runs, record.id, str(remote), True))
+    for file in kept.files:
+        assert sha256_file(local / file.path) == (file.size, file.sha256), file.path
+    assert sorted(p.name for p in local.iterdir() if p.name.startswith(".")) == []
+
+    manifest, _ = asyncio.run(
+        retrieve(plain, sys.executable, trainer, runs, record.id, str(remote), True)
+    )
+    listed = {f.path: f for f in manifest}
+    (point,) = load_kept(runs, record.id).checkpoints
+    for file in point.files:
+        assert (
+            sha256_file(local / file.path)
+            == (file.size, file.sha256)
+            == (
+                listed[file.path].size,
+                listed[file.path].sha256,
+            )
+        )
