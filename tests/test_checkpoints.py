@@ -448,6 +448,11 @@ def test_a_kept_file_of_several_parts_that_changed_since_is_not_verified_by_its_
     back = tmp_path / "back.pt"
     runs.store.get_file(runs.key(record.id, big.path), back)
     assert sha256_file(back) == (listed.size, listed.sha256)  # the target's bytes, verified
+    (point,) = load_kept(runs, record.id).checkpoints  # recorded as the store now holds it
+    now = next(f for f in point.files if f.path == big.path)
+    assert (now.size, now.sha256) == (listed.size, listed.sha256) and len(now.parts) == 2
+    info = runs.store.head(runs.key(record.id, big.path))
+    assert info is not None and info.sha256 == expected_checksum(now.parts)
 
 
 class WrittenAfterListing(LocalExecutor):

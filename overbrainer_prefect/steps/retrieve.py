@@ -9,7 +9,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from overbrainer_prefect.executors.base import (
@@ -76,7 +76,10 @@ async def retrieve(
     kept = (await asyncio.to_thread(load_kept, runs, record_id)).in_store()
     if runs.store.direct:
         held = {f.path: f for point in kept.checkpoints for f in point.files if f.parts}
-        await put_files(executor, python, runs, record_id, remote, manifest, held)
+        parts = await put_files(executor, python, runs, record_id, remote, manifest, held)
+        _, _, changed = sorted_against(kept, manifest)
+        if changed:
+            await asyncio.to_thread(_record_changed, runs, record_id, changed, manifest, parts)
     else:
         local = runs.run_dir(record_id)
         same, gone, changed = sorted_against(kept, manifest)
@@ -127,16 +130,27 @@ async def _replace_verified(
 
 
 def _record_changed(
-    runs: Runs, record_id: str, changed: Sequence[str], manifest: Sequence[FileDigest]
+    runs: Runs,
+    record_id: str,
+    changed: Sequence[str],
+    manifest: Sequence[FileDigest],
+    parts: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
     """Records the kept checkpoints `changed`, replaced by verified copies,
-    with their files as `manifest` lists them. Raises ExecError when
+    with their files as `manifest` lists them (and the SHA-256 of each part
+    an object store holds them in, `parts`). Raises ExecError when
     `checkpoints.json` cannot be written."""
+    parts = parts or {}
     kept = load_kept(runs, record_id)
     for point in kept.checkpoints:
         if point.volume is None and point.path in changed:
             point.files = [
-                KeptFile(path=f.path, size=f.size, sha256=f.sha256)
+                KeptFile(
+                    path=f.path,
+                    size=f.size,
+                    sha256=f.sha256,
+                    parts=list(parts.get(f.path, [])) if len(parts.get(f.path, [])) > 1 else [],
+                )
                 for f in manifest
                 if f.path.startswith(f"{point.path}/")
             ]
