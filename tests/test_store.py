@@ -15,16 +15,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
 
-from overbrainer_prefect.executors.base import ExecError
+from overbrainer_prefect.executors.base import CommandResult, ExecError
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.runs.store import Runs
-from overbrainer_prefect.steps.direct import put_files, script_argv
+from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import RunContext
+from overbrainer_prefect.steps.direct import REACH_ENV, put_files, script_argv
 from overbrainer_prefect.store import (
     AlreadyExists,
     Busy,
@@ -43,6 +45,7 @@ from overbrainer_prefect.store.lease import TTL_ENV
 from overbrainer_prefect.store.s3 import OUTAGE_ENV, PART_ENV, READ_TIMEOUT_ENV
 from tests.ports import free_port
 from tests.s3server import S3Server
+from tests.shelljobs import ShellTrainer
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -362,23 +365,30 @@ def test_a_put_in_parts_that_fails_is_aborted_and_leaves_no_part_billing(
     assert _uploads(s3, bucket) == []
 
 
-class ForgetfulFront:
-    """An HTTP front of the S3 server for a complete whose answer is lost:
+class StoreFront:
+    """An HTTP front of the S3 server, for faults moto alone does not make:
     it passes every request on, but answers the first complete of each
     upload only after `late_s` (past the client's read timeout: the client
-    tries again), and a complete of an upload completed before with
-    `404 NoSuchUpload`, as MinIO and R2 do (moto and AWS answer it again)."""
+    tries again, its first answer lost), and a complete of an upload
+    completed before with `404 NoSuchUpload`, as MinIO and R2 do (moto and
+    AWS answer it again). While `blocked`, it drops every connection
+    unanswered (a network that does not reach the store)."""
 
-    def __init__(self, backend: str, late_s: float) -> None:
+    def __init__(self, backend: str, late_s: float = 0.0) -> None:
         import http.client
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         from urllib.parse import parse_qs, urlsplit
 
         completed: set[str] = set()
         port = int(backend.rsplit(":", 1)[1])
+        self.blocked = False
+        front = self
 
         class Handler(BaseHTTPRequestHandler):
             def _pass(self) -> None:
+                if front.blocked:
+                    self.close_connection = True
+                    return
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 upload = parse_qs(urlsplit(self.path).query).get("uploadId", [""])[0]
                 if self.command == "POST" and upload in completed:
@@ -437,7 +447,7 @@ def test_a_complete_tried_again_after_its_answer_was_lost_is_recognised(
     monkeypatch.setenv(READ_TIMEOUT_ENV, "1")
     monkeypatch.setenv(OUTAGE_ENV, "20")
     bucket = s3.bucket()
-    front = ForgetfulFront(s3.endpoint, late_s=2.0)
+    front = StoreFront(s3.endpoint, late_s=2.0)
     try:
         store = _s3(f"s3://{bucket}/runs?endpoint_url={front.endpoint}")
         data = os.urandom(11 << 20)
@@ -485,3 +495,55 @@ def test_a_store_that_does_not_answer_at_the_first_contact_is_refused_within_sec
             assert "did not answer" in said and endpoint in said and "\n" not in said
     finally:
         silent.close()
+
+
+class BlockedFromStore(LocalExecutor):
+    """The real local target, which does not reach the store while it runs
+    the file-moving script's `reach` (its network to the store blocked)."""
+
+    def __init__(self, workdir: Path, front: StoreFront) -> None:
+        super().__init__(workdir, name="box")
+        self.front = front
+
+    async def run(
+        self, argv: Sequence[str], timeout: float = 60.0, stdin: bytes | None = None
+    ) -> CommandResult:
+        reach = len(argv) > 3 and argv[3] == "reach"
+        self.front.blocked = reach
+        try:
+            return await super().run(argv, timeout, stdin)
+        finally:
+            self.front.blocked = False
+
+
+def test_a_target_that_cannot_reach_the_store_is_refused_in_one_line_before_its_job_starts(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker reaches the store, the target does not: the start asks the
+    target to get one byte by a signed URL, and refuses the run in one line
+    naming the store (never the URL) before anything is uploaded or
+    spawned; the record says why. A target that reaches it starts its job."""
+    monkeypatch.setenv(REACH_ENV, "2")
+    front = StoreFront(s3.endpoint)
+    try:
+        runs = Runs(f"s3://{s3.bucket()}/runs?endpoint_url={front.endpoint}")
+        target = BlockedFromStore(tmp_path / "target", front)
+        ctx = RunContext(runs=runs, executor=target, python=sys.executable)
+        record = start_step.create(runs, target="box", target_kind="local", workdir=target.workdir)
+        with pytest.raises(ExecError) as refused:
+            asyncio.run(start_step.start(ctx, ShellTrainer("true"), record))
+        said = str(refused.value)
+        assert "the target cannot reach s3://" in said and "\n" not in said, said
+        assert "X-Amz" not in said and front.endpoint not in said
+        assert not Path(record.remote_dir).exists()  # nothing uploaded, nothing spawned
+        failed = runs.load(record.id)
+        assert failed.state == RunState.FAILED and failed.job is None
+        assert "cannot reach" in (failed.message or "")
+
+        plain = LocalExecutor(tmp_path / "target", name="box")
+        ctx = RunContext(runs=runs, executor=plain, python=sys.executable)
+        record = start_step.create(runs, target="box", target_kind="local", workdir=plain.workdir)
+        started = asyncio.run(start_step.start(ctx, ShellTrainer("true"), record))
+        assert started.state == RunState.RUNNING and started.job is not None
+    finally:
+        front.close()

@@ -16,6 +16,9 @@ log line or a message.
                           stdout: {"path": {"etags": [<each part's ETag>], "parts":
                           [<each part's SHA-256>], "sha256": <the file's>}}, the
                           digests of the bytes sent, hashed as they were read
+    reach DIR             stdin: {"url", "deadline_s": N}: one byte of an object
+                          the store holds, got by its URL: whether this machine
+                          reaches the store (exit 2 with one line when not)
     get DIR [--plan-env NAME]
                           {"files": [{"path", "url", "size", "sha256"}], "deadline_s": N}
                           each file fetched beside its place, checked (size and
@@ -180,11 +183,13 @@ class _Sender:
         return str(_retried(what, deadline, attempt))
 
 
-def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
+def _connection(
+    url: str, timeout: float = REQUEST_TIMEOUT_S
+) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     target = parts.path + (f"?{parts.query}" if parts.query else "")
-    return kind(parts.netloc, timeout=REQUEST_TIMEOUT_S, blocksize=BLOCK), target
+    return kind(parts.netloc, timeout=timeout, blocksize=BLOCK), target
 
 
 def _retried(what: str, deadline: float, attempt):  # type: ignore[no-untyped-def]
@@ -411,9 +416,32 @@ def get(root: str, plan: dict) -> None:  # type: ignore[type-arg]
         os.replace(partial, target_path)
 
 
+def reach(plan: dict) -> None:  # type: ignore[type-arg]
+    """Gets the first byte of the object `plan["url"]` names: this machine
+    reaches the store, and the store takes its URLs. Raises Failed when the
+    store does not answer before the plan's deadline, or refuses the URL."""
+    limit = float(plan.get("deadline_s", 30))
+    deadline = time.monotonic() + limit
+    what = "reach the store from this machine"
+
+    def attempt() -> None:
+        connection, target = _connection(plan["url"], min(REQUEST_TIMEOUT_S, limit / 2))
+        try:
+            connection.request("GET", target, headers={"Range": "bytes=0-0"})
+            response = connection.getresponse()
+            _answer(response, what)
+            response.read()
+        except (OSError, http.client.HTTPException) as error:
+            raise Retry(type(error).__name__) from None
+        finally:
+            connection.close()
+
+    _retried(what, deadline, attempt)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("parts", "put", "get"):
-        print("usage: overbrainer_store.py parts|put|get DIR [...]", file=sys.stderr)
+    if len(argv) < 2 or argv[0] not in ("parts", "put", "reach", "get"):
+        print("usage: overbrainer_store.py parts|put|reach|get DIR [...]", file=sys.stderr)
         return 2
     command, root = argv[0], argv[1]
     try:
@@ -421,6 +449,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps(parts(root, json.load(sys.stdin))))
         elif command == "put":
             print(json.dumps(put(root, json.load(sys.stdin))))
+        elif command == "reach":
+            reach(json.load(sys.stdin))
         else:
             if len(argv) == 4 and argv[2] == "--plan-env":
                 plan = json.loads(os.environ.pop(argv[3], "{}") or "{}")

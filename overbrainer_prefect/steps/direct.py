@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
-from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest
+from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest, TargetUnreachable
 from overbrainer_prefect.runs.checkpoints import KeptFile
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import SignedPut, Store, StoreError
@@ -39,6 +40,21 @@ SCRIPT = "overbrainer_store"
 """The job script that moves files (`overbrainer_prefect/jobs/overbrainer_store.py`)."""
 
 MIN_PUT_S = 600.0  # the least time a put of a job's files is given
+REACH_S = 20.0
+"""How long a target tries to reach the store before its job is refused: a
+job that could not put its files would train for nothing."""
+REACH_ENV = "OVERBRAINER_STORE_REACH_S"  # overrides REACH_S
+REACH_WHAT = "reach the store from this machine"  # how the job script's `reach` names its try
+
+
+def reach_s() -> float:
+    """`$OVERBRAINER_STORE_REACH_S`, else REACH_S."""
+    try:
+        return float(os.environ.get(REACH_ENV) or REACH_S)
+    except ValueError:
+        return REACH_S
+
+
 FETCH_ENV = "OVERBRAINER_FETCH_PLAN"
 """The job's environment variable that carries its fetch plan (like a secret)."""
 
@@ -205,6 +221,30 @@ async def _put_signed(
         parts[entry.path] = list(got["parts"])
         await _store(store.complete, put, got["etags"], parts[entry.path])
         completed.append(put)
+
+
+async def check_reach(executor: Executor, python: str, runs: Runs, record_id: str) -> None:
+    """Checks that the target reaches the store of `runs` itself and that the
+    store takes its signed URLs: the target gets one byte of the record
+    `record_id`'s record by a signed URL, tried for at most `reach_s()` seconds.
+    Raises ExecError with one line (naming the store, never the URL) when it
+    cannot."""
+    url = await _store(runs.store.sign_get, runs.key(record_id, runs.record_file))
+    bound = reach_s()
+    plan = json.dumps({"url": url, "deadline_s": bound}).encode()
+    argv = script_argv(python, "reach", ".")
+    try:
+        await _run(executor, argv, plan, bound + 30)
+    except TargetUnreachable:
+        raise
+    except ExecError as error:
+        said = error.message.removeprefix(f"{SCRIPT}: ").removeprefix(f"{REACH_WHAT}: ")
+        raise ExecError(
+            "start the job",
+            f"the target cannot reach {runs.store.url} ({said}); its job could not put its "
+            "files there: open the target's network to the store, or give a runs directory "
+            "it reaches, then start the run again",
+        ) from None
 
 
 def fetch_command(python: str, remote: str) -> list[str]:
