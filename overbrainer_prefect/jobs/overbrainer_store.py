@@ -12,10 +12,13 @@ log line or a message.
     parts DIR             stdin: {"path": <bytes of each part>, ...}
                           stdout: {"path": ["<sha256 of each part>", ...]}
     put DIR               stdin: {"files": [{"path", "parts": [{"url", "headers",
-                          "offset", "length"}]}], "deadline_s": N}
+                          "offset", "length"}]}], "deadline_s": N, "valid_s": V}
                           stdout: {"path": {"etags": [<each part's ETag>], "parts":
-                          [<each part's SHA-256>], "sha256": <the file's>}}, the
-                          digests of the bytes sent, hashed as they were read
+                          [<each part's SHA-256>], "sha256": <the parts' in order,
+                          the file's when they are all of it>}}, the digests of the
+                          bytes sent, hashed as they were read; a part not begun
+                          within V seconds (its URL's credentials expire) is not
+                          sent: its ETag is null (its digest is the bytes' on disk)
     reach DIR             stdin: {"url", "deadline_s": N}: one byte of an object
                           the store holds, got by its URL: whether this machine
                           reaches the store (exit 2 with one line when not)
@@ -159,8 +162,11 @@ class _Sender:
             self.connection.close()
             self.connection = None
 
-    def send(self, part: dict, blocks: list, what: str, deadline: float) -> str:  # type: ignore[type-arg]
-        """The ETag of the part, put with `blocks` as its body."""
+    def send(
+        self, part: dict, blocks: list, what: str, deadline: float, valid: float
+    ) -> str | None:  # type: ignore[type-arg]
+        """The ETag of the part, put with `blocks` as its body; None when its
+        URL is no longer `valid` (a monotonic time) before a try begins."""
 
         def attempt() -> str:
             connection, target = self._open(part["url"])
@@ -180,7 +186,8 @@ class _Sender:
                 if not put:  # a try that failed leaves nothing behind on the next one's connection
                     self.close()
 
-        return str(_retried(what, deadline, attempt))
+        tag = _retried(what, deadline, attempt, valid)
+        return None if tag is None else str(tag)
 
 
 def _connection(
@@ -192,9 +199,11 @@ def _connection(
     return kind(parts.netloc, timeout=timeout, blocksize=BLOCK), target
 
 
-def _retried(what: str, deadline: float, attempt):  # type: ignore[no-untyped-def]
+def _retried(what: str, deadline: float, attempt, valid: float = float("inf")):  # type: ignore[no-untyped-def]
     pause = FIRST_PAUSE_S
     while True:
+        if time.monotonic() > valid:
+            return None  # its URL's credentials are about to expire: it is signed again
         try:
             return attempt()
         except Retry as error:
@@ -240,7 +249,7 @@ def parts(root: str, lengths: dict[str, int]) -> dict[str, list[str]]:
     return found
 
 
-def _put_streamed(file, path: str, parts: list, deadline: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _put_streamed(file, path: str, parts: list, deadline: float, valid: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Puts the `parts` of one open file one after the other, each read from
     the file as it is sent and hashed as it is read (a part sent again is
     hashed again from where the file's digest stood before it): for a file
@@ -267,7 +276,11 @@ def _put_streamed(file, path: str, parts: list, deadline: float) -> dict:  # typ
             finally:
                 connection.close()
 
-        tags.append(_retried(what, deadline, attempt))
+        tags.append(_retried(what, deadline, attempt, valid))
+        if tags[-1] is None:  # not sent: read and hashed all the same
+            body[:] = [_Span(file, part["offset"], part["length"], whole)]
+            while body[0].read(BLOCK):
+                pass
         span = body[0]
         if span.left:
             raise Failed(f"{what}: the file is shorter than when it was listed")
@@ -276,15 +289,15 @@ def _put_streamed(file, path: str, parts: list, deadline: float) -> dict:  # typ
     return {"etags": tags, "parts": digests, "sha256": whole.hexdigest()}
 
 
-def _put_file(file, path: str, parts: list, deadline: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _put_file(file, path: str, parts: list, deadline: float, valid: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Puts the `parts` of one open file: a reader hashes them in order while
     SENDERS put them, each on its own connection (streamed instead where a
     part is bigger than HOLD)."""
     if any(part["length"] > HOLD for part in parts):
-        return _put_streamed(file, path, parts, deadline)
+        return _put_streamed(file, path, parts, deadline, valid)
     stop = threading.Event()
     reader = _Reader(file, path, parts, stop)
-    tags: list[str] = [""] * len(parts)
+    tags: list[str | None] = [""] * len(parts)
     digests: list[str] = [""] * len(parts)
     failures: list[BaseException] = []
     lock = threading.Lock()
@@ -302,7 +315,7 @@ def _put_file(file, path: str, parts: list, deadline: float) -> dict:  # type: i
                         reader.ready.put(None)  # the end, for the other senders too
                         return
                 what = f"{path} (part {item.index + 1} of {len(parts)})"
-                tags[item.index] = own.send(parts[item.index], item.blocks, what, deadline)
+                tags[item.index] = own.send(parts[item.index], item.blocks, what, deadline, valid)
                 digests[item.index] = item.sha256
         except BaseException as error:  # raised by put
             failures.append(error)
@@ -330,14 +343,18 @@ def put(root: str, plan: dict) -> dict[str, dict]:  # type: ignore[type-arg]
     of each part sent, and the file's SHA-256. Each file is read once, in
     order, every byte hashed into its part's digest and the file's as it is
     read; a part tried again is sent from the very bytes hashed (or, for a
-    part too big to hold, read and hashed again). Raises
-    Failed when a part cannot be put before the plan's deadline, the store
-    refuses it, or a file is shorter than its parts."""
-    deadline = time.monotonic() + float(plan.get("deadline_s", 3600))
+    part too big to hold, read and hashed again). A part not begun within the
+    plan's `valid_s` is not sent (its ETag None), read and hashed all the
+    same: its URL is signed again by fresh credentials. Raises Failed when a
+    part cannot be put before the plan's deadline, the store refuses it, or a
+    file is shorter than its parts."""
+    began = time.monotonic()
+    deadline = began + float(plan.get("deadline_s", 3600))
+    valid = began + float(plan.get("valid_s") or "inf")
     sent: dict[str, dict] = {}  # type: ignore[type-arg]
     for entry in plan["files"]:
         with open(os.path.join(root, entry["path"]), "rb") as file:
-            sent[entry["path"]] = _put_file(file, entry["path"], entry["parts"], deadline)
+            sent[entry["path"]] = _put_file(file, entry["path"], entry["parts"], deadline, valid)
     return sent
 
 

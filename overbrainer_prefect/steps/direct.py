@@ -155,7 +155,9 @@ async def put_files(
             digests = signed_digests.get(entry.path)
             signed.append(await _store(store.sign_put, key, entry.size, digests))
         if signed:
-            await _put_signed(executor, python, store, remote, todo, signed, parts, completed)
+            await _put_signed(
+                executor, python, store, remote, todo, signed, parts, completed, signed_digests
+            )
     finally:  # a put in parts begun and not completed: its parts would bill for ever
         for put in signed:
             if put not in completed:
@@ -179,48 +181,99 @@ async def _put_signed(
     store: Store,
     remote: str,
     todo: Sequence[FileDigest],
-    signed: Sequence[SignedPut],
+    signed: list[SignedPut],
     parts: dict[str, list[str]],
     completed: list[SignedPut],
+    digests: Mapping[str, Sequence[str]],
 ) -> None:
     """Has the target put the files `todo` by their `signed` requests, then
     completes each whose bytes sent are the listed ones, in order: its parts'
-    SHA-256 into `parts`, itself into `completed`. Raises ExecError when the
-    target cannot put them or a file changed, or what the store raises."""
+    SHA-256 into `parts`, itself into `completed`. Where the credentials
+    that sign the URLs expire before every part is in (`signed_for_s`), the
+    target puts what it can while they are good, and the parts it did not
+    begin are signed again (`signed` updated) and put by another run, each
+    from the bytes first hashed; at most one run per part. `digests`: the
+    parts' SHA-256 the store signs (see `sign_put`). Raises ExecError when
+    the target cannot put them or a file changed, or what the store raises."""
     timeout = max(MIN_PUT_S, sum(entry.size for entry in todo) / SLOWEST_BPS)
-    plan = {
-        "deadline_s": timeout,
-        "files": [
-            {
-                "path": entry.path,
-                "parts": [
-                    {
-                        "url": part.url,
-                        "headers": dict(part.headers),
-                        "offset": part.offset,
-                        "length": part.length,
-                    }
-                    for part in put.parts
-                ],
-            }
-            for entry, put in zip(todo, signed, strict=True)
-        ],
+    pending = {
+        entry.path: list(range(len(put.parts))) for entry, put in zip(todo, signed, strict=True)
     }
-    output = await _run(
-        executor, script_argv(python, "put", remote), json.dumps(plan).encode(), timeout
+    etags: dict[str, list[str | None]] = {
+        e.path: [None] * len(p.parts) for e, p in zip(todo, signed, strict=True)
+    }
+    hashed: dict[str, list[str]] = {}  # each part's SHA-256, as the first run read it
+    for _ in range(1 + sum(len(put.parts) for put in signed)):  # each run puts a part at least
+        valid_s = await _store(store.signed_for_s)
+        plan = {
+            "deadline_s": timeout,
+            "valid_s": valid_s,
+            "files": [
+                {
+                    "path": entry.path,
+                    "parts": [
+                        {
+                            "url": put.parts[i].url,
+                            "headers": dict(put.parts[i].headers),
+                            "offset": put.parts[i].offset,
+                            "length": put.parts[i].length,
+                        }
+                        for i in pending[entry.path]
+                    ],
+                }
+                for entry, put in zip(todo, signed, strict=True)
+                if pending[entry.path]
+            ],
+        }
+        output = await _run(
+            executor, script_argv(python, "put", remote), json.dumps(plan).encode(), timeout
+        )
+        sent = json.loads(output)
+        progress = False
+        for index, entry in enumerate(todo):
+            if not pending[entry.path]:
+                continue
+            got = sent[entry.path]
+            if entry.path not in hashed:  # the first run read every part of the file, in order
+                if got["sha256"] != entry.sha256:  # what was sent is not what was listed
+                    raise ExecError(
+                        "verify",
+                        f"{entry.path} changed on the target after it was listed "
+                        f"({entry.sha256[:12]}... then {got['sha256'][:12]}...)",
+                    )
+                hashed[entry.path] = list(got["parts"])
+            for i, etag, digest in zip(
+                pending[entry.path], got["etags"], got["parts"], strict=True
+            ):
+                if digest != hashed[entry.path][i]:
+                    raise ExecError(
+                        "verify",
+                        f"{entry.path} changed on the target while it was put (part {i + 1})",
+                    )
+                if etag is not None:
+                    etags[entry.path][i] = etag
+                    progress = True
+            pending[entry.path] = [i for i, tag in enumerate(etags[entry.path]) if tag is None]
+            if pending[entry.path]:
+                signed[index] = await _store(
+                    store.sign_again, signed[index], digests.get(entry.path), pending[entry.path]
+                )
+        for entry, put in zip(todo, signed, strict=True):
+            if not pending[entry.path] and put not in completed:
+                parts[entry.path] = hashed[entry.path]
+                tags = [tag for tag in etags[entry.path] if tag is not None]
+                await _store(store.complete, put, tags, parts[entry.path])
+                completed.append(put)
+        if not any(pending.values()):
+            return
+        if not progress:
+            break
+    raise ExecError(
+        "put the files in the store",
+        f"the credentials that sign {store.url}'s URLs expire before the target can put a part "
+        "with them, and were not renewed: renew them (the worker's role or credentials block), "
+        "then retrieve the run again with attach",
     )
-    sent = json.loads(output)
-    for entry, put in zip(todo, signed, strict=True):
-        got = sent[entry.path]
-        if got["sha256"] != entry.sha256:  # what was sent is not what was listed
-            raise ExecError(
-                "verify",
-                f"{entry.path} changed on the target after it was listed "
-                f"({entry.sha256[:12]}... then {got['sha256'][:12]}...)",
-            )
-        parts[entry.path] = list(got["parts"])
-        await _store(store.complete, put, got["etags"], parts[entry.path])
-        completed.append(put)
 
 
 async def check_reach(executor: Executor, python: str, runs: Runs, record_id: str) -> None:

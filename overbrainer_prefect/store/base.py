@@ -20,7 +20,7 @@ from __future__ import annotations
 import posixpath
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,6 +204,19 @@ class Store(Protocol):
         does not sign them, see `signs_digests`) checked or computed by the
         store. Raises StoreError on a store that is not `direct`, or without
         the digests it signs."""
+        ...
+
+    def sign_again(
+        self, signed: SignedPut, part_sha256: Sequence[str] | None, indexes: Iterable[int]
+    ) -> SignedPut:
+        """`signed` with its parts at `indexes` (from 0) signed anew, by the
+        store's credentials as they are now, for the same put. Raises
+        StoreError on a store that is not `direct`."""
+        ...
+
+    def signed_for_s(self) -> float | None:
+        """How long URLs signed now may be used (the temporary credentials
+        that sign them expire), None when only by their own lifetime."""
         ...
 
     def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:

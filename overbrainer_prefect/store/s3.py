@@ -17,7 +17,7 @@ import os
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ import boto3
 import botocore.exceptions
 from botocore.awsrequest import AWSRequest
 from botocore.config import Config
+from botocore.credentials import RefreshableCredentials
 from botocore.httpsession import URLLib3Session
 from botocore.utils import get_environ_proxies
 
@@ -75,6 +76,13 @@ MIN_PART = 5 << 20  # S3's smallest part (but the last)
 SIGNED_MIN_S = 900  # how long a presigned URL is valid at least
 SLOWEST_BPS = 1 << 20  # the slowest transfer a URL's lifetime allows for (1 MiB/s)
 SIGNED_MAX_S = 7 * 24 * 3600  # SigV4's longest presigned URL
+SIGN_MARGIN_S = 14 * 60
+"""URLs signed by temporary credentials are used until the credentials have
+this long left, then signed again: inside botocore's 15 minutes before
+their expiry, where it refreshes them as it signs, so the new URLs are
+signed by fresh ones, and a part begun just before still has minutes."""
+SIGN_MARGIN_ENV = "OVERBRAINER_STORE_SIGN_MARGIN_S"  # overrides SIGN_MARGIN_S
+MIN_SIGNED_FOR_S = 1.0  # URLs are used at least this long (a part begun within it is sent)
 
 WRITE_TOKEN = "overbrainer-write"
 """Metadata each conditional put carries: a token of that write's own."""
@@ -127,6 +135,11 @@ def _seconds(name: str, default: float) -> float:
 def outage_s() -> float:
     """`$OVERBRAINER_STORE_OUTAGE_S`, else OUTAGE_S."""
     return _seconds(OUTAGE_ENV, OUTAGE_S)
+
+
+def sign_margin_s() -> float:
+    """`$OVERBRAINER_STORE_SIGN_MARGIN_S`, else SIGN_MARGIN_S."""
+    return _seconds(SIGN_MARGIN_ENV, SIGN_MARGIN_S)
 
 
 def part_size() -> int:
@@ -554,43 +567,70 @@ class S3Store:
                 f"{key}: {len(part_sha256 or ())} part digests for {len(spans)} parts of "
                 f"{part_length(size, self.part_size)} bytes"
             )
-        digests: list[str | None] = list(part_sha256) if part_sha256 else [None] * len(spans)
+        upload: str | None = None
+        if len(spans) > 1:
+            self._abort_earlier(key)
+            try:
+                started = self._call(
+                    f"start a multipart put of {key}",
+                    lambda: self.client.create_multipart_upload(
+                        Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256"
+                    ),
+                )
+            except botocore.exceptions.ClientError as error:
+                raise self.refused(error, f"write {key}") from None
+            upload = started["UploadId"]
+        spanned = [SignedPart("", {}, offset, length) for offset, length in spans]
+        return self.sign_again(SignedPut(key, spanned, upload), part_sha256, range(len(spans)))
+
+    def sign_again(
+        self, signed: SignedPut, part_sha256: Sequence[str] | None, indexes: Iterable[int]
+    ) -> SignedPut:
+        """`signed` with the parts at `indexes` (from 0) signed anew by the
+        store's credentials now (refreshed first when they are about to
+        expire), for the same upload; `part_sha256` as for `sign_put`. Never
+        calls the store."""
+        full = self.full(signed.key)
+        if not self.signs_digests():
+            part_sha256 = None
+        size = sum(part.length for part in signed.parts)
         expires = self._expires(size)
-        try:
-            if len(spans) == 1:
-                params, headers = self._checksum_params(digests[0])
+        parts = list(signed.parts)
+        for index in indexes:
+            part = parts[index]
+            params, headers = self._checksum_params(part_sha256[index] if part_sha256 else None)
+            if signed.upload_id is None:
                 url = self.client.generate_presigned_url(
                     "put_object",
                     Params={"Bucket": self.bucket, "Key": full, **params},
                     ExpiresIn=expires,
                 )
-                return SignedPut(key, [SignedPart(url, headers, 0, size)])
-            self._abort_earlier(key)
-            upload = self._call(
-                f"start a multipart put of {key}",
-                lambda: self.client.create_multipart_upload(
-                    Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256"
-                ),
-            )
-        except botocore.exceptions.ClientError as error:
-            raise self.refused(error, f"write {key}") from None
-        parts = []
-        numbered = enumerate(zip(spans, digests, strict=True), start=1)
-        for number, ((offset, length), digest) in numbered:
-            params, headers = self._checksum_params(digest)
-            url = self.client.generate_presigned_url(
-                "upload_part",
-                Params={
-                    "Bucket": self.bucket,
-                    "Key": full,
-                    "UploadId": upload["UploadId"],
-                    "PartNumber": number,
-                    **params,
-                },
-                ExpiresIn=expires,
-            )
-            parts.append(SignedPart(url, headers, offset, length))
-        return SignedPut(key, parts, upload["UploadId"])
+            else:
+                url = self.client.generate_presigned_url(
+                    "upload_part",
+                    Params={
+                        "Bucket": self.bucket,
+                        "Key": full,
+                        "UploadId": signed.upload_id,
+                        "PartNumber": index + 1,
+                        **params,
+                    },
+                    ExpiresIn=expires,
+                )
+            parts[index] = SignedPart(url, headers, part.offset, part.length)
+        return SignedPut(signed.key, parts, signed.upload_id)
+
+    def signed_for_s(self) -> float | None:
+        """How long URLs signed now stay good before the temporary credentials
+        that sign them (a pod's or task's role: IRSA, ECS) expire, less
+        SIGN_MARGIN_S; None for credentials that do not expire (keys), whose
+        URLs last their own lifetime."""
+        credentials = self.client._get_credentials()  # type: ignore[attr-defined]  # botocore's own
+        if not isinstance(credentials, RefreshableCredentials):
+            return None
+        credentials.get_frozen_credentials()  # refreshed first when they are about to expire
+        left = float(credentials._seconds_remaining())  # type: ignore[attr-defined]
+        return max(MIN_SIGNED_FOR_S, left - sign_margin_s())
 
     def _abort_earlier(self, key: str) -> None:
         """Aborts the multipart puts of `key` begun before and never completed
