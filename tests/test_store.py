@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -42,7 +43,7 @@ from overbrainer_prefect.store import (
 from overbrainer_prefect.store.check import check_s3
 from overbrainer_prefect.store.digest import expected_checksum
 from overbrainer_prefect.store.lease import TTL_ENV
-from overbrainer_prefect.store.s3 import OUTAGE_ENV, PART_ENV, READ_TIMEOUT_ENV
+from overbrainer_prefect.store.s3 import OUTAGE_ENV, PART_ENV, READ_TIMEOUT_ENV, SIGN_MARGIN_ENV
 from tests.ports import free_port
 from tests.s3server import S3Server
 from tests.shelljobs import ShellTrainer
@@ -547,3 +548,71 @@ def test_a_target_that_cannot_reach_the_store_is_refused_in_one_line_before_its_
         assert started.state == RunState.RUNNING and started.job is not None
     finally:
         front.close()
+
+
+CREDENTIAL_PROCESS = """
+import datetime, json, sys
+from pathlib import Path
+count = Path(sys.argv[1])
+n = int(count.read_text() if count.exists() else "0") + 1
+count.write_text(str(n))
+now = datetime.datetime.now(datetime.timezone.utc)
+expires = now + datetime.timedelta(seconds=float(sys.argv[2]))
+print(json.dumps({"Version": 1, "AccessKeyId": f"ASIATEMPORARY{n:07d}", "SecretAccessKey": "s",
+                  "SessionToken": f"token-{n}", "Expiration": expires.isoformat()}))
+"""
+
+
+class RecordingPuts(LocalExecutor):
+    """The real local target, keeping the plan of each put of the file-moving script."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir, name="box")
+        self.plans: list[dict[str, Any]] = []
+
+    async def run(
+        self, argv: Sequence[str], timeout: float = 60.0, stdin: bytes | None = None
+    ) -> CommandResult:
+        if len(argv) > 3 and argv[3] == "put" and stdin:
+            self.plans.append(json.loads(stdin))
+        return await super().run(argv, timeout, stdin)
+
+
+def test_a_put_outlives_the_temporary_credentials_that_signed_its_urls(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's credentials are temporary (a `credential_process`, as a
+    pod's or task's role gives them) and about to expire: the target puts
+    the parts it can begin while they are good, the rest are signed again by
+    the refreshed credentials and put by another run. The store holds the
+    file whole, as the manifest lists it, and no unfinished put."""
+    bucket = s3.bucket()  # with the tests' keys, before the credentials change
+    count, script = tmp_path / "issued", tmp_path / "credentials.py"
+    script.write_text(CREDENTIAL_PROCESS)
+    config = tmp_path / "aws-config"
+    left_s = 900 + 0.4  # botocore refreshes them 900 s before they expire: 0.4 s from now
+    config.write_text(
+        f"[profile temporary]\ncredential_process = {sys.executable} {script} {count} {left_s}\n"
+    )
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_PROFILE", "temporary")
+    monkeypatch.setenv(SIGN_MARGIN_ENV, str(left_s - 0.1))  # URLs used for 0.1 s
+    monkeypatch.setenv(PART_ENV, "5")
+    runs = Runs(s3.bucket_url(bucket=bucket))
+    target = RecordingPuts(tmp_path / "target")
+    remote = tmp_path / "target" / "r1"
+    (remote / "gguf").mkdir(parents=True)
+    (remote / "gguf" / "model.gguf").write_bytes(os.urandom(6 * (5 << 20)))
+    manifest = asyncio.run(target.manifest(str(remote), ["gguf"]))
+    asyncio.run(put_files(target, sys.executable, runs, "r1", str(remote), manifest))
+    assert len(target.plans) >= 2, target.plans  # put again by URLs signed again
+    assert int(count.read_text()) >= 2  # ... by refreshed credentials
+    last = target.plans[-1]["files"][0]["parts"]
+    assert len(last) < 6 and all("ASIATEMPORARY0000001" not in p["url"] for p in last)
+    back = tmp_path / "back.gguf"
+    runs.store.get_file(runs.key("r1", "gguf/model.gguf"), back)
+    assert hashlib.sha256(back.read_bytes()).hexdigest() == manifest[0].sha256
+    unfinished = runs.store.client.list_multipart_uploads(Bucket=bucket)  # type: ignore[attr-defined]
+    assert not unfinished.get("Uploads")

@@ -249,7 +249,7 @@ def parts(root: str, lengths: dict[str, int]) -> dict[str, list[str]]:
     return found
 
 
-def _put_streamed(file, path: str, parts: list, deadline: float, valid: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _put_streamed(file, path: str, parts: list, deadline: float, valid: float, first: bool) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Puts the `parts` of one open file one after the other, each read from
     the file as it is sent and hashed as it is read (a part sent again is
     hashed again from where the file's digest stood before it): for a file
@@ -276,7 +276,8 @@ def _put_streamed(file, path: str, parts: list, deadline: float, valid: float) -
             finally:
                 connection.close()
 
-        tags.append(_retried(what, deadline, attempt, valid))
+        good = float("inf") if first and number == 1 else valid
+        tags.append(_retried(what, deadline, attempt, good))
         if tags[-1] is None:  # not sent: read and hashed all the same
             body[:] = [_Span(file, part["offset"], part["length"], whole)]
             while body[0].read(BLOCK):
@@ -289,12 +290,12 @@ def _put_streamed(file, path: str, parts: list, deadline: float, valid: float) -
     return {"etags": tags, "parts": digests, "sha256": whole.hexdigest()}
 
 
-def _put_file(file, path: str, parts: list, deadline: float, valid: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _put_file(file, path: str, parts: list, deadline: float, valid: float, first: bool) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Puts the `parts` of one open file: a reader hashes them in order while
     SENDERS put them, each on its own connection (streamed instead where a
     part is bigger than HOLD)."""
     if any(part["length"] > HOLD for part in parts):
-        return _put_streamed(file, path, parts, deadline, valid)
+        return _put_streamed(file, path, parts, deadline, valid, first)
     stop = threading.Event()
     reader = _Reader(file, path, parts, stop)
     tags: list[str | None] = [""] * len(parts)
@@ -315,7 +316,8 @@ def _put_file(file, path: str, parts: list, deadline: float, valid: float) -> di
                         reader.ready.put(None)  # the end, for the other senders too
                         return
                 what = f"{path} (part {item.index + 1} of {len(parts)})"
-                tags[item.index] = own.send(parts[item.index], item.blocks, what, deadline, valid)
+                good = float("inf") if first and item.index == 0 else valid
+                tags[item.index] = own.send(parts[item.index], item.blocks, what, deadline, good)
                 digests[item.index] = item.sha256
         except BaseException as error:  # raised by put
             failures.append(error)
@@ -345,16 +347,19 @@ def put(root: str, plan: dict) -> dict[str, dict]:  # type: ignore[type-arg]
     read; a part tried again is sent from the very bytes hashed (or, for a
     part too big to hold, read and hashed again). A part not begun within the
     plan's `valid_s` is not sent (its ETag None), read and hashed all the
-    same: its URL is signed again by fresh credentials. Raises Failed when a
+    same: its URL is signed again by fresh credentials (the plan's first part
+    is sent all the same: its URL is good for minutes more). Raises Failed when a
     part cannot be put before the plan's deadline, the store refuses it, or a
     file is shorter than its parts."""
     began = time.monotonic()
     deadline = began + float(plan.get("deadline_s", 3600))
     valid = began + float(plan.get("valid_s") or "inf")
     sent: dict[str, dict] = {}  # type: ignore[type-arg]
-    for entry in plan["files"]:
+    for number, entry in enumerate(plan["files"]):
         with open(os.path.join(root, entry["path"]), "rb") as file:
-            sent[entry["path"]] = _put_file(file, entry["path"], entry["parts"], deadline, valid)
+            sent[entry["path"]] = _put_file(
+                file, entry["path"], entry["parts"], deadline, valid, first=number == 0
+            )
     return sent
 
 
