@@ -58,9 +58,8 @@ async def retrieve(
     target still holds them as they were kept (they are verified all the
     same); one the target no longer holds stays as it was kept; one it
     changed since is replaced only by a copy that verified, and recorded
-    anew. The manifest
-    is kept beside them. Returns it and, for a succeeded job, whether its required
-    entry held no file at all.
+    anew. The manifest is kept beside them. Returns it and, for a succeeded
+    job, whether its required entry held no file at all.
 
     Raises ExecError when the target or the store fails or a file does not verify.
     """
