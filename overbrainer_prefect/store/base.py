@@ -20,7 +20,7 @@ from __future__ import annotations
 import posixpath
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,9 +258,29 @@ class Store(Protocol):
         the digests it signs."""
         ...
 
+    def sign_again(
+        self, signed: SignedPut, part_sha256: Sequence[str] | None, indexes: Iterable[int]
+    ) -> SignedPut:
+        """`signed` with its parts at `indexes` (from 0) signed anew, by the
+        store's credentials as they are now, for the same put. Raises
+        StoreError on a store that is not `direct`."""
+        ...
+
+    def signed_for_s(self) -> float | None:
+        """How long URLs signed now may be used (the temporary credentials
+        that sign them expire), None when only by their own lifetime."""
+        ...
+
     def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:
         """Completes a multipart put once its parts are in (`etags` and their
         SHA-256s, in order); nothing for a single-part one."""
+        ...
+
+    def abort(self, signed: SignedPut) -> None:
+        """Gives up a multipart put that will not be completed, so that none
+        of its parts stays in the store (they bill); nothing for a
+        single-part one. Never raises: a put it cannot abort is aborted by the
+        next put of its key."""
         ...
 
     def sign_get(self, key: str) -> str:

@@ -29,12 +29,15 @@ _CHECKED: dict[str, ChecksumMode] = {}
 
 
 def check_s3(store: S3Store) -> None:
-    """Checks an object store once per process (see the module); sets how it
+    """Checks an object store once per process (see the module), after a
+    first contact that refuses within seconds a store that does not answer
+    at all (`S3Store.probe`); sets how it
     knows a put's SHA-256 (`store.checksums`). Raises StoreUnreachable or
     StoreRefused with one line."""
     if store.url in _CHECKED:
         store.checksums = _CHECKED[store.url]
         return
+    store.probe()  # a store not there at all: refused within seconds, not waited for
     try:
         found = store._call(
             "find the bucket", lambda: store.client.head_bucket(Bucket=store.bucket)

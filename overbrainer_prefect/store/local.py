@@ -14,7 +14,7 @@ import os
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -267,6 +267,19 @@ class LocalStore:
     def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:
         """Refused, as `sign_put`."""
         raise StoreError(f"{self.url} is a local directory: no target puts files there itself")
+
+    def sign_again(
+        self, signed: SignedPut, part_sha256: Sequence[str] | None, indexes: Iterable[int]
+    ) -> SignedPut:
+        """Refused, as `sign_put`."""
+        raise StoreError(f"{self.url} is a local directory: no target puts files there itself")
+
+    def signed_for_s(self) -> None:
+        """None: nothing is signed for a local directory."""
+        return None
+
+    def abort(self, signed: SignedPut) -> None:
+        """Nothing: no target puts files in a local directory itself."""
 
     def sign_get(self, key: str) -> str:
         """Refused: a local store's files pass through this machine."""
