@@ -83,6 +83,7 @@ def _age_s(record: RunRecord) -> float:
 
 async def candidates(
     runs: Runs,
+    *,
     following: Container[str] = frozenset(),
     followed: list[str] | None = None,
 ) -> list[tuple[Runs, RunRecord, Target | None]]:
@@ -394,7 +395,7 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
     """
     runs = await runs_at(runs_dir)
     followed: list[str] = []
-    found = await candidates(runs, followed)
+    found = await candidates(runs, followed=followed)
     acting = ENDED_BY.set(COLLECTOR)  # the jobs' tasks below copy it: pods say who deleted them
     try:
         results = await asyncio.gather(

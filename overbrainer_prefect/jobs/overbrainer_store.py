@@ -353,7 +353,8 @@ def put(root: str, plan: dict) -> dict[str, dict]:  # type: ignore[type-arg]
     file is shorter than its parts."""
     began = time.monotonic()
     deadline = began + float(plan.get("deadline_s", 3600))
-    valid = began + float(plan.get("valid_s") or "inf")
+    valid_s = plan.get("valid_s")  # None: URLs as good as the deadline; 0: one part a run
+    valid = began + (float(valid_s) if valid_s is not None else float("inf"))
     sent: dict[str, dict] = {}  # type: ignore[type-arg]
     for number, entry in enumerate(plan["files"]):
         with open(os.path.join(root, entry["path"]), "rb") as file:

@@ -87,7 +87,7 @@ this long left, then signed again: inside botocore's 15 minutes before
 their expiry, where it refreshes them as it signs, so the new URLs are
 signed by fresh ones, and a part begun just before still has minutes."""
 SIGN_MARGIN_ENV = "OVERBRAINER_STORE_SIGN_MARGIN_S"  # overrides SIGN_MARGIN_S
-MIN_SIGNED_FOR_S = 0.1  # URLs are used at least this long (a part begun within it is sent)
+MIN_SIGNED_FOR_S = 0.0  # credentials past their margin: each put sends its first part only
 
 WRITE_TOKEN = "overbrainer-write"
 """Metadata each conditional put carries: a token of that write's own."""
