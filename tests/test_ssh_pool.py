@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
@@ -22,9 +23,11 @@ import pytest
 
 from overbrainer_prefect.blocks import SshPool, SshPoolHost
 from overbrainer_prefect.executors.base import JOB_LOG
+from overbrainer_prefect.flows import attach, train
 from overbrainer_prefect.runpod.settings import SettingsError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
-from overbrainer_prefect.steps import reporters
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import reporters, retrieve
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import Unreachable
@@ -34,6 +37,7 @@ from overbrainer_prefect.targets.pool import POOL_RECORD, PoolError, PoolPlaceme
 from tests.conftest import job_venv
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
 from tests.sshd import Sshd
+from tests.test_train_flow import spec
 
 LOG = logging.getLogger("pool")
 QUICK = f"{WRITE_METRICS}; {WRITE_OUTPUT}"
@@ -316,3 +320,63 @@ def test_a_machine_listed_twice_is_refused_in_one_line_before_anything(
     assert "\n" not in str(caught.value)
     with pytest.raises(SettingsError, match="lists no machine"):
         SshPool(hosts=[], job_venv="/v").target("overbrainer-ssh-pool/p", LOG)
+
+
+def test_a_job_is_cancelled_on_its_machine_from_its_record_alone_and_the_machine_freed(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    script = held_job(tmp_path / "never")
+
+    async def leave() -> RunRecord:
+        async with started(pool(boxes, tmp_path), runs, script) as (_, _, record):
+            return record  # its follower goes: the job keeps running
+
+    record = asyncio.run(leave())
+    i = int(machine_of(runs, record)[-1])
+    assert (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+    again = pool(boxes, tmp_path)  # another process, from the record alone
+    assert f"machine box{i} (" in again.detached(runs, record)
+
+    async def cancel() -> RunRecord:
+        async with again.reach(runs, runs.load(record.id)) as placed:
+            assert placed is not None and f"box{i}" in placed.description
+            ctx = placed.context(runs, reporters.LogReporter())
+            ended, status, _ = await end_step.cancel(
+                ctx, ShellTrainer(script), runs.load(record.id)
+            )
+            assert status.kind == "cancelled"
+            outcome = retrieve.recorded(runs, ShellTrainer(script), ended)
+            await placed.end(outcome)
+            return ended
+
+    assert asyncio.run(cancel()).state == RunState.CANCELLED
+    assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+
+
+def test_a_training_on_a_saved_pool_skips_a_machine_that_does_not_answer_in_one_line(
+    prefect_server: None,
+    boxes: list[Sshd],
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    name = f"pool-{uuid.uuid4().hex[:8]}"
+    pool_block(boxes[:2], tmp_path).save(name)
+    boxes[0].stop()
+    runs_dir = tmp_path / "runs"
+    with caplog.at_level(logging.WARNING):
+        result = asyncio.run(
+            train(target=name, training=spec(*tiny, max_steps=2), runs_dir=str(runs_dir))
+        )
+    assert result.state == RunState.SUCCEEDED and result.retrieved, result.message
+    runs = Runs(runs_dir)
+    record = runs.load(result.run_id)
+    assert machine_of(runs, record) == "box1" and record.target_kind == "pool"
+    assert record.remote_dir == str(work_of(tmp_path, 1) / record.id)
+    skipped = [r.getMessage() for r in caplog.records if "box0 (" in r.getMessage()]
+    assert len(skipped) == 1 and "skipped" in skipped[0], skipped
+    assert not (work_of(tmp_path, 1) / host_claim.LEASE_FILE).exists()
+    # its keys came back from the server: attach reaches the same machine
+    again = asyncio.run(attach(run_id=result.run_id, runs_dir=str(runs_dir)))
+    assert again.state == RunState.SUCCEEDED
