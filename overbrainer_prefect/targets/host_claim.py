@@ -42,8 +42,10 @@ _CLAIM = f"""
 w=$1 run=$2 dir=$3 grace=$4
 mkdir -p "$w" 2>/dev/null || {{ echo "error: cannot create its work directory $w"; exit 3; }}
 command -v flock >/dev/null 2>&1 || {{ echo "error: flock is not installed (util-linux)"; exit 3; }}
-exec 9>>"$w/{LOCK_FILE}" || {{ echo "error: cannot write $w/{LOCK_FILE}"; exit 3; }}
-flock -w {GUARD_WAIT_S} 9 || {{ echo "held: by a claim still under way"; exit 1; }}
+if [ -n "$run" ]; then  # a claim; a look (no run) takes no lock and writes nothing
+  exec 9>>"$w/{LOCK_FILE}" || {{ echo "error: cannot write $w/{LOCK_FILE}"; exit 3; }}
+  flock -w {GUARD_WAIT_S} 9 || {{ echo "held: by a claim still under way"; exit 1; }}
+fi
 lease="$w/{LEASE_FILE}"
 now=$(date +%s) hrun= hdir= hat=0 was=
 if [ -f "$lease" ]; then
@@ -57,6 +59,7 @@ if [ -n "$hrun" ] && [ "$hrun" != "$run" ]; then
   if [ -n "$hdir" ] && [ -e "$hdir/{JOB_SCRIPT}" ]; then
     real=$(cd "$hdir" && pwd -P)  # what /proc shows as a job's working directory
     if [ -e "$hdir/{EXIT_FILE}" ] || [ -e "$hdir/{CANCEL_FILE}" ]; then was="its job ended"
+    elif [ -z "$run" ]; then echo "held: by run $hrun, whose job may run there"; exit 1
     elif ls -l /proc/[0-9]*/cwd 2>/dev/null | sed -n 's/^.* -> //p' | grep -qxF -- "$real"; then
       echo "held: by run $hrun, whose job runs there"; exit 1
     else was="its job is gone"
@@ -69,6 +72,7 @@ if [ -n "$hrun" ] && [ "$hrun" != "$run" ]; then
     was="no job started within $grace s of its claim"
   fi
 fi
+[ -n "$run" ] || {{ echo "free:"; exit 0; }}  # a look only: nothing written
 printf 'run=%s\\ndir=%s\\nat=%s\\n' "$run" "$dir" "$now" > "$lease.tmp" \\
   && mv -f "$lease.tmp" "$lease" || {{ echo "error: cannot write $lease"; exit 3; }}
 if [ -n "$was" ]; then echo "taken: from run $hrun ($was)"; else echo "taken:"; fi
@@ -116,6 +120,22 @@ async def claim(
     )
     word, why = _answer(result, "claim")
     return Claim(taken=word == "taken", why=why if word == "taken" else f"held {why}")
+
+
+async def is_free(executor: Executor, workdir: str, claim_s: float = CLAIM_S) -> Claim:
+    """Whether a claim on the machine of `executor` would be taken now (a
+    quick look: no lock taken, nothing written, and a job started is taken
+    to run without looking for its processes; the answer may be stale at
+    once). `taken` says it would; `why` who holds it otherwise.
+
+    Raises ExecError (`claim`) when the machine cannot keep a lease;
+    TargetUnreachable when it does not answer.
+    """
+    result = await executor.run(
+        ["sh", "-c", _CLAIM, "sh", workdir, "", "", str(int(claim_s))], timeout=COMMAND_S
+    )
+    word, why = _answer(result, "claim")
+    return Claim(taken=word in ("taken", "free"), why=why if word != "held" else f"held {why}")
 
 
 async def release(executor: Executor, workdir: str, run_id: str) -> bool:

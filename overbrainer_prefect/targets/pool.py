@@ -15,6 +15,7 @@ given back once the job's files are retrieved, or it ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -193,6 +194,8 @@ class PoolTarget(BlockTarget):
         self._wanted: tuple[tuple[str, ...], TargetFacts] | None = None
         self._told: set[str] = set()
         """The machines already said to be skipped (one line each)."""
+        self._kept: tuple[PoolHost, Executor] | None = None
+        """The free machine the last `facts` probed, and its open connection."""
 
     @property
     def workdir(self) -> str:
@@ -209,29 +212,61 @@ class PoolTarget(BlockTarget):
             )
 
     async def facts(self, modules: Sequence[str]) -> TargetFacts:
-        """Probes every machine at once and returns what the first that
-        answers (in the pool's order) offers: a job is placed only on a
-        machine with as many GPUs and the same modules. A machine that cannot
-        be probed is skipped with one line. Raises PoolError (one line, each
-        machine and why) when none can be probed."""
+        """What the machine a job would get now offers: every machine is
+        looked at (at once), and the first free one (in the pool's order) is
+        probed, its connection kept for the job's placement, which tries it
+        first; when none is free, the first that answers is probed (the job
+        will wait for a free one). A job is then placed only on a machine
+        with as many GPUs and the same modules. A machine that does not
+        answer or cannot be probed is skipped with one line.
+
+        Raises PoolError (one line, each machine and why) when none can be probed."""
         key = tuple(modules)
-        found = await asyncio.gather(*(self._probe(host, key) for host in self.hosts))
+        await self._forget()
+        executors = [host.executor() for host in self.hosts]
+        looks = await asyncio.gather(
+            *(
+                host_claim.is_free(executor, host.workdir, self.claim_s)
+                for host, executor in zip(self.hosts, executors, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        free = [
+            i for i, look in enumerate(looks) if isinstance(look, host_claim.Claim) and look.taken
+        ]
+        held = [
+            i
+            for i, look in enumerate(looks)
+            if isinstance(look, host_claim.Claim) and not look.taken
+        ]
         why: list[str] = []
-        for host, result in zip(self.hosts, found, strict=True):
-            if isinstance(result, TargetFacts):
-                self._wanted = (key, result)
-                return result
-            why.append(f"{host.shown} {result}")
+        try:
+            for i, look in enumerate(looks):
+                if isinstance(look, BaseException):
+                    why.append(f"{self.hosts[i].shown} does not answer ({look})")
+                    self._skipped(self.hosts[i], f"does not answer ({look})")
+            for i in free + held:
+                host, executor = self.hosts[i], executors[i]
+                try:
+                    facts = await self._probe_on(host, executor, key)
+                except (TrainError, ExecError) as error:
+                    why.append(f"{host.shown} cannot be probed ({error})")
+                    self._skipped(host, f"cannot be probed ({error})")
+                    continue
+                self._wanted = (key, facts)
+                if i in free:
+                    self._kept = (host, executors.pop(i))
+                return facts
+        finally:
+            for executor in executors:
+                await executor.close()
         raise PoolError(f"no machine of pool {self.ref} can be probed: {'; '.join(why)}")
 
-    async def _probe(self, host: PoolHost, key: tuple[str, ...]) -> TargetFacts | str:
-        """The probe of `host` for the modules `key` (kept), or why it failed."""
-        executor = host.executor()
-        try:
-            return await self._probe_on(host, executor, key)
-        except (TrainError, ExecError) as error:
-            return str(error)
-        finally:
+    async def _forget(self) -> None:
+        """Closes the connection kept for a placement that did not come."""
+        if self._kept is not None:
+            _, executor = self._kept
+            self._kept = None
             await executor.close()
 
     async def _probe_on(
@@ -239,11 +274,7 @@ class PoolTarget(BlockTarget):
     ) -> TargetFacts:
         kept = self._probed.setdefault(host.name, {})
         if key not in kept:
-            try:
-                kept[key] = await start_step.probe(executor, self.python, key)
-            except (TrainError, ExecError) as error:
-                self._skipped(host, str(error))
-                raise
+            kept[key] = await start_step.probe(executor, self.python, key)
         return kept[key]
 
     @asynccontextmanager
@@ -307,8 +338,14 @@ class PoolTarget(BlockTarget):
         waiting = False
         while True:
             why: list[str] = []
-            for host in self.hosts:
-                executor = host.executor()
+            kept, self._kept = self._kept, None
+            order = (
+                self.hosts
+                if kept is None
+                else [kept[0]] + [h for h in self.hosts if h is not kept[0]]
+            )
+            for host in order:
+                executor = kept[1] if kept is not None and host is kept[0] else host.executor()
                 answer = await self._try(host, executor, record)
                 if answer is None:
                     return host, executor
@@ -339,21 +376,30 @@ class PoolTarget(BlockTarget):
             self._log.warning("pool %s: machine %s skipped: %s", self.ref, host.shown, why)
 
     async def _try(self, host: PoolHost, executor: Executor, record: RunRecord) -> str | None:
-        """Claims `host` for `record`: None when it did, else why not."""
+        """Claims `host` for `record`: None when it did and the machine has
+        what the job needs, else why not (a machine that lacks it is given
+        back at once)."""
         remote = self._remote_dir(host, record)
         try:
-            if self._wanted is not None:
-                key, wanted = self._wanted
-                lacks = _lacks(await self._probe_on(host, executor, key), wanted)
-                if lacks is not None:
-                    return lacks
             got = await host_claim.claim(executor, host.workdir, record.id, remote, self.claim_s)
-        except (TrainError, ExecError) as error:
+        except ExecError as error:
             why = f"does not answer ({error})"
             self._skipped(host, why)
             return why
         if not got.taken:
             return f"is {got.why}"
+        lacks: str | None = None
+        if self._wanted is not None:
+            key, wanted = self._wanted
+            try:
+                lacks = _lacks(await self._probe_on(host, executor, key), wanted)
+            except (TrainError, ExecError) as error:
+                lacks = f"cannot be probed ({error})"
+                self._skipped(host, lacks)
+        if lacks is not None:
+            with contextlib.suppress(ExecError):
+                await host_claim.release(executor, host.workdir, record.id)
+            return lacks
         if got.why:
             self._log.info("pool %s: machine %s taken %s", self.ref, host.shown, got.why)
         return None
