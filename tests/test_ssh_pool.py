@@ -39,6 +39,8 @@ from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
 from tests.sshd import Sshd
 from tests.test_train_flow import spec
 
+pytestmark = pytest.mark.slow
+
 LOG = logging.getLogger("pool")
 QUICK = f"{WRITE_METRICS}; {WRITE_OUTPUT}"
 """A job that ends at once, with metrics and an output."""
