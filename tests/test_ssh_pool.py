@@ -13,6 +13,8 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager
@@ -21,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from overbrainer_prefect.blocks import SshPool, SshPoolHost
+from overbrainer_prefect.blocks import SshPool, SshPoolHost, SshTarget
 from overbrainer_prefect.executors.base import JOB_LOG
 from overbrainer_prefect.flows import attach, train
 from overbrainer_prefect.runpod.settings import SettingsError
@@ -32,9 +34,9 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.targets import host_claim
-from overbrainer_prefect.targets.base import JobNeed, NoBudget
+from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.targets.pool import POOL_RECORD, PoolError, PoolPlacement, PoolTarget
-from tests.conftest import job_venv
+from tests.conftest import REPO, job_venv
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
 from tests.sshd import Sshd
 from tests.test_train_flow import spec
@@ -100,7 +102,7 @@ def machine_of(runs: Runs, record: RunRecord) -> str:
 
 
 @asynccontextmanager
-async def started(target: PoolTarget, runs: Runs, script: str) -> AsyncIterator[Any]:
+async def started(target: Target, runs: Runs, script: str) -> AsyncIterator[Any]:
     """Creates, places and starts a job; yields (placed, ctx, record)."""
     need = JobNeed(what="the pool's job")
     target.check(need)
@@ -382,3 +384,93 @@ def test_a_training_on_a_saved_pool_skips_a_machine_that_does_not_answer_in_one_
     # its keys came back from the server: attach reaches the same machine
     again = asyncio.run(attach(run_id=result.run_id, runs_dir=str(runs_dir)))
     assert again.state == RunState.SUCCEEDED
+
+
+def test_a_job_an_ssh_target_started_in_the_work_directory_holds_the_machine_too(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    box = boxes[0]
+    single = SshTarget(
+        host="127.0.0.1",
+        port=box.port,
+        user=box.user,
+        private_key=box.client_key_text,
+        host_key=box.host_key_line,
+        work_dir=str(work_of(tmp_path, 0)),
+        job_venv=str(job_venv()),
+        poll_seconds=0.3,
+    ).target("overbrainer-ssh-target/box0", LOG)
+    release = tmp_path / "release"
+
+    async def go() -> None:
+        async with started(single, runs, held_job(release)) as (placed, ctx, record):
+            with pytest.raises(PoolError, match=f"held by the job of run {record.id}, which runs"):
+                await run_job(pool(boxes[:1], tmp_path), runs, QUICK)
+            release.touch()
+            await placed.follow(ctx, ShellTrainer(QUICK), record)
+        outcome = await run_job(pool(boxes[:1], tmp_path), runs, QUICK)  # ended: free
+        assert outcome.record.state == RunState.SUCCEEDED
+
+    asyncio.run(go())
+
+
+RACER = """
+import asyncio, os, sys, time
+from pydantic import SecretStr
+from overbrainer_prefect.executors.ssh import SshExecutor
+from overbrainer_prefect.targets import host_claim
+
+port, key, host_key, work, tag, rounds = sys.argv[1:]
+
+async def main() -> None:
+    executor = SshExecutor("127.0.0.1", port=int(port), key_path=key, known_host_key=host_key,
+                           user=os.environ["USER"], workdir=work, connect_timeout=5)
+    inside = os.path.join(work, "inside")
+    taken = 0
+    deadline = time.monotonic() + 60
+    while taken < int(rounds) and time.monotonic() < deadline:
+        run = f"{tag}{taken}"
+        got = await host_claim.claim(executor, work, run, os.path.join(work, run), 3600)
+        if not got.taken:
+            await asyncio.sleep(0.01)
+            continue
+        fd = os.open(inside, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # fails if two hold it
+        os.close(fd)
+        await asyncio.sleep(0.02)
+        os.unlink(inside)
+        assert await host_claim.release(executor, work, run)
+        taken += 1
+    await executor.close()
+    print(f"TAKEN {taken}")
+
+asyncio.run(main())
+"""
+
+
+def test_two_worker_processes_claiming_one_machine_never_hold_it_at_once(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    box, work = boxes[0], work_of(tmp_path, 0)
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "USER": box.user}
+    args = [str(box.port), str(box.client_key_path), box.host_key_line, str(work)]
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, *args, tag, "10"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for tag in ("a", "b")
+    ]
+    try:
+        answers = [racer.communicate(timeout=120) for racer in racers]
+    finally:
+        for racer in racers:
+            if racer.poll() is None:
+                racer.kill()
+    for (out, err), racer in zip(answers, racers, strict=True):
+        assert racer.returncode == 0, err[-2000:]
+        assert "TAKEN 10" in out

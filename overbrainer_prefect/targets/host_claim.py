@@ -7,18 +7,20 @@ there, so two workers on two machines that claim the same box at the same
 moment are served one after the other by its kernel: one takes it, the other
 finds it held.
 
-A lease held by another run is taken over only when that run holds nothing
-any more, as the machine shows it: its job ended (its exit or cancel file is
-written), its job is gone (its wrapper was written but no process runs in its
-run directory: the box rebooted, the job was killed), or it never started a
-job within `claim_s` of its claim (its orchestrator died while placing it).
+A machine where a job of this product runs in the work directory (a run
+directory whose wrapper runs, started by any target) is held too. A lease
+held by another run is taken over only when that run holds nothing any
+more, as the machine shows it: its job ended (its exit or cancel file is
+written), its job is gone (its wrapper was written but no process runs in
+its run directory: the box rebooted, the job was killed), or it never
+started a job within `claim_s` of its claim (its orchestrator died while
+placing it).
 A run's own lease is given back (`release`) when its files are retrieved or
 it ends; a dead orchestrator's lease is thus bounded by its job's own life.
 """
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import dataclass
 
 from overbrainer_prefect.executors.base import (
@@ -73,6 +75,14 @@ if [ -n "$hrun" ] && [ "$hrun" != "$run" ]; then
   fi
 fi
 [ -n "$run" ] || {{ echo "free:"; exit 0; }}  # a look only: nothing written
+realw=$(cd "$w" && pwd -P)  # a job of this product started otherwise (an SSH target) holds it too
+other=$(ls -l /proc/[0-9]*/cwd 2>/dev/null | sed -n 's/^.* -> //p' | while IFS= read -r d; do
+  name=${{d#"$realw"/}}
+  case $name in "$d"|*/*|'') continue;; esac
+  [ -e "$realw/$name/{JOB_SCRIPT}" ] && [ ! -e "$realw/$name/{EXIT_FILE}" ] \
+    && [ ! -e "$realw/$name/{CANCEL_FILE}" ] && {{ echo "$name"; break; }}
+done)
+if [ -n "$other" ]; then echo "held: by the job of run $other, which runs there"; exit 1; fi
 printf 'run=%s\\ndir=%s\\nat=%s\\n' "$run" "$dir" "$now" > "$lease.tmp" \\
   && mv -f "$lease.tmp" "$lease" || {{ echo "error: cannot write $lease"; exit 3; }}
 if [ -n "$was" ]; then echo "taken: from run $hrun ($was)"; else echo "taken:"; fi
@@ -158,11 +168,6 @@ async def holder(executor: Executor, workdir: str) -> str | None:
     result = await executor.run(["sh", "-c", _HOLDER, "sh", workdir], timeout=COMMAND_S)
     found = result.stdout.strip()
     return found or None
-
-
-def lease_path(workdir: str) -> str:
-    """Where the lease of a machine whose work directory is `workdir` is."""
-    return posixpath.join(workdir, LEASE_FILE)
 
 
 def _answer(result: CommandResult, action: str) -> tuple[str, str]:
