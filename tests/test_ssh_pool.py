@@ -36,6 +36,7 @@ from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.targets import host_claim
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.targets.pool import POOL_RECORD, PoolError, PoolPlacement, PoolTarget
+from tests import procs
 from tests.conftest import REPO, job_venv
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
 from tests.sshd import Sshd
@@ -276,11 +277,12 @@ def test_a_dead_orchestrators_claim_is_taken_over_only_once_its_job_holds_nothin
                 ["sh", "-c", f"cd {dead} && setsid sh job.sh >/dev/null 2>&1 & echo $!"]
             )
             job_pid = int(started.stdout)
+            await wait_for(lambda: procs.leads_group(job_pid), 10)
             busy = await claim(executor, host.workdir, "r3", str(work / "r3"), 0)
             assert not busy.taken and busy.why == "held by run r1, whose job runs there"
             os.killpg(job_pid, signal.SIGKILL)
             job_pid = 0
-            await wait_for(lambda: not Path(f"/proc/{started.stdout.strip()}").exists(), 10)
+            await wait_for(lambda: not procs.alive(int(started.stdout)), 10)
             gone = await claim(executor, host.workdir, "r3", str(work / "r3"), 0)
             assert gone.taken and gone.why == "from run r1 (its job is gone)"
             (work / "r3").mkdir()
