@@ -39,6 +39,7 @@ _ephemeral_server_patience()
 _LAZY = {
     "LocalTarget": "overbrainer_prefect.blocks",
     "SshTarget": "overbrainer_prefect.blocks",
+    "SshPool": "overbrainer_prefect.blocks",
     "HuggingFaceCredentials": "overbrainer_prefect.blocks",
     "RunpodCredentials": "overbrainer_prefect.blocks",
     "RunpodTarget": "overbrainer_prefect.blocks",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from prefect.blocks.core import Block
-from pydantic import Field, HttpUrl, SecretStr, ValidationError
+from pydantic import BaseModel, Field, HttpUrl, SecretStr, ValidationError
 
 from overbrainer_prefect.envfile import read_env_file
 from overbrainer_prefect.executors.base import Executor
@@ -22,12 +22,14 @@ from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.settings import (
     RunpodSettingsFields,
     RunpodTargetSettings,
+    SettingsError,
     one_line,
     settings_from,
 )
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.host import Bounds, HostTarget
 from overbrainer_prefect.targets.pod import PodTarget
+from overbrainer_prefect.targets.pool import PoolHost, PoolTarget, pool_problem
 
 DOCS_URL = "https://github.com/overbrainer/overbrainer-prefect#readme"
 LOGO_FILE = "overbrainer_prefect/logo.png"
@@ -217,6 +219,122 @@ class SshTarget(TargetBlock):
         return host_target(self, ref, log)
 
 
+class SshPoolHost(BaseModel):
+    """One machine of an `SshPool`: how it is reached and where its jobs' run
+    directories are."""
+
+    name: str | None = Field(
+        default=None,
+        description="Its name in messages and run records; `host:port` when unset.",
+    )
+    host: str = Field(description="The machine's host name or address.")
+    port: int = Field(default=22, ge=1, le=65535, description="Its SSH port.")
+    user: str = Field(default="root", description="The user jobs run as.")
+    private_key: SecretStr | None = Field(
+        default=None,
+        description="The client's private key for this machine (OpenSSH text); the pool's "
+        "when unset.",
+    )
+    key_file: str | None = Field(
+        default=None,
+        description="A file on this machine holding the client's private key for it; the "
+        "pool's when unset.",
+    )
+    host_key: str | None = Field(
+        default=None,
+        description="The machine's public key as `ssh-keyscan -p PORT HOST` prints it; "
+        "required to connect.",
+    )
+    work_dir: str = Field(
+        default="/root/overbrainer",
+        description="The absolute directory on the machine that holds the run directories "
+        "(and its lease: one job of this product at a time).",
+    )
+
+    @property
+    def label(self) -> str:
+        """Its name, or `host:port`."""
+        return self.name or f"{self.host}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        """`user@host:port`."""
+        return f"{self.user}@{self.host}:{self.port}"
+
+
+class SshPool(TargetBlock):
+    """Several machines reached over SSH (GPU boxes you own), as one target:
+    each run goes to a free one, a machine that answers, has what the job
+    needs and holds no job of this product (decided on the machine itself, so
+    two workers never put two jobs on one box). A machine that does not
+    answer is skipped; when none is free the run waits up to `wait_minutes`.
+    Every machine's host key must be pinned; its job venv is at `job_venv`.
+    """
+
+    _block_type_name = "Overbrainer SSH Pool"
+    kind: ClassVar[str] = "pool"
+
+    hosts: list[SshPoolHost] = Field(
+        description="The machines of the pool, tried in this order; each listed once."
+    )
+    private_key: SecretStr | None = Field(
+        default=None,
+        description="The client's private key (OpenSSH text) for the machines without one of "
+        "their own.",
+    )
+    key_file: str | None = Field(
+        default=None,
+        description="A file on this machine holding the client's private key, for the "
+        "machines without one of their own.",
+    )
+    wait_minutes: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long a run waits for a free machine before it fails (0: not at all).",
+    )
+    connect_timeout: float = Field(default=15.0, gt=0, description="Seconds to connect.")
+
+    def executor(self, machine: SshPoolHost, name: str) -> Executor:
+        """An `SshExecutor` to `machine`, named `name`. Raises ExecError when
+        no host key is pinned or the client key cannot be read."""
+        own = machine.private_key is not None or machine.key_file is not None
+        return SshExecutor(
+            machine.host,
+            port=machine.port,
+            user=machine.user,
+            client_key=machine.private_key if own else self.private_key,
+            key_path=machine.key_file if own else self.key_file,
+            known_host_key=machine.host_key,
+            workdir=machine.work_dir,
+            name=name,
+            connect_timeout=self.connect_timeout,
+        )
+
+    def target(self, ref: str, log: Logger) -> Target:
+        """The pool as a `PoolTarget`. Raises SettingsError (one line) for a
+        pool without machines or with one listed twice."""
+        problem = pool_problem(ref, [(m.label, m.address) for m in self.hosts])
+        if problem is not None:
+            raise SettingsError(problem)
+        return PoolTarget(
+            ref,
+            [
+                PoolHost(
+                    m.label,
+                    m.address,
+                    m.work_dir,
+                    lambda m=m: self.executor(m, f"{ref}:{m.label}"),  # type: ignore[misc]
+                )
+                for m in self.hosts
+            ],
+            self.bounds(),
+            wait_s=self.wait_minutes * 60,
+            secrets=self.secrets,
+            cpu_threads=self.cpu_threads,
+            log=log,
+        )
+
+
 class OllamaServer(Branded, Block):
     """An Ollama server that delivered models are created on: the `deliver`
     flow pushes a run's verified GGUF to it as a blob named by its SHA-256
@@ -311,7 +429,7 @@ class RunpodTarget(RunpodSettingsFields, TargetBlock):
         )
 
 
-TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget, SshTarget, RunpodTarget)
+TARGET_TYPES: tuple[type[TargetBlock], ...] = (LocalTarget, SshTarget, RunpodTarget, SshPool)
 """The target block types, in the order a bare name is looked up."""
 
 

@@ -42,6 +42,7 @@ def test_every_block_type_of_the_package_is_checked() -> None:
         "OllamaServer",
         "RunpodCredentials",
         "RunpodTarget",
+        "SshPool",
         "SshTarget",
     }
 

@@ -38,7 +38,15 @@ CORE = sorted(
     if path.name != "__init__.py"
 ) + list(CORE_MODULES)
 
-TARGET_CLASSES = ("RunpodTarget", "SshTarget", "LocalTarget", "PodTarget", "HostTarget")
+TARGET_CLASSES = (
+    "RunpodTarget",
+    "SshTarget",
+    "SshPool",
+    "LocalTarget",
+    "PodTarget",
+    "HostTarget",
+    "PoolTarget",
+)
 
 
 def test_the_core_imports_without_prefect() -> None:

@@ -1,9 +1,9 @@
 """The `Target` contract, run the same way on every kind of target: this
-machine, a real sshd on 127.0.0.1, and a Runpod pod of the simulator (a real
-process tree running the real bootstrap and watchdog). Like Prefect's
-`BlockStandardTestSuite` over every block of prefect-aws, the same steps and
-the same assertions hold for each: the driver above them never asks which
-one it holds. Only the core is used here: no Prefect server.
+machine, a real sshd on 127.0.0.1, a pool of two of them, and a Runpod pod
+of the simulator (a real process tree running the real bootstrap and
+watchdog). Like Prefect's `BlockStandardTestSuite` over every block of
+prefect-aws, the same steps and the same assertions hold for each: the
+driver above them never asks which one it holds. Only the core is used here: no Prefect server.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 
-from overbrainer_prefect.blocks import LocalTarget, RunpodCredentials, RunpodTarget, SshTarget
+from overbrainer_prefect.blocks import (
+    LocalTarget,
+    RunpodCredentials,
+    RunpodTarget,
+    SshPool,
+    SshPoolHost,
+    SshTarget,
+)
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps import reporters
@@ -41,7 +48,7 @@ TRAINS = f"{WRITE_METRICS}; sleep 2; {WRITE_OUTPUT}"
 """A job that writes metrics and an output after a while (long enough to be left)."""
 
 
-@pytest.fixture(params=["local", "ssh", "runpod"])
+@pytest.fixture(params=["local", "ssh", "pool", "runpod"])
 def place(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Target]:
@@ -64,6 +71,27 @@ def place(
                 connect_timeout=5,
             )
             yield block.target("overbrainer-ssh-target/contract", LOG)
+    elif request.param == "pool":
+        with Sshd.create(tmp_path / "sshd0") as one, Sshd.create(tmp_path / "sshd1") as two:
+            block = SshPool(
+                hosts=[
+                    SshPoolHost(
+                        name=f"box{i}",
+                        host="127.0.0.1",
+                        port=sshd.port,
+                        user=sshd.user,
+                        private_key=sshd.client_key_text,
+                        host_key=sshd.host_key_line,
+                        work_dir=str(tmp_path / f"work{i}"),
+                    )
+                    for i, sshd in enumerate((one, two))
+                ],
+                job_venv=str(job_venv()),
+                poll_seconds=0.3,
+                connect_timeout=5,
+                wait_minutes=0,
+            )
+            yield block.target("overbrainer-ssh-pool/contract", LOG)
     else:
         monkeypatch.setenv(TIMING_ENV, FAST)
         with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim):
