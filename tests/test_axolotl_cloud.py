@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tomllib
@@ -26,8 +27,16 @@ import pytest
 import yaml
 
 from overbrainer_prefect.axolotl_cloud.cloud import CloudConfigError, read_cloud
+from overbrainer_prefect.axolotl_cloud.console import QUESTION
 from overbrainer_prefect.axolotl_cloud.mapping import AXOLOTL_DEFAULTS, spec_from_axolotl
 from tests.conftest import REPO, job_venv
+from tests.runpod_sim import RunpodSim
+from tests.runpod_sim.pods import SimPods
+from tests.test_runpod_flows import LONG, fast, pods_of, running_on_pod, sim
+from tests.test_runpod_flows import target as runpod_target
+from tests.test_train_flow import kill, wait_until
+
+__all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures, shared with the Runpod flow tests
 
 COMMAND_BOUND_S = 420.0  # a tiny training through the whole chain, on a loaded machine
 
@@ -311,3 +320,56 @@ def test_cloud_yml_is_checked_key_by_key() -> None:
         read_cloud({"provider": "overbrainer"})
     with pytest.raises(CloudConfigError, match="max_hours: Input should be greater than 0"):
         read_cloud({"target": "t", "max_hours": 0})
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_cancel_cancels_the_job_on_its_pod_and_deletes_the_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    visible: Path,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C at the terminal (SIGINT to the command's process group) while the
+    job trains on a simulated pod, answered `c`."""
+    from overbrainer_prefect.runpod.pod import PodRecord, PodState
+    from overbrainer_prefect.runs import Runs, RunState
+
+    name = runpod_target(sim)
+    runs_dir = tmp_path / "runs"
+    config = tiny_config(*tiny) | {"max_steps": LONG}
+    (tmp_path / "config.yml").write_text(yaml.safe_dump(config))
+    cloud = {"provider": "overbrainer", "target": name, "runs_dir": str(runs_dir)}
+    (tmp_path / "cloud.yml").write_text(yaml.safe_dump({"python": sys.executable, **cloud}))
+    err = tmp_path / "stderr.txt"
+    with err.open("w") as stderr, (tmp_path / "stdout.txt").open("w") as stdout:
+        command = subprocess.Popen(
+            [str(job_venv() / "bin" / "axolotl"), "train", "config.yml", "--cloud", "cloud.yml"],
+            cwd=tmp_path,
+            env=axolotl_env(visible),
+            stdin=subprocess.PIPE,
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,  # its own group, as a terminal's foreground job
+        )
+    try:
+        wait_until(lambda: running_on_pod(runs_dir) is not None, 300, "the job to train")
+        record = running_on_pod(runs_dir)
+        os.killpg(command.pid, signal.SIGINT)
+        wait_until(lambda: QUESTION.strip() in err.read_text(), 30, "the question")
+        assert command.stdin is not None
+        command.stdin.write("c\n")
+        command.stdin.flush()
+        code = command.wait(timeout=240)
+    finally:
+        kill(command)
+    said = err.read_text()
+    assert code == 1, said[-3000:]
+    assert said.count(QUESTION.strip()) == 1  # asked once, though both processes got SIGINT
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.CANCELLED, saved.message
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted and not pods_of.running(pod.pod_id)
