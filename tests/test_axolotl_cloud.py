@@ -322,31 +322,21 @@ def test_cloud_yml_is_checked_key_by_key() -> None:
         read_cloud({"target": "t", "max_hours": 0})
 
 
-@pytest.mark.slow
-def test_ctrl_c_then_cancel_cancels_the_job_on_its_pod_and_deletes_the_pod(
-    prefect_server: None,
-    sim: RunpodSim,
-    pods_of: SimPods,
-    visible: Path,
-    tiny: tuple[Path, Path],
-    tmp_path: Path,
-) -> None:
-    """Ctrl-C at the terminal (SIGINT to the command's process group) while the
-    job trains on a simulated pod, answered `c`."""
-    from overbrainer_prefect.runpod.pod import PodRecord, PodState
-    from overbrainer_prefect.runs import Runs, RunState
-
-    name = runpod_target(sim)
-    runs_dir = tmp_path / "runs"
-    config = tiny_config(*tiny) | {"max_steps": LONG}
-    (tmp_path / "config.yml").write_text(yaml.safe_dump(config))
-    cloud = {"provider": "overbrainer", "target": name, "runs_dir": str(runs_dir)}
-    (tmp_path / "cloud.yml").write_text(yaml.safe_dump({"python": sys.executable, **cloud}))
-    err = tmp_path / "stderr.txt"
-    with err.open("w") as stderr, (tmp_path / "stdout.txt").open("w") as stdout:
+def interrupted(
+    visible: Path, where: Path, config: dict[str, Any], cloud: dict[str, Any], answer: str
+) -> tuple[int, str, Any]:
+    """`axolotl train --cloud` until its job trains, then Ctrl-C at the terminal
+    (SIGINT to the command's process group: both its processes get it), the
+    question answered `answer`; its exit code, its stderr and the run's record
+    as it trained."""
+    runs_dir = Path(cloud["runs_dir"])
+    (where / "config.yml").write_text(yaml.safe_dump(config))
+    (where / "cloud.yml").write_text(yaml.safe_dump({"python": sys.executable, **cloud}))
+    err = where / "stderr.txt"
+    with err.open("w") as stderr, (where / "stdout.txt").open("w") as stdout:
         command = subprocess.Popen(
             [str(job_venv() / "bin" / "axolotl"), "train", "config.yml", "--cloud", "cloud.yml"],
-            cwd=tmp_path,
+            cwd=where,
             env=axolotl_env(visible),
             stdin=subprocess.PIPE,
             stdout=stdout,
@@ -360,16 +350,75 @@ def test_ctrl_c_then_cancel_cancels_the_job_on_its_pod_and_deletes_the_pod(
         os.killpg(command.pid, signal.SIGINT)
         wait_until(lambda: QUESTION.strip() in err.read_text(), 30, "the question")
         assert command.stdin is not None
-        command.stdin.write("c\n")
+        command.stdin.write(f"{answer}\n")
         command.stdin.flush()
         code = command.wait(timeout=240)
     finally:
         kill(command)
     said = err.read_text()
+    assert said.count(QUESTION.strip()) == 1, said[-3000:]  # asked once
+    return code, said, record
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_cancel_cancels_the_job_on_its_pod_and_deletes_the_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    visible: Path,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    from overbrainer_prefect.runpod.pod import PodRecord, PodState
+    from overbrainer_prefect.runs import Runs, RunState
+
+    runs_dir = tmp_path / "runs"
+    cloud = {"provider": "overbrainer", "target": runpod_target(sim), "runs_dir": str(runs_dir)}
+    config = tiny_config(*tiny) | {"max_steps": LONG}
+    code, said, record = interrupted(visible, tmp_path, config, cloud, "c")
     assert code == 1, said[-3000:]
-    assert said.count(QUESTION.strip()) == 1  # asked once, though both processes got SIGINT
     saved = Runs(runs_dir).load(record.id)
     assert saved.state == RunState.CANCELLED, saved.message
     pod = PodRecord.load(Runs(runs_dir), record.id)
     assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
     assert sim.pod(pod.pod_id).deleted and not pods_of.running(pod.pod_id)
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_stop_retrieves_a_checkpoint_and_says_how_to_resume(
+    prefect_server: None, visible: Path, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from overbrainer_prefect.blocks import LocalTarget
+    from overbrainer_prefect.runs import Runs, RunState
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(
+        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
+    ).save(name)
+    runs_dir = tmp_path / "runs"
+    cloud = {"provider": "overbrainer", "target": name, "runs_dir": str(runs_dir)}
+    config = tiny_config(*tiny) | {"max_steps": LONG}
+    code, said, record = interrupted(visible, tmp_path, config, cloud, "s")
+    assert code == 1, said[-3000:]
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.STOPPED, saved.message
+    assert list((Runs(runs_dir).run_dir(record.id) / "output").glob("checkpoint-*"))
+    assert f"resume it with `resume_from: {record.id}` in cloud.yml" in ours(said)[-1]
+
+
+def test_a_deployment_that_does_not_exist_ends_the_command_in_one_line(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    done = orchestrate(
+        tmp_path,
+        {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4},
+        {"target": "anything", "deployment": "train/nowhere"},
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+    )
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr) == [
+        "overbrainer: no deployment train/nowhere: deploy it (`prefect deploy`) or fix "
+        "`deployment:` in cloud.yml"
+    ]

@@ -383,6 +383,12 @@ async def _ended(state: State) -> int:
     if not isinstance(result, RunResult):
         say(f"the flow run ended {state.name} without a run's result")
         return NOT_SUCCEEDED
+    if result.state == RunState.STOPPED:
+        say(
+            f"run {result.run_id} stopped with a checkpoint, retrieved in {result.run_dir}: "
+            f"resume it with `resume_from: {result.run_id}` in cloud.yml and the same command"
+        )
+        return NOT_SUCCEEDED
     if result.state != RunState.SUCCEEDED:
         say(f"run {result.run_id} {result.state}: {result.message or ''} {result.next}".strip())
         return NOT_SUCCEEDED
