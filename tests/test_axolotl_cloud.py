@@ -422,3 +422,34 @@ def test_a_deployment_that_does_not_exist_ends_the_command_in_one_line(
         "overbrainer: no deployment train/nowhere: deploy it (`prefect deploy`) or fix "
         "`deployment:` in cloud.yml"
     ]
+
+
+@pytest.mark.parametrize(
+    ("what", "said"),
+    [
+        ("preprocess", "overbrainer: `axolotl preprocess --cloud` is not supported yet"),
+        ("lm_eval", "overbrainer: `axolotl lm-eval --cloud` is not supported yet"),
+        ("train", "overbrainer: no orchestrator Python found: set `python:` in cloud.yml"),
+    ],
+)
+def test_what_the_launcher_cannot_do_it_says_in_one_line(
+    visible: Path, what: str, said: str
+) -> None:
+    code = (
+        "import sys\n"
+        "from overbrainer_prefect.axolotl_cloud.launcher import OverbrainerLauncher\n"
+        "launcher = OverbrainerLauncher.from_config({'provider': 'overbrainer', 'target': 't'})\n"
+        f"launcher.{what}('base_model: x')\n"
+    )
+    env = axolotl_env(visible, PATH="/usr/bin:/bin")
+    env.pop("OVERBRAINER_PYTHON", None)
+    done = subprocess.run(
+        [str(job_venv() / "bin" / "python"), "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith(said), line
