@@ -13,6 +13,7 @@ Exit codes: 0 the run succeeded; 1 it did not (failed, cancelled, stopped);
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -238,8 +239,20 @@ async def _read_answer() -> str | None:
     """The first letter of the terminal's answer; None at end of input or
     after ANSWER_WAIT_S."""
     loop = asyncio.get_running_loop()
+    answered: asyncio.Future[str] = loop.create_future()
+
+    def give(line: str) -> None:
+        if not answered.done():
+            answered.set_result(line)
+
+    def read() -> None:  # a daemon thread: a read nobody answers never holds the exit
+        line = sys.stdin.readline()
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(give, line)
+
+    threading.Thread(target=read, name="overbrainer-answer", daemon=True).start()
     try:
-        line = await asyncio.wait_for(loop.run_in_executor(None, sys.stdin.readline), ANSWER_WAIT_S)
+        line = await asyncio.wait_for(answered, ANSWER_WAIT_S)
     except TimeoutError:
         return None
     line = line.strip().lower()
