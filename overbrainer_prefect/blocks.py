@@ -375,8 +375,8 @@ async def target_named(name: str, log: Logger, bounds: Mapping[str, float] | Non
         for field, value in bounds.items():
             if field not in type(block).model_fields:
                 raise SettingsError(
-                    f"the {type(block).get_block_type_name()} {ref} has no {field}: "
-                    f"remove it (its bounds: max_hours)"
+                    f"target {ref} has no {field}: remove it (only a Runpod target's cost "
+                    "is bounded)"
                 )
             if value <= 0:
                 raise SettingsError(f"{field} is {value}: give a number above 0")

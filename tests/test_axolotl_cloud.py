@@ -453,3 +453,26 @@ def test_what_the_launcher_cannot_do_it_says_in_one_line(
     assert done.returncode == 1
     [line] = done.stderr.splitlines()
     assert line.startswith(said), line
+
+
+def test_a_bound_the_target_does_not_have_ends_the_command_in_one_line(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    from overbrainer_prefect.blocks import LocalTarget
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(job_venv=str(job_venv()), work_dir=str(tmp_path / "work")).save(name)
+    done = orchestrate(
+        tmp_path,
+        {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4},
+        {"target": name, "max_cost_usd": 5, "runs_dir": str(tmp_path / "runs")},
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+    )
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr) == [
+        f"overbrainer: target overbrainer-local-target/{name} has no max_cost_usd: remove it "
+        "(only a Runpod target's cost is bounded)"
+    ]
+    assert not (tmp_path / "runs").exists()
