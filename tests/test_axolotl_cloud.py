@@ -476,3 +476,34 @@ def test_a_bound_the_target_does_not_have_ends_the_command_in_one_line(
         "(only a Runpod target's cost is bounded)"
     ]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_tiny_training_on_a_simulated_pod_ends_0_with_its_files_verified_and_no_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    visible: Path,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    from overbrainer_prefect.runpod.pod import PodRecord, PodState
+    from overbrainer_prefect.runs import Runs, RunState
+
+    runs_dir = tmp_path / "runs"
+    cloud = {
+        "provider": "overbrainer",
+        "target": runpod_target(sim),
+        "runs_dir": str(runs_dir),
+        "max_hours": 0.5,
+        "max_cost_usd": 1,
+    }
+    done = axolotl_train(visible, tmp_path, tiny_config(*tiny), cloud)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "files verified in" in ours(done.stderr)[-1]
+    [record] = Runs(runs_dir).list()
+    assert record.state == RunState.SUCCEEDED
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted
+    assert (Runs(runs_dir).run_dir(record.id) / "output" / "adapter_model.safetensors").is_file()
