@@ -507,3 +507,28 @@ def test_a_tiny_training_on_a_simulated_pod_ends_0_with_its_files_verified_and_n
     assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
     assert sim.pod(pod.pod_id).deleted
     assert (Runs(runs_dir).run_dir(record.id) / "output" / "adapter_model.safetensors").is_file()
+
+
+def test_what_the_targets_job_venv_cannot_run_ends_the_command_in_one_line(
+    prefect_server: None, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The probe of a machine you own runs before anything exists: flash
+    attention on a CPU box whose job venv has no flash_attn."""
+    from prefect.settings import PREFECT_API_URL
+
+    from overbrainer_prefect.blocks import LocalTarget
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(job_venv=str(job_venv()), work_dir=str(tmp_path / "work")).save(name)
+    done = orchestrate(
+        tmp_path,
+        tiny_config(*tiny) | {"flash_attention": True},
+        {"target": name, "runs_dir": str(tmp_path / "runs")},
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+    )
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr)[1:] == [
+        "overbrainer: flash_attention needs an NVIDIA GPU and this target has none: turn "
+        "flash_attention off, or use a target with a GPU"
+    ]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "work").exists()

@@ -42,9 +42,12 @@ from prefect.states import Cancelling
 from overbrainer_prefect.axolotl_cloud.cloud import CloudConfig, CloudConfigError, read_cloud
 from overbrainer_prefect.axolotl_cloud.mapping import MappingError, spec_from_axolotl
 from overbrainer_prefect.blocks import AmbiguousTarget, UnknownTarget, target_named
+from overbrainer_prefect.executors.base import ExecError
 from overbrainer_prefect.flows.train import RunResult, cancel, stop, train
+from overbrainer_prefect.kinds.training import check_before_anything as training_checks
 from overbrainer_prefect.runpod.settings import SettingsError
 from overbrainer_prefect.runs.store import RunState
+from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.keys import CONFIG_KEYS
 from overbrainer_prefect.trainers.spec import TrainingSpec
@@ -59,6 +62,15 @@ POLL_S = 1.0  # between two looks at a deployment's flow run and its logs
 FOLLOW_BOUND_S = 31 * 24 * 3600.0  # the longest a deployment's run is followed here
 RUN_ID = re.compile(r"\brun (\d{8}-\d{6}-[0-9a-z]{4})\b")
 """A run's ID in the flow's log lines (`run 20261205-031500-ab12: step 3/6 ...`)."""
+
+
+TERMINAL = logging.getLogger("overbrainer.axolotl_cloud")
+"""The checks' warnings, on the terminal as the launcher's own lines."""
+_SAYS = logging.StreamHandler(sys.stderr)
+_SAYS.setFormatter(logging.Formatter("overbrainer: %(message)s"))
+TERMINAL.addHandler(_SAYS)
+TERMINAL.setLevel(logging.WARNING)
+TERMINAL.propagate = False
 
 
 class BadInput(Exception):
@@ -111,7 +123,9 @@ def read_request(path: Path) -> Request:
 async def check_before_anything(request: Request) -> None:
     """What must hold before a flow run exists: a Prefect server answers, the
     target block exists (with the bounds cloud.yml overrides), the deployment
-    exists, and the local datasets exist and read as their type needs.
+    exists, and the `train` flow's own pre-flight checks pass (local datasets
+    and their rows, the model's context, what the target's GPUs can run), and,
+    on a machine you own, its job venv's axolotl knows every key (the probe).
     Raises BadInput with one line."""
     if PREFECT_API_URL.value() is None:
         raise BadInput(
@@ -133,9 +147,8 @@ async def check_before_anything(request: Request) -> None:
                     f"no deployment {request.cloud.deployment}: deploy it (`prefect deploy`) "
                     "or fix `deployment:` in cloud.yml"
                 ) from None
-    quiet = logging.getLogger("overbrainer.axolotl_cloud")
     try:
-        await target_named(request.cloud.target, quiet, request.cloud.bounds())
+        place = await target_named(request.cloud.target, TERMINAL, request.cloud.bounds())
     except (UnknownTarget, AmbiguousTarget, SettingsError) as error:
         raise BadInput(str(error)) from None
     if request.cloud.deployment is not None and request.spec.local_datasets():
@@ -144,11 +157,12 @@ async def check_before_anything(request: Request) -> None:
             f"dataset {local} is a file here, which a deployment's worker cannot read: run "
             "without `deployment:` (the flow runs here and uploads it), or give a Hub dataset"
         )
-    try:
-        for warning in request.spec.check_local_files():
-            say(warning)
-    except TrainError as error:
-        raise BadInput(str(error)) from None
+    try:  # the flow's own checks, then what the target's axolotl would refuse
+        facts = await training_checks(request.spec, place, TERMINAL)
+        if facts.modules:  # probed: a machine you own (a pod's is known once it exists)
+            AxolotlTrainer(request.spec).check(facts)
+    except (TrainError, ExecError) as error:
+        raise BadInput(str(error).splitlines()[0]) from None
 
 
 @dataclass
@@ -390,7 +404,8 @@ def _deployed_end(state: State, succeeded: bool) -> int:
 async def _ended(state: State) -> int:
     """Prints how the run ended (its verified files when it succeeded); its exit code."""
     if not state.is_completed():
-        say(f"the flow run ended {state.name}: {(state.message or 'no message').strip()}")
+        message = (state.message or "no message").strip().splitlines()[0]
+        say(f"the flow run ended {state.name}: {message}")
         return NOT_SUCCEEDED
     result = await state.result()
     if not isinstance(result, RunResult):
