@@ -6,7 +6,9 @@ and axolotl's registry finding the launcher.
 The package is made visible to axolotl's Python without installing it into
 the shared job venv: the repository and a `*.dist-info` holding this
 package's `axolotl.cloud_providers` entry point (read from pyproject.toml) go
-on its PYTHONPATH, where importlib.metadata finds entry points.
+on its PYTHONPATH, where importlib.metadata finds entry points (the
+dist-info is left out when the package is installed there already: the
+repository, first on the path, is still what runs).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def visible(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding this package's dist-info (its entry points from
     pyproject.toml), to put on axolotl's PYTHONPATH with the repository."""
     root = tmp_path_factory.mktemp("axolotl-sees")
+    if list((job_venv() / "lib").glob("python3*/site-packages/overbrainer_prefect-*.dist-info")):
+        return root  # installed there (`--no-deps`): a second registration would be refused
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     info = root / f"overbrainer_prefect-{project['version']}.dist-info"
     info.mkdir()
