@@ -8,6 +8,7 @@ settings are not here: they are flow parameters.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -486,9 +487,20 @@ async def load_target(name: str) -> tuple[str, TargetBlock]:
     )
 
 
-async def target_named(name: str, log: Logger) -> Target:
-    """The `Target` of the block `name` (see `load_target`), logging to `log`.
-    Raises UnknownTarget, or SettingsError for settings that cannot be used,
-    each with one line."""
+async def target_named(name: str, log: Logger, bounds: Mapping[str, float] | None = None) -> Target:
+    """The `Target` of the block `name` (see `load_target`), logging to `log`,
+    with `bounds` (`max_hours`, `max_cost_usd`) in place of the block's own for
+    this run. Raises UnknownTarget, or SettingsError for settings that cannot
+    be used or a bound the block does not have, each with one line."""
     ref, block = await load_target(name)
+    if bounds:
+        for field, value in bounds.items():
+            if field not in type(block).model_fields:
+                raise SettingsError(
+                    f"target {ref} has no {field}: remove it (only a Runpod target's cost "
+                    "is bounded)"
+                )
+            if value <= 0:
+                raise SettingsError(f"{field} is {value}: give a number above 0")
+        block = block.model_copy(update=dict(bounds))
     return block.target(ref, log)

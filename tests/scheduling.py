@@ -51,6 +51,7 @@ MEASURED_S: dict[str, float] = {
     "tests/test_runpod_flows.py": 628,
     "deployed": 560,
     "deployed-ui": 600,
+    "tests/test_axolotl_cloud.py": 330,  # axolotl's CLI imports torch: ~30 s a command
     "tests/test_recovery.py": 171,
     "tests/test_lost_pod.py": 250,  # + a restart from step 0 (about 80 s on 3 workers)
     "tests/test_object_store.py": 150,

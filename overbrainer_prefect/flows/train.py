@@ -86,6 +86,7 @@ async def train(
     resume_from: str | None = None,
     runs_dir: str | None = None,
     export: ExportSpec | None = None,
+    bounds: dict[str, float] | None = None,
 ) -> RunResult | AnyState:
     """Fine-tunes a model with axolotl on `target` (a target block's name): creates
     a run, starts its job, follows it live, then retrieves and verifies its files.
@@ -93,13 +94,15 @@ async def train(
     `resume_from` names a stopped run whose checkpoint the new run starts from
     (its training spec is reused when `training` is not given). With `export`, a
     succeeded run is then exported to a GGUF on the same target (the `export`
-    flow, as a subflow), which joins the run's summary and result. Fails before
+    flow, as a subflow), which joins the run's summary and result. `bounds`
+    (`max_hours`, `max_cost_usd`) replace the target block's own for this run.
+    Fails before
     any run exists when the target block or a dataset file is missing; fails with
     the run's message when its job fails, or the export's when it fails.
     """
     runs = await runs_at(runs_dir)
     logger = get_run_logger()
-    place = await target_named(target, logger)
+    place = await target_named(target, logger, bounds)
     point = None
     if resume_from is not None:
         stopped = runs.load(resume_from)

@@ -25,7 +25,7 @@ from overbrainer_prefect.store import StoreError
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, data_copies, launch_summary
-from overbrainer_prefect.trainers.base import Trainer, TrainError
+from overbrainer_prefect.trainers.base import TargetFacts, Trainer, TrainError
 from overbrainer_prefect.trainers.holdout import holdout_problem
 from overbrainer_prefect.trainers.preflight import preflight
 from overbrainer_prefect.trainers.spec import DatasetSpec, TrainingSpec
@@ -262,11 +262,12 @@ def result_line(result: RunResult) -> str:
     )
 
 
-async def check_before_anything(spec: TrainingSpec, place: Target, logger: Logger) -> None:
+async def check_before_anything(spec: TrainingSpec, place: Target, logger: Logger) -> TargetFacts:
     """The pre-flight checks of a training run, before its record, pod or job
     exists: its local files and rows, the model's context, and what the spec
     asks of the GPUs the job will have (probed on a machine you own; a pod's
-    count). Logs the launch plan and the warnings. Raises TrainError (one line)."""
+    count). Logs the launch plan and the warnings; returns what the probe
+    found. Raises TrainError (one line)."""
     secrets = place.secrets()
     hub = secrets.get("HF_TOKEN")
     facts = await place.facts(AxolotlTrainer(spec).probe_modules)
@@ -283,6 +284,7 @@ async def check_before_anything(spec: TrainingSpec, place: Target, logger: Logge
     for warning in warnings:
         logger.warning("%s", warning)
     logger.info("the run will be %s on %s", launch_summary(spec, facts.gpus), place.ref)
+    return facts
 
 
 @dataclass

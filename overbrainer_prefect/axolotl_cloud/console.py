@@ -1,0 +1,455 @@
+"""What `axolotl train config.yml --cloud cloud.yml` does in the orchestrator's
+Python (`python -m overbrainer_prefect.axolotl_cloud train REQUEST`, started by
+the launcher): checks everything before anything is created, runs the `train`
+flow (in this process, or as a run of cloud.yml's deployment) and streams it to
+the terminal: the flow run's UI link, the job's progress lines, then the
+verified files. Ctrl-C asks once "stop with a checkpoint (s), cancel (c), or
+leave it running (l)?" and does that with the `stop` and `cancel` flows.
+
+Exit codes: 0 the run succeeded; 1 it did not (failed, cancelled, stopped);
+2 bad input, nothing created; 3 left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
+from prefect.client.schemas.objects import FlowRun, State
+from prefect.client.schemas.sorting import LogSort
+from prefect.deployments.flow_runs import arun_deployment
+from prefect.exceptions import ObjectNotFound
+from prefect.flow_engine import run_flow_async
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+from prefect.states import Cancelling
+
+from overbrainer_prefect.axolotl_cloud.cloud import CloudConfig, CloudConfigError, read_cloud
+from overbrainer_prefect.axolotl_cloud.mapping import MappingError, spec_from_axolotl
+from overbrainer_prefect.blocks import AmbiguousTarget, UnknownTarget, target_named
+from overbrainer_prefect.executors.base import ExecError
+from overbrainer_prefect.flows.train import RunResult, cancel, stop, train
+from overbrainer_prefect.kinds.training import check_before_anything as training_checks
+from overbrainer_prefect.runpod.settings import SettingsError
+from overbrainer_prefect.runs.store import RunState
+from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
+from overbrainer_prefect.trainers.base import TrainError
+from overbrainer_prefect.trainers.keys import CONFIG_KEYS
+from overbrainer_prefect.trainers.spec import TrainingSpec
+
+SUCCEEDED, NOT_SUCCEEDED, BAD_INPUT, LEFT_RUNNING = 0, 1, 2, 3
+"""The exit codes (see the module's docstring)."""
+
+QUESTION = "stop with a checkpoint (s), cancel (c), or leave it running (l)? "
+ANSWER_WAIT_S = 300.0  # no answer by then (or no terminal): the run goes on, followed here
+ECHO_S = 2.0  # a second SIGINT this soon after the first is the same Ctrl-C (the launcher's)
+POLL_S = 1.0  # between two looks at a deployment's flow run and its logs
+FOLLOW_BOUND_S = 31 * 24 * 3600.0  # the longest a deployment's run is followed here
+RUN_ID = re.compile(r"\brun (\d{8}-\d{6}-[0-9a-z]{4})\b")
+"""A run's ID in the flow's log lines (`run 20261205-031500-ab12: step 3/6 ...`)."""
+
+
+TERMINAL = logging.getLogger("overbrainer.axolotl_cloud")
+"""The checks' warnings, on the terminal as the launcher's own lines."""
+_SAYS = logging.StreamHandler(sys.stderr)
+_SAYS.setFormatter(logging.Formatter("overbrainer: %(message)s"))
+TERMINAL.addHandler(_SAYS)
+TERMINAL.setLevel(logging.WARNING)
+TERMINAL.propagate = False
+
+
+class BadInput(Exception):
+    """What the user gave cannot be run; the message is one line."""
+
+
+def say(line: str) -> None:
+    """One line of this launcher's own on the terminal."""
+    print(f"overbrainer: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Request:
+    """What the launcher handed over."""
+
+    cloud: CloudConfig
+    spec: TrainingSpec
+    notes: list[str]
+
+
+def read_request(path: Path) -> Request:
+    """The launcher's request file, checked: cloud.yml, then the axolotl YAML
+    with the command line's overrides. Raises BadInput with one line."""
+    found = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        cloud = read_cloud(found["cloud"])
+    except CloudConfigError as error:
+        raise BadInput(str(error)) from None
+    try:
+        config = yaml.safe_load(found["config_yaml"])
+    except yaml.YAMLError as error:
+        raise BadInput(f"the axolotl YAML does not parse: {error}".splitlines()[0]) from None
+    if not isinstance(config, dict):
+        raise BadInput("the axolotl YAML is not a mapping of keys")
+    overrides: dict[str, Any] = {}
+    for key, value in dict(found.get("overrides") or {}).items():
+        if key in CONFIG_KEYS:
+            overrides[key] = value
+        elif value not in (False, None, 0, "", []):
+            raise BadInput(f"the option --{key.replace('_', '-')} is not carried by --cloud")
+    try:
+        spec, notes = spec_from_axolotl(config, overrides)
+    except MappingError as error:
+        raise BadInput(str(error)) from None
+    if found.get("launcher_args"):
+        notes.append("launcher arguments are not used: the target's GPUs decide the launch")
+    return Request(cloud=cloud, spec=spec, notes=notes)
+
+
+async def check_before_anything(request: Request) -> None:
+    """What must hold before a flow run exists: a Prefect server answers, the
+    target block exists (with the bounds cloud.yml overrides), the deployment
+    exists, and the `train` flow's own pre-flight checks pass (local datasets
+    and their rows, the model's context, what the target's GPUs can run), and,
+    on a machine you own, its job venv's axolotl knows every key (the probe).
+    Raises BadInput with one line."""
+    if PREFECT_API_URL.value() is None:
+        raise BadInput(
+            "no Prefect server: start one (`prefect server start`) and set PREFECT_API_URL "
+            "(`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`)"
+        )
+    async with get_client() as client:
+        problem = await client.api_healthcheck()
+        if problem is not None:
+            raise BadInput(
+                f"no Prefect server answers at {PREFECT_API_URL.value()}: start it "
+                "(`prefect server start`) or fix PREFECT_API_URL"
+            )
+        if request.cloud.deployment is not None:
+            try:
+                await client.read_deployment_by_name(request.cloud.deployment)
+            except ObjectNotFound:
+                raise BadInput(
+                    f"no deployment {request.cloud.deployment}: deploy it (`prefect deploy`) "
+                    "or fix `deployment:` in cloud.yml"
+                ) from None
+    try:
+        place = await target_named(request.cloud.target, TERMINAL, request.cloud.bounds())
+    except (UnknownTarget, AmbiguousTarget, SettingsError) as error:
+        raise BadInput(str(error)) from None
+    if request.cloud.deployment is not None and request.spec.local_datasets():
+        local = request.spec.local_datasets()[0].path
+        raise BadInput(
+            f"dataset {local} is a file here, which a deployment's worker cannot read: run "
+            "without `deployment:` (the flow runs here and uploads it), or give a Hub dataset"
+        )
+    try:  # the flow's own checks, then what the target's axolotl would refuse
+        facts = await training_checks(request.spec, place, TERMINAL)
+        if facts.modules:  # probed: a machine you own (a pod's is known once it exists)
+            AxolotlTrainer(request.spec).check(facts)
+    except (TrainError, ExecError) as error:
+        raise BadInput(str(error).splitlines()[0]) from None
+
+
+@dataclass
+class Following:
+    """The flow run being followed, what it said, and the Ctrl-C question."""
+
+    cloud: CloudConfig
+    flow_run_id: UUID | None = None
+    run_id: str | None = None
+    asked_at: float | None = None
+    answering: bool = False
+    acting: asyncio.Task[None] | None = None
+    flow_task: asyncio.Task[Any] | None = None
+    actions: list[str] = field(default_factory=list)
+
+    def heard(self, message: str) -> None:
+        """Notes the run's ID from a log line of the flow."""
+        if self.run_id is None:
+            found = RUN_ID.search(message)
+            if found is not None:
+                self.run_id = found[1]
+
+    def interrupted(self) -> None:
+        """SIGINT: asks the question once (a SIGINT echoed by the launcher, or
+        one while the question is open, is the same Ctrl-C)."""
+        now = time.monotonic()
+        if self.answering or (self.asked_at is not None and now - self.asked_at < ECHO_S):
+            return
+        self.asked_at = now
+        self.answering = True
+        self.acting = asyncio.get_running_loop().create_task(self._ask())
+
+    async def _ask(self) -> None:
+        try:
+            print(f"\n{QUESTION}", end="", file=sys.stderr, flush=True)
+            answer = await _read_answer()
+        finally:
+            self.answering = False
+        if answer is None:
+            say("no answer: the run goes on, followed here")
+            return
+        await self._do(answer)
+
+    async def _do(self, answer: str) -> None:
+        run_id = self.run_id
+        if answer == "l":
+            self._leave()
+        if answer not in ("s", "c"):
+            say(f"{answer!r} is none of s, c, l: the run goes on, followed here")
+            return
+        if run_id is None:
+            say("no run exists yet: the flow run is cancelled before it creates one")
+            await self._cancel_flow_run()
+            return
+        if answer == "c":
+            say(f"cancelling run {run_id}: its job is cancelled, what it left retrieved")
+            if self.cloud.deployment is not None:
+                await self._cancel_flow_run()
+                return
+            await _in_own_thread(lambda: cancel(run_id=run_id, runs_dir=self.cloud.runs_dir))
+            return
+        say(f"asking run {run_id} for a checkpoint, then a stop")
+        await _in_own_thread(lambda: stop(run_id=run_id, runs_dir=self.cloud.runs_dir))
+
+    def _leave(self) -> None:
+        if self.run_id is not None:
+            say(
+                f"left running: run {self.run_id} goes on on {self.cloud.target}; follow it "
+                f"again with the attach flow (run_id={self.run_id}) or leave it to the collect "
+                f"deployment; cancel it with the cancel flow (run_id={self.run_id})"
+            )
+        else:
+            say(f"left running: the flow run {self.flow_run_id} goes on without this terminal")
+        sys.stdout.flush()
+        os._exit(LEFT_RUNNING)  # the job goes on detached; nothing here may end it
+
+    async def _cancel_flow_run(self) -> None:
+        if self.cloud.deployment is None:
+            if self.flow_task is not None:
+                self.flow_task.cancel()
+            return
+        if self.flow_run_id is not None:
+            async with get_client() as client:
+                await client.set_flow_run_state(self.flow_run_id, Cancelling(), force=True)
+
+
+async def _read_answer() -> str | None:
+    """The first letter of the terminal's answer; None at end of input or
+    after ANSWER_WAIT_S."""
+    loop = asyncio.get_running_loop()
+    answered: asyncio.Future[str] = loop.create_future()
+
+    def give(line: str) -> None:
+        if not answered.done():
+            answered.set_result(line)
+
+    def read() -> None:  # a daemon thread: a read nobody answers never holds the exit
+        line = sys.stdin.readline()
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(give, line)
+
+    threading.Thread(target=read, name="overbrainer-answer", daemon=True).start()
+    try:
+        line = await asyncio.wait_for(answered, ANSWER_WAIT_S)
+    except TimeoutError:
+        return None
+    line = line.strip().lower()
+    return line[:1] if line else None
+
+
+async def _in_own_thread(make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+    """Runs the flow `make()` to its end in a thread of its own (its own loop
+    and context: a flow run of its own, not a subflow of the one followed);
+    one line when it fails."""
+    failed: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            asyncio.run(make())
+        except BaseException as error:
+            failed.append(error)
+
+    thread = threading.Thread(target=go, name="overbrainer-ctrl-c", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        await asyncio.sleep(0.2)
+    if failed:
+        say(f"that did not work: {str(failed[0]).splitlines()[0] if str(failed[0]) else failed[0]}")
+
+
+class _RunIdHandler(logging.Handler):
+    """Hands every flow log line to `Following.heard`."""
+
+    def __init__(self, following: Following) -> None:
+        super().__init__(logging.INFO)
+        self.following = following
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.following.heard(record.getMessage())
+
+
+def ui_link(flow_run_id: UUID) -> str:
+    """The flow run's page in the Prefect UI."""
+    base = PREFECT_UI_URL.value()
+    if not base:
+        api = str(PREFECT_API_URL.value() or "")
+        base = api.removesuffix("/").removesuffix("/api")
+    return f"{str(base).rstrip('/')}/runs/flow-run/{flow_run_id}"
+
+
+def parameters(request: Request) -> dict[str, Any]:
+    """The `train` flow's parameters for `request`."""
+    found: dict[str, Any] = {
+        "target": request.cloud.target,
+        "training": request.spec.model_dump(mode="json"),
+    }
+    if request.cloud.runs_dir is not None:
+        found["runs_dir"] = request.cloud.runs_dir
+    if request.cloud.resume_from is not None:
+        found["resume_from"] = request.cloud.resume_from
+    if request.cloud.bounds():
+        found["bounds"] = request.cloud.bounds()
+    return found
+
+
+async def run_here(request: Request, following: Following) -> int:
+    """The `train` flow in this process; its log lines reach the terminal
+    through Prefect's console handler."""
+    params = parameters(request)
+    async with get_client() as client:
+        flow_run = await client.create_flow_run(train, parameters=params)
+    following.flow_run_id = flow_run.id
+    say(f"the flow run: {ui_link(flow_run.id)}")
+    handler = _RunIdHandler(following)
+    flow_logs = logging.getLogger("prefect.flow_runs")
+    flow_logs.addHandler(handler)
+    try:
+        following.flow_task = asyncio.create_task(
+            run_flow_async(train, flow_run=flow_run, parameters=params, return_type="state")
+        )
+        try:
+            state = await following.flow_task
+        except asyncio.CancelledError:
+            say("cancelled before any run existed: nothing was created on the target")
+            return NOT_SUCCEEDED
+    finally:
+        flow_logs.removeHandler(handler)
+    if following.acting is not None and not following.acting.done():
+        await following.acting  # a stop or cancel flow still ending
+    assert isinstance(state, State)
+    return await _ended(state)
+
+
+async def run_deployed(request: Request, following: Following) -> int:
+    """A run of cloud.yml's deployment, its logs read back from the server and
+    printed here until it ends."""
+    assert request.cloud.deployment is not None
+    flow_run = await arun_deployment(
+        request.cloud.deployment, parameters=parameters(request), timeout=0
+    )
+    assert isinstance(flow_run, FlowRun)
+    following.flow_run_id = flow_run.id
+    say(f"the flow run: {ui_link(flow_run.id)}")
+    seen = flow_run.created
+    succeeded_line = False
+    ends = time.monotonic() + FOLLOW_BOUND_S
+    async with get_client() as client:
+        while time.monotonic() < ends:
+            logs = await client.read_logs(
+                log_filter=LogFilter(
+                    flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]),
+                    timestamp=LogFilterTimestamp(after_=seen),
+                ),
+                sort=LogSort.TIMESTAMP_ASC,
+                limit=200,
+            )
+            for log in logs:
+                seen = log.timestamp
+                following.heard(log.message)
+                succeeded_line |= f" {RunState.SUCCEEDED}:" in log.message
+                level = logging.getLevelName(log.level)
+                print(f"{log.timestamp:%H:%M:%S} | {level:<7} | {log.message}", flush=True)
+            current = await client.read_flow_run(flow_run.id)
+            if current.state is not None and current.state.is_final() and not logs:
+                return _deployed_end(current.state, succeeded_line)
+            await asyncio.sleep(POLL_S)
+    say(f"still running after {FOLLOW_BOUND_S / 86400:.0f} days: left to its worker")
+    return LEFT_RUNNING
+
+
+def _deployed_end(state: State, succeeded: bool) -> int:
+    if state.is_completed() and succeeded:
+        say("the run succeeded; its files are in its run directory on the deployment's side")
+        return SUCCEEDED
+    say(f"the flow run ended {state.name}: {state.message or 'no message'}")
+    return NOT_SUCCEEDED
+
+
+async def _ended(state: State) -> int:
+    """Prints how the run ended (its verified files when it succeeded); its exit code."""
+    if not state.is_completed():
+        message = (state.message or "no message").strip().splitlines()[0]
+        say(f"the flow run ended {state.name}: {message}")
+        return NOT_SUCCEEDED
+    result = await state.result()
+    if not isinstance(result, RunResult):
+        say(f"the flow run ended {state.name} without a run's result")
+        return NOT_SUCCEEDED
+    if result.state == RunState.STOPPED:
+        say(
+            f"run {result.run_id} stopped with a checkpoint, retrieved in {result.run_dir}: "
+            f"resume it with `resume_from: {result.run_id}` in cloud.yml and the same command"
+        )
+        return NOT_SUCCEEDED
+    if result.state != RunState.SUCCEEDED:
+        say(f"run {result.run_id} {result.state}: {result.message or ''} {result.next}".strip())
+        return NOT_SUCCEEDED
+    say(f"run {result.run_id} succeeded: {len(result.files)} files verified in {result.run_dir}")
+    for entry in result.files:
+        print(f"  {entry.sha256}  {entry.size:>12}  {entry.path}", flush=True)
+    return SUCCEEDED
+
+
+async def train_from_axolotl(request_file: Path) -> int:
+    """The whole `axolotl train --cloud`: checks, runs, follows; the exit code."""
+    try:
+        request = read_request(request_file)
+        for note in request.notes:
+            say(note)
+        await check_before_anything(request)
+    except BadInput as error:
+        say(str(error))
+        return BAD_INPUT
+    following = Following(cloud=request.cloud)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, following.interrupted)
+    try:
+        if request.cloud.deployment is not None:
+            return await run_deployed(request, following)
+        return await run_here(request, following)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m overbrainer_prefect.axolotl_cloud train REQUEST`: the exit code."""
+    if len(argv) != 2 or argv[0] != "train":
+        say("usage: python -m overbrainer_prefect.axolotl_cloud train REQUEST.json")
+        return BAD_INPUT
+    return asyncio.run(train_from_axolotl(Path(argv[1])))

@@ -1,0 +1,151 @@
+"""The `overbrainer` launcher of axolotl's `--cloud` (its `axolotl.cloud_providers`
+entry point): `axolotl train config.yml --cloud cloud.yml` with `provider:
+overbrainer` in cloud.yml.
+
+It runs in axolotl's environment, which need not have Prefect (a laptop's
+axolotl on Python 3.12 with torch; Prefect and this package in another venv):
+it imports only the standard library and axolotl's launcher contract, and hands
+the work to the orchestrator's Python, `python -m overbrainer_prefect.axolotl_cloud
+train REQUEST`, in the same terminal (its output, its Ctrl-C question, its exit
+code). The orchestrator's Python is, first found:
+
+1. `python:` in cloud.yml (`~` expanded, relative to cloud.yml's directory);
+2. `$OVERBRAINER_PYTHON`;
+3. the Python beside the `prefect` command on the PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from axolotl.cli.cloud.base import CloudLauncher
+
+PYTHON_ENV = "OVERBRAINER_PYTHON"
+"""Names the orchestrator's Python when cloud.yml has no `python:`."""
+
+MODULE = "overbrainer_prefect.axolotl_cloud"
+"""What the orchestrator's Python runs (`-m`)."""
+
+NOT_YET_PREPROCESS = (
+    "overbrainer: `axolotl preprocess --cloud` is not supported yet; `axolotl train "
+    "--cloud` prepares the datasets on the target as the run's first step"
+)
+NOT_YET_LM_EVAL = (
+    "overbrainer: `axolotl lm-eval --cloud` is not supported yet; evaluate a trained run "
+    "with this package's `evaluate` flow (run_id=<the run's id>)"
+)
+
+
+class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, untyped here
+    """axolotl's launcher for this product's targets (local, SSH, Runpod): the
+    training runs as the `train` flow, followed in this terminal."""
+
+    def __init__(self, config: dict[str, Any], config_dir: Path | None = None) -> None:
+        super().__init__(config)
+        self.config_dir = config_dir or Path.cwd()
+
+    @classmethod
+    def from_config(
+        cls, config: dict[str, Any], *, config_dir: Path | None = None
+    ) -> OverbrainerLauncher:
+        """The launcher of cloud.yml's `config` (read from `config_dir`). It is
+        checked by the orchestrator, in one line per problem, when it trains."""
+        return cls(dict(config), config_dir)
+
+    def get_local_dirs(self, cwd: Path | str | None) -> dict[str, str]:
+        """None: the local datasets the YAML names are uploaded with the run
+        (the working directory is not mounted anywhere)."""
+        return {}
+
+    def train(
+        self,
+        config_yaml: str,
+        launcher: str = "accelerate",
+        launcher_args: list[str] | None = None,
+        local_dirs: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Trains axolotl's `config_yaml` (with the command line's overrides
+        `kwargs`) as the `train` flow on cloud.yml's target, in the orchestrator's
+        Python, streaming it here. Returns when the run succeeded.
+
+        Raises SystemExit with the orchestrator's exit code when the run did not
+        succeed, or one line when no orchestrator Python is found."""
+        request = {
+            "cloud": self.config,
+            "config_dir": str(self.config_dir),
+            "config_yaml": config_yaml,
+            "overrides": {k: v for k, v in kwargs.items() if v is not None},
+            "launcher_args": list(launcher_args or []),
+            "local_dirs": dict(local_dirs or {}),
+        }
+        code = self._hand_over("train", request)
+        if code != 0:
+            raise SystemExit(code)
+
+    def preprocess(self, config_yaml: str, *args: Any, **kwargs: Any) -> None:
+        """Says in one line that preprocessing on a target is not supported yet."""
+        raise SystemExit(NOT_YET_PREPROCESS)
+
+    def lm_eval(self, config_yaml: str) -> None:
+        """Says in one line that lm-eval on a target is not supported yet."""
+        raise SystemExit(NOT_YET_LM_EVAL)
+
+    def _hand_over(self, command: str, request: dict[str, Any]) -> int:
+        """Runs `python -m MODULE command REQUEST` in this terminal; a SIGINT sent
+        to this process alone is passed on (the orchestrator asks what to do; one
+        that the terminal sent both gets is asked once). Returns its exit code."""
+        python = orchestrator_python(self.config, self.config_dir)
+        with tempfile.TemporaryDirectory(prefix="overbrainer-axolotl-") as scratch:
+            path = Path(scratch) / "request.json"
+            path.write_text(json.dumps(request), encoding="utf-8")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            child = subprocess.Popen([python, "-m", MODULE, command, str(path)])
+
+            def pass_on(signum: int, frame: FrameType | None) -> None:
+                if child.poll() is None:
+                    child.send_signal(signal.SIGINT)
+
+            previous = signal.signal(signal.SIGINT, pass_on)
+            try:
+                return child.wait()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+
+
+def orchestrator_python(cloud: dict[str, Any], config_dir: Path) -> str:
+    """The orchestrator's Python (see the module's docstring for the order).
+
+    Raises SystemExit with one line when none is found, or the one named does
+    not exist."""
+    named = cloud.get("python") or os.environ.get(PYTHON_ENV)
+    if named:
+        path = Path(str(named)).expanduser()
+        if not path.is_absolute():
+            path = config_dir / path
+        if not path.exists():
+            raise SystemExit(
+                f"overbrainer: the orchestrator's Python {path} does not exist: set `python:` "
+                "in cloud.yml to the Python of the venv that has overbrainer-prefect"
+            )
+        return str(path)
+    prefect = shutil.which("prefect")
+    if prefect is not None:
+        beside = Path(prefect).parent / "python"
+        if beside.exists():
+            return str(beside)
+    raise SystemExit(
+        "overbrainer: no orchestrator Python found: set `python:` in cloud.yml (or "
+        f"${PYTHON_ENV}) to the Python of the venv that has overbrainer-prefect, e.g. "
+        "~/venvs/prefect/bin/python"
+    )

@@ -1,0 +1,538 @@
+"""axolotl's own `axolotl train config.yml --cloud cloud.yml` (the job venv's
+axolotl 0.21 CLI, not a call of the class) with `provider: overbrainer`: a
+tiny training on a local target, bad input in one line with nothing created,
+and axolotl's registry finding the launcher.
+
+The package is made visible to axolotl's Python without installing it into
+the shared job venv: the repository and a `*.dist-info` holding this
+package's `axolotl.cloud_providers` entry point (read from pyproject.toml) go
+on its PYTHONPATH, where importlib.metadata finds entry points (the
+dist-info is left out when the package is installed there already: the
+repository, first on the path, is still what runs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from overbrainer_prefect.axolotl_cloud.cloud import CloudConfigError, read_cloud
+from overbrainer_prefect.axolotl_cloud.console import QUESTION
+from overbrainer_prefect.axolotl_cloud.mapping import AXOLOTL_DEFAULTS, spec_from_axolotl
+from tests.conftest import REPO, job_venv
+from tests.runpod_sim import RunpodSim
+from tests.runpod_sim.pods import SimPods
+from tests.test_runpod_flows import LONG, fast, pods_of, running_on_pod, sim
+from tests.test_runpod_flows import target as runpod_target
+from tests.test_train_flow import kill, wait_until
+
+__all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures, shared with the Runpod flow tests
+
+COMMAND_BOUND_S = 420.0  # a tiny training through the whole chain, on a loaded machine
+
+
+@pytest.fixture(scope="module")
+def visible(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding this package's dist-info (its entry points from
+    pyproject.toml), to put on axolotl's PYTHONPATH with the repository."""
+    root = tmp_path_factory.mktemp("axolotl-sees")
+    if list((job_venv() / "lib").glob("python3*/site-packages/overbrainer_prefect-*.dist-info")):
+        return root  # installed there (`--no-deps`): a second registration would be refused
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    info = root / f"overbrainer_prefect-{project['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
+    )
+    lines = []
+    for group, points in project["entry-points"].items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {value}" for name, value in points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def axolotl_env(visible: Path, **changes: str) -> dict[str, str]:
+    """The environment of axolotl's command: the package visible, the test's
+    Prefect server, no telemetry."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(visible), str(REPO)])
+    env["AXOLOTL_DO_NOT_TRACK"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    api = PREFECT_API_URL.value()
+    if api:
+        env["PREFECT_API_URL"] = str(api)
+    env.update(changes)
+    return env
+
+
+def axolotl_train(
+    visible: Path, where: Path, config: dict[str, Any], cloud: dict[str, Any], **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`axolotl train config.yml --cloud cloud.yml` in `where`."""
+    (where / "config.yml").write_text(yaml.safe_dump(config))
+    (where / "cloud.yml").write_text(yaml.safe_dump({"python": sys.executable, **cloud}))
+    return subprocess.run(
+        [str(job_venv() / "bin" / "axolotl"), "train", "config.yml", "--cloud", "cloud.yml"],
+        cwd=where,
+        env=axolotl_env(visible, **env),
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_BOUND_S,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def orchestrate(
+    where: Path, config: dict[str, Any], cloud: dict[str, Any], **env: str
+) -> subprocess.CompletedProcess[str]:
+    """What the launcher runs in the orchestrator's Python, without axolotl's
+    CLI before it (whose imports take most of a minute on a loaded machine)."""
+    request = {"cloud": cloud, "config_dir": str(where), "config_yaml": yaml.safe_dump(config)}
+    (where / "request.json").write_text(json.dumps(request))
+    changed = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    if "PREFECT_API_URL" not in env:
+        changed.pop("PREFECT_API_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "overbrainer_prefect.axolotl_cloud", "train", "request.json"],
+        cwd=where,
+        env=changed,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def ours(output: str) -> list[str]:
+    """The launcher's own lines."""
+    return [line for line in output.splitlines() if line.startswith("overbrainer: ")]
+
+
+def tiny_config(model: Path, dataset: Path) -> dict[str, Any]:
+    return {
+        "base_model": str(model),
+        "datasets": [{"path": str(dataset), "type": "chat_template"}],
+        "adapter": "lora",
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "sequence_len": 64,
+        "micro_batch_size": 4,
+        "max_steps": 3,
+        "learning_rate": 5e-3,
+        "seed": 0,
+        "output_dir": "./outputs/tiny",
+    }
+
+
+def test_axolotls_registry_returns_the_launcher_without_importing_anything_heavy(
+    visible: Path,
+) -> None:
+    code = (
+        "import sys\n"
+        "from axolotl.cli.cloud.registry import load_cloud_provider\n"
+        "launcher = load_cloud_provider({'provider': 'overbrainer', 'target': 'x'})\n"
+        "print(type(launcher).__module__, type(launcher).__name__)\n"
+        "print(sorted(m for m in ('torch', 'prefect', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [str(job_venv() / "bin" / "python"), "-c", code],
+        env=axolotl_env(visible),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [
+        "overbrainer_prefect.axolotl_cloud.launcher OverbrainerLauncher",
+        "[]",
+    ]
+
+
+def test_a_typo_in_cloud_yml_ends_the_command_in_one_line_with_nothing_created(
+    visible: Path, tmp_path: Path
+) -> None:
+    done = axolotl_train(
+        visible,
+        tmp_path,
+        {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4},
+        {"provider": "overbrainer", "taget": "local", "runs_dir": str(tmp_path / "runs")},
+    )
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr) == [
+        "overbrainer: cloud.yml: unknown key `taget`: did you mean `target`?"
+    ]
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_no_prefect_server_ends_the_command_in_one_line(tmp_path: Path) -> None:
+    from tests.ports import free_port
+
+    done = orchestrate(
+        tmp_path,
+        {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4},
+        {"provider": "overbrainer", "target": "local"},
+        PREFECT_API_URL=f"http://127.0.0.1:{free_port()}/api",
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = ours(done.stderr)
+    assert line.startswith("overbrainer: no Prefect server answers at http://127.0.0.1:")
+
+
+def test_an_unknown_target_ends_the_command_in_one_line_with_nothing_created(
+    prefect_server: None, visible: Path, tmp_path: Path
+) -> None:
+    done = axolotl_train(
+        visible,
+        tmp_path,
+        {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4},
+        {"provider": "overbrainer", "target": "nowhere", "runs_dir": str(tmp_path / "runs")},
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = ours(done.stderr)
+    assert line.startswith("overbrainer: no target block named 'nowhere'"), line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_key_the_axolotl_versions_do_not_know_ends_the_command_in_one_line(
+    tmp_path: Path,
+) -> None:
+    config = {"base_model": "org/m", "datasets": ["org/d"], "learning_rate": 1e-4}
+    done = orchestrate(tmp_path, config | {"lora_dropuot": 0.1}, {"target": "local"})
+    assert done.returncode == 2, done.stderr
+    [line] = ours(done.stderr)
+    assert "unknown axolotl key in extra `lora_dropuot`" in line
+    assert "did you mean `lora_dropout`?" in line
+
+
+@pytest.mark.slow
+def test_a_tiny_training_through_axolotls_command_ends_0_with_its_files_verified(
+    prefect_server: None, visible: Path, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from overbrainer_prefect.blocks import LocalTarget
+    from overbrainer_prefect.runs import Runs, RunState
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(
+        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
+    ).save(name)
+    runs_dir = tmp_path / "runs"
+    done = axolotl_train(
+        visible,
+        tmp_path,
+        tiny_config(*tiny),
+        {"provider": "overbrainer", "target": name, "runs_dir": str(runs_dir), "max_hours": 1},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = ours(done.stderr)
+    assert (
+        lines[0]
+        == "overbrainer: output_dir is left to the run: its files land in its run directory"
+    )
+    assert lines[1].startswith("overbrainer: the flow run: http")
+    assert "files verified in" in lines[-1], lines
+    [record] = Runs(runs_dir).list()
+    assert record.state == RunState.SUCCEEDED
+    local = Runs(runs_dir).run_dir(record.id)
+    shown = {
+        line.split()[-1]: line.split()[0]
+        for line in done.stdout.splitlines()
+        if re.match(r"  [0-9a-f]{64}  ", line)
+    }
+    assert "output/adapter_model.safetensors" in shown
+    for path, digest in shown.items():
+        assert hashlib.sha256((local / path).read_bytes()).hexdigest() == digest
+    assert "step 3/3" in done.stderr  # the job's progress lines reached the terminal
+    assert not (tmp_path / "outputs").exists()
+
+
+def schema_defaults(keys: set[str]) -> dict[str, Any]:
+    """The defaults of `keys` in the job venv's axolotl config schema, read from
+    its source (importing it takes torch: most of a minute on a loaded machine)."""
+    import ast
+
+    schemas = next((job_venv() / "lib").glob("python3*/site-packages/axolotl/utils/schemas"))
+    found: dict[str, Any] = {}
+    for path in sorted(schemas.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            if node.target.id not in keys or node.value is None:
+                continue
+            value = node.value
+            if isinstance(value, ast.Call):
+                value = next(k.value for k in value.keywords if k.arg == "default")
+            found[node.target.id] = ast.literal_eval(value)
+    return found
+
+
+def test_the_axolotl_defaults_the_mapping_uses_are_the_job_venvs() -> None:
+    found = schema_defaults(set(AXOLOTL_DEFAULTS))
+    assert found == AXOLOTL_DEFAULTS | {"warmup_steps": None}
+
+
+def test_axolotl_keys_go_to_the_spec_fields_and_the_rest_to_extra() -> None:
+    spec, notes = spec_from_axolotl(
+        {
+            "base_model": "org/model",
+            "datasets": [{"path": "org/data", "type": "alpaca"}],
+            "learning_rate": 1e-4,
+            "adapter": "qlora",
+            "load_in_4bit": True,
+            "lora_target_linear": True,
+            "bf16": "auto",
+            "deepspeed": "deepspeed_configs/zero3_bf16.json",
+            "wandb_project": "p",
+            "weight_decay": 0.01,
+            "output_dir": "./out",
+        },
+        {"max_steps": 7},
+    )
+    assert (spec.adapter, spec.precision, spec.sharding) == ("qlora", "auto", "zero3")
+    assert spec.max_steps == 7 and spec.micro_batch_size == 1 and spec.warmup_steps == 0
+    assert spec.trackers == ["wandb"] and spec.tracker_project == "p"
+    assert spec.lora_target_modules is None
+    assert spec.extra == {"weight_decay": 0.01}
+    assert notes == ["output_dir is left to the run: its files land in its run directory"]
+    full, _ = spec_from_axolotl({"base_model": "m/m", "datasets": ["d/d"], "learning_rate": 1})
+    assert full.adapter == "full" and full.precision == "fp32"
+
+
+def test_cloud_yml_is_checked_key_by_key() -> None:
+    assert read_cloud({"provider": "overbrainer", "target": "t", "max_hours": 2}).bounds() == {
+        "max_hours": 2
+    }
+    with pytest.raises(CloudConfigError, match="did you mean `max_cost_usd`"):
+        read_cloud({"target": "t", "max_cost": 3})
+    with pytest.raises(CloudConfigError, match="target: missing"):
+        read_cloud({"provider": "overbrainer"})
+    with pytest.raises(CloudConfigError, match="max_hours: Input should be greater than 0"):
+        read_cloud({"target": "t", "max_hours": 0})
+
+
+def interrupted(
+    visible: Path, where: Path, config: dict[str, Any], cloud: dict[str, Any], answer: str
+) -> tuple[int, str, Any]:
+    """`axolotl train --cloud` until its job trains, then Ctrl-C at the terminal
+    (SIGINT to the command's process group: both its processes get it), the
+    question answered `answer`; its exit code, its stderr and the run's record
+    as it trained."""
+    runs_dir = Path(cloud["runs_dir"])
+    (where / "config.yml").write_text(yaml.safe_dump(config))
+    (where / "cloud.yml").write_text(yaml.safe_dump({"python": sys.executable, **cloud}))
+    err = where / "stderr.txt"
+    with err.open("w") as stderr, (where / "stdout.txt").open("w") as stdout:
+        command = subprocess.Popen(
+            [str(job_venv() / "bin" / "axolotl"), "train", "config.yml", "--cloud", "cloud.yml"],
+            cwd=where,
+            env=axolotl_env(visible),
+            stdin=subprocess.PIPE,
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,  # its own group, as a terminal's foreground job
+        )
+    try:
+        wait_until(lambda: running_on_pod(runs_dir) is not None, 300, "the job to train")
+        record = running_on_pod(runs_dir)
+        os.killpg(command.pid, signal.SIGINT)
+        wait_until(lambda: QUESTION.strip() in err.read_text(), 30, "the question")
+        assert command.stdin is not None
+        command.stdin.write(f"{answer}\n")
+        command.stdin.flush()
+        code = command.wait(timeout=240)
+    finally:
+        kill(command)
+    said = err.read_text()
+    assert said.count(QUESTION.strip()) == 1, said[-3000:]  # asked once
+    return code, said, record
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_cancel_cancels_the_job_on_its_pod_and_deletes_the_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    visible: Path,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    from overbrainer_prefect.runpod.pod import PodRecord, PodState
+    from overbrainer_prefect.runs import Runs, RunState
+
+    runs_dir = tmp_path / "runs"
+    cloud = {"provider": "overbrainer", "target": runpod_target(sim), "runs_dir": str(runs_dir)}
+    config = tiny_config(*tiny) | {"max_steps": LONG}
+    code, said, record = interrupted(visible, tmp_path, config, cloud, "c")
+    assert code == 1, said[-3000:]
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.CANCELLED, saved.message
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted and not pods_of.running(pod.pod_id)
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_stop_retrieves_a_checkpoint_and_says_how_to_resume(
+    prefect_server: None, visible: Path, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from overbrainer_prefect.blocks import LocalTarget
+    from overbrainer_prefect.runs import Runs, RunState
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(
+        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
+    ).save(name)
+    runs_dir = tmp_path / "runs"
+    cloud = {"provider": "overbrainer", "target": name, "runs_dir": str(runs_dir)}
+    config = tiny_config(*tiny) | {"max_steps": LONG}
+    code, said, record = interrupted(visible, tmp_path, config, cloud, "s")
+    assert code == 1, said[-3000:]
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.state == RunState.STOPPED, saved.message
+    assert list((Runs(runs_dir).run_dir(record.id) / "output").glob("checkpoint-*"))
+    assert f"resume it with `resume_from: {record.id}` in cloud.yml" in ours(said)[-1]
+
+
+def test_a_deployment_that_does_not_exist_ends_the_command_in_one_line(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    done = orchestrate(
+        tmp_path,
+        {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4},
+        {"target": "anything", "deployment": "train/nowhere"},
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+    )
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr) == [
+        "overbrainer: no deployment train/nowhere: deploy it (`prefect deploy`) or fix "
+        "`deployment:` in cloud.yml"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("what", "said"),
+    [
+        ("preprocess", "overbrainer: `axolotl preprocess --cloud` is not supported yet"),
+        ("lm_eval", "overbrainer: `axolotl lm-eval --cloud` is not supported yet"),
+        ("train", "overbrainer: no orchestrator Python found: set `python:` in cloud.yml"),
+    ],
+)
+def test_what_the_launcher_cannot_do_it_says_in_one_line(
+    visible: Path, what: str, said: str
+) -> None:
+    code = (
+        "import sys\n"
+        "from overbrainer_prefect.axolotl_cloud.launcher import OverbrainerLauncher\n"
+        "launcher = OverbrainerLauncher.from_config({'provider': 'overbrainer', 'target': 't'})\n"
+        f"launcher.{what}('base_model: x')\n"
+    )
+    env = axolotl_env(visible, PATH="/usr/bin:/bin")
+    env.pop("OVERBRAINER_PYTHON", None)
+    done = subprocess.run(
+        [str(job_venv() / "bin" / "python"), "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith(said), line
+
+
+def test_a_bound_the_target_does_not_have_ends_the_command_in_one_line(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    from overbrainer_prefect.blocks import LocalTarget
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(job_venv=str(job_venv()), work_dir=str(tmp_path / "work")).save(name)
+    done = orchestrate(
+        tmp_path,
+        {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4},
+        {"target": name, "max_cost_usd": 5, "runs_dir": str(tmp_path / "runs")},
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+    )
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr) == [
+        f"overbrainer: target overbrainer-local-target/{name} has no max_cost_usd: remove it "
+        "(only a Runpod target's cost is bounded)"
+    ]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_tiny_training_on_a_simulated_pod_ends_0_with_its_files_verified_and_no_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    visible: Path,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    from overbrainer_prefect.runpod.pod import PodRecord, PodState
+    from overbrainer_prefect.runs import Runs, RunState
+
+    runs_dir = tmp_path / "runs"
+    cloud = {
+        "provider": "overbrainer",
+        "target": runpod_target(sim),
+        "runs_dir": str(runs_dir),
+        "max_hours": 0.5,
+        "max_cost_usd": 1,
+    }
+    done = axolotl_train(visible, tmp_path, tiny_config(*tiny), cloud)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "files verified in" in ours(done.stderr)[-1]
+    [record] = Runs(runs_dir).list()
+    assert record.state == RunState.SUCCEEDED
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.state == PodState.DELETED and pod.pod_id is not None
+    assert sim.pod(pod.pod_id).deleted
+    assert (Runs(runs_dir).run_dir(record.id) / "output" / "adapter_model.safetensors").is_file()
+
+
+def test_what_the_targets_job_venv_cannot_run_ends_the_command_in_one_line(
+    prefect_server: None, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The probe of a machine you own runs before anything exists: flash
+    attention on a CPU box whose job venv has no flash_attn."""
+    from prefect.settings import PREFECT_API_URL
+
+    from overbrainer_prefect.blocks import LocalTarget
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(job_venv=str(job_venv()), work_dir=str(tmp_path / "work")).save(name)
+    done = orchestrate(
+        tmp_path,
+        tiny_config(*tiny) | {"flash_attention": True},
+        {"target": name, "runs_dir": str(tmp_path / "runs")},
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+    )
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr)[1:] == [
+        "overbrainer: flash_attention needs an NVIDIA GPU and this target has none: turn "
+        "flash_attention off, or use a target with a GPU"
+    ]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "work").exists()
