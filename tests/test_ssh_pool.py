@@ -9,6 +9,7 @@ used (no Prefect server)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -36,6 +37,8 @@ from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.targets import host_claim
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.targets.pool import POOL_RECORD, PoolError, PoolPlacement, PoolTarget
+from overbrainer_prefect.trainers.base import TrainError
+from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import REPO, job_venv
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
 from tests.sshd import Sshd
@@ -474,3 +477,155 @@ def test_two_worker_processes_claiming_one_machine_never_hold_it_at_once(
     for (out, err), racer in zip(answers, racers, strict=True):
         assert racer.returncode == 0, err[-2000:]
         assert "TAKEN 10" in out
+
+
+DDP_STEP = """
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+steps = int(sys.argv[1])
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+log = open("metrics.jsonl", "a") if rank == 0 else None
+if log:
+    log.write(json.dumps({"event": "begin", "max_steps": steps}) + "\\n")
+for step in range(1, steps + 1):
+    x = torch.randn(8, 4) + rank  # each rank its own data: DDP averages their gradients
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if log:
+        log.write(json.dumps({"event": "log", "step": step, "loss": loss.item()}) + "\\n")
+        log.flush()
+    if steps > 10:
+        time.sleep(0.1)
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+every = [torch.zeros_like(weights) for _ in range(world)]
+dist.all_gather(every, weights)
+same = all(torch.equal(w, every[0]) for w in every)
+node = os.environ["PET_NODE_RANK"]
+with open(f"rank{rank}.json", "w") as out:
+    json.dump({"rank": rank, "world": world, "node": node, "same": same}, out)
+if rank == 0:
+    os.makedirs("output", exist_ok=True)
+    torch.save(model.module.state_dict(), "output/adapter_model.safetensors")
+dist.destroy_process_group()
+"""
+
+
+class DdpTrainer(ShellTrainer):
+    """A plain torch DDP training (gloo, on the CPU) under torchrun: one
+    process per node, the rendezvous from the node's environment."""
+
+    def __init__(self, steps: int) -> None:
+        python = job_venv() / "bin" / "python"
+        super().__init__(
+            f"OMP_NUM_THREADS=1 {python} -m torch.distributed.run --nproc_per_node=1 "
+            f"ddp_step.py {steps}"
+        )
+
+    def prepare(self, local_run_dir: Path, ctx: Any) -> None:
+        """Writes the training script next to the input."""
+        super().prepare(local_run_dir, ctx)
+        (local_run_dir / "ddp_step.py").write_text(DDP_STEP)
+
+
+def nodes_need(nodes: int) -> JobNeed:
+    training = TrainingSpec(datasets=["data/train.jsonl"], nodes=nodes)
+    return JobNeed(what="the training", training=training)
+
+
+@asynccontextmanager
+async def started_on_nodes(
+    target: Target, runs: Runs, trainer: ShellTrainer, nodes: int
+) -> AsyncIterator[Any]:
+    """Creates, places and starts a job across `nodes`; yields (placed, ctx, record)."""
+    need = nodes_need(nodes)
+    target.check(need)
+    async with target.reserve(runs, need, NoBudget()) as reservation:
+        record = start_step.create(
+            runs, target=target.ref, target_kind=target.kind, workdir=target.workdir
+        )
+        async with target.place(runs, record, reservation) as placed:
+            record = runs.load(record.id)
+            record.remote_dir = placed.remote_dir(record)
+            runs.save(record)
+            ctx = placed.context(runs, reporters.LogReporter())
+            record = await start_step.start(ctx, trainer, record)
+            placed.started(runs, record)
+            yield placed, ctx, record
+
+
+def test_a_training_across_two_nodes_of_the_pool_runs_as_one_process_group(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    trainer = DdpTrainer(steps=3)
+
+    async def go() -> Outcome:
+        target = pool(boxes, tmp_path)
+        async with started_on_nodes(target, runs, trainer, 2) as (placed, ctx, record):
+            return await placed.follow(ctx, trainer, record)
+
+    outcome = asyncio.run(go())
+    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved, outcome.record
+    placement = PoolPlacement.load(runs, outcome.record.id)
+    assert placement is not None and len(set(placement.nodes)) == 2
+    assert len(placement.jobs) == 2
+    for rank, name in enumerate(placement.nodes):  # each node a real member of the group
+        run_dir = work_of(tmp_path, int(name[-1])) / outcome.record.id
+        told = json.loads((run_dir / f"rank{rank}.json").read_text())
+        assert told == {"rank": rank, "world": 2, "node": str(rank), "same": True}
+    assert [m.step for m in outcome.summary.metrics] == [1, 2, 3]  # rank 0's progress
+    assert "output/adapter_model.safetensors" in {f.path for f in outcome.files}
+    for i in range(3):
+        assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+
+
+def test_a_node_killed_mid_training_ends_the_training_on_every_node(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    trainer = DdpTrainer(steps=600)  # a minute at most
+
+    async def go() -> tuple[Outcome, PoolPlacement]:
+        target = pool(boxes, tmp_path)
+        async with started_on_nodes(target, runs, trainer, 2) as (placed, ctx, record):
+            placement = PoolPlacement.load(runs, record.id)
+            assert placement is not None and len(placement.jobs) == 2
+            metrics = Path(record.remote_dir) / "metrics.jsonl"  # rank 0's
+            watching = asyncio.create_task(placed.follow(ctx, trainer, record))
+            await wait_for(
+                lambda: metrics.exists() and '"step": 5' in metrics.read_text(),
+                60,
+                "rank 0 training",
+            )
+            os.killpg(placement.jobs[1].pid, signal.SIGKILL)  # node 1 is lost
+            return await watching, placement
+
+    outcome, placement = asyncio.run(go())
+    assert outcome.record.state == RunState.FAILED, outcome.record
+    rank0 = placement.jobs[0]
+    assert (
+        not Path(f"/proc/{rank0.pid}").exists()
+        or "Z" in Path(f"/proc/{rank0.pid}/stat").read_text().split(")")[-1][:3]
+    )
+    for i in range(3):  # both machines given back
+        assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+
+
+def test_more_nodes_than_machines_is_refused_in_one_line_before_anything(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    with pytest.raises(PoolError, match="asks for nodes=4, but pool .* has 3 machines") as caught:
+        pool(boxes, tmp_path).check(nodes_need(4))
+    assert "\n" not in str(caught.value)
+    single = SshTarget(host="127.0.0.1", job_venv="/v", work_dir="/w").target("ssh/one", LOG)
+    with pytest.raises(TrainError, match="asks for nodes=2, but ssh/one is one machine"):
+        single.check(nodes_need(2))
+    assert not (tmp_path / "runs").exists()

@@ -263,6 +263,12 @@ class TrainingSpec(BaseModel):
         "weights sharded), or `fsdp` (PyTorch FSDP2, weights sharded). Sharding needs 2 or "
         "more GPUs.",
     )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        description="Machines the training runs on at once, under torchrun's rendezvous: 2 or "
+        "more on a pool of SSH machines (one free machine each); 1 elsewhere.",
+    )
     trackers: list[Tracker] = Field(
         default_factory=list,
         description="Experiment trackers to report to: `wandb` (needs WANDB_API_KEY) and/or "
