@@ -95,6 +95,12 @@ def descendants(pid: int, *, zombies: bool = True) -> list[int]:
     return found
 
 
+def leads_group(pid: int) -> bool:
+    """Whether `pid` leads its own process group (a job whose `setsid` ran)."""
+    proc = read(pid)
+    return proc is not None and proc.pgid == pid
+
+
 def group_alive(pgid: int) -> bool:
     """Whether any live process is in the process group `pgid`."""
     return any(p.pgid == pgid and not p.zombie for p in table().values())

@@ -16,6 +16,7 @@ from pathlib import Path
 from overbrainer_prefect.executors.base import CANCEL_FILE, JobSpec, JobStatus
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.nodes import NodesExecutor
+from tests import procs
 from tests.shelljobs import wait_for
 
 WAITS = "i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done"
@@ -75,15 +76,10 @@ def test_a_node_lost_ends_the_job_on_every_node_and_the_job_reads_lost(tmp_path:
 
     async def go() -> list[JobStatus]:
         first = await executor.spawn(job(executor, WAITS))
-        os.killpg(executor.jobs[1].pid, signal.SIGKILL)  # node 1 is lost
-        await wait_for(
-            lambda: (
-                not Path(f"/proc/{executor.jobs[1].pid}").exists()
-                or " Z " in Path(f"/proc/{executor.jobs[1].pid}/stat").read_text()
-            ),
-            10,
-            "node 1 gone",
-        )
+        pid = executor.jobs[1].pid
+        await wait_for(lambda: procs.leads_group(pid), 10, "node 1's job in its own group")
+        os.killpg(pid, signal.SIGKILL)  # node 1 is lost
+        await wait_for(lambda: not procs.alive(pid), 10, "node 1 gone")
         return [await executor.status(first) for _ in range(3)]
 
     assert asyncio.run(go()) == [JobStatus.lost()] * 3

@@ -39,7 +39,9 @@ from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.targets.pool import POOL_RECORD, PoolError, PoolPlacement, PoolTarget
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.spec import TrainingSpec
+from tests import procs
 from tests.conftest import REPO, job_venv
+from tests.ddpjob import DdpTrainer
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
 from tests.sshd import Sshd
 from tests.test_train_flow import spec
@@ -279,11 +281,12 @@ def test_a_dead_orchestrators_claim_is_taken_over_only_once_its_job_holds_nothin
                 ["sh", "-c", f"cd {dead} && setsid sh job.sh >/dev/null 2>&1 & echo $!"]
             )
             job_pid = int(started.stdout)
+            await wait_for(lambda: procs.leads_group(job_pid), 10)
             busy = await claim(executor, host.workdir, "r3", str(work / "r3"), 0)
             assert not busy.taken and busy.why == "held by run r1, whose job runs there"
             os.killpg(job_pid, signal.SIGKILL)
             job_pid = 0
-            await wait_for(lambda: not Path(f"/proc/{started.stdout.strip()}").exists(), 10)
+            await wait_for(lambda: not procs.alive(int(started.stdout)), 10)
             gone = await claim(executor, host.workdir, "r3", str(work / "r3"), 0)
             assert gone.taken and gone.why == "from run r1 (its job is gone)"
             (work / "r3").mkdir()
@@ -479,62 +482,6 @@ def test_two_worker_processes_claiming_one_machine_never_hold_it_at_once(
         assert "TAKEN 10" in out
 
 
-DDP_STEP = """
-import json, os, sys, time
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-steps = int(sys.argv[1])
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-log = open("metrics.jsonl", "a") if rank == 0 else None
-if log:
-    log.write(json.dumps({"event": "begin", "max_steps": steps}) + "\\n")
-for step in range(1, steps + 1):
-    x = torch.randn(8, 4) + rank  # each rank its own data: DDP averages their gradients
-    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    if log:
-        log.write(json.dumps({"event": "log", "step": step, "loss": loss.item()}) + "\\n")
-        log.flush()
-    if steps > 10:
-        time.sleep(0.1)
-weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-every = [torch.zeros_like(weights) for _ in range(world)]
-dist.all_gather(every, weights)
-same = all(torch.equal(w, every[0]) for w in every)
-node = os.environ["PET_NODE_RANK"]
-with open(f"rank{rank}.json", "w") as out:
-    json.dump({"rank": rank, "world": world, "node": node, "same": same}, out)
-if rank == 0:
-    os.makedirs("output", exist_ok=True)
-    torch.save(model.module.state_dict(), "output/adapter_model.safetensors")
-dist.destroy_process_group()
-"""
-
-
-class DdpTrainer(ShellTrainer):
-    """A plain torch DDP training (gloo, on the CPU) under torchrun: one
-    process per node, the rendezvous from the node's environment."""
-
-    def __init__(self, steps: int) -> None:
-        python = job_venv() / "bin" / "python"
-        super().__init__(
-            f"OMP_NUM_THREADS=1 {python} -m torch.distributed.run --nproc_per_node=1 "
-            f"ddp_step.py {steps}"
-        )
-
-    def prepare(self, local_run_dir: Path, ctx: Any) -> None:
-        """Writes the training script next to the input."""
-        super().prepare(local_run_dir, ctx)
-        (local_run_dir / "ddp_step.py").write_text(DDP_STEP)
-
-
 def nodes_need(nodes: int) -> JobNeed:
     training = TrainingSpec(datasets=["data/train.jsonl"], nodes=nodes)
     return JobNeed(what="the training", training=training)
@@ -591,7 +538,7 @@ def test_a_node_killed_mid_training_ends_the_training_on_every_node(
     boxes: list[Sshd], tmp_path: Path
 ) -> None:
     runs = Runs(tmp_path / "runs")
-    trainer = DdpTrainer(steps=600)  # a minute at most
+    trainer = DdpTrainer(steps=600, pause_s=0.1)  # a minute at most
 
     async def go() -> tuple[Outcome, PoolPlacement]:
         target = pool(boxes, tmp_path)
@@ -610,11 +557,7 @@ def test_a_node_killed_mid_training_ends_the_training_on_every_node(
 
     outcome, placement = asyncio.run(go())
     assert outcome.record.state == RunState.FAILED, outcome.record
-    rank0 = placement.jobs[0]
-    assert (
-        not Path(f"/proc/{rank0.pid}").exists()
-        or "Z" in Path(f"/proc/{rank0.pid}/stat").read_text().split(")")[-1][:3]
-    )
+    assert not procs.alive(placement.jobs[0].pid)  # rank 0 did not train alone
     for i in range(3):  # both machines given back
         assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
 
