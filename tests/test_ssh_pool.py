@@ -572,3 +572,35 @@ def test_more_nodes_than_machines_is_refused_in_one_line_before_anything(
     with pytest.raises(TrainError, match="asks for nodes=2, but ssh/one is one machine"):
         single.check(nodes_need(2))
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_training_across_nodes_is_cancelled_on_every_node_from_its_record_alone(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    trainer = DdpTrainer(steps=600, pause_s=0.1)  # a minute at most
+
+    async def leave() -> RunRecord:
+        async with started_on_nodes(pool(boxes, tmp_path), runs, trainer, 2) as (_, _, record):
+            return record  # its follower goes: both nodes keep training
+
+    record = asyncio.run(leave())
+    placement = PoolPlacement.load(runs, record.id)
+    assert placement is not None and len(placement.jobs) == 2
+    again = pool(boxes, tmp_path)  # another process, from the records alone
+    assert again.detached(runs, record).count("machine box") == 2
+
+    async def cancel() -> RunRecord:
+        async with again.reach(runs, runs.load(record.id)) as placed:
+            assert placed is not None and placed.description.startswith("2 nodes: ")
+            ctx = placed.context(runs, reporters.LogReporter())
+            ended, status, _ = await end_step.cancel(ctx, trainer, runs.load(record.id))
+            assert status.kind == "cancelled"
+            await placed.end(retrieve.recorded(runs, trainer, ended))
+            return ended
+
+    assert asyncio.run(cancel()).state == RunState.CANCELLED
+    for job in placement.jobs:  # every node's job cancelled, every machine given back
+        assert (Path(job.dir) / "job.cancelled").exists() and not procs.alive(job.pid)
+    for i in range(3):
+        assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
