@@ -96,3 +96,11 @@ def test_a_cancel_cancels_every_node(tmp_path: Path) -> None:
 
     assert asyncio.run(go()) == JobStatus.cancelled()
     assert all((Path(each.dir) / CANCEL_FILE).exists() for each in executor.jobs)
+
+
+def test_a_stop_request_reaches_every_node(tmp_path: Path) -> None:
+    executor = nodes(tmp_path)
+    run_dir = os.path.join(executor.workdir, "20260101-000000-abcd")
+    asyncio.run(executor.touch(os.path.join(run_dir, "stop.request")))
+    for rank in (0, 1):
+        assert (tmp_path / f"node{rank}" / "20260101-000000-abcd" / "stop.request").exists()
