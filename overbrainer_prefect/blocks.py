@@ -438,6 +438,11 @@ class UnknownTarget(ValueError):
     """No target block has the name a flow was given."""
 
 
+class TargetGone(UnknownTarget):
+    """No target block of any type has the name (it was never saved, or was
+    deleted): nothing can reach what a job of it left."""
+
+
 class AmbiguousTarget(ValueError):
     """A bare name that blocks of two target types share: the message names both."""
 
@@ -476,7 +481,7 @@ async def load_target(name: str) -> tuple[str, TargetBlock]:
         block_type, block = found[0]
         return f"{block_type.get_block_type_slug()}/{bare}", block
     kinds = " or ".join(f"'{t.get_block_type_name()}'" for t in types)
-    raise UnknownTarget(
+    raise TargetGone(
         f"no target block named {bare!r} ({kinds}): create it with "
         f"`python blocks/create_blocks.py` or in the Prefect UI under Blocks"
     )

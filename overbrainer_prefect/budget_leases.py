@@ -3,8 +3,10 @@ them: a pod's flow run holds its slots (one pod, its cents an hour) while the
 pod lives, renewing their leases; when it suspends while its job runs, it
 hands them over (kept in the job's run directory) to the follower, which
 renews them while it follows the job and releases them once the job ended.
-Leases nobody renews free their slots within LEASE_S (Prefect's own bound on
-a dead holder), as they always did when a flow run's process died.
+A follower at its term's end renews them from when it lets go of its jobs
+until its successor follows them (`flows/follow.py`): no gap between two
+followers. Leases nobody renews free their slots within LEASE_S (Prefect's
+own bound on a dead holder), as they always did when a flow run's process died.
 """
 
 from __future__ import annotations
@@ -84,39 +86,47 @@ async def leased(
 
 @asynccontextmanager
 async def renewed(
-    ids: Sequence[UUID], logger: Logger, *, at_once: bool = False
+    ids: Sequence[UUID], logger: Logger, *, at_once: bool = False, last_on_exit: bool = False
 ) -> AsyncIterator[None]:
     """Renews the leases `ids` every RENEW_EVERY_S while the block runs (first
-    at once with `at_once`: leases taken over); a lease that cannot be renewed
-    is logged once: its slots free themselves."""
-    renewing = asyncio.create_task(_renew(ids, logger, at_once))
+    at once with `at_once`: leases taken over; once more at its end with
+    `last_on_exit`: leases handed on, which then last a whole LEASE_S for
+    their next holder); a lease that cannot be renewed is logged once: its
+    slots free themselves."""
+    warned: set[UUID] = set()
+    renewing = asyncio.create_task(_renew(ids, logger, at_once, warned))
     try:
         yield
     finally:
         renewing.cancel()
         await asyncio.gather(renewing, return_exceptions=True)
+        if last_on_exit and ids:
+            await asyncio.shield(_renew_once(ids, logger, warned))
 
 
-async def _renew(ids: Sequence[UUID], logger: Logger, at_once: bool) -> None:
-    warned: set[UUID] = set()
+async def _renew(ids: Sequence[UUID], logger: Logger, at_once: bool, warned: set[UUID]) -> None:
     while True:
         if not at_once:
             await asyncio.sleep(RENEW_EVERY_S)
         at_once = False
-        for lease in ids:
-            try:
-                async with get_client() as client:
-                    await client.renew_concurrency_lease(lease, LEASE_S)
-            except Exception as error:
-                if lease not in warned:
-                    warned.add(lease)
-                    logger.warning(
-                        "cannot renew the GPU budget's lease %s (%s): its slots free themselves "
-                        "within %g s; the pod stays bounded by its watchdog",
-                        lease,
-                        error,
-                        LEASE_S,
-                    )
+        await _renew_once(ids, logger, warned)
+
+
+async def _renew_once(ids: Sequence[UUID], logger: Logger, warned: set[UUID]) -> None:
+    for lease in ids:
+        try:
+            async with get_client() as client:
+                await client.renew_concurrency_lease(lease, LEASE_S)
+        except Exception as error:
+            if lease not in warned:
+                warned.add(lease)
+                logger.warning(
+                    "cannot renew the GPU budget's lease %s (%s): its slots free themselves "
+                    "within %g s; the pod stays bounded by its watchdog",
+                    lease,
+                    error,
+                    LEASE_S,
+                )
 
 
 async def release(ids: Sequence[UUID], logger: Logger) -> None:

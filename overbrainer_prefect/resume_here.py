@@ -13,9 +13,16 @@ artifacts and log.
 It does so only where the worker would have run it the same way: a flow of
 this package, from a deployment of the follower's own work pool, with the
 same pull steps and job variables, whose environment is the follower's; at
-most MAX_HERE at once. Any other is left to the worker. A follower that dies
-while it runs one leaves a marker in the runs directory; its successor puts
-that flow run back to `Scheduled`, and it runs again (it only reads records).
+most MAX_HERE at once. Any other is left to the worker.
+
+Each flow run run here leaves a marker in the runs directory and holds a lock
+there (`running_lock`: a kernel lock on a local directory, a lease on an
+object store) while it runs. A follower at its term's end hands the runs
+directory over to its successor and waits for the flow runs its process
+runs: the successor leaves them to it while their locks are held, so none
+runs twice. One whose process died (its lock dropped or lapsed) is put back
+to `Scheduled` by the follower that finds its marker, and runs again (it only
+reads records).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -54,8 +63,16 @@ HERE_DIR = ".resumed-here"
 CLAIM = "ResumedByFollower"
 """The name of the `Pending` state by which a follower claims a resumed flow run."""
 
-JOIN_S = 300.0
-"""How long a follower at its term's end waits for the flow runs it runs."""
+JOIN_S = 6 * 3600.0
+"""The most a follower at its term's end waits for the flow runs its process
+runs (its successor follows every job meanwhile, and leaves these to it): a
+resumed flow run ends within minutes, unless it follows a job in-process (an
+export of a resumed `train`, a subflow), which its own bound (`max_hours`)
+ends first. Past it, they die with the process and run again."""
+
+RECOVER_AGAIN_S = 30.0
+"""How often a follower looks again at the flow runs an ended follower's
+process still runs, to run again those whose process died meanwhile."""
 
 Own = tuple[str | None, object, dict[str, Any]]
 """A follower's work pool, pull steps and job variables."""
@@ -92,11 +109,19 @@ class Here:
         store that cannot be reached, leaves it to the worker."""
         if self.running() >= MAX_HERE:  # full: no need to ask the server about it
             return False
+        held = ExitStack()  # its lock, held from before its marker until its marker is gone
+        locked = False
+        marker = self.runs.key(HERE_DIR, f"{waiting.id}.json")
         try:
             flow = await self._flow_for(waiting)
             if flow is None:
                 return False
-            marker = self.runs.key(HERE_DIR, f"{waiting.id}.json")
+            lock = running_lock(self.runs, waiting.id)
+            with ExitStack() as taking:  # raises Busy: nothing held, nothing removed
+                taking.enter_context(self.runs.store.lock(lock, {"flow_run_id": self.follower}))
+                held.callback(self.runs.store.delete, lock)  # last: once it is released
+                held.enter_context(taking.pop_all())
+            locked = True
             self.runs.store.write(marker, json.dumps({"follower": self.follower}).encode())
             async with get_client() as client:
                 answer: OrchestrationResult[object] = await client.set_flow_run_state(
@@ -104,15 +129,17 @@ class Here:
                     Pending(name=CLAIM, message=f"run again by the follower {self.follower}"),
                 )
             if answer.status != SetStateStatus.ACCEPT or answer.state is None:
-                self.runs.store.delete(marker)
+                self._let_go(marker, held, logger)
                 return False
         except Exception as error:
+            if locked:  # its marker may be written: removed, then its lock
+                self._let_go(marker, held, logger)
             logger.warning("flow run %s is left to the worker: %s", waiting.id, error)
             return False
         claimed = waiting.model_copy(update={"state": answer.state})  # as the server has it now
         thread = threading.Thread(
             target=self._run,
-            args=(flow, claimed, marker, logger),
+            args=(flow, claimed, marker, held, logger),
             name=f"flow-run-{waiting.id}",
             daemon=True,
         )
@@ -121,7 +148,9 @@ class Here:
         logger.info("flow run %s runs again in this follower's process", waiting.id)
         return True
 
-    def _run(self, flow: AnyFlow, claimed: FlowRun, marker: str, logger: Logger) -> None:
+    def _run(
+        self, flow: AnyFlow, claimed: FlowRun, marker: str, held: ExitStack, logger: Logger
+    ) -> None:
         try:
             # as a worker's process runs it: its parameters from the flow run, then its engine
             started = run_flow(flow, flow_run=claimed, return_type="state")
@@ -130,14 +159,24 @@ class Here:
         except BaseException as error:  # its engine recorded its end; this thread just ends
             logger.warning("flow run %s ended here with %r", claimed.id, error)
         finally:
+            self._let_go(marker, held, logger)
+
+    def _let_go(self, marker: str, held: ExitStack, logger: Logger) -> None:
+        """Removes a flow run's marker, then releases and removes its lock."""
+        try:
+            self.runs.store.delete(marker)
+        except Exception as error:  # the next follower finds its flow run final
+            logger.warning("cannot remove %s: %s", self.runs.store.where(marker), error)
+        finally:
             try:
-                self.runs.store.delete(marker)
-            except Exception as error:  # the next follower finds its flow run final
-                logger.warning("cannot remove %s: %s", self.runs.store.where(marker), error)
+                held.close()
+            except Exception as error:  # a lock left expires, or drops with this process
+                logger.warning("cannot release the lock of %s: %s", marker, error)
 
     def join(self, timeout_s: float = JOIN_S) -> int:
         """Waits up to `timeout_s` for the flow runs running here; returns how
-        many still run (their markers let the next follower run them again)."""
+        many still run (they die with this process: their locks drop, and the
+        follower that finds their markers runs them again)."""
         deadline = time.monotonic() + timeout_s
         for thread in list(self._threads.values()):
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -184,20 +223,41 @@ class Here:
         return self._mine
 
 
-async def recover(runs: Runs, follower: str | None, logger: Logger) -> int:
+def running_lock(runs: Runs, flow_run_id: UUID | str) -> str:
+    """The key of the lock a flow run run in a follower's process holds while it runs."""
+    return runs.top.key(HERE_DIR, f"{flow_run_id}.lock")
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What `recover` did: flow runs put back to `Scheduled`, and those left
+    to the process of an ended follower that still runs them."""
+
+    put_back: int = 0
+    still_running: int = 0
+
+
+async def recover(
+    runs: Runs, follower: str | None, logger: Logger, said: set[str] | None = None
+) -> Recovered:
     """Puts back to `Scheduled` the flow runs a dead follower was running again
-    in its process (its markers; `Pending` or `Running` still, claimed by it),
-    so that they run again; removes the markers of those that ended. Returns
-    how many. Raises nothing: what cannot be read now is looked at by the next
-    follower."""
+    in its process (its markers whose lock no live process holds; `Pending`
+    or `Running` still, claimed by it), so that they run again; removes the
+    markers of those that ended. Those still run by an ended follower's
+    process (their lock held) are left to it, said once (`said`: the
+    markers already said). Raises nothing: what cannot be read now is looked
+    at again."""
     top = runs.top
-    put_back = 0
+    put_back = still = 0
+    said = set() if said is None else said
     try:
         names = top.store.names(top.key(HERE_DIR))
     except Exception as error:
         logger.warning("cannot read %s: %s", top.store.where(top.key(HERE_DIR)), error)
-        return 0
+        return Recovered()
     for name in names:
+        if not name.endswith(".json"):
+            continue
         marker = top.key(HERE_DIR, name)
         try:
             found = top.store.read(marker)
@@ -205,6 +265,19 @@ async def recover(runs: Runs, follower: str | None, logger: Logger) -> int:
             if holder == follower:
                 continue
             flow_run_id = UUID(name.removesuffix(".json"))
+            running = top.store.holder(running_lock(top, flow_run_id))
+            if running is not None:
+                still += 1
+                if name not in said:
+                    said.add(name)
+                    logger.info(
+                        "flow run %s still runs in the process of the follower %s, which ended "
+                        "its term (%s): left to it",
+                        flow_run_id,
+                        holder,
+                        running,
+                    )
+                continue
             async with get_client() as client:
                 states = sorted(
                     await client.read_flow_run_states(flow_run_id), key=lambda s: s.timestamp
@@ -228,6 +301,21 @@ async def recover(runs: Runs, follower: str | None, logger: Logger) -> int:
                         holder,
                     )
             top.store.delete(marker)
+            top.store.delete(running_lock(top, flow_run_id))
         except Exception as error:
+            still += 1  # looked at again
             logger.warning("cannot look at %s now: %s", top.store.where(marker), error)
-    return put_back
+    return Recovered(put_back, still)
+
+
+async def recover_again(
+    runs: Runs, follower: str | None, logger: Logger, first: Recovered, said: set[str]
+) -> None:
+    """While `recover` left flow runs to an ended follower's process (`first`;
+    `said`: those it said), looks again every RECOVER_AGAIN_S: one whose
+    process died meanwhile (its lock dropped or lapsed) runs again. Ends when
+    none is left (or cancelled, with the follower's term)."""
+    left = first.still_running
+    while left:
+        await asyncio.sleep(RECOVER_AGAIN_S)
+        left = (await recover(runs, follower, logger, said)).still_running

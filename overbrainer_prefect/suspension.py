@@ -12,14 +12,25 @@ deployment, it is not a subflow (Prefect cannot suspend those alone), and a
 follower lives for its runs directory. The GPU budget's slots its pod holds
 are handed over to the follower (`budget_leases`). Otherwise it follows its job itself, as
 a flow called directly does; `OVERBRAINER_FOLLOW_IN_PROCESS=1` asks for that.
+
+A suspended flow run waits until its job's bound (its deadline, plus
+RESUME_MARGIN_S); a job its follower renews runs past `max_hours`, so the
+follower holding the job keeps pushing that pause's end ahead
+(`kept_suspended`): Prefect never fails a flow run whose job still runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from uuid import UUID
 
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import State, StateType
 from prefect.flow_runs import asuspend_flow_run
 from prefect.runtime import deployment, flow_run
 
@@ -53,6 +64,13 @@ follower's) says otherwise; 0 resumes it at the training's last step."""
 
 UNBOUNDED_S = 7 * 24 * 3600
 """How long a flow run whose job nothing bounds may wait suspended."""
+
+EXTEND_LOOK_S = 600.0
+"""How often the follower holding a job looks at its suspended flow run's pause end."""
+
+EXTEND_WHEN_LEFT_S = RESUME_MARGIN_S / 2
+"""A pause whose end is nearer than this is pushed to RESUME_MARGIN_S from now
+(so, looked at every EXTEND_LOOK_S, it always has most of an hour left)."""
 
 
 def _key(store: Runs, flow_run_id: str, kind: str, job_id: str) -> str:
@@ -182,3 +200,92 @@ async def suspend(
         wait / 3600,
     )
     await asuspend_flow_run(timeout=wait, key=f"job-{record.id}")
+
+
+async def extend_pause(flow_run_id: str, logger: Logger) -> datetime | None:
+    """Pushes the end of the pause of the suspended flow run `flow_run_id` to
+    RESUME_MARGIN_S from now when it is nearer than EXTEND_WHEN_LEFT_S: its
+    job still runs (the caller follows it). Returns the new end, None when
+    nothing was changed (not suspended, or time enough left). A state another
+    process set meanwhile (a cancel) is put back at once. Raises what the
+    Prefect client raises when the server cannot be reached."""
+    async with get_client() as client:
+        found = await client.read_flow_run(UUID(flow_run_id))
+        now = found.state
+        if now is None or now.type != StateType.PAUSED:
+            return None
+        ends = now.state_details.pause_timeout
+        right_now = datetime.now(UTC)
+        if ends is None or (ends - right_now).total_seconds() > EXTEND_WHEN_LEFT_S:
+            return None
+        until = right_now + timedelta(seconds=RESUME_MARGIN_S)
+        later: State[object] = State(
+            type=StateType.PAUSED,
+            name=now.name,
+            message=f"its job still runs: it waits until {until:%Y-%m-%d %H:%M} UTC at most",
+            state_details=now.state_details.model_copy(update={"pause_timeout": until}),
+        )
+        answer = await client.set_flow_run_state(found.id, later, force=True)
+        if answer.state is None:
+            return None
+        # Prefect has no compare-and-swap of states: one set between the read and this
+        # write (a cancel, a resume) is put back over the extension
+        states = sorted(await client.read_flow_run_states(found.id), key=lambda s: s.timestamp)
+        ours = next((i for i, s in enumerate(states) if s.id == answer.state.id), None)
+        before = states[ours - 1] if ours else None
+        if before is not None and before.id != now.id:
+            logger.info(
+                "flow run %s went %s while its pause was extended: kept %s",
+                flow_run_id,
+                before.name,
+                before.name,
+            )
+            again: State[object] = State(
+                type=before.type,
+                name=before.name,
+                message=before.message,
+                state_details=before.state_details,
+            )
+            await client.set_flow_run_state(found.id, again, force=True)
+            return None
+    logger.info(
+        "flow run %s: its job still runs, so it waits suspended until %s UTC at most",
+        flow_run_id,
+        f"{until:%Y-%m-%d %H:%M}",
+    )
+    return until
+
+
+@asynccontextmanager
+async def kept_suspended(store: Runs, record: RunRecord, logger: Logger) -> AsyncIterator[None]:
+    """While the block follows the job `record`, keeps the flow run that waits
+    suspended for it from timing out (`extend_pause`, first at once, then
+    every EXTEND_LOOK_S). Nothing when no flow run waits for it. A server
+    that cannot be reached is logged once and looked at again."""
+    if record.flow_run_id is None or not waited_for(store, record):
+        yield
+        return
+    task = asyncio.create_task(_keep(record.flow_run_id, record, logger))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _keep(flow_run_id: str, record: RunRecord, logger: Logger) -> None:
+    warned = False
+    while True:
+        try:
+            await extend_pause(flow_run_id, logger)
+        except Exception as error:
+            if not warned:
+                warned = True
+                logger.warning(
+                    "%s: cannot extend the pause of its flow run %s now (%s); tried again in %g s",
+                    subject(record),
+                    flow_run_id,
+                    error,
+                    EXTEND_LOOK_S,
+                )
+        await asyncio.sleep(EXTEND_LOOK_S)

@@ -68,6 +68,7 @@ MEASURED_S: dict[str, float] = {
     "tests/test_pipeline.py": 59,
     "tests/test_pod_fate.py": 91,
     "tests/test_money_flows.py": 36,
+    "tests/test_live_index.py": 45,  # 500 ended runs put into moto, a Prefect server
     "tests/test_checkpoints.py": 80,
 }
 """Unit -> its seconds (setup, call and teardown of its tests) in a run of `make

@@ -5,6 +5,7 @@ and target, and two processes that ask for the last dollars at once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 from overbrainer_prefect.money.budgets import Budgets, BudgetSettingError, budgets_from
 from overbrainer_prefect.money.ledger import (
+    RESERVE_S,
     Ask,
     BudgetRefused,
     BudgetTooSmall,
@@ -30,11 +32,20 @@ from overbrainer_prefect.money.ledger import (
     total,
 )
 from overbrainer_prefect.money.pods import ask_of, capped
-from overbrainer_prefect.money.store import LedgerFile, Spent, admit_into, entry_store
+from overbrainer_prefect.money.spend import spend_view
+from overbrainer_prefect.money.store import (
+    LEDGER_KEY,
+    LedgerFile,
+    Spent,
+    admit_into,
+    entry_store,
+)
+from overbrainer_prefect.money.view import spend_markdown
 from overbrainer_prefect.runpod.gpus import GpuChoice, LaunchPlan
 from overbrainer_prefect.runpod.models import GpuType
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store.base import AlreadyExists, Changed, Store
 
 NOW = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
 ROOT = Path(__file__).resolve().parents[1]
@@ -352,3 +363,155 @@ def test_a_bill_that_differs_from_the_ledger_is_reported_and_counts() -> None:
         "pod p2 of run 20261202-100000-bbbb: the ledger says $0.10, the provider billed $0.25"
     ]
     assert (same.charged, off.charged, alive.charged) == (0.104, 0.25, 0.5)
+
+
+def _lose_one_answer(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The fault: the store's next conditional write of the ledger lands, and
+    its answer is lost; what the writer hears is that the ledger changed
+    meanwhile (what a retried PUT hears once another writer wrote after its
+    own: its write's token is no longer there). Returns the writes lost."""
+    lost: list[str] = []
+    create, replace = store.create, store.replace
+
+    def lossy_create(key: str, data: bytes) -> str:
+        written = create(key, data)
+        if key.endswith(LEDGER_KEY) and not lost:
+            lost.append(key)
+            raise AlreadyExists(f"{key} exists")
+        return written
+
+    def lossy_replace(key: str, data: bytes, etag: str) -> str:
+        written = replace(key, data, etag)
+        if key.endswith(LEDGER_KEY) and not lost:
+            lost.append(key)
+            raise Changed(f"{key} changed since it was read")
+        return written
+
+    monkeypatch.setattr(store, "create", lossy_create)
+    monkeypatch.setattr(store, "replace", lossy_replace)
+    return lost
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_admission_whose_answer_was_lost_after_it_landed_is_one_entry(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conditional PUT of the ledger lands and its answer is lost: the
+    admission reads the ledger again, finds its own entry (its id was made
+    once, before the compare-and-swap) and adds no second one, so the day's
+    second pod is still admitted."""
+    runs_dir = str(tmp_path) if where == "local" else request.getfixturevalue("s3").bucket_url()
+    runs = Runs(runs_dir)
+    ledger = LedgerFile(runs)
+    budgets = Budgets(day_usd=1.0)
+    lost = _lose_one_answer(runs.store, monkeypatch)
+    first = admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, NOW)  # the ledger created
+    assert lost and [e.id for e in ledger.read().entries] == [first.entry.id]
+    lost.clear()
+    second = admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, NOW)  # replaced
+    assert lost and second.cap_usd == 0.5
+    assert [e.id for e in ledger.read().entries] == [first.entry.id, second.entry.id]
+
+
+ADMIT_AND_DIE = textwrap.dedent(
+    """
+    import sys, time
+    from datetime import datetime
+    from overbrainer_prefect.money.budgets import Budgets
+    from overbrainer_prefect.money.ledger import Ask, Who
+    from overbrainer_prefect.money.store import LedgerFile, admit_into
+    from overbrainer_prefect.runs.store import Runs
+    ask = Ask(most_usd=0.14, least_usd=0.05, least_text="x", what="the run", target="t/a")
+    now = datetime.fromisoformat(sys.argv[2])
+    admit_into(LedgerFile(Runs(sys.argv[1])), Budgets(day_usd=0.17), ask, Who("train", "f1"),
+               lambda e: None, now)
+    print("admitted", flush=True)  # killed here: before its record and its pod exist
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_train_killed_after_its_admission_holds_nothing_past_its_reservation_bound(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A train under a day budget that fits one pod is killed after its
+    admission, before its pod exists: until its reservation bound its entry
+    holds the day (the refusal says until when); past it, the next train is
+    admitted, and the spend view says which entry expired and why."""
+    runs_dir = str(tmp_path) if where == "local" else request.getfixturevalue("s3").bucket_url()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    dying = subprocess.Popen(
+        [sys.executable, "-c", ADMIT_AND_DIE, runs_dir, NOW.isoformat()],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert dying.stdout is not None and dying.stdout.readline().strip() == "admitted"
+        os.kill(dying.pid, signal.SIGKILL)
+        dying.wait(timeout=30)
+    finally:
+        if dying.poll() is None:
+            dying.kill()
+            dying.wait()
+    runs = Runs(runs_dir)
+    ledger = LedgerFile(runs)
+    budgets = Budgets(day_usd=0.17)
+    (dead,) = ledger.read().entries
+    soon = NOW + timedelta(minutes=1)
+    with pytest.raises(BudgetRefused) as refused:
+        admit_into(ledger, budgets, ask(most=0.14), who(), no_facts, soon)
+    assert "has $0.03 left, $0.14 spent or held by the run of flow run f1 (being prepared" in str(
+        refused.value
+    )
+    assert f"held until {(NOW + timedelta(seconds=RESERVE_S)):%Y-%m-%d %H:%M} UTC" in str(
+        refused.value
+    )
+    later = NOW + timedelta(seconds=RESERVE_S + 1)
+    admitted = admit_into(ledger, budgets, ask(most=0.14), who(), no_facts, later)
+    assert admitted.cap_usd == 0.14
+    expired = ledger.read().entry(dead.id)
+    assert expired is not None and expired.ended and expired.charged == 0
+    view = asyncio.run(spend_view(runs, 1, budgets, later, None))
+    assert [(p.state, p.admitted_usd, p.usd) for p in view.pods] == [
+        ("alive", 0.14, 0.14),
+        ("expired", 0.14, 0.0),
+    ]
+    (why,) = view.expired
+    assert why.startswith("the run of flow run f1 admitted at $0.14 on 2026-12-02 10:00 UTC")
+    assert "never bound to a job's record by its reservation bound" in why
+    assert "no pod was asked for" in why
+    assert "expired" in spend_markdown(view) and why in spend_markdown(view)
+
+
+def test_an_admission_placed_past_its_reservation_bound_is_admitted_again_when_it_fits(
+    tmp_path: Path,
+) -> None:
+    """A live train that waited past its reservation bound (for the GPU
+    budget's slots) before its pod is asked for: bound to its record then,
+    it is admitted again at its cap when that still fits, else refused in
+    one line before anything is created."""
+    runs = Runs(tmp_path)
+    ledger = LedgerFile(runs)
+    budgets = Budgets(day_usd=1.0)
+    waited = admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, NOW)
+    later = NOW + timedelta(seconds=RESERVE_S + 1)
+    admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, later)  # $0.50 still left
+    waited.bind(runs, "20261202-100000-aaaa", later)
+    bound = ledger.read().entry(waited.entry.id)
+    assert bound is not None and not bound.ended and bound.charged == 0.5
+    assert bound.run_id == "20261202-100000-aaaa" and bound.opened == later
+    with pytest.raises(BudgetRefused):  # the day is full again: both count
+        admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, later)
+    # the same wait with the day taken meanwhile: refused when it binds
+    late = admit_into(ledger, Budgets(day_usd=2.0), ask(most=1.0), who(), no_facts, later)
+    latest = later + timedelta(seconds=RESERVE_S + 1)
+    admit_into(ledger, Budgets(day_usd=2.0), ask(most=1.0), who(), no_facts, latest)
+    with pytest.raises(BudgetRefused) as refused:
+        late.bind(runs, "20261202-100000-bbbb", latest)
+    line = str(refused.value)
+    assert "\n" not in line and "was not placed within its reservation bound" in line, line
+    assert "the day's budget ($2.00) now has $0.50 left" in line, line
+    assert late.close(no_facts) is None  # never bound: it leaves the ledger
+    assert ledger.read().entry(late.entry.id) is None

@@ -1,26 +1,49 @@
 """Resumed flow runs run again in the follower's process (`resume_here`), on
 the real (ephemeral) Prefect server: a follower that died while it ran some
 has them put back to `Scheduled` by the next one, and only them (not a run a
-worker claimed, not one that ended, not the live follower's own); a flow run
-that may not run here (not from a deployment) is left to the worker,
-untouched. The whole way (a deployment run resumed and run again by the
-follower) is tested in test_suspended_runs.py."""
+worker claimed, not one that ended, not the live follower's own); one that
+ended its term while it still runs some keeps them (the next follower leaves
+them to its process while it lives, and runs them again once it died, on a
+local and an object store); a flow run that may not run here (not from a
+deployment) is left to the worker, untouched; a suspended flow run whose
+job runs past its pause's bound has that bound pushed ahead by its follower,
+and still resumes. The whole way (a deployment
+run resumed and run again by the follower) is tested in
+test_suspended_runs.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime
 from pathlib import Path
 from uuid import UUID
 
+import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
-from prefect.states import Completed, Paused, Pending, Running, Scheduled, State
+from prefect.states import Completed, Paused, Pending, Running, Scheduled, State, Suspended
 
-from overbrainer_prefect.resume_here import CLAIM, HERE_DIR, Here, recover
+from overbrainer_prefect import resume_here
+from overbrainer_prefect.resume_here import (
+    CLAIM,
+    HERE_DIR,
+    Here,
+    Recovered,
+    recover,
+    recover_again,
+    running_lock,
+)
 from overbrainer_prefect.runs import Runs
+from overbrainer_prefect.store.lease import TTL_ENV
+from overbrainer_prefect.suspension import RESUME_MARGIN_S, extend_pause
 
 LOG = logging.getLogger("test_resume_here")
 
@@ -73,7 +96,7 @@ def test_the_next_follower_puts_back_only_what_a_dead_follower_was_running(
                 json.dumps({"follower": follower}).encode(),
             )
 
-        assert await recover(runs, "live", LOG) == 2
+        assert await recover(runs, "live", LOG) == Recovered(put_back=2)
         assert await _state_of(running_here) == (StateType.SCHEDULED, "Resuming")
         assert await _state_of(pending_here) == (StateType.SCHEDULED, "Resuming")
         assert await _state_of(by_a_worker) == (StateType.RUNNING, "Running")
@@ -82,7 +105,7 @@ def test_the_next_follower_puts_back_only_what_a_dead_follower_was_running(
         # the dead follower's markers are gone, the live one's stays
         assert runs.store.names(runs.key(HERE_DIR)) == [f"{live_ones}.json"]
         # looked at again: nothing left to put back
-        assert await recover(runs, "live", LOG) == 0
+        assert await recover(runs, "live", LOG) == Recovered()
 
     asyncio.run(scenario())
 
@@ -103,3 +126,116 @@ def test_a_flow_run_not_from_a_deployment_is_left_to_the_worker_untouched(
     asyncio.run(scenario())
     assert here.running() == 0
     assert not (runs.root / HERE_DIR).exists()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+LEASE_TTL_S = 2  # the lease a process of an object store's follower holds: lapses soon after death
+
+STILL_RUNNING = textwrap.dedent(
+    """
+    import sys, time
+    from overbrainer_prefect.resume_here import running_lock
+    from overbrainer_prefect.runs import Runs
+    runs = Runs(sys.argv[1])
+    with runs.store.lock(running_lock(runs, sys.argv[2]), {"flow_run_id": "ended"}):
+        print("running", flush=True)  # the flow run runs on in this process
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_flow_run_an_ended_followers_process_still_runs_is_left_to_it_until_it_dies(
+    where: str,
+    prefect_server: None,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A follower ended its term while a resumed flow run still runs in its
+    process (which holds the flow run's lock): the next follower leaves it to
+    that process, nothing runs twice; once that process died (its lock
+    dropped, or its lease lapsed), the next follower runs it again."""
+    runs_dir = (
+        str(tmp_path / "runs") if where == "local" else request.getfixturevalue("s3").bucket_url()
+    )
+    runs = Runs(runs_dir)
+    monkeypatch.setattr(resume_here, "RECOVER_AGAIN_S", 0.2)
+
+    async def scenario() -> None:
+        running = await _run_through(Pending(name=CLAIM), Running())
+        runs.store.write(
+            runs.key(HERE_DIR, f"{running}.json"), json.dumps({"follower": "ended"}).encode()
+        )
+        ended = subprocess.Popen(
+            [sys.executable, "-c", STILL_RUNNING, runs_dir, str(running)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), TTL_ENV: str(LEASE_TTL_S)},
+        )
+        try:
+            assert ended.stdout is not None and ended.stdout.readline().strip() == "running"
+            said: set[str] = set()
+            first = await recover(runs, "next", LOG, said)
+            assert first == Recovered(still_running=1)
+            assert await _state_of(running) == (StateType.RUNNING, "Running")
+            again = asyncio.create_task(recover_again(runs, "next", LOG, first, said))
+            await asyncio.sleep(1.0)
+            assert not again.done()  # its process lives: left to it, looked at again
+            assert await _state_of(running) == (StateType.RUNNING, "Running")
+            os.kill(ended.pid, signal.SIGKILL)
+            ended.wait(timeout=30)
+            await asyncio.wait_for(again, 30)  # its lock dropped: it runs again
+        finally:
+            if ended.poll() is None:
+                ended.kill()
+                ended.wait()
+        assert await _state_of(running) == (StateType.SCHEDULED, "Resuming")
+        assert runs.store.names(runs.key(HERE_DIR)) == []
+        assert runs.store.holder(running_lock(runs, running)) is None
+
+    asyncio.run(scenario())
+
+
+def test_a_suspended_flow_run_whose_job_runs_past_its_bound_still_resumes(
+    prefect_server: None,
+) -> None:
+    """A job its follower renews runs past the bound its flow run's pause was
+    set to: the follower holding it pushes the pause's end ahead, so the
+    flow run is resumed (not failed by Prefect) once the job ends; a pause
+    not pushed fails as Prefect fails it."""
+
+    async def suspended_for(seconds: int) -> UUID:
+        async with get_client() as client:
+            flow_id = await client.create_flow(stand_in)
+            deployment_id = await client.create_deployment(flow_id=flow_id, name="paused")
+            made = await client.create_flow_run_from_deployment(deployment_id)
+            await client.set_flow_run_state(made.id, Running(), force=True)
+            answer = await client.set_flow_run_state(
+                made.id, Suspended(timeout_seconds=seconds, pause_key=f"job-{made.id}")
+            )
+            assert answer.state is not None and answer.state.type == StateType.PAUSED, answer
+            return made.id
+
+    async def resumed(flow_run_id: UUID) -> tuple[StateType, str]:
+        async with get_client() as client:
+            await client.resume_flow_run(flow_run_id)
+        return await _state_of(flow_run_id)
+
+    async def scenario() -> None:
+        kept, left = await suspended_for(3), await suspended_for(3)
+        until = await extend_pause(str(kept), LOG)
+        assert until is not None
+        assert await extend_pause(str(kept), LOG) is None  # time enough left: nothing written
+        async with get_client() as client:
+            found = await client.read_flow_run(kept)
+        assert found.state is not None and found.state.name == "Suspended"
+        assert found.state.state_details.pause_key == f"job-{kept}"
+        assert found.state.state_details.pause_timeout is not None
+        left_s = (found.state.state_details.pause_timeout - datetime.now(UTC)).total_seconds()
+        assert RESUME_MARGIN_S - 60 < left_s <= RESUME_MARGIN_S
+        await asyncio.sleep(3.5)  # past the bound it was suspended with
+        assert await resumed(kept) == (StateType.SCHEDULED, "Resuming")
+        assert (await resumed(left))[0] == StateType.FAILED
+
+    asyncio.run(scenario())

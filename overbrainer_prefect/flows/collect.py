@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Container
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 
+import anyio.from_thread
+import anyio.to_thread
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
 from overbrainer_prefect.artifacts import publish_metrics_table, publish_summary, summary_markdown
-from overbrainer_prefect.blocks import UnknownTarget, target_named
+from overbrainer_prefect.blocks import TargetGone, UnknownTarget, target_named
 from overbrainer_prefect.budget_leases import LEASES_FILE, handed_over, release, renewed
 from overbrainer_prefect.driver import follow_again
 from overbrainer_prefect.executors.base import ExecError
@@ -40,13 +45,20 @@ from overbrainer_prefect.kinds.collected import Collected, collected_markdown, s
 from overbrainer_prefect.kinds.registry import kind_of
 from overbrainer_prefect.kinds.training import next_step
 from overbrainer_prefect.runs.lock import RunBusy, is_followed
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunsError, RunState, subject
+from overbrainer_prefect.runs.store import (
+    RunNotFound,
+    RunRecord,
+    Runs,
+    RunsError,
+    RunState,
+    subject,
+)
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.steps.hooks import HOOK_GRACE_S
 from overbrainer_prefect.store.records import RecordError
-from overbrainer_prefect.suspension import waited_for, waited_in_pipeline
+from overbrainer_prefect.suspension import kept_suspended, waited_for, waited_in_pipeline
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.sharing import shared
 from overbrainer_prefect.targets.spend import spent
@@ -55,6 +67,9 @@ from overbrainer_prefect.timestamps import parse_rfc3339
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""
 
+LIVE_READERS = (
+    8  # live jobs a pass reads at once (a round trip each), within boto3's 10 connections
+)
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
 
 
@@ -65,28 +80,114 @@ def _age_s(record: RunRecord) -> float:
         return float("inf")
 
 
-async def candidates(runs: Runs) -> list[tuple[Runs, RunRecord, Target | None]]:
+async def candidates(
+    runs: Runs, following: Container[str] = frozenset()
+) -> list[tuple[Runs, RunRecord, Target | None]]:
     """The jobs the collector has something to do with, each with its store and
     target (None when its target block is gone): every job not ended that no
     live process follows (the follow lock decides, never a flow run's state),
     and every ended job whose target still holds something for it (a pod not
-    deleted). Runs first, oldest first."""
+    deleted). Runs first, oldest first.
+
+    Only the records the live index names are read (runs/live.py), never the
+    history: one listing, then each live job's lock, then its record when
+    nobody follows it; `following` names the jobs (`store.key(id)`) the
+    caller follows itself, which are not read at all. A job found final and
+    holding nothing leaves the index; a runs directory without one has it
+    built first. Every store call runs in a worker thread."""
     logger = get_run_logger()
-    found: list[tuple[Runs, RunRecord, Target | None]] = []
     targets: dict[str, Target | None] = {}
-    for store in runs.stores():
-        for record in store.list(skipped=lambda _name, _error: None):
-            if is_followed(store, record.id):
-                continue
-            if record.target not in targets:
-                try:
-                    targets[record.target] = await target_named(record.target, logger)
-                except Exception as error:  # one bad block must not stop the others
-                    logger.warning("target %s of %s: %s", record.target, subject(record), error)
-                    targets[record.target] = None
-            target = targets[record.target]
-            if not record.state.ended or (target is not None and target.leftover(store, record)):
-                found.append((store, record, target))
+    gone: set[str] = set()  # target blocks no longer saved: nothing can end what they left
+
+    async def target_of(store: Runs, record: RunRecord) -> Target | None:
+        if record.target not in targets:
+            try:
+                targets[record.target] = await target_named(record.target, logger)
+            except Exception as error:  # one bad block must not stop the others
+                logger.warning("target %s of %s: %s", record.target, subject(record), error)
+                targets[record.target] = None
+                if isinstance(error, TargetGone):
+                    gone.add(record.target)
+        return targets[record.target]
+
+    def holds(store: Runs, record: RunRecord, target: Target | None) -> bool:
+        if target is None:  # whether it holds something cannot be told, unless its block is gone
+            return record.target not in gone
+        return target.holds(store, record)
+
+    def live(store: Runs, record: RunRecord) -> bool:  # asked from a worker thread of anyio's
+        if not record.state.ended:
+            return True
+        return holds(store, record, anyio.from_thread.run(target_of, store, record))
+
+    entries = await asyncio.to_thread(runs.live)
+    if entries is None:
+        marked = await anyio.to_thread.run_sync(runs.build_live, live)
+        logger.info("indexed the live jobs of %s once: %d live", runs.where, marked)
+        entries = await asyncio.to_thread(runs.live) or []
+    unfollowed = await asyncio.to_thread(_unfollowed, entries, following)
+    for store, record in unfollowed:
+        await target_of(store, record)
+    return await asyncio.to_thread(_decided, unfollowed, targets, holds, logger)
+
+
+def _unfollowed(
+    entries: list[tuple[Runs, str]], following: Container[str]
+) -> list[tuple[Runs, RunRecord]]:
+    """The records of the live index's `entries` that no live process
+    follows, runs first, oldest first, read LIVE_READERS at a time (a store's
+    round trip each); a marker whose record never came is dropped once
+    stale. Store calls: run in a worker thread."""
+
+    def unfollowed(store: Runs, record_id: str) -> RunRecord | None:
+        try:
+            if is_followed(store, record_id):
+                return None
+            return store.load(record_id)
+        except RunNotFound:
+            with suppress(RecordError):  # else the next pass drops it
+                store.drop_if_stale(record_id)
+        except RecordError:  # unreadable now: the next pass looks again
+            pass
+        return None
+
+    todo = [
+        (store, record_id)
+        for store, record_id in sorted(entries, key=lambda entry: (bool(entry[0].prefix), entry[1]))
+        if store.key(record_id) not in following
+    ]
+    if not todo:
+        return []
+    with ThreadPoolExecutor(min(LIVE_READERS, len(todo))) as pool:
+        records = list(pool.map(lambda entry: unfollowed(*entry), todo))
+    return [
+        (store, record)
+        for (store, _), record in zip(todo, records, strict=True)
+        if record is not None
+    ]
+
+
+def _decided(
+    unfollowed: list[tuple[Runs, RunRecord]],
+    targets: dict[str, Target | None],
+    holds: Callable[[Runs, RunRecord, Target | None], bool],
+    logger: Logger,
+) -> list[tuple[Runs, RunRecord, Target | None]]:
+    """The candidates among `unfollowed` (see `candidates`); an ended job its
+    target holds nothing for leaves the live index. Store calls: run in a
+    worker thread."""
+    found: list[tuple[Runs, RunRecord, Target | None]] = []
+    for store, record in unfollowed:
+        target = targets.get(record.target)
+        if not record.state.ended or (target is not None and target.leftover(store, record)):
+            found.append((store, record, target))
+        elif not holds(store, record, target):
+            try:
+                store.unmark_live(record.id)
+            except RecordError as error:  # the next pass tries again
+                logger.warning(
+                    "%s: cannot take it out of the live index: %s", subject(record), error
+                )
     return found
 
 
@@ -202,9 +303,9 @@ async def _follow_for_its_flow_run(
     released once it ended) and, for the training of a pipeline, its pod,
     which stays up for the pipeline's next job once the training succeeded
     (its watchdog's next_job_grace bounds it), as it would have, had the
-    pipeline followed it."""
+    pipeline followed it; its pause kept from timing out while it runs."""
     leases = handed_over(store, record.id)
-    async with renewed(leases, logger, at_once=True):
+    async with renewed(leases, logger, at_once=True), kept_suspended(store, record, logger):
         if cancel or not waited_in_pipeline(store, record):
             finished = await follow_again(runs, store, record, logger, cancel=cancel, target=target)
         else:

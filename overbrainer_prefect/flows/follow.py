@@ -9,18 +9,25 @@ are followed to their end, what a job left is ended.
 One follower runs per runs directory (its lock there: another one ends at
 once); one that dies is replaced by the next run of its deployment, and the
 jobs it followed are taken over where they are, their flow runs still waiting.
-At the end of its term (`minutes`) it lets go of its jobs, which keep running,
-and starts the next follower of its deployment.
+At the end of its term (`minutes`) it hands over: it lets go of its jobs,
+which keep running, and of the runs directory, and starts the next follower
+of its deployment at once; it renews the GPU budget's leases of the jobs it
+followed until that one holds the runs directory (no gap in which the
+server could free their slots), and waits for the flow runs its own process
+runs (`resume_here`: the next follower leaves them to it), so none runs twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+from contextlib import AsyncExitStack
+from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.deployments.flow_runs import arun_deployment
 from prefect.runtime import deployment, flow_run
 
+from overbrainer_prefect.budget_leases import handed_over, renewed
 from overbrainer_prefect.flowruns import cancelled_at, job_logger, suspended
 from overbrainer_prefect.flows.collect import candidates, collect_job
 from overbrainer_prefect.flows.compare import compare
@@ -28,8 +35,9 @@ from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.train import train
 from overbrainer_prefect.kinds.collected import Collected
-from overbrainer_prefect.resume_here import HERE, Here, recover
-from overbrainer_prefect.runs.lock import RunBusy, follower_lock
+from overbrainer_prefect.money.limits import LEASE_S
+from overbrainer_prefect.resume_here import HERE, JOIN_S, Here, recover, recover_again
+from overbrainer_prefect.runs.lock import RunBusy, follower_lock, follower_of
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
@@ -37,6 +45,11 @@ from overbrainer_prefect.suspension import waited_for
 from overbrainer_prefect.targets.base import Logger, Target
 
 KEEP_ROWS = 200  # what a follower returns of the jobs it finished: the last ones
+HANDOVER_S = 600.0
+"""The most a follower that holds GPU budget leases of its jobs waits (renewing
+them) for its successor to hold the runs directory: the follow deployment's
+schedule starts one within ten minutes when the one it started does not come."""
+HANDOVER_LOOK_S = 2.0  # between two looks at who holds it
 
 RUN_HERE = {f.name: f for f in (train, export, compare, evaluate)}
 """The flows whose resumed runs this follower runs again itself (`resume_here`)."""
@@ -50,6 +63,7 @@ class _Followed:
     ) -> None:
         self.store, self.record, self.target, self.task = store, record, target, task
         self.cancel_sent = False
+        self.waited = False  # whether its flow run was seen waiting suspended for it
 
 
 @flow(name="follow", persist_result=True)
@@ -58,37 +72,116 @@ async def follow(
 ) -> list[Collected]:
     """Follows every job of the runs directory for `minutes` (see the
     module), looking for new ones every `every_s` seconds; returns what it
-    did with the jobs that ended meanwhile. Ends at once, saying who follows,
-    when another follower holds the runs directory. Raises RecordIoError when
-    the runs directory cannot be read at its start."""
+    did with the jobs that ended meanwhile, once it handed over to the next
+    follower. Ends at once, saying who follows, when another follower holds
+    the runs directory. Raises RecordIoError when the runs directory cannot
+    be read at its start."""
     runs = await runs_at(runs_dir)
     logger = get_run_logger()
-    try:
-        with follower_lock(runs, str(flow_run.id)):
-            logger.info("following every job of %s for %g min", runs.where, minutes)
-            await recover(runs, str(flow_run.id), logger)
-            here = Here(runs, RUN_HERE, str(flow_run.id))
-            token = HERE.set(here)
-            try:
-                rows = await _follow_for(runs, minutes * 60, every_s, logger)
-            finally:
-                HERE.reset(token)
-                if await asyncio.to_thread(here.join):
-                    logger.warning(
-                        "flow runs still run in this follower's process: the next follower "
-                        "runs them again"
-                    )
-    except RunBusy as busy:
-        logger.info(
-            "%s is followed by another follower (%s): this one ends", runs.where, busy.holder
-        )
-        return []
-    await _successor(runs_dir, minutes, every_s, logger)
+    here = Here(runs, RUN_HERE, str(flow_run.id))
+    async with AsyncExitStack() as handing:  # the budget's leases, renewed across the hand-over
+        try:
+            rows, leases = await _term(runs, here, minutes * 60, every_s, handing, logger)
+        except RunBusy as busy:
+            logger.info(
+                "%s is followed by another follower (%s): this one ends", runs.where, busy.holder
+            )
+            return []
+        except Exception:
+            await handing.aclose()
+            await _join(here, logger)
+            raise
+        if await _successor(runs_dir, minutes, every_s, logger) and leases:
+            await _taken_over(runs, logger)
+    await _join(here, logger)
     return rows
 
 
+async def _term(
+    runs: Runs,
+    here: Here,
+    seconds: float,
+    every_s: float,
+    handing: AsyncExitStack,
+    logger: Logger,
+) -> tuple[list[Collected], int]:
+    """Holds the runs directory's follower lock and follows every job for
+    `seconds`, with `here` running resumed flow runs; before it lets go of
+    the lock, the GPU budget's leases of the jobs it followed are renewed on
+    `handing` (from then until its successor follows them). Returns what it
+    did with the jobs that ended, and how many leases it renews. Raises
+    RunBusy."""
+    this = str(flow_run.id)
+    with follower_lock(runs, this):
+        logger.info("following every job of %s for %g min", runs.where, seconds / 60)
+        said: set[str] = set()
+        recovered = await recover(runs, this, logger, said)
+        again = asyncio.create_task(recover_again(runs, this, logger, recovered, said))
+        followed: list[_Followed] = []
+        token = HERE.set(here)
+        try:
+            rows = await _follow_for(runs, seconds, every_s, logger, followed)
+        finally:
+            HERE.reset(token)
+            again.cancel()
+            await asyncio.gather(again, return_exceptions=True)
+            leases = await asyncio.to_thread(_budget_leases, followed)
+            await handing.enter_async_context(
+                renewed(leases, logger, at_once=True, last_on_exit=True)
+            )
+    return rows, len(leases)
+
+
+def _budget_leases(followed: list[_Followed]) -> list[UUID]:
+    """The GPU budget's leases handed over with the jobs `followed`."""
+    return [lease for job in followed for lease in handed_over(job.store, job.record.id)]
+
+
+async def _taken_over(runs: Runs, logger: Logger) -> None:
+    """Waits (at most HANDOVER_S) until a follower holds the runs directory
+    again: the successor, which follows every job from then on."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + HANDOVER_S
+    while loop.time() < end:
+        try:
+            holder = await asyncio.to_thread(follower_of, runs)
+        except Exception as error:  # the store is away: looked at again
+            logger.warning("cannot read who follows %s now: %s", runs.where, error)
+            holder = None
+        if holder is not None:
+            logger.info("%s is followed by the next follower (%s)", runs.where, holder)
+            return
+        await asyncio.sleep(HANDOVER_LOOK_S)
+    logger.warning(
+        "the next follower did not take %s within %g s: the GPU budget's slots of the jobs "
+        "this one followed free themselves within %g s unless it takes them first (its "
+        "schedule starts one)",
+        runs.where,
+        HANDOVER_S,
+        LEASE_S,
+    )
+
+
+async def _join(here: Here, logger: Logger) -> None:
+    """The follower's last act: waits (at most JOIN_S) for the flow runs its
+    process runs; the next follower leaves them to it meanwhile."""
+    running = here.running()
+    if running:
+        logger.info(
+            "%d flow run(s) still run in this follower's process: it waits for them to end "
+            "(the next follower leaves them to it)",
+            running,
+        )
+    if await asyncio.to_thread(here.join):
+        logger.warning(
+            "flow runs still run in this follower's process after %g h: they end with it, and "
+            "the next follower runs them again",
+            JOIN_S / 3600,
+        )
+
+
 async def _follow_for(
-    runs: Runs, seconds: float, every_s: float, logger: Logger
+    runs: Runs, seconds: float, every_s: float, logger: Logger, followed_at_end: list[_Followed]
 ) -> list[Collected]:
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
@@ -111,6 +204,7 @@ async def _follow_for(
             await asyncio.sleep(every_s)
     finally:
         ENDED_BY.reset(acting)
+        followed_at_end.extend(followed.values())
         for job in followed.values():  # they keep running: the next follower takes them
             job.task.cancel()
         await asyncio.gather(*(job.task for job in followed.values()), return_exceptions=True)
@@ -118,9 +212,10 @@ async def _follow_for(
 
 
 async def _take_new(runs: Runs, followed: dict[str, _Followed], logger: Logger) -> None:
-    """Starts following the jobs nobody follows that this follower does not."""
+    """Starts following the jobs nobody follows that this follower does not
+    (the live ones alone are read, and not those it follows: `candidates`)."""
     try:
-        found = await candidates(runs)
+        found = await candidates(runs, following=set(followed))
     except Exception as error:  # the store or the server is away: the next pass tries again
         logger.warning("cannot look for jobs to follow now: %s", error)
         return
@@ -146,7 +241,9 @@ async def _cancel_asked(followed: dict[str, _Followed], logger: Logger) -> None:
         record, target = job.record, job.target
         if job.cancel_sent or record.job is None or target is None:
             continue
-        if not waited_for(job.store, record):
+        if not job.waited:  # read once it says so: a flow run that suspended stays so
+            job.waited = await asyncio.to_thread(waited_for, job.store, record)
+        if not job.waited:
             continue
         try:
             if await cancelled_at(record.flow_run_id) is None:
@@ -163,11 +260,11 @@ async def _cancel_asked(followed: dict[str, _Followed], logger: Logger) -> None:
         )
 
 
-async def _successor(runs_dir: str | None, minutes: float, every_s: float, logger: Logger) -> None:
+async def _successor(runs_dir: str | None, minutes: float, every_s: float, logger: Logger) -> bool:
     """Starts the next follower of this deployment, at once (its schedule is
-    the fallback when this one dies)."""
+    the fallback when this one dies); returns whether it did."""
     if deployment.id is None or deployment.name is None:
-        return
+        return False
     name = f"{flow_run.flow_name}/{deployment.name}"
     try:
         await arun_deployment(
@@ -178,3 +275,5 @@ async def _successor(runs_dir: str | None, minutes: float, every_s: float, logge
         )
     except Exception as error:
         logger.warning("cannot start the next follower (%s): its schedule will: %s", name, error)
+        return False
+    return True

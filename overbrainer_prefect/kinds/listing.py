@@ -18,6 +18,7 @@ from overbrainer_prefect.runs.metrics import stored_summary
 from overbrainer_prefect.runs.store import (
     RunRecord,
     Runs,
+    RunsError,
     RunState,
     follow_again,
     local_path,
@@ -159,14 +160,31 @@ def table_rows(rows: list[RunRow]) -> list[dict[str, object]]:
 
 def unfinished_of(runs: Runs, flow_run_ids: Iterable[str]) -> list[tuple[Runs, RunRecord]]:
     """The jobs (in every store of `runs`) created by one of `flow_run_ids`
-    that have not ended, each with its store."""
+    that have not ended, each with its store: those the live index names
+    (runs/live.py), every record where it was never built. Raises
+    RecordIoError when the runs directory cannot be read."""
     ids = set(flow_run_ids)
-    found = []
-    for store in runs.stores():
-        for record in store.list(skipped=lambda _name, _error: None):
-            if record.flow_run_id in ids and not record.state.ended:
-                found.append((store, record))
-    return found
+    entries = runs.live()
+    if entries is None:
+        records = [
+            (store, record)
+            for store in runs.stores()
+            for record in store.list(skipped=lambda _name, _error: None)
+        ]
+    else:
+        records = []
+        for store, record_id in sorted(
+            entries, key=lambda entry: (bool(entry[0].prefix), entry[1])
+        ):
+            try:
+                records.append((store, store.load(record_id)))
+            except (RunsError, RecordError):  # not there yet, or unreadable: not this one's
+                continue
+    return [
+        (store, record)
+        for store, record in records
+        if record.flow_run_id in ids and not record.state.ended
+    ]
 
 
 def listing(store: Runs, states: list[RunState] | None, limit: int) -> tuple[RunsListing, int]:

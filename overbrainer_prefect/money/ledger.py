@@ -6,7 +6,9 @@ most and the one line that refuses it.
 A pod alive counts at the most it can cost (what it was admitted for: its
 watchdog's cost cap), an ended one at what it cost (Runpod's bill once the
 ledger was reconciled with it, else rate × uptime). An entry counts in the
-UTC day and month it was admitted in. Pure arithmetic on records: no
+UTC day and month it was admitted in. An entry not bound to its job's record
+by its reservation bound (RESERVE_S after its admission: no pod was asked
+for) expires: it holds nothing since, and says why. Pure arithmetic on records: no
 Prefect, no file (see `store`), no provider (see `pods`).
 """
 
@@ -25,6 +27,13 @@ from overbrainer_prefect.money.budgets import HOW_TO_SET, Budgets
 
 SHOWN_ENTRIES = 4  # entries named in a refusal line; the rest are counted
 KEPT_DAYS = 100  # ended entries older than this leave the ledger (the view shows 30 days)
+RESERVE_S = 900.0
+"""The reservation bound: how long after its admission an entry not yet bound
+to its job's record holds its dollars. A live process binds it within seconds
+of its admission (before its pod is asked for), unless it waits for the GPU
+budget's slots: bound later than this, it is admitted again then
+(`readmit`). One whose process died before (its worker killed between its
+admission and its placement: no pod was made) holds nothing past it."""
 
 
 class BudgetRefused(Exception):
@@ -54,6 +63,14 @@ class Entry(BaseModel):
     cost_usd: float | None = Field(default=None, description="Rate × uptime, as last seen.")
     billed_usd: float | None = Field(default=None, description="What Runpod billed, reconciled.")
     ended: bool = False
+    expires: datetime | None = Field(
+        default=None,
+        description="Its reservation bound while it is not bound to a record (None: once bound, "
+        "or admission + RESERVE_S for an entry written before).",
+    )
+    expired: str | None = Field(
+        default=None, description="Why it was released unbound at its reservation bound."
+    )
 
     @property
     def charged(self) -> float:
@@ -65,11 +82,22 @@ class Entry(BaseModel):
         return max(self.max_usd, cost or 0.0)
 
     @property
+    def reserved_until(self) -> datetime:
+        """Its reservation bound: until when it holds its dollars unbound to a record."""
+        return self.expires or self.opened + timedelta(seconds=RESERVE_S)
+
+    @property
     def who(self) -> str:
-        """`run R` once bound to its record, else `a job of flow run F being prepared`."""
+        """`run R` once bound to its record, else `the run of flow run F (being
+        prepared, held until T)`."""
         if self.run_id is not None:
             return f"run {self.run_id}"
-        return f"{self.what} of flow run {self.flow_run_id or '?'} (being prepared)"
+        if self.expired is not None:
+            return f"{self.what} of flow run {self.flow_run_id or '?'} (expired unbound)"
+        return (
+            f"{self.what} of flow run {self.flow_run_id or '?'} (being prepared, held until "
+            f"{when(self.reserved_until)})"
+        )
 
 
 class Ledger(BaseModel):
@@ -84,9 +112,31 @@ class Ledger(BaseModel):
         return next((e for e in self.entries if e.id == entry_id), None)
 
     def prune(self, now: datetime) -> None:
-        """Drops the ended entries older than KEPT_DAYS."""
+        """Releases the entries past their reservation bound (`expire`), then
+        drops the ended entries older than KEPT_DAYS."""
+        self.expire(now)
         oldest = now - timedelta(days=KEPT_DAYS)
         self.entries = [e for e in self.entries if not e.ended or e.opened >= oldest]
+
+    def expire(self, now: datetime) -> list[Entry]:
+        """Releases the entries never bound to a job's record by their
+        reservation bound (see RESERVE_S): each ends at $0, saying why (no pod
+        was asked for under it). Returns them."""
+        released = []
+        for entry in self.entries:
+            if entry.ended or entry.run_id is not None or now < entry.reserved_until:
+                continue
+            entry.ended = True
+            entry.cost_usd = 0.0
+            entry.expired = (
+                f"{entry.what} of flow run {entry.flow_run_id or '?'} admitted at "
+                f"{usd(entry.max_usd)} on {when(entry.opened)} was never bound to a job's record "
+                f"by its reservation bound ({when(entry.reserved_until)}): no pod was asked for "
+                "under it (its process ended before, or it is admitted again once placed), so it "
+                "holds nothing since"
+            )
+            released.append(entry)
+        return released
 
 
 @dataclass(frozen=True)
@@ -214,8 +264,19 @@ def too_small(bound: Left, ask: Ask) -> str:
     )
 
 
+def new_entry_id() -> str:
+    """A new entry's id, made once per admission (outside its compare-and-swap
+    rounds: a round tried again finds the entry a landed write added)."""
+    return secrets.token_hex(6)
+
+
 def admit(
-    ledger: Ledger, budgets: Budgets | None, ask: Ask, who: Who, now: datetime
+    ledger: Ledger,
+    budgets: Budgets | None,
+    ask: Ask,
+    who: Who,
+    now: datetime,
+    entry_id: str | None = None,
 ) -> tuple[Entry, list[Left]]:
     """Admits a pod into `ledger` (the new entry is appended) and returns its
     entry and what is left of each bound once it is counted. Its most
@@ -223,9 +284,11 @@ def admit(
     is left of the tightest bound.
 
     Without budgets, the pod is only recorded at its most (for the spend
-    view). Raises BudgetTooSmall when a bound is below the least one pod
-    costs, BudgetRefused when what is left of a bound is, or when a pod
-    nothing bounds (`keep_pod`) meets a budget; nothing is added then.
+    view). The entry is `entry_id` (a new id without one); it holds its
+    dollars unbound until its reservation bound (RESERVE_S). Raises
+    BudgetTooSmall when a bound is below the least one pod costs,
+    BudgetRefused when what is left of a bound is, or when a pod nothing
+    bounds (`keep_pod`) meets a budget; nothing is added then.
     """
     bounds = left_of(ledger, budgets, ask.target, now) if budgets is not None else []
     for bound in bounds:
@@ -246,8 +309,9 @@ def admit(
         tightest = min(bound.left_usd for bound in bounds)
         most = tightest if most is None else min(most, tightest)
     entry = Entry(
-        id=secrets.token_hex(6),
+        id=entry_id or new_entry_id(),
         opened=now,
+        expires=now + timedelta(seconds=RESERVE_S),
         target=ask.target,
         deployment=who.deployment,
         flow_run_id=who.flow_run_id,
@@ -258,6 +322,30 @@ def admit(
     ledger.prune(now)
     ledger.entries.append(entry)
     return entry, left_of(ledger, budgets, ask.target, now) if budgets is not None else []
+
+
+def readmit(ledger: Ledger, budgets: Budgets | None, entry: Entry, now: datetime) -> None:
+    """Admits again, at the most it was admitted for (its pod's cost cap is
+    armed at it), an entry released at its reservation bound whose job is
+    placed now; it counts from `now`. Raises BudgetRefused (one line, the
+    entry left released) when that no longer fits in what is left."""
+    entry.ended = True  # counted out while what is left is reckoned
+    for bound in left_of(ledger, budgets, entry.target, now) if budgets is not None else []:
+        if bound.left_usd < entry.max_usd - 1e-9:
+            counted = [e for e in ledger.entries if in_period(e, bound.period, now, bound.target)]
+            raise BudgetRefused(
+                f"budget: {entry.what} is refused before anything is created: admitted at "
+                f"{usd(entry.max_usd)} on {when(entry.opened)}, it was not placed within its "
+                f"reservation bound ({RESERVE_S / 60:g} min) and was released; {bound.name()} "
+                f"({usd(bound.budget_usd)}) now has {usd(bound.left_usd)} left, "
+                f"{usd(bound.charged_usd)} spent or held by {spenders(counted)}. Run it again "
+                f"(it is admitted at what is left), or raise the budget with {HOW_TO_SET}"
+            )
+    entry.opened = now
+    entry.expires = None
+    entry.ended = False
+    entry.expired = None
+    entry.cost_usd = None
 
 
 # -- where the money went ---------------------------------------------------------------

@@ -72,7 +72,7 @@ async def spend_view(
     facts = cost_facts_of(runs)
 
     def refreshed(ledger: Ledger) -> Ledger:
-        refresh(ledger, facts)
+        refresh(ledger, facts, now)
         return ledger
 
     ledger = ledger_file.change(refreshed)
@@ -100,6 +100,7 @@ async def spend_view(
         by_target=by_key(recent, "target"),
         left=left_rows(ledger, budgets, now),
         pods=[pod_row(e) for e in reversed(recent)],
+        expired=[e.expired for e in reversed(recent) if e.expired is not None],
         differences=differences,
         reconciled=read,
         not_reconciled=unread,

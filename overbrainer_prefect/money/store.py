@@ -9,7 +9,12 @@ An admission is an entry added before anything is created; it is bound to
 its job's record once that exists, and brought up to date from what the
 job's place says it cost (`Spent`) when the job ends, at each later
 admission and in the spend view. An admission whose job never got a record
-leaves the ledger: nothing of it was created.
+leaves the ledger: nothing of it was created; one whose process died before
+it could say so expires at its reservation bound (`ledger.RESERVE_S`).
+
+An admission is idempotent: its entry's id is made once, before its
+compare-and-swap rounds, so a round tried again after a write that landed
+(its answer lost) finds its entry there and adds no second one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,18 @@ from pathlib import Path
 from typing import TypeVar
 
 from overbrainer_prefect.money.budgets import Budgets
-from overbrainer_prefect.money.ledger import Ask, Entry, Ledger, Left, Who, admit
+from overbrainer_prefect.money.ledger import (
+    Ask,
+    Entry,
+    Ledger,
+    Left,
+    Who,
+    admit,
+    left_of,
+    new_entry_id,
+    now_utc,
+    readmit,
+)
 from overbrainer_prefect.runs.store import Runs, RunsError
 from overbrainer_prefect.store.records import RecordChanged, read_record, write_record
 
@@ -93,13 +109,18 @@ class LedgerFile:
         """Changes the ledger by compare-and-swap: `decide` changes the ledger
         it is given (and returns what the caller wants of it); it is saved
         only over the version read, else read again and `decide` asked again,
-        so `decide` must decide from the ledger alone. Raises what `decide`
+        so `decide` must decide from the ledger alone (and find what a
+        landed write of its own added: a lost answer reads as a lost race). A
+        ledger `decide` leaves as it was is not written. Raises what `decide`
         raises (nothing is saved), RecordChanged after CHANGE_TRIES lost
         races, RecordIoError or InvalidRecord."""
         for _ in range(CHANGE_TRIES):
             found = read_record(self.runs.store, self.key, Ledger, "ledger")
             ledger, etag = found if found is not None else (Ledger(), None)
+            was = ledger.model_dump()
             result = decide(ledger)
+            if ledger.model_dump() == was:
+                return result
             try:
                 write_record(self.runs.store, self.key, ledger, etag)
             except RecordChanged:
@@ -108,9 +129,11 @@ class LedgerFile:
         raise RecordChanged(f"{self.where} kept changing while this process changed it")
 
 
-def refresh(ledger: Ledger, facts: Facts) -> list[Entry]:
-    """Brings the entries not ended up to date from `facts`; returns those changed."""
-    changed = []
+def refresh(ledger: Ledger, facts: Facts, now: datetime) -> list[Entry]:
+    """Releases the entries past their reservation bound at `now`
+    (`Ledger.expire`) and brings the bound entries not ended up to date from
+    `facts`; returns those changed."""
+    changed = ledger.expire(now)
     for entry in ledger.entries:
         if entry.ended or entry.run_id is None:
             continue
@@ -141,22 +164,30 @@ class Admission:
         self.ledger = ledger
         self.entry = entry
         self.left = left
+        self.budgets = budgets
         self.cap_usd = entry.max_usd if budgets is not None and budgets.bounded else None
 
-    def bind(self, store: Runs, run_id: str) -> None:
+    def bind(self, store: Runs, run_id: str, now: datetime | None = None) -> None:
         """Records that the admitted pod is the one of the job `run_id` in
-        `store` (before the pod is asked for). Raises RecordIoError."""
+        `store` (before the pod is asked for). An entry released at its
+        reservation bound meanwhile (its job waited that long) is admitted
+        again at its cap (`ledger.readmit`). Raises BudgetRefused (one line,
+        nothing created) when that cap no longer fits, RecordIoError."""
+        at = now or now_utc()
 
-        def decide(ledger: Ledger) -> Entry | None:
+        def decide(ledger: Ledger) -> Entry:
             entry = ledger.entry(self.entry.id)
-            if entry is not None:
-                entry.run_id = run_id
-                entry.store_dir = store.prefix
+            if entry is None:  # not in the ledger any more: recorded again, as released
+                entry = self.entry.model_copy(update={"ended": True, "expired": "not found"})
+                ledger.entries.append(entry)
+            if entry.expired is not None:
+                readmit(ledger, self.budgets, entry, at)
+            entry.run_id = run_id
+            entry.store_dir = store.prefix
+            entry.expires = None
             return entry
 
-        entry = self.ledger.change(decide)
-        if entry is not None:
-            self.entry = entry
+        self.entry = self.ledger.change(decide)
 
     def close(self, facts: Facts) -> Entry | None:
         """Brings the entry up to date once the job's place is done with
@@ -190,12 +221,18 @@ def admit_into(
     """In one compare-and-swap change of the ledger: the entries brought up
     to date (`facts`), then the pod admitted (see `ledger.admit`). Of two
     processes asking at once for the last dollars, one is admitted; the other
-    reads the ledger again and is refused. Raises BudgetRefused or
-    BudgetTooSmall (nothing added), RecordIoError."""
+    reads the ledger again and is refused. A round tried again after its
+    write landed (its answer lost) finds its own entry: one entry, not two.
+    Raises BudgetRefused or BudgetTooSmall (nothing added), RecordIoError."""
+    entry_id = new_entry_id()  # once, outside the rounds: a landed write is recognised
 
     def decide(ledger: Ledger) -> tuple[Entry, list[Left]]:
-        refresh(ledger, facts)
-        return admit(ledger, budgets, ask, who, now)
+        refresh(ledger, facts, now)
+        mine = ledger.entry(entry_id)
+        if mine is not None:  # this admission's write landed, its answer was lost
+            left = left_of(ledger, budgets, ask.target, now) if budgets is not None else []
+            return mine, left
+        return admit(ledger, budgets, ask, who, now, entry_id)
 
     entry, left = ledger_file.change(decide)
     return Admission(ledger_file, entry, left, budgets)

@@ -45,7 +45,9 @@ class PodRow(BaseModel):
     pod_id: str | None
     deployment: str
     target: str
-    state: str = Field(description="alive (counted at its most) or ended.")
+    state: str = Field(
+        description="alive (counted at its most), ended, or expired (released unbound)."
+    )
     usd: float = Field(description="What it counts for.")
     admitted_usd: float
     billed_usd: float | None = None
@@ -64,6 +66,11 @@ class SpendView(BaseModel):
     pods: list[PodRow] = Field(default_factory=list)
     differences: list[str] = Field(
         default_factory=list, description="Pods whose bill differs from the ledger."
+    )
+    expired: list[str] = Field(
+        default_factory=list,
+        description="Entries released at their reservation bound, never bound to a job's "
+        "record: why each holds nothing.",
     )
     reconciled: list[str] = Field(
         default_factory=list, description="Targets whose provider's bill was read."
@@ -101,7 +108,7 @@ def pod_row(entry: Entry) -> PodRow:
         pod_id=entry.pod_id,
         deployment=entry.deployment,
         target=entry.target,
-        state="ended" if entry.ended else "alive",
+        state="expired" if entry.expired else "ended" if entry.ended else "alive",
         usd=entry.charged,
         admitted_usd=entry.max_usd,
         billed_usd=entry.billed_usd,
@@ -151,6 +158,10 @@ def spend_markdown(view: SpendView) -> str:
             lines.append(f"Reconciled with the bill of {', '.join(view.reconciled)}.")
         lines += [f"- differs: {d}" for d in view.differences]
         lines += [f"- not read: {n}" for n in view.not_reconciled]
+        lines.append("")
+    if view.expired:
+        lines += ["## Expired admissions", ""]
+        lines += [f"- {why}" for why in view.expired]
         lines.append("")
     lines += ["## Pods", ""]
     if not view.pods:

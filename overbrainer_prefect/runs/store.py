@@ -16,7 +16,18 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runs.ids import is_valid_run_id
-from overbrainer_prefect.store import LocalStore, ObjectInfo, Store, open_store
+from overbrainer_prefect.runs.live import (
+    BUILT,
+    LIVE_DIR,
+    STALE_S,
+    mark,
+    mark_built,
+    marker_age_s,
+    marker_key,
+    record_dir_of,
+    unmark,
+)
+from overbrainer_prefect.store import LocalStore, ObjectInfo, Store, StoreError, open_store
 from overbrainer_prefect.store.base import join
 from overbrainer_prefect.store.records import (
     InvalidRecord,
@@ -158,6 +169,9 @@ def local_path(record: RunRecord) -> str:
 
 Objects = list[ObjectInfo]
 """Files of a run, as the store lists them."""
+
+LiveEntries = list[tuple["Runs", str]]
+"""Records the live index names: each its store and ID."""
 
 
 class RunsError(Exception):
@@ -354,7 +368,20 @@ class Runs:
         process wrote it since, RecordIoError when it cannot be written.
         """
         key = self.key(self._checked(record.id), self.record_file)
-        record._etag = write_record(self.store, key, record, record._etag)
+        if record._etag is not None:
+            record._etag = write_record(self.store, key, record, record._etag)
+            return
+        # a new record: in the live index before it exists, so whatever dies next, a pass
+        # finds it; marked again after, in case a pass dropped the first marker as stale
+        # while this process was stalled between the two (see runs/live.py)
+        record_dir = self.key(record.id)
+        with store_errors(self.store.where(marker_key(record_dir))):
+            mark(self.store, record_dir)
+        record._etag = write_record(self.store, key, record, None)
+        try:
+            mark(self.store, record_dir)
+        except StoreError as error:  # the first marker stands but for that one race
+            log.warning("cannot mark %s live again: %s", self.where_of(record.id), error)
 
     def load(self, run_id: str) -> RunRecord:
         """The record of the run `run_id`, with its version.
@@ -391,6 +418,86 @@ class Runs:
                 else:
                     skipped(name, error)
         return records
+
+    # -- the live index (runs/live.py) ---------------------------------------------------
+
+    def live(self) -> LiveEntries | None:
+        """The records the live index of this runs directory names (its top's),
+        each as its store and ID, in one listing of `.live/`; None when the
+        index was never built (`build_live`). Names that are no record of it
+        are left out. Raises RecordIoError when the store cannot be read."""
+        top = self.top
+        with store_errors(top.store.where(LIVE_DIR)):
+            names = top.store.names(LIVE_DIR)
+        if BUILT not in names:
+            return None
+        found: LiveEntries = []
+        for name in names:
+            record_dir = record_dir_of(name)
+            if record_dir is None:
+                continue
+            prefix, _, record_id = record_dir.rpartition("/")
+            try:
+                found.append((top.at(prefix), top._checked(record_id)))
+            except RunsError:
+                continue
+        return found
+
+    def mark_live(self, record_id: str) -> None:
+        """Puts the record `record_id` of this store in the live index (again).
+        Raises InvalidRunId, RecordIoError."""
+        record_dir = self.key(self._checked(record_id))
+        with store_errors(self.store.where(marker_key(record_dir))):
+            mark(self.store, record_dir)
+
+    def unmark_live(self, record_id: str) -> None:
+        """Takes the record `record_id` of this store out of the live index: only
+        for a record final and holding nothing, which it never leaves.
+        Raises InvalidRunId, RecordIoError."""
+        record_dir = self.key(self._checked(record_id))
+        with store_errors(self.store.where(marker_key(record_dir))):
+            unmark(self.store, record_dir)
+
+    def drop_if_stale(self, record_id: str) -> bool:
+        """For a marker of the live index whose record `record_id` is missing:
+        removes it once it is STALE_S old (its creator died before it wrote
+        the record), and marks the record again when it appeared meanwhile.
+        Returns whether the marker is gone. Raises InvalidRunId, RecordIoError."""
+        record_dir = self.key(self._checked(record_id))
+        with store_errors(self.store.where(marker_key(record_dir))):
+            age = marker_age_s(self.store, record_dir)
+            if age is not None and age < STALE_S:
+                return False
+            unmark(self.store, record_dir)
+            if self.store.head(self.key(record_id, self.record_file)) is None:
+                return True
+            mark(self.store, record_dir)
+            return False
+
+    def build_live(self, live: Callable[[Runs, RunRecord], bool]) -> int:
+        """Builds the live index of a runs directory written before it had one:
+        reads every record once (every store of `stores`), marks those
+        `live` says are, then says the index is built. Records that cannot be
+        read are marked (a pass looks at them again). A directory that holds
+        nothing yet is left as it is (its first record makes it). Returns how
+        many were marked. Raises RecordIoError when the store cannot be read or
+        written."""
+        top = self.top
+        marked = 0
+        if not top._names(""):
+            return marked
+        for store in top.stores():
+            unreadable: dict[str, RecordError] = {}
+            for record in store.list(skipped=unreadable.__setitem__):
+                if live(store, record):
+                    store.mark_live(record.id)
+                    marked += 1
+            for name in unreadable:
+                store.mark_live(name)
+                marked += 1
+        with store_errors(top.store.where(LIVE_DIR)):
+            mark_built(top.store)
+        return marked
 
     # -- the files of a run ------------------------------------------------------------
 

@@ -281,6 +281,14 @@ class Target(Protocol):
         confirmed deleted), from the local records alone."""
         ...
 
+    def holds(self, store: Runs, record: RunRecord) -> bool:
+        """Whether the target may hold something for the ended job `record`
+        now or later (a pod not confirmed deleted, even one its pipeline still
+        holds; its secret), from the local records alone: while it does, the
+        job stays in the live index (runs/live.py). True when that cannot be
+        read."""
+        ...
+
     def detached(self, store: Runs, record: RunRecord) -> str:
         """The message of a started job left running with nobody following it:
         what bounds it, how to follow it again or remove what bills."""

@@ -218,6 +218,10 @@ class HostTarget(BlockTarget):
         """Never: nothing on a machine you own bills."""
         return False
 
+    def holds(self, store: Runs, record: RunRecord) -> bool:
+        """Never: a machine you own holds nothing for an ended job."""
+        return False
+
     def detached(self, store: Runs, record: RunRecord) -> str:
         """How to follow again a job left running on its machine."""
         return (

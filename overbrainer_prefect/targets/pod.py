@@ -939,6 +939,18 @@ class PodTarget(BlockTarget):
             return False
         return not pod.gone or (pod.host_key_secret is not None and not pod.secret_deleted)
 
+    def holds(self, store: Runs, record: RunRecord) -> bool:
+        """Whether a pod of the job may still exist, its pipeline's or not
+        (`pod.json` not gone), or its keys and secret are still here; True
+        when its pod record cannot be read."""
+        try:
+            _, pod = self._pod_of(store, record)
+        except Exception:
+            return True
+        if pod is None:
+            return False
+        return not pod.gone or (pod.host_key_secret is not None and not pod.secret_deleted)
+
     def detached(self, store: Runs, record: RunRecord) -> str:
         """What bounds a started job's pod with nobody following it, and how
         to follow it again or remove the pod."""

@@ -553,6 +553,11 @@ class PoolTarget(BlockTarget):
         """Never: nothing on a machine you own bills, and an ended job's lease is free."""
         return False
 
+    def holds(self, store: Runs, record: RunRecord) -> bool:
+        """Never: a machine you own holds nothing for an ended job (its lease
+        is free once its job ended)."""
+        return False
+
     def detached(self, store: Runs, record: RunRecord) -> str:
         """How to follow again a job left running on its machines of the pool."""
         try:
