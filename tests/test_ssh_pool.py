@@ -604,3 +604,27 @@ def test_a_training_across_nodes_is_cancelled_on_every_node_from_its_record_alon
         assert (Path(job.dir) / "job.cancelled").exists() and not procs.alive(job.pid)
     for i in range(3):
         assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+
+
+def test_a_training_across_more_free_machines_than_there_are_holds_none_and_says_why(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    release = tmp_path / "release"
+
+    async def go() -> str:
+        async with started(pool(boxes, tmp_path), runs, held_job(release)) as (p, ctx, record):
+            with pytest.raises(PoolError) as caught:
+                async with started_on_nodes(pool(boxes, tmp_path), runs, DdpTrainer(3), 3):
+                    pass
+            held = machine_of(runs, record)
+            for i in range(3):  # the two claimed were given back: all or none
+                lease = work_of(tmp_path, i) / host_claim.LEASE_FILE
+                assert lease.exists() == (f"box{i}" == held)
+            release.touch()
+            await p.follow(ctx, ShellTrainer(QUICK), record)
+            return str(caught.value)
+
+    message = asyncio.run(go())
+    assert "\n" not in message and "has 2 of the 3 free machines" in message
+    assert message.count(" is free") == 2 and "whose job runs there" in message

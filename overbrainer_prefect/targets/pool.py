@@ -405,21 +405,26 @@ class PoolTarget(BlockTarget):
                 why.append(f"{host.shown} {answer}")
             if len(claims) == count:
                 return claims
-            for host, executor in claims:
+            for host, executor in claims:  # too few: all or none
                 with contextlib.suppress(ExecError):
                     await host_claim.release(executor, host.workdir, record.id)
                 await executor.close()
+                why.append(f"{host.shown} is free")
             left = deadline - time.monotonic()
             wanted = "a free machine" if count == 1 else f"{count} free machines"
             if left <= 0:
+                if count == 1:
+                    short = f"no machine of pool {self.ref} is free for {subject(record)}"
+                    again = "one is free"
+                else:
+                    short = (
+                        f"pool {self.ref} has {len(claims)} of the {count} free machines "
+                        f"{subject(record)} needs"
+                    )
+                    again = "they are free"
                 raise PoolError(
-                    f"no machine of pool {self.ref} is free for {subject(record)}: "
-                    f"{'; '.join(why)}. Try again once one is free, or raise the pool's "
+                    f"{short}: {'; '.join(why)}. Try again once {again}, or raise the pool's "
                     "wait_minutes"
-                    if count == 1
-                    else f"pool {self.ref} has {len(claims)} of the {count} free machines "
-                    f"{subject(record)} needs: {'; '.join(why)}. Try again once they are free, "
-                    "or raise the pool's wait_minutes"
                 )
             if not waiting:
                 waiting = True
