@@ -16,6 +16,7 @@ Nothing here asks which target it holds.
 from __future__ import annotations
 
 import posixpath
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 from uuid import UUID
@@ -43,7 +44,7 @@ from overbrainer_prefect.flowruns import resume
 from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.listing import unfinished_of
 from overbrainer_prefect.kinds.registry import kind_of, recorded_end, trainer_of
-from overbrainer_prefect.runs.lock import RunBusy, follow_lock, is_followed
+from overbrainer_prefect.runs.lock import RunBusy, follow_lock, is_followed, lost_line
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
 from overbrainer_prefect.server_budget import PrefectBudget
@@ -54,6 +55,7 @@ from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import INTERRUPTED, RunError, failure_reason
 from overbrainer_prefect.steps.hooks import cancel_recorded, crashed_recorded
 from overbrainer_prefect.steps.reporters import JobReporter, Reporter
+from overbrainer_prefect.store import LeaseLost
 from overbrainer_prefect.targets.base import Logger, Placed, Reservation, Target
 from overbrainer_prefect.trainers.base import Trainer
 
@@ -104,16 +106,37 @@ async def start_job(
     return record
 
 
+@dataclass(frozen=True)
+class _Taken:
+    """What the follow task returns when its follow lock was lost: the flow
+    says so in one line, where a task's exception would log a traceback."""
+
+    lost: LeaseLost
+
+
 @task(name="follow-job", cache_policy=NO_CACHE, persist_result=False)
+async def _follow_task(
+    placed: Placed, ctx: RunContext, trainer: Trainer, record: RunRecord
+) -> Outcome | _Taken:
+    try:
+        async with live_progress(ctx.reporter):
+            outcome = await placed.follow(ctx, trainer, record)
+        return _settle_lost(ctx.runs, outcome)
+    except LeaseLost as lost:
+        return _Taken(lost)
+
+
 async def follow_job(
     placed: Placed, ctx: RunContext, trainer: Trainer, record: RunRecord
 ) -> Outcome:
     """Follows the job to its end, retrieves and verifies its files, and ends
-    what it ran on by the outcome; a job whose machine is gone under it has
-    its record failed with why."""
-    async with live_progress(ctx.reporter):
-        outcome = await placed.follow(ctx, trainer, record)
-    return _settle_lost(ctx.runs, outcome)
+    what it ran on by the outcome (a task of the flow run); a job whose
+    machine is gone under it has its record failed with why. Raises LeaseLost
+    when the job's follow lock was lost on the way (nothing more done)."""
+    followed = await _follow_task(placed, ctx, trainer, record)
+    if isinstance(followed, _Taken):
+        raise followed.lost
+    return followed
 
 
 def _settle_lost(store: Runs, outcome: Outcome) -> Outcome:
@@ -151,7 +174,9 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
     cannot reserve it; (the record failed, nothing left billing) when it
     cannot be placed or its job cannot start; RunError when the job cannot
     be followed to its end (it keeps running: the message says how to follow
-    it again).
+    it again). A follow lock lost on the way (another follower took the job)
+    stops everything at once, says so in one line, and ends as that follower
+    records the job's end.
     """
     store = job.store
     waited = suspension.suspended_job(store, job.kind, job.attempt)
@@ -183,10 +208,16 @@ async def run_new(target: Target, job: NewJob, logger: Logger) -> Finished:
                 return await _place_and_follow(
                     target, job, store, record, trainer, reservation, budget, logger
                 )
+            except LeaseLost as lost:
+                logger.warning("%s", lost_line(record.id, lost))
+                lost_run = record.id
             except BaseException as error:
                 if store.load(record.id).job is None:  # nothing runs: the record says why
                     end_step.fail(store, record.id, failure_reason(error))
                 raise
+    # another follower took the job: its end is as that follower records it
+    bound_s = float(suspension.timeout_s(store.load(lost_run).deadline))
+    return Finished(await recorded_end(store, lost_run, bound_s), target.ref)
 
 
 async def _place_and_follow(
@@ -337,9 +368,11 @@ async def follow_again(
     its record: what attach, an export or compare followed again, and the
     collector do. `runs` is the runs directory, `store` the record's own.
 
-    Raises RunError when another live process follows the job, or it cannot
-    be followed to its end; UnknownTarget when its target block is gone.
-    `target` is the record's own, when the caller has it already.
+    Raises RunError when another live process follows the job (also when
+    another took it from this one on the way: said in one line, and nothing
+    more done), or it cannot be followed to its end; UnknownTarget when its
+    target block is gone. `target` is the record's own, when the caller has
+    it already.
     """
     target = target or await target_named(record.target, logger)
     try:
@@ -353,6 +386,13 @@ async def follow_again(
         raise RunError(
             f"{subject(record)} is already followed by {busy.holder}: it records the outcome; "
             "follow it again only once that follower has ended"
+        ) from None
+    except LeaseLost as lost:
+        line = lost_line(record.id, lost)
+        logger.warning("%s", line)
+        raise RunError(
+            f"{subject(record)} is already followed by another process ({line}): it records "
+            "the outcome"
         ) from None
 
 

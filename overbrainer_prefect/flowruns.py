@@ -17,6 +17,7 @@ from prefect.states import Cancelled, Crashed
 
 from overbrainer_prefect.resume_here import HERE
 from overbrainer_prefect.runs.store import RunRecord, subject
+from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.targets.base import Logger
 
 CANCELLED_FLOW_RUN = frozenset({StateType.CANCELLING, StateType.CANCELLED})
@@ -119,7 +120,9 @@ async def resume(record: RunRecord, logger: Logger, left_s: float | None = None)
     are left of it, and the flow run, started again, waits for its follower
     to record its end. Returns whether it was resumed. A server that refuses
     or cannot be reached is logged with what to do, never raised: the job is
-    recorded, and the next pass of the follower tries again."""
+    recorded, and the next pass of the follower tries again. Raises
+    LeaseLost, resuming nothing, when this task lost the job's follow lock."""
+    check_guarded(record.id)
     try:
         waiting = await suspended(record.flow_run_id)
         if waiting is None:

@@ -52,6 +52,7 @@ from prefect.runtime import flow_run
 from prefect.states import Pending, Scheduled
 
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.store import Held, LeaseLost
 from overbrainer_prefect.targets.base import Logger
 
 MAX_HERE = 4
@@ -87,9 +88,17 @@ HERE: ContextVar[Here | None] = ContextVar("overbrainer_resume_here", default=No
 class Here:
     """The flow runs this process runs again (`flows`: this package's flows, by
     name), and the work pool, pull steps and job variables a deployment's
-    flow run must have for that (the follower's own)."""
+    flow run must have for that (the follower's own); none once the
+    follower's lock `held` is lost (set once the follower holds it)."""
 
-    def __init__(self, runs: Runs, flows: Mapping[str, AnyFlow], follower: str | None) -> None:
+    def __init__(
+        self,
+        runs: Runs,
+        flows: Mapping[str, AnyFlow],
+        follower: str | None,
+        held: Held | None = None,
+    ) -> None:
+        self.held = held
         self.runs = runs.top
         self.flows = dict(flows)
         self.follower = follower
@@ -108,6 +117,8 @@ class Here:
         returns whether it does. Raises nothing: a refusal, or a server or a
         store that cannot be reached, leaves it to the worker."""
         if self.running() >= MAX_HERE:  # full: no need to ask the server about it
+            return False
+        if self.held is not None and self.held.lost:  # another follower runs them now
             return False
         held = ExitStack()  # its lock, held from before its marker until its marker is gone
         locked = False
@@ -238,15 +249,20 @@ class Recovered:
 
 
 async def recover(
-    runs: Runs, follower: str | None, logger: Logger, said: set[str] | None = None
+    runs: Runs,
+    follower: str | None,
+    logger: Logger,
+    said: set[str] | None = None,
+    held: Held | None = None,
 ) -> Recovered:
     """Puts back to `Scheduled` the flow runs a dead follower was running again
     in its process (its markers whose lock no live process holds; `Pending`
     or `Running` still, claimed by it), so that they run again; removes the
     markers of those that ended. Those still run by an ended follower's
     process (their lock held) are left to it, said once (`said`: the
-    markers already said). Raises nothing: what cannot be read now is looked
-    at again."""
+    markers already said). Each is done only while this follower still holds
+    the runs directory's lock `held`: once it is lost it stops at once and
+    says so. Raises nothing: what cannot be read now is looked at again."""
     top = runs.top
     put_back = still = 0
     said = set() if said is None else said
@@ -278,6 +294,8 @@ async def recover(
                         running,
                     )
                 continue
+            if held is not None:
+                held.check()
             async with get_client() as client:
                 states = sorted(
                     await client.read_flow_run_states(flow_run_id), key=lambda s: s.timestamp
@@ -286,6 +304,8 @@ async def recover(
                 claims = [s for s in states if s.type == StateType.PENDING]
                 ours = bool(claims) and claims[-1].name == CLAIM
                 if now is not None and now.type in (StateType.PENDING, StateType.RUNNING) and ours:
+                    if held is not None:
+                        held.check()  # another follower may run it now: never put it back then
                     await client.set_flow_run_state(
                         flow_run_id,
                         Scheduled(
@@ -300,8 +320,19 @@ async def recover(
                         flow_run_id,
                         holder,
                     )
+            if held is not None:
+                held.check()
             top.store.delete(marker)
             top.store.delete(running_lock(top, flow_run_id))
+        except LeaseLost as lost:
+            logger.warning(
+                "another follower took the runs directory %s at %s: this one stops recovering "
+                "its flow runs (%s)",
+                top.where,
+                lost.at,
+                lost.why,
+            )
+            break
         except Exception as error:
             still += 1  # looked at again
             logger.warning("cannot look at %s now: %s", top.store.where(marker), error)
@@ -309,13 +340,18 @@ async def recover(
 
 
 async def recover_again(
-    runs: Runs, follower: str | None, logger: Logger, first: Recovered, said: set[str]
+    runs: Runs,
+    follower: str | None,
+    logger: Logger,
+    first: Recovered,
+    said: set[str],
+    held: Held | None = None,
 ) -> None:
     """While `recover` left flow runs to an ended follower's process (`first`;
     `said`: those it said), looks again every RECOVER_AGAIN_S: one whose
     process died meanwhile (its lock dropped or lapsed) runs again. Ends when
     none is left (or cancelled, with the follower's term)."""
     left = first.still_running
-    while left:
+    while left and not (held is not None and held.lost):
         await asyncio.sleep(RECOVER_AGAIN_S)
-        left = (await recover(runs, follower, logger, said)).still_running
+        left = (await recover(runs, follower, logger, said, held)).still_running

@@ -23,6 +23,7 @@ from overbrainer_prefect.store.check import check_s3
 from overbrainer_prefect.store.s3 import client_config, default_client
 
 if TYPE_CHECKING:
+    from botocore.config import Config
     from mypy_boto3_s3 import S3Client
 
 CREDENTIALS_ENV = "OVERBRAINER_STORE_CREDENTIALS"
@@ -30,14 +31,15 @@ CREDENTIALS_ENV = "OVERBRAINER_STORE_CREDENTIALS"
 `s3-bucket/NAME`) whose credentials open the runs' object store."""
 
 
-def block_client(endpoint_url: str | None) -> S3Client:
-    """The S3 client of the runs' object store: from the credentials block
+def block_client(endpoint_url: str | None, config: Config | None = None) -> S3Client:
+    """The S3 client of the runs' object store, with `config` (else
+    `client_config`): from the credentials block
     `$OVERBRAINER_STORE_CREDENTIALS` names (its own endpoint unless the URL
     gives one), else from boto3's chain. Raises StoreRefused with one line
     when the block cannot be loaded or holds no credentials."""
     name = os.environ.get(CREDENTIALS_ENV)
     if not name:
-        return default_client(endpoint_url)
+        return default_client(endpoint_url, config)
     # here, not at the top: prefect-aws imports its workers too (about a second of a
     # core), which every flow process would pay without a credentials block to load
     from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
@@ -58,7 +60,7 @@ def block_client(endpoint_url: str | None) -> S3Client:
         )
     endpoint = endpoint_url or block.aws_client_parameters.endpoint_url
     client: S3Client = block.get_boto3_session().client(
-        "s3", endpoint_url=endpoint, config=client_config()
+        "s3", endpoint_url=endpoint, config=config or client_config()
     )
     return client
 

@@ -139,10 +139,13 @@ class S3Server:
         self.client().create_bucket(Bucket=name)
         return name
 
-    def bucket_url(self, prefix: str = "runs", bucket: str | None = None) -> str:
-        """`s3://<bucket>/<prefix>?endpoint_url=...` of a new bucket (or `bucket`)."""
+    def bucket_url(
+        self, prefix: str = "runs", bucket: str | None = None, endpoint: str | None = None
+    ) -> str:
+        """`s3://<bucket>/<prefix>?endpoint_url=...` of a new bucket (or `bucket`),
+        reached at `endpoint` when given (a `tests/faultproxy.py` in front of it)."""
         name = bucket or self.bucket()
-        return f"s3://{name}/{prefix}?endpoint_url={self.endpoint}"
+        return f"s3://{name}/{prefix}?endpoint_url={endpoint or self.endpoint}"
 
     def stop(self) -> None:
         """Stops the server by its PID (SIGTERM, then SIGKILL)."""

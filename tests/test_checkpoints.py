@@ -22,10 +22,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from overbrainer_prefect.executors.base import CommandResult
+from overbrainer_prefect.executors.base import CommandResult, ExecError, FileDigest
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.manifest import sha256_file
 from overbrainer_prefect.runs.checkpoints import CHECKPOINTS_FILE, last_kept, load_kept
@@ -33,8 +34,9 @@ from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
-from overbrainer_prefect.steps.checkpoints import step_of
+from overbrainer_prefect.steps.checkpoints import keep, step_of
 from overbrainer_prefect.steps.context import Outcome, RunContext
+from overbrainer_prefect.steps.retrieve import retrieve
 from overbrainer_prefect.store.digest import expected_checksum
 from overbrainer_prefect.store.s3 import PART_ENV
 from tests.s3server import S3Server
@@ -407,3 +409,102 @@ def test_a_checkpoint_kept_on_a_volume_is_linked_in_by_the_job_only_as_it_was_ke
     changed = get(kept)
     assert changed.returncode == 2 and "not the ones recorded" in changed.stderr, changed.stderr
     assert not linked.exists() and len(changed.stderr.strip().splitlines()) == 1
+
+
+def saved_on_target(remote: Path, step: int, optimizer: bytes) -> str:
+    """Writes a complete `output/checkpoint-<step>/` in `remote` (its optimizer
+    state `optimizer`, trainer_state.json last); returns its path."""
+    ckpt = remote / f"output/checkpoint-{step}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "optimizer.pt").write_bytes(optimizer)
+    (ckpt / "trainer_state.json").write_text(f'{{"global_step": {step}}}\n')
+    return f"output/checkpoint-{step}"
+
+
+def test_a_kept_file_of_several_parts_that_changed_since_is_not_verified_by_its_old_parts(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint kept in the object store (its optimizer state in two
+    parts), then changed on the target with the same size (the job saved
+    again over it): the final retrieval compares the kept file with the
+    manifest's SHA-256, finds it is not the target's, puts it again, and the
+    store then holds the target's bytes, not the old parts."""
+    monkeypatch.setenv(PART_ENV, str(PART_MB))
+    runs = Runs(s3.bucket_url())
+    executor = LocalExecutor(tmp_path / "target", name="box")
+    record = start_step.create(runs, target="box", target_kind="local", workdir=executor.workdir)
+    remote = Path(record.remote_dir)
+    path = saved_on_target(remote, 2, os.urandom(6 << 20))
+    point = asyncio.run(keep(executor, sys.executable, runs, record.id, record.remote_dir, path, 2))
+    big = next(f for f in point.files if f.path.endswith("optimizer.pt"))
+    assert len(big.parts) == 2
+    saved_on_target(remote, 2, os.urandom(6 << 20))  # the same size, other bytes
+    trainer = CheckpointingShell("true")
+    manifest, _ = asyncio.run(
+        retrieve(executor, sys.executable, trainer, runs, record.id, record.remote_dir, True)
+    )
+    listed = next(f for f in manifest if f.path == big.path)
+    assert listed.sha256 != big.sha256 and listed.size == big.size
+    back = tmp_path / "back.pt"
+    runs.store.get_file(runs.key(record.id, big.path), back)
+    assert sha256_file(back) == (listed.size, listed.sha256)  # the target's bytes, verified
+    (point,) = load_kept(runs, record.id).checkpoints  # recorded as the store now holds it
+    now = next(f for f in point.files if f.path == big.path)
+    assert (now.size, now.sha256) == (listed.size, listed.sha256) and len(now.parts) == 2
+    info = runs.store.head(runs.key(record.id, big.path))
+    assert info is not None and info.sha256 == expected_checksum(now.parts)
+
+
+class WrittenAfterListing(LocalExecutor):
+    """The real local target, on which `path` is written again just after
+    each manifest is taken (as a job still writing would): what is
+    downloaded then is not what was listed."""
+
+    def __init__(self, workdir: Path, path: Path) -> None:
+        super().__init__(workdir, name="box")
+        self.path = path
+
+    async def manifest(self, *args: Any, **kwargs: Any) -> list[FileDigest]:
+        listed = await super().manifest(*args, **kwargs)
+        self.path.write_bytes(os.urandom(1000))
+        return listed
+
+
+def test_a_kept_checkpoint_in_a_local_store_is_replaced_only_by_a_verified_copy(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint kept in a local runs directory, then changed on the
+    target: a final retrieval whose new copy does not verify fails and
+    leaves the kept checkpoint as it was kept; one that verifies replaces
+    it, and checkpoints.json then lists the new files."""
+    runs = Runs(tmp_path / "runs")
+    plain = LocalExecutor(tmp_path / "target", name="box")
+    record = start_step.create(runs, target="box", target_kind="local", workdir=plain.workdir)
+    remote = Path(record.remote_dir)
+    path = saved_on_target(remote, 2, os.urandom(3000))
+    asyncio.run(keep(plain, sys.executable, runs, record.id, record.remote_dir, path, 2))
+    local = runs.run_dir(record.id)
+    kept = load_kept(runs, record.id).checkpoints[0]
+    saved_on_target(remote, 2, os.urandom(3000))  # saved again over it
+    trainer = CheckpointingShell("true")
+    racing = WrittenAfterListing(tmp_path / "target", remote / path / "optimizer.pt")
+    with pytest.raises(ExecError, match="differs from the target"):
+        asyncio.run(retrieve(racing, sys.executable, trainer, runs, record.id, str(remote), True))
+    for file in kept.files:
+        assert sha256_file(local / file.path) == (file.size, file.sha256), file.path
+    assert sorted(p.name for p in local.iterdir() if p.name.startswith(".")) == []
+
+    manifest, _ = asyncio.run(
+        retrieve(plain, sys.executable, trainer, runs, record.id, str(remote), True)
+    )
+    listed = {f.path: f for f in manifest}
+    (point,) = load_kept(runs, record.id).checkpoints
+    for file in point.files:
+        assert (
+            sha256_file(local / file.path)
+            == (file.size, file.sha256)
+            == (
+                listed[file.path].size,
+                listed[file.path].sha256,
+            )
+        )

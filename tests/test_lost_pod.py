@@ -226,6 +226,7 @@ def test_a_pod_whose_host_stops_answering_is_deleted_and_with_max_restarts_0_the
     assert [r.id for r in runs.list()] == [run_id]
     record = runs.load(run_id)
     assert record.state == RunState.FAILED and "a lost host" in (record.message or ""), record
+    assert "Runpod's runtime of it stalled" in (record.message or ""), record  # its 2nd witness
     pod = PodRecord.load(runs, run_id)
     assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "client", pod
     assert pod.host_lost is not None and pod.lost_step is not None and pod.lost_step >= kept_step
@@ -249,3 +250,57 @@ def test_max_cost_usd_counts_the_pods_a_training_lost_before() -> None:
     assert _after_lost_pods(plan(), again).max_cost_usd is None  # no cap: nothing to count
     with pytest.raises(BudgetError, match=r"max_cost_usd \(\$1.00\) is spent by the pods"):
         _after_lost_pods(plan(max_cost=1.0), JobNeed(what="the run", spent_usd=1.0))
+
+
+def test_a_training_lost_before_its_first_checkpoint_starts_again_from_step_0_on_a_new_pod(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    """Its pod's container restarted at its first step, no checkpoint kept yet
+    (save_steps past max_steps): with max_restarts 1 the run starts again from
+    step 0 in a new run on a new pod, which succeeds; the lost run says so, and
+    the summary lists both pods."""
+    runs_dir = tmp_path / "runs"
+    pods_of.restart_delay_s = (0.2, 0.4)
+    lost: list[str] = []
+
+    def first_step_logged(record_id: str, pod_id: str) -> bool:
+        metrics = pods_of.workspace_of(pod_id) / "overbrainer" / record_id / "metrics.jsonl"
+        return metrics.is_file() and '"log"' in metrics.read_text()
+
+    def watch() -> None:
+        deadline = time.monotonic() + RESTART_BOUND_S
+        while time.monotonic() < deadline and not lost:
+            runs = Runs(runs_dir)
+            for record in runs.list(skipped=lambda _name, _error: None):
+                pod = PodRecord.load(runs, record.id)
+                if pod is not None and pod.pod_id and first_step_logged(record.id, pod.pod_id):
+                    assert last_kept(runs, record.id) is None
+                    pods_of.restart(sim.pod(pod.pod_id))
+                    lost.append(record.id)
+                    break
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    name = target(sim, max_restarts=1)
+    training = spec(*tiny, max_steps=6, save_steps=100)
+    result = run(train(target=name, training=training, runs_dir=str(runs_dir)))
+    watcher.join(timeout=5)
+    assert len(lost) == 1, lost
+    assert isinstance(result, RunResult) and result.state == RunState.SUCCEEDED, result
+    runs = Runs(runs_dir)
+    (lost_id,) = lost
+    first, again = runs.load(lost_id), runs.load(result.run_id)
+    assert first.state == RunState.FAILED and again.id != lost_id
+    told = first.message or ""
+    assert "restarted" in told and "it went on from step 0" in told, told
+    assert "Start it again" not in told, told
+    assert again.resumed_from is None and min(steps_of(runs, again.id)) == 1
+    assert max(steps_of(runs, again.id)) == 6
+    assert len(sim.pods(include_deleted=True)) == 2 and sim.pods() == []
+    (summary,) = [a for a in artifacts_of(again.id) if a.key == f"run-{again.id}-summary"]
+    assert "step 0 (no checkpoint was kept before the loss)" in str(summary.data), summary.data

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -38,7 +39,9 @@ from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.targets.runpod.context import PodContext
 from overbrainer_prefect.targets.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
+from overbrainer_prefect.targets.runpod.follow import Silence, runpod_agrees
 from overbrainer_prefect.targets.runpod.gpucheck import gpu_mismatch
+from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.targets.runpod.orphans import PodRow, orphan_warnings, pod_rows
 from overbrainer_prefect.targets.runpod.reaper import BY, REAPER_LOG
 from overbrainer_prefect.timestamps import rfc3339
@@ -47,7 +50,7 @@ from tests.conftest import job_venv
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, deleted_once_verified
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
-from tests.test_watchdog import A4000, FAST, STALLED, Bed, ready_pod, settings
+from tests.test_watchdog import A4000, FAST, STALLED, Bed, progressing, ready_pod, settings
 
 LOG = logging.getLogger("pod-fate")
 TRAINS = f"{WRITE_METRICS}; {WRITE_OUTPUT}"
@@ -615,3 +618,149 @@ def test_the_pods_list_says_when_unfollowed_files_are_lost_and_the_command_that_
     assert any(f"pod {row.pod_id}" in w and "holds a job nobody follows" in w for w in warnings)
     assert not followed.unfollowed and followed.why == "followed; bounded by its watchdog"
     assert orphan_warnings([followed]) == []
+
+
+# -- a lost host needs two witnesses --------------------------------------------------------
+
+
+def seen(status: str, uptime_s: float | None) -> Pod:
+    return Pod.model_validate({"id": "p1", "status": status, "runtime": None}).model_copy(
+        update={"uptime_s": uptime_s}
+    )
+
+
+def test_runpods_view_agrees_with_a_silent_ssh_only_when_the_pods_runtime_stalled_or_ended() -> (
+    None
+):
+    assert runpod_agrees(seen("RUNNING", 100), seen("RUNNING", 160), 60.0) is None  # it runs on
+    assert "stalled (5 s of uptime in 60 s)" in (
+        runpod_agrees(seen("RUNNING", 100), seen("RUNNING", 105), 60.0) or ""
+    )
+    assert runpod_agrees(seen("RUNNING", 100), seen("EXITED", None), 60.0) == (
+        "Runpod shows it EXITED"
+    )
+    assert runpod_agrees(seen("RUNNING", 100), seen("RUNNING", None), 60.0) == (
+        "Runpod shows no runtime for it"
+    )
+    assert "started again" in (runpod_agrees(seen("RUNNING", 100), seen("RUNNING", 3), 60.0) or "")
+
+
+def test_every_followed_pod_silent_at_once_is_this_sides_network() -> None:
+    silence = Silence()
+    with silence.following("a"):
+        silence.mark("a", True)
+        assert silence.all_at_once() == 0  # one pod alone: Runpod's view decides
+        with silence.following("b"):
+            assert silence.all_at_once() == 0
+            silence.mark("b", True)
+            assert silence.all_at_once() == 2
+        assert silence.all_at_once() == 0
+
+
+@pytest.mark.slow
+def test_a_pod_whose_ssh_is_cut_on_this_side_while_runpod_shows_it_running_is_not_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """This side's network loses the pod's SSH while its host runs on (Runpod
+    shows its uptime going on): past lost_host_s the follower says so and
+    follows the job again; once SSH is back, the job is followed to its end
+    and its files retrieved. One pod, never deleted as a lost host."""
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},lost_host_s=6")
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as sim_pods:
+
+        def cut(pod: PodRecord) -> None:
+            wait_for(lambda: metrics_written(sim_pods, pod), 30, "the job's first metric")
+            job = runs.load(pod.run_id).job
+            assert job is not None and job.pid is not None
+            sim_pods.cut_ssh(sim.pod(pod.pod_id or ""), job.pid)
+
+            def back() -> None:  # once the follower said it waits, SSH comes back
+                wait_for(lambda: "this side's network" in caplog.text, 120, "the follower to wait")
+                sim_pods.find_host(sim.pod(pod.pod_id or ""))
+
+            threading.Thread(target=back, daemon=True).start()
+
+        with caplog.at_level(logging.WARNING):
+            outcome = asyncio.run(train_on(pod_target(sim), runs, progressing(20, 0.5), cut))
+        (billed,) = sim.pods(include_deleted=True)
+    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved, outcome.record
+    pod = the_pod(runs)
+    assert pod.host_lost is None and pod.deleted_by == "client", pod
+    said = [r.getMessage() for r in caplog.records if "this side's network" in r.getMessage()]
+    assert said and "Runpod shows its container running on" in said[0], said
+    assert f"pod {billed.id} is not deleted: its job is followed again" in said[0], said
+
+
+@pytest.mark.slow
+def test_every_pod_a_follower_follows_going_silent_at_once_deletes_none_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two pods followed by one process lose their hosts at the same moment
+    (Runpod's view of each stalls too): that is this side's network, so
+    neither is deleted and the follower says so; once they answer again,
+    both jobs are followed to their end."""
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},lost_host_s=6")
+    runs = [Runs(tmp_path / "runs-a"), Runs(tmp_path / "runs-b")]
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim) as sim_pods:
+        ready: list[PodRecord] = []
+        lock = threading.Lock()
+
+        def lose_both() -> None:
+            wait_for(lambda: len(ready) == 2, 60, "both jobs' first metric")
+            for pod in ready:
+                sim_pods.lose_host(sim.pod(pod.pod_id or ""))
+            wait_for(lambda: "went silent at once" in caplog.text, 120, "the follower to wait")
+            for pod in ready:
+                sim_pods.find_host(sim.pod(pod.pod_id or ""))
+
+        def first_metric(pod: PodRecord) -> None:
+            wait_for(lambda: metrics_written(sim_pods, pod), 30, "the job's first metric")
+            with lock:
+                ready.append(pod)
+
+        async def both() -> list[Outcome]:
+            place = pod_target(sim)
+            return list(
+                await asyncio.gather(
+                    *(train_on(place, r, progressing(20, 0.5), first_metric) for r in runs)
+                )
+            )
+
+        threading.Thread(target=lose_both, daemon=True).start()
+        with caplog.at_level(logging.WARNING):
+            outcomes = asyncio.run(both())
+        assert len(sim.pods(include_deleted=True)) == 2
+    assert [o.record.state for o in outcomes] == [RunState.SUCCEEDED] * 2, outcomes
+    for store in runs:
+        pod = the_pod(store)
+        assert pod.host_lost is None and pod.deleted_by == "client", pod
+    said = [r.getMessage() for r in caplog.records if "went silent at once" in r.getMessage()]
+    assert said and "every pod this process follows (2) went silent at once" in said[0], said
+
+
+def test_a_followed_pod_reached_again_by_another_task_is_still_ended_by_its_follower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runs directory's follower reaches a pod again to cancel the job of
+    a suspended run while that job's own follow holds the pod: the follow
+    still records the pod's end (the second reach left pod.json as it was),
+    and its host key secret and client key go."""
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    with running_sim() as sim, SimPods(tmp_path / "pods").attached(sim):
+        place = pod_target(sim)
+
+        def reach_again(pod: PodRecord) -> None:
+            async def reach() -> None:
+                async with place.reach(runs, runs.load(pod.run_id)) as placed:
+                    assert placed is not None
+
+            asyncio.run(reach())
+
+        outcome = asyncio.run(train_on(place, runs, TRAINS, reach_again))
+        assert sim.secret_names() == []
+    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved, outcome.record
+    pod = the_pod(runs)
+    assert pod.state == PodState.DELETED and pod.secret_deleted, pod
+    assert not (runs.run_dir(pod.run_id) / SSH_DIR / CLIENT_KEY).exists()

@@ -6,6 +6,7 @@ cannot be used refused at once, in one line."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -14,13 +15,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from overbrainer_prefect.steps.direct import script_argv
+from overbrainer_prefect.executors.base import CommandResult, ExecError
+from overbrainer_prefect.executors.local import LocalExecutor
+from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import RunContext
+from overbrainer_prefect.steps.direct import REACH_ENV, put_files, script_argv
 from overbrainer_prefect.store import (
     AlreadyExists,
     Busy,
@@ -36,9 +43,10 @@ from overbrainer_prefect.store import (
 from overbrainer_prefect.store.check import check_s3
 from overbrainer_prefect.store.digest import expected_checksum
 from overbrainer_prefect.store.lease import TTL_ENV
-from overbrainer_prefect.store.s3 import OUTAGE_ENV, PART_ENV, READ_TIMEOUT_ENV
+from overbrainer_prefect.store.s3 import OUTAGE_ENV, PART_ENV, READ_TIMEOUT_ENV, SIGN_MARGIN_ENV
 from tests.ports import free_port
 from tests.s3server import S3Server
+from tests.shelljobs import ShellTrainer
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -323,3 +331,288 @@ def test_the_target_puts_a_file_of_many_parts_over_several_connections_reading_i
     assert failed.returncode == 2 and "gguf/model.gguf (part" in last, said
     assert "did not answer in time" in last
     assert "s3cr3t" not in said and "127.0.0.1" not in said
+
+
+def _uploads(s3: S3Server, bucket: str) -> list[str]:
+    """The keys of the multipart uploads begun and neither completed nor aborted."""
+    answer = s3.client().list_multipart_uploads(Bucket=bucket)
+    return [upload["Key"] for upload in answer.get("Uploads", [])]
+
+
+def test_a_put_in_parts_that_fails_is_aborted_and_leaves_no_part_billing(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of three parts changed on the target after it was listed: its
+    put is refused (what was sent is not what was listed) and its upload
+    aborted, so none of its parts stays in the bucket; an upload a dead
+    process began for the same file is aborted when it is put again."""
+    monkeypatch.setenv(PART_ENV, "5")
+    bucket = s3.bucket()
+    runs = Runs(s3.bucket_url(bucket=bucket))
+    executor = LocalExecutor(tmp_path / "target", name="box")
+    remote = tmp_path / "target" / "r1"
+    (remote / "gguf").mkdir(parents=True)
+    (remote / "gguf" / "model.gguf").write_bytes(os.urandom(11 << 20))
+    manifest = asyncio.run(executor.manifest(str(remote), ["gguf"]))
+    (remote / "gguf" / "model.gguf").write_bytes(os.urandom(11 << 20))  # changed since
+    with pytest.raises(ExecError, match="changed on the target after it was listed"):
+        asyncio.run(put_files(executor, sys.executable, runs, "r1", str(remote), manifest))
+    assert _uploads(s3, bucket) == []
+
+    key = runs.store.full(runs.key("r1", "gguf/model.gguf"))  # type: ignore[attr-defined]
+    s3.client().create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256")
+    manifest = asyncio.run(executor.manifest(str(remote), ["gguf"]))
+    asyncio.run(put_files(executor, sys.executable, runs, "r1", str(remote), manifest))
+    assert _uploads(s3, bucket) == []
+
+
+class StoreFront:
+    """An HTTP front of the S3 server, for faults moto alone does not make:
+    it passes every request on, but answers the first complete of each
+    upload only after `late_s` (past the client's read timeout: the client
+    tries again, its first answer lost), and a complete of an upload
+    completed before with `404 NoSuchUpload`, as MinIO and R2 do (moto and
+    AWS answer it again). While `blocked`, it drops every connection
+    unanswered (a network that does not reach the store)."""
+
+    def __init__(self, backend: str, late_s: float = 0.0) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlsplit
+
+        completed: set[str] = set()
+        port = int(backend.rsplit(":", 1)[1])
+        self.blocked = False
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _pass(self) -> None:
+                if front.blocked:
+                    self.close_connection = True
+                    return
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                upload = parse_qs(urlsplit(self.path).query).get("uploadId", [""])[0]
+                if self.command == "POST" and upload in completed:
+                    error = b"<Error><Code>NoSuchUpload</Code></Error>"
+                    self.send_response(404)
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                server = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                server.request(self.command, self.path, body, dict(self.headers))
+                answer = server.getresponse()
+                data = answer.read()
+                if self.command == "POST" and upload and answer.status == 200:
+                    completed.add(upload)
+                    time.sleep(late_s)  # the client gave up on this answer
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("content-length", "connection", "transfer-encoding"):
+                        self.send_header(name, value)
+                length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                server.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        """`http://127.0.0.1:PORT`."""
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        """Stops serving."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_complete_tried_again_after_its_answer_was_lost_is_recognised(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store completes a put in parts, but its answer comes too late (the
+    client's read timeout, 1 s here): the complete is tried again, and the
+    store, which no longer knows the upload, answers NoSuchUpload. The retry
+    finds the very file its parts make: the put counts, never "no such
+    bucket"."""
+    monkeypatch.setenv(PART_ENV, "5")
+    monkeypatch.setenv(READ_TIMEOUT_ENV, "1")
+    monkeypatch.setenv(OUTAGE_ENV, "20")
+    bucket = s3.bucket()
+    front = StoreFront(s3.endpoint, late_s=2.0)
+    try:
+        store = _s3(f"s3://{bucket}/runs?endpoint_url={front.endpoint}")
+        data = os.urandom(11 << 20)
+        digests = [
+            hashlib.sha256(data[i : i + (5 << 20)]).hexdigest()
+            for i in range(0, len(data), 5 << 20)
+        ]
+        signed = store.sign_put("r1/gguf/model.gguf", len(data), digests)
+        etags = []
+        with httpx.Client() as http:
+            for part in signed.parts:
+                body = data[part.offset : part.offset + part.length]
+                answer = http.put(part.url, content=body, headers=dict(part.headers))
+                assert answer.status_code == 200
+                etags.append(answer.headers["etag"])
+        store.complete(signed, etags, digests)
+        info = store.head("r1/gguf/model.gguf")
+        assert info is not None and info.sha256 == expected_checksum(digests)
+    finally:
+        front.close()
+
+
+def test_a_store_that_does_not_answer_at_the_first_contact_is_refused_within_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At a flow's start, nothing listening at the endpoint, or a listener
+    that never answers, is refused in one line within seconds (the outage
+    bound, minutes, is for a store that stops answering mid-run)."""
+    import socket
+
+    monkeypatch.delenv(OUTAGE_ENV, raising=False)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections are taken, never answered
+    try:
+        for endpoint in (
+            f"http://127.0.0.1:{free_port()}",
+            f"http://127.0.0.1:{silent.getsockname()[1]}",
+        ):
+            began = time.monotonic()
+            with pytest.raises(StoreUnreachable) as unreachable:
+                check_s3(_s3(f"s3://runs-y/p?endpoint_url={endpoint}"))
+            said = str(unreachable.value)
+            assert time.monotonic() - began < 20, said
+            assert "did not answer" in said and endpoint in said and "\n" not in said
+    finally:
+        silent.close()
+
+
+class BlockedFromStore(LocalExecutor):
+    """The real local target, which does not reach the store while it runs
+    the file-moving script's `reach` (its network to the store blocked)."""
+
+    def __init__(self, workdir: Path, front: StoreFront) -> None:
+        super().__init__(workdir, name="box")
+        self.front = front
+
+    async def run(
+        self, argv: Sequence[str], timeout: float = 60.0, stdin: bytes | None = None
+    ) -> CommandResult:
+        reach = len(argv) > 3 and argv[3] == "reach"
+        self.front.blocked = reach
+        try:
+            return await super().run(argv, timeout, stdin)
+        finally:
+            self.front.blocked = False
+
+
+def test_a_target_that_cannot_reach_the_store_is_refused_in_one_line_before_its_job_starts(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker reaches the store, the target does not: the start asks the
+    target to get one byte by a signed URL, and refuses the run in one line
+    naming the store (never the URL) before anything is uploaded or
+    spawned; the record says why. A target that reaches it starts its job."""
+    monkeypatch.setenv(REACH_ENV, "2")
+    front = StoreFront(s3.endpoint)
+    try:
+        runs = Runs(f"s3://{s3.bucket()}/runs?endpoint_url={front.endpoint}")
+        target = BlockedFromStore(tmp_path / "target", front)
+        ctx = RunContext(runs=runs, executor=target, python=sys.executable)
+        record = start_step.create(runs, target="box", target_kind="local", workdir=target.workdir)
+        with pytest.raises(ExecError) as refused:
+            asyncio.run(start_step.start(ctx, ShellTrainer("true"), record))
+        said = str(refused.value)
+        assert "the target cannot reach s3://" in said and "\n" not in said, said
+        assert "X-Amz" not in said and front.endpoint not in said
+        assert not Path(record.remote_dir).exists()  # nothing uploaded, nothing spawned
+        failed = runs.load(record.id)
+        assert failed.state == RunState.FAILED and failed.job is None
+        assert "cannot reach" in (failed.message or "")
+
+        plain = LocalExecutor(tmp_path / "target", name="box")
+        ctx = RunContext(runs=runs, executor=plain, python=sys.executable)
+        record = start_step.create(runs, target="box", target_kind="local", workdir=plain.workdir)
+        started = asyncio.run(start_step.start(ctx, ShellTrainer("true"), record))
+        assert started.state == RunState.RUNNING and started.job is not None
+    finally:
+        front.close()
+
+
+CREDENTIAL_PROCESS = """
+import datetime, json, sys
+from pathlib import Path
+count = Path(sys.argv[1])
+n = int(count.read_text() if count.exists() else "0") + 1
+count.write_text(str(n))
+now = datetime.datetime.now(datetime.timezone.utc)
+expires = now + datetime.timedelta(seconds=float(sys.argv[2]))
+print(json.dumps({"Version": 1, "AccessKeyId": f"ASIATEMPORARY{n:07d}", "SecretAccessKey": "s",
+                  "SessionToken": f"token-{n}", "Expiration": expires.isoformat()}))
+"""
+
+
+class RecordingPuts(LocalExecutor):
+    """The real local target, keeping the plan of each put of the file-moving script."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir, name="box")
+        self.plans: list[dict[str, Any]] = []
+
+    async def run(
+        self, argv: Sequence[str], timeout: float = 60.0, stdin: bytes | None = None
+    ) -> CommandResult:
+        if len(argv) > 3 and argv[3] == "put" and stdin:
+            self.plans.append(json.loads(stdin))
+        return await super().run(argv, timeout, stdin)
+
+
+def test_a_put_outlives_the_temporary_credentials_that_signed_its_urls(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's credentials are temporary (a `credential_process`, as a
+    pod's or task's role gives them) and about to expire: the target puts
+    the parts it can begin while they are good, the rest are signed again by
+    the refreshed credentials and put by another run. The store holds the
+    file whole, as the manifest lists it, and no unfinished put."""
+    bucket = s3.bucket()  # with the tests' keys, before the credentials change
+    count, script = tmp_path / "issued", tmp_path / "credentials.py"
+    script.write_text(CREDENTIAL_PROCESS)
+    config = tmp_path / "aws-config"
+    left_s = 900 + 0.4  # botocore refreshes them 900 s before they expire: 0.4 s from now
+    config.write_text(
+        f"[profile temporary]\ncredential_process = {sys.executable} {script} {count} {left_s}\n"
+    )
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_PROFILE", "temporary")
+    monkeypatch.setenv(SIGN_MARGIN_ENV, str(left_s))  # URLs good for no time: one part a put
+    monkeypatch.setenv(PART_ENV, "5")
+    runs = Runs(s3.bucket_url(bucket=bucket))
+    target = RecordingPuts(tmp_path / "target")
+    remote = tmp_path / "target" / "r1"
+    (remote / "gguf").mkdir(parents=True)
+    (remote / "gguf" / "model.gguf").write_bytes(os.urandom(6 * (5 << 20)))
+    manifest = asyncio.run(target.manifest(str(remote), ["gguf"]))
+    asyncio.run(put_files(target, sys.executable, runs, "r1", str(remote), manifest))
+    assert len(target.plans) >= 2, target.plans  # put again by URLs signed again
+    assert int(count.read_text()) >= 2  # ... by refreshed credentials
+    last = target.plans[-1]["files"][0]["parts"]
+    assert len(last) < 6 and all("ASIATEMPORARY0000001" not in p["url"] for p in last)
+    back = tmp_path / "back.gguf"
+    runs.store.get_file(runs.key("r1", "gguf/model.gguf"), back)
+    assert hashlib.sha256(back.read_bytes()).hexdigest() == manifest[0].sha256
+    unfinished = runs.store.client.list_multipart_uploads(Bucket=bucket)  # type: ignore[attr-defined]
+    assert not unfinished.get("Uploads")

@@ -44,7 +44,7 @@ from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
 from overbrainer_prefect.kinds.registry import kind_of
 from overbrainer_prefect.kinds.training import next_step
-from overbrainer_prefect.runs.lock import RunBusy, is_followed
+from overbrainer_prefect.runs.lock import RunBusy, followed_by
 from overbrainer_prefect.runs.store import (
     RunNotFound,
     RunRecord,
@@ -57,7 +57,7 @@ from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
 from overbrainer_prefect.steps.errors import RunError, TargetError
 from overbrainer_prefect.steps.hooks import HOOK_GRACE_S
-from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.store.records import RecordChanged, RecordError
 from overbrainer_prefect.suspension import kept_suspended, waited_for, waited_in_pipeline
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.sharing import shared
@@ -70,6 +70,7 @@ COLLECT_ARTIFACT = "collected-runs"
 LIVE_READERS = (
     8  # live jobs a pass reads at once (a round trip each), within boto3's 10 connections
 )
+CHANGE_ROUNDS = 5  # rounds a job's records are read again after another process changed them
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
 
 
@@ -81,7 +82,10 @@ def _age_s(record: RunRecord) -> float:
 
 
 async def candidates(
-    runs: Runs, following: Container[str] = frozenset()
+    runs: Runs,
+    *,
+    following: Container[str] = frozenset(),
+    followed: list[str] | None = None,
 ) -> list[tuple[Runs, RunRecord, Target | None]]:
     """The jobs the collector has something to do with, each with its store and
     target (None when its target block is gone): every job not ended that no
@@ -94,7 +98,9 @@ async def candidates(
     nobody follows it; `following` names the jobs (`store.key(id)`) the
     caller follows itself, which are not read at all. A job found final and
     holding nothing leaves the index; a runs directory without one has it
-    built first. Every store call runs in a worker thread."""
+    built first. Each job not ended that another live process follows is
+    said in `followed` (who, until when). Every store call runs in a worker
+    thread."""
     logger = get_run_logger()
     targets: dict[str, Target | None] = {}
     gone: set[str] = set()  # target blocks no longer saved: nothing can end what they left
@@ -125,25 +131,37 @@ async def candidates(
         marked = await anyio.to_thread.run_sync(runs.build_live, live)
         logger.info("indexed the live jobs of %s once: %d live", runs.where, marked)
         entries = await asyncio.to_thread(runs.live) or []
-    unfollowed = await asyncio.to_thread(_unfollowed, entries, following)
+    unfollowed = await asyncio.to_thread(_unfollowed, entries, following, followed)
     for store, record in unfollowed:
         await target_of(store, record)
     return await asyncio.to_thread(_decided, unfollowed, targets, holds, logger)
 
 
 def _unfollowed(
-    entries: list[tuple[Runs, str]], following: Container[str]
+    entries: list[tuple[Runs, str]],
+    following: Container[str],
+    followed: list[str] | None = None,
 ) -> list[tuple[Runs, RunRecord]]:
     """The records of the live index's `entries` that no live process
     follows, runs first, oldest first, read LIVE_READERS at a time (a store's
     round trip each); a marker whose record never came is dropped once
-    stale. Store calls: run in a worker thread."""
+    stale; each job not ended that a live process follows is said in
+    `followed` when given (its record read for that). Store calls: run in a
+    worker thread."""
 
     def unfollowed(store: Runs, record_id: str) -> RunRecord | None:
         try:
-            if is_followed(store, record_id):
-                return None
-            return store.load(record_id)
+            follower = followed_by(store, record_id)
+            if follower is None:
+                return store.load(record_id)
+            if followed is not None:
+                record = store.load(record_id)
+                if not record.state.ended:
+                    followed.append(
+                        f"{subject(record)} is followed by {follower}; the next collect takes "
+                        "it if that follower is gone"
+                    )
+            return None
         except RunNotFound:
             with suppress(RecordError):  # else the next pass drops it
                 store.drop_if_stale(record_id)
@@ -225,20 +243,7 @@ async def collect_job(
         logger.info("%s: its flow run was just cancelled: left to its cancellation hook", name)
         return None
     try:
-        if record.job is None and not record.state.ended:
-            logger.info("%s never started its job and nobody prepares it: abandoning it", name)
-        elif not record.state.ended:
-            logger.info(
-                "%s is %s and nobody follows it: %s",
-                name,
-                record.state,
-                "its flow run was cancelled, so its job is cancelled"
-                if cancel
-                else "following its job to its end",
-            )
-        else:
-            logger.info("%s is %s, but its target still holds something: ending it", name, was)
-        finished = await _follow_for_its_flow_run(runs, store, record, logger, cancel, target)
+        finished = await _brought_to_end(runs, store, record, logger, cancel, target)
     except RunError as error:
         if "already followed" in str(error):
             return None
@@ -288,6 +293,49 @@ async def collect_job(
             "message": ended.message,
         }
     )
+
+
+async def _brought_to_end(
+    runs: Runs,
+    store: Runs,
+    record: RunRecord,
+    logger: Logger,
+    cancel: bool,
+    target: Target | None,
+) -> Finished:
+    """Brings the job `record` to its final state (`_follow_for_its_flow_run`),
+    saying first what it does. A record another process changed meanwhile (a
+    compare-and-swap lost: a pod's reaper recorded its delete, a write whose
+    answer was lost landed) is read again and decided again from what it says
+    now, up to CHANGE_ROUNDS times, as `update_record` does.
+
+    Raises what `_follow_for_its_flow_run` raises; RecordChanged when the
+    records kept changing for every round."""
+    name = subject(record)
+    for round_ in range(CHANGE_ROUNDS):
+        if record.job is None and not record.state.ended:
+            logger.info("%s never started its job and nobody prepares it: abandoning it", name)
+        elif not record.state.ended:
+            logger.info(
+                "%s is %s and nobody follows it: %s",
+                name,
+                record.state,
+                "its flow run was cancelled, so its job is cancelled"
+                if cancel
+                else "following its job to its end",
+            )
+        else:
+            logger.info(
+                "%s is %s, but its target still holds something: ending it", name, record.state
+            )
+        try:
+            return await _follow_for_its_flow_run(runs, store, record, logger, cancel, target)
+        except RecordChanged as changed:
+            if round_ + 1 == CHANGE_ROUNDS:
+                raise
+            logger.info("%s: %s; reading it again", name, changed)
+            record = store.load(record.id)
+    raise AssertionError("unreachable: the last round returns or raises")
 
 
 async def _follow_for_its_flow_run(
@@ -346,7 +394,8 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
     other job is done, the first unexpected error one of them met.
     """
     runs = await runs_at(runs_dir)
-    found = await candidates(runs)
+    followed: list[str] = []
+    found = await candidates(runs, followed=followed)
     acting = ENDED_BY.set(COLLECTOR)  # the jobs' tasks below copy it: pods say who deleted them
     try:
         results = await asyncio.gather(
@@ -373,15 +422,16 @@ async def collect(runs_dir: str | None = None) -> list[Collected]:
         elif result is not None:
             rows.append(result)
     await acreate_markdown_artifact(
-        markdown=collected_markdown(rows, runs.where),
+        markdown=collected_markdown(rows, runs.where, followed),
         key=COLLECT_ARTIFACT,
         description="What the last collect did",
     )
     get_run_logger().info(
-        "collected %d run(s) in %s%s",
+        "collected %d run(s) in %s%s%s",
         len(rows),
         runs.where,
         "".join(f"; {r.run_id}: {r.action}, {r.state}" for r in rows),
+        "".join(f"; {line}" for line in followed),
     )
     if errors:
         raise errors[0]

@@ -41,6 +41,7 @@ from overbrainer_prefect.runs.lock import RunBusy, follower_lock, follower_of
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
+from overbrainer_prefect.store import Held
 from overbrainer_prefect.suspension import waited_for
 from overbrainer_prefect.targets.base import Logger, Target
 
@@ -74,14 +75,16 @@ async def follow(
     module), looking for new ones every `every_s` seconds; returns what it
     did with the jobs that ended meanwhile, once it handed over to the next
     follower. Ends at once, saying who follows, when another follower holds
-    the runs directory. Raises RecordIoError when the runs directory cannot
-    be read at its start."""
+    the runs directory, and as soon as it finds its lock there lost (another
+    follower took it): it says so in one line, lets go of its jobs and starts
+    no successor. Raises RecordIoError when the runs directory cannot be read
+    at its start."""
     runs = await runs_at(runs_dir)
     logger = get_run_logger()
     here = Here(runs, RUN_HERE, str(flow_run.id))
     async with AsyncExitStack() as handing:  # the budget's leases, renewed across the hand-over
         try:
-            rows, leases = await _term(runs, here, minutes * 60, every_s, handing, logger)
+            rows, leases, lost = await _term(runs, here, minutes * 60, every_s, handing, logger)
         except RunBusy as busy:
             logger.info(
                 "%s is followed by another follower (%s): this one ends", runs.where, busy.holder
@@ -91,6 +94,10 @@ async def follow(
             await handing.aclose()
             await _join(here, logger)
             raise
+        if lost:  # the follower that took the runs directory is the one that goes on
+            await handing.aclose()
+            await _join(here, logger)
+            return rows
         if await _successor(runs_dir, minutes, every_s, logger) and leases:
             await _taken_over(runs, logger)
     await _join(here, logger)
@@ -104,23 +111,24 @@ async def _term(
     every_s: float,
     handing: AsyncExitStack,
     logger: Logger,
-) -> tuple[list[Collected], int]:
+) -> tuple[list[Collected], int, bool]:
     """Holds the runs directory's follower lock and follows every job for
     `seconds`, with `here` running resumed flow runs; before it lets go of
     the lock, the GPU budget's leases of the jobs it followed are renewed on
     `handing` (from then until its successor follows them). Returns what it
-    did with the jobs that ended, and how many leases it renews. Raises
-    RunBusy."""
+    did with the jobs that ended, how many leases it renews, and whether it
+    lost the runs directory's lock to another follower. Raises RunBusy."""
     this = str(flow_run.id)
-    with follower_lock(runs, this):
+    with follower_lock(runs, this) as held:
+        here.held = held
         logger.info("following every job of %s for %g min", runs.where, seconds / 60)
         said: set[str] = set()
-        recovered = await recover(runs, this, logger, said)
-        again = asyncio.create_task(recover_again(runs, this, logger, recovered, said))
+        recovered = await recover(runs, this, logger, said, held)
+        again = asyncio.create_task(recover_again(runs, this, logger, recovered, said, held))
         followed: list[_Followed] = []
         token = HERE.set(here)
         try:
-            rows = await _follow_for(runs, seconds, every_s, logger, followed)
+            rows = await _follow_for(runs, seconds, every_s, logger, followed, held)
         finally:
             HERE.reset(token)
             again.cancel()
@@ -129,7 +137,7 @@ async def _term(
             await handing.enter_async_context(
                 renewed(leases, logger, at_once=True, last_on_exit=True)
             )
-    return rows, len(leases)
+    return rows, len(leases), held.lost
 
 
 def _budget_leases(followed: list[_Followed]) -> list[UUID]:
@@ -181,7 +189,12 @@ async def _join(here: Here, logger: Logger) -> None:
 
 
 async def _follow_for(
-    runs: Runs, seconds: float, every_s: float, logger: Logger, followed_at_end: list[_Followed]
+    runs: Runs,
+    seconds: float,
+    every_s: float,
+    logger: Logger,
+    followed_at_end: list[_Followed],
+    held: Held,
 ) -> list[Collected]:
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
@@ -190,6 +203,15 @@ async def _follow_for(
     acting = ENDED_BY.set(COLLECTOR)  # what it deletes is recorded deleted by the collector
     try:
         while loop.time() < end:
+            if held.lost:
+                logger.warning(
+                    "another follower took the runs directory %s at %s (%s): this one stops "
+                    "following it",
+                    runs.where,
+                    held.lost_at,
+                    held.why,
+                )
+                break
             await _take_new(runs, followed, logger)
             await _cancel_asked(followed, logger)
             for key in [k for k, job in followed.items() if job.task.done()]:

@@ -17,8 +17,8 @@ from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.export import ExportResult, gguf_markdown
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.kinds.registry import recorded_end, trainer_of
-from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.kinds.training import (
+    FROM_STEP_0,
     LostRun,
     RunResult,
     check_before_anything,
@@ -31,6 +31,7 @@ from overbrainer_prefect.kinds.training import (
     resumed_spec,
     stage_checkpoint,
 )
+from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunsError, RunState
 from overbrainer_prefect.runs_dir import runs_at
@@ -150,11 +151,13 @@ async def _go_on_after_lost_machines(
     runs: Runs, place: Target, finished: Finished, logger: Logger
 ) -> tuple[Finished, list[LostRun]]:
     """While the training was lost with its machine (a pod terminated, its
-    container restarted), it goes on from its last checkpoint kept in the
-    store, in a new run on a new machine, up to the target's max_restarts;
-    returns how the last run ended and each run lost on the way. No restart
-    when no checkpoint was kept, or the next machine cannot be had (its
-    budget refuses it): the last lost run's failure stands, with why."""
+    container restarted), it goes on in a new run on a new machine, up to the
+    target's max_restarts: from its last checkpoint kept in the store, or,
+    lost before its first, from where it started itself (step 0, or the
+    checkpoint it was resumed from); returns how the last run ended and each
+    run lost on the way. No restart past max_restarts, or when the next
+    machine cannot be had (its budget refuses it): the last lost run's
+    failure stands, with why."""
     lost: list[LostRun] = []
     while finished.outcome.record.state == RunState.FAILED:
         record = finished.outcome.record
@@ -162,31 +165,28 @@ async def _go_on_after_lost_machines(
         if why is None:
             break
         point = lost_point(runs, record)
-        stop = None
-        if len(lost) >= place.max_restarts:
-            stop = f"max_restarts ({place.max_restarts}) reached"
-        elif point is None:
-            stop = "no checkpoint of it was kept in the store"
         lost.append(LostRun(record=record, why=why, point=point, where=finished.where))
-        if stop is not None:
+        if len(lost) > place.max_restarts:
+            stop = f"max_restarts ({place.max_restarts}) reached"
             logger.warning("run %s: %s; it is not resumed: %s", record.id, why, stop)
             lost[-1].stop = stop
             if point is not None:
                 again = f"resume it from {point.checkpoint} with the train flow "
                 _note(runs, record, f"{record.message}; {again}(resume_from={record.id})", logger)
+            else:
+                again = "start it again from step 0 with the train flow"
+                _note(runs, record, f"{why}; no checkpoint of it was kept: {again}", logger)
             break
-        assert point is not None
+        start = FROM_STEP_0 if point is None else f"{point.checkpoint} (step {point.step})"
         logger.warning(
-            "run %s: %s; it goes on from %s (step %d) in a new run on a new machine "
-            "(restart %d of %d)",
+            "run %s: %s; it goes on from %s in a new run on a new machine (restart %d of %d)",
             record.id,
             why,
-            point.checkpoint,
-            point.step,
+            start,
             len(lost),
             place.max_restarts,
         )
-        went_on = f"it went on from {point.checkpoint} (step {point.step}) in a new run"
+        went_on = f"it went on from {start} in a new run"
         _note(runs, record, f"{why}; {went_on} on a new machine", logger)
         spec = resumed_spec(runs, record)
         spent_usd = sum(spent(runs, run.record) or 0.0 for run in lost)

@@ -12,10 +12,16 @@ log line or a message.
     parts DIR             stdin: {"path": <bytes of each part>, ...}
                           stdout: {"path": ["<sha256 of each part>", ...]}
     put DIR               stdin: {"files": [{"path", "parts": [{"url", "headers",
-                          "offset", "length"}]}], "deadline_s": N}
+                          "offset", "length"}]}], "deadline_s": N, "valid_s": V}
                           stdout: {"path": {"etags": [<each part's ETag>], "parts":
-                          [<each part's SHA-256>], "sha256": <the file's>}}, the
-                          digests of the bytes sent, hashed as they were read
+                          [<each part's SHA-256>], "sha256": <the parts' in order,
+                          the file's when they are all of it>}}, the digests of the
+                          bytes sent, hashed as they were read; a part not begun
+                          within V seconds (its URL's credentials expire) is not
+                          sent: its ETag is null (its digest is the bytes' on disk)
+    reach DIR             stdin: {"url", "deadline_s": N}: one byte of an object
+                          the store holds, got by its URL: whether this machine
+                          reaches the store (exit 2 with one line when not)
     get DIR [--plan-env NAME]
                           {"files": [{"path", "url", "size", "sha256"}], "deadline_s": N}
                           each file fetched beside its place, checked (size and
@@ -156,8 +162,11 @@ class _Sender:
             self.connection.close()
             self.connection = None
 
-    def send(self, part: dict, blocks: list, what: str, deadline: float) -> str:  # type: ignore[type-arg]
-        """The ETag of the part, put with `blocks` as its body."""
+    def send(
+        self, part: dict, blocks: list, what: str, deadline: float, valid: float
+    ) -> str | None:  # type: ignore[type-arg]
+        """The ETag of the part, put with `blocks` as its body; None when its
+        URL is no longer `valid` (a monotonic time) before a try begins."""
 
         def attempt() -> str:
             connection, target = self._open(part["url"])
@@ -177,19 +186,24 @@ class _Sender:
                 if not put:  # a try that failed leaves nothing behind on the next one's connection
                     self.close()
 
-        return str(_retried(what, deadline, attempt))
+        tag = _retried(what, deadline, attempt, valid)
+        return None if tag is None else str(tag)
 
 
-def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
+def _connection(
+    url: str, timeout: float = REQUEST_TIMEOUT_S
+) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     target = parts.path + (f"?{parts.query}" if parts.query else "")
-    return kind(parts.netloc, timeout=REQUEST_TIMEOUT_S, blocksize=BLOCK), target
+    return kind(parts.netloc, timeout=timeout, blocksize=BLOCK), target
 
 
-def _retried(what: str, deadline: float, attempt):  # type: ignore[no-untyped-def]
+def _retried(what: str, deadline: float, attempt, valid: float = float("inf")):  # type: ignore[no-untyped-def]
     pause = FIRST_PAUSE_S
     while True:
+        if time.monotonic() > valid:
+            return None  # its URL's credentials are about to expire: it is signed again
         try:
             return attempt()
         except Retry as error:
@@ -235,7 +249,7 @@ def parts(root: str, lengths: dict[str, int]) -> dict[str, list[str]]:
     return found
 
 
-def _put_streamed(file, path: str, parts: list, deadline: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _put_streamed(file, path: str, parts: list, deadline: float, valid: float, first: bool) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Puts the `parts` of one open file one after the other, each read from
     the file as it is sent and hashed as it is read (a part sent again is
     hashed again from where the file's digest stood before it): for a file
@@ -262,7 +276,12 @@ def _put_streamed(file, path: str, parts: list, deadline: float) -> dict:  # typ
             finally:
                 connection.close()
 
-        tags.append(_retried(what, deadline, attempt))
+        good = float("inf") if first and number == 1 else valid
+        tags.append(_retried(what, deadline, attempt, good))
+        if tags[-1] is None:  # not sent: read and hashed all the same
+            body[:] = [_Span(file, part["offset"], part["length"], whole)]
+            while body[0].read(BLOCK):
+                pass
         span = body[0]
         if span.left:
             raise Failed(f"{what}: the file is shorter than when it was listed")
@@ -271,15 +290,15 @@ def _put_streamed(file, path: str, parts: list, deadline: float) -> dict:  # typ
     return {"etags": tags, "parts": digests, "sha256": whole.hexdigest()}
 
 
-def _put_file(file, path: str, parts: list, deadline: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _put_file(file, path: str, parts: list, deadline: float, valid: float, first: bool) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Puts the `parts` of one open file: a reader hashes them in order while
     SENDERS put them, each on its own connection (streamed instead where a
     part is bigger than HOLD)."""
     if any(part["length"] > HOLD for part in parts):
-        return _put_streamed(file, path, parts, deadline)
+        return _put_streamed(file, path, parts, deadline, valid, first)
     stop = threading.Event()
     reader = _Reader(file, path, parts, stop)
-    tags: list[str] = [""] * len(parts)
+    tags: list[str | None] = [""] * len(parts)
     digests: list[str] = [""] * len(parts)
     failures: list[BaseException] = []
     lock = threading.Lock()
@@ -297,7 +316,8 @@ def _put_file(file, path: str, parts: list, deadline: float) -> dict:  # type: i
                         reader.ready.put(None)  # the end, for the other senders too
                         return
                 what = f"{path} (part {item.index + 1} of {len(parts)})"
-                tags[item.index] = own.send(parts[item.index], item.blocks, what, deadline)
+                good = float("inf") if first and item.index == 0 else valid
+                tags[item.index] = own.send(parts[item.index], item.blocks, what, deadline, good)
                 digests[item.index] = item.sha256
         except BaseException as error:  # raised by put
             failures.append(error)
@@ -325,14 +345,22 @@ def put(root: str, plan: dict) -> dict[str, dict]:  # type: ignore[type-arg]
     of each part sent, and the file's SHA-256. Each file is read once, in
     order, every byte hashed into its part's digest and the file's as it is
     read; a part tried again is sent from the very bytes hashed (or, for a
-    part too big to hold, read and hashed again). Raises
-    Failed when a part cannot be put before the plan's deadline, the store
-    refuses it, or a file is shorter than its parts."""
-    deadline = time.monotonic() + float(plan.get("deadline_s", 3600))
+    part too big to hold, read and hashed again). A part not begun within the
+    plan's `valid_s` is not sent (its ETag None), read and hashed all the
+    same: its URL is signed again by fresh credentials (the plan's first part
+    is sent all the same: its URL is good for minutes more). Raises Failed when a
+    part cannot be put before the plan's deadline, the store refuses it, or a
+    file is shorter than its parts."""
+    began = time.monotonic()
+    deadline = began + float(plan.get("deadline_s", 3600))
+    valid_s = plan.get("valid_s")  # None: URLs as good as the deadline; 0: one part a run
+    valid = began + (float(valid_s) if valid_s is not None else float("inf"))
     sent: dict[str, dict] = {}  # type: ignore[type-arg]
-    for entry in plan["files"]:
+    for number, entry in enumerate(plan["files"]):
         with open(os.path.join(root, entry["path"]), "rb") as file:
-            sent[entry["path"]] = _put_file(file, entry["path"], entry["parts"], deadline)
+            sent[entry["path"]] = _put_file(
+                file, entry["path"], entry["parts"], deadline, valid, first=number == 0
+            )
     return sent
 
 
@@ -411,9 +439,32 @@ def get(root: str, plan: dict) -> None:  # type: ignore[type-arg]
         os.replace(partial, target_path)
 
 
+def reach(plan: dict) -> None:  # type: ignore[type-arg]
+    """Gets the first byte of the object `plan["url"]` names: this machine
+    reaches the store, and the store takes its URLs. Raises Failed when the
+    store does not answer before the plan's deadline, or refuses the URL."""
+    limit = float(plan.get("deadline_s", 30))
+    deadline = time.monotonic() + limit
+    what = "reach the store from this machine"
+
+    def attempt() -> None:
+        connection, target = _connection(plan["url"], min(REQUEST_TIMEOUT_S, limit / 2))
+        try:
+            connection.request("GET", target, headers={"Range": "bytes=0-0"})
+            response = connection.getresponse()
+            _answer(response, what)
+            response.read()
+        except (OSError, http.client.HTTPException) as error:
+            raise Retry(type(error).__name__) from None
+        finally:
+            connection.close()
+
+    _retried(what, deadline, attempt)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("parts", "put", "get"):
-        print("usage: overbrainer_store.py parts|put|get DIR [...]", file=sys.stderr)
+    if len(argv) < 2 or argv[0] not in ("parts", "put", "reach", "get"):
+        print("usage: overbrainer_store.py parts|put|reach|get DIR [...]", file=sys.stderr)
         return 2
     command, root = argv[0], argv[1]
     try:
@@ -421,6 +472,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps(parts(root, json.load(sys.stdin))))
         elif command == "put":
             print(json.dumps(put(root, json.load(sys.stdin))))
+        elif command == "reach":
+            reach(json.load(sys.stdin))
         else:
             if len(argv) == 4 and argv[2] == "--plan-env":
                 plan = json.loads(os.environ.pop(argv[3], "{}") or "{}")

@@ -32,12 +32,14 @@ def state_now(runs: Runs, record: RunRecord) -> RunState:
         return record.state
 
 
-def collected_markdown(rows: list[Collected], root: str) -> str:
-    """The collect's report: one row a job it finished."""
+def collected_markdown(rows: list[Collected], root: str, followed: list[str] | None = None) -> str:
+    """The collect's report: one row a job it finished, then a line each job
+    it left to its live follower (`followed`: who, until when)."""
     lines = [f"# Collected runs in `{root}`", ""]
+    tail = ["", *(f"- {line}" for line in followed)] if followed else []
     if not rows:
         lines.append("Nothing to collect: every run has ended or is followed.")
-        return "\n".join(lines) + "\n"
+        return "\n".join([*lines, *tail]) + "\n"
     lines += [
         "| run | target | was | action | now | files | message |",
         "|---|---|---|---|---|---:|---|",
@@ -50,4 +52,4 @@ def collected_markdown(rows: list[Collected], root: str) -> str:
             f"| {shown} | {row.target} | {row.was} | {row.action} | **{row.state}** "
             f"| {files} | {message} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *tail]) + "\n"

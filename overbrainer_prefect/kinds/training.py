@@ -91,11 +91,17 @@ def _checkpoint_files(
 
 def lost_point(runs: Runs, lost: RunRecord) -> ResumedFrom | None:
     """Where a run lost with its machine goes on from: its last checkpoint
-    kept in the store while it trained; None when none was kept."""
+    kept in the store while it trained; when it kept none (lost before its
+    first), the checkpoint it started from itself; None when it started from
+    step 0 and kept none: it starts again from step 0."""
     kept = last_kept(runs, lost.id)
     if kept is None:
-        return None
+        return lost.resumed_from
     return ResumedFrom(run_id=lost.id, checkpoint=kept.path, step=kept.step)
+
+
+FROM_STEP_0 = "step 0 (no checkpoint was kept before the loss)"
+"""Where a training lost before its first checkpoint went on from."""
 
 
 def stage_checkpoint(runs: Runs, point: ResumedFrom, record: RunRecord) -> str:
@@ -308,11 +314,12 @@ def lost_markdown(
     for run in lost:
         cost = spent(runs, run.record)
         total += cost or 0.0
-        went_on = (
-            f"{run.point.checkpoint} (step {run.point.step})"
-            if run.point is not None and run.stop is None
-            else f"not resumed: {run.stop}"
-        )
+        if run.stop is not None:
+            went_on = f"not resumed: {run.stop}"
+        elif run.point is None:
+            went_on = FROM_STEP_0
+        else:
+            went_on = f"{run.point.checkpoint} (step {run.point.step})"
         shown = "-" if cost is None else f"${cost:.2f}"
         lines.append(f"| {run.record.id} | {run.where} | lost: {run.why} | {went_on} | {shown} |")
     if not lost or lost[-1].record.id != last.id:

@@ -18,6 +18,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.store import Store
+from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.store.records import StoredRecord, read_record, write_record
 from overbrainer_prefect.timestamps import rfc3339
 
@@ -213,9 +214,14 @@ class PodRecord(StoredRecord):
     def save(self, runs: RecordHome) -> None:
         """Writes `pod.json`: created when new, else only over the version it
         was read at. Raises RecordChanged when another process wrote it
-        since, RecordIoError when it cannot be written."""
+        since, RecordIoError when it cannot be written, LeaseLost when this
+        task lost the run's follow lock, before the write (nothing written)
+        or while it was written: what follows a pod record's write (a create,
+        a delete) is never done then."""
         runs.run_dir(self.run_id)
+        check_guarded(self.run_id)
         self._etag = write_record(runs.store, runs.key(self.run_id, POD_RECORD), self, self._etag)
+        check_guarded(self.run_id)  # lost while it was written: no create, no delete after it
 
     @property
     def name(self) -> str:

@@ -29,6 +29,8 @@ AUTO: Literal["auto"] = "auto"
 
 DEFAULT_DISK_GB = 50
 """The container disk of a target that sets none (Runpod's own default)."""
+MAX_RESTARTS = 10  # a training lost more often than this has a cause a new pod will not mend
+
 MIN_DISK_GB = 20
 """The least container disk a pod is given: the image's own files need room."""
 
@@ -109,9 +111,11 @@ class RunpodSettingsFields(BaseModel):
     max_restarts: int = Field(
         default=2,
         ge=0,
+        le=MAX_RESTARTS,
         description="How many times a training whose pod is lost under it (terminated by "
         "Runpod, its container restarted, its host silent) goes on, by itself, from its last "
-        "kept checkpoint (see checkpoints_on), on a new pod; 0: the run fails with the loss.",
+        "kept checkpoint (see checkpoints_on; from where it started when none was kept yet), on a "
+        f"new pod; 0: the run fails with the loss; at most {MAX_RESTARTS}.",
     )
     data_center_ids: list[str] = Field(
         default_factory=list,

@@ -29,6 +29,7 @@ from overbrainer_prefect.runs.live import (
 )
 from overbrainer_prefect.store import LocalStore, ObjectInfo, Store, StoreError, open_store
 from overbrainer_prefect.store.base import join
+from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.store.records import (
     InvalidRecord,
     RecordError,
@@ -365,11 +366,15 @@ class Runs:
         over the version it was read at (see the class).
 
         Raises InvalidRunId for an invalid ID, RecordChanged when another
-        process wrote it since, RecordIoError when it cannot be written.
+        process wrote it since, RecordIoError when it cannot be written,
+        LeaseLost when this task lost the run's follow lock (before: nothing
+        written; while it was written: what the caller does next is not done).
         """
         key = self.key(self._checked(record.id), self.record_file)
+        check_guarded(record.id)
         if record._etag is not None:
             record._etag = write_record(self.store, key, record, record._etag)
+            check_guarded(record.id)  # lost while it was written: nothing that follows is done
             return
         # a new record: in the live index before it exists, so whatever dies next, a pass
         # finds it; marked again after, in case a pass dropped the first marker as stale
@@ -382,6 +387,7 @@ class Runs:
             mark(self.store, record_dir)
         except StoreError as error:  # the first marker stands but for that one race
             log.warning("cannot mark %s live again: %s", self.where_of(record.id), error)
+        check_guarded(record.id)
 
     def load(self, run_id: str) -> RunRecord:
         """The record of the run `run_id`, with its version.
@@ -517,8 +523,10 @@ class Runs:
 
     def write_bytes(self, run_id: str, rel: str, data: bytes) -> None:
         """Writes the file `rel` of the run `run_id` (one writer's file, never a
-        record). Raises RecordIoError when it cannot be written."""
+        record). Raises RecordIoError when it cannot be written, LeaseLost
+        (nothing written) when this task lost the run's follow lock."""
         key = self.key(self._checked(run_id), rel)
+        check_guarded(run_id)
         with store_errors(self.store.where(key)):
             self.store.write(key, data)
 
@@ -537,7 +545,10 @@ class Runs:
         return [ObjectInfo(info.key[len(base) + 1 :], info.size, info.sha256) for info in found]
 
     def remove(self, run_id: str, rel: str) -> None:
-        """Removes the file (or directory) `rel` of the run `run_id`. Raises RecordIoError."""
+        """Removes the file (or directory) `rel` of the run `run_id`. Raises
+        RecordIoError, and LeaseLost (nothing removed) when this task lost the
+        run's follow lock."""
         key = self.key(self._checked(run_id), rel)
+        check_guarded(run_id)
         with store_errors(self.store.where(key)):
             self.store.delete(key)

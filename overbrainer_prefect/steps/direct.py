@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
-from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest
+from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest, TargetUnreachable
+from overbrainer_prefect.runs.checkpoints import KeptFile
 from overbrainer_prefect.runs.store import Runs
-from overbrainer_prefect.store import SignedPut, StoreError
+from overbrainer_prefect.store import SignedPut, Store, StoreError
 from overbrainer_prefect.store.base import part_length
 from overbrainer_prefect.store.digest import expected_checksum
 from overbrainer_prefect.store.s3 import SLOWEST_BPS
@@ -38,6 +40,21 @@ SCRIPT = "overbrainer_store"
 """The job script that moves files (`overbrainer_prefect/jobs/overbrainer_store.py`)."""
 
 MIN_PUT_S = 600.0  # the least time a put of a job's files is given
+REACH_S = 20.0
+"""How long a target tries to reach the store before its job is refused: a
+job that could not put its files would train for nothing."""
+REACH_ENV = "OVERBRAINER_STORE_REACH_S"  # overrides REACH_S
+REACH_WHAT = "reach the store from this machine"  # how the job script's `reach` names its try
+
+
+def reach_s() -> float:
+    """`$OVERBRAINER_STORE_REACH_S`, else REACH_S."""
+    try:
+        return float(os.environ.get(REACH_ENV) or REACH_S)
+    except ValueError:
+        return REACH_S
+
+
 FETCH_ENV = "OVERBRAINER_FETCH_PLAN"
 """The job's environment variable that carries its fetch plan (like a secret)."""
 
@@ -79,16 +96,18 @@ async def put_files(
     record_id: str,
     remote: str,
     manifest: Sequence[FileDigest],
-    held: Mapping[str, Sequence[str]] | None = None,
+    held: Mapping[str, KeptFile] | None = None,
 ) -> dict[str, list[str]]:
     """Has the target put the files of `manifest` (relative to its run
     directory `remote`) into the store of `runs`, under the record
     `record_id`, then checks that the store holds every one of them, whole.
     A file the store already holds with the same SHA-256 (a retrieval tried
     again) is not put again, nor one of several parts that `held` says was
-    put before with the same parts (by path: their SHA-256s, e.g. a
-    checkpoint kept while the job trained). Returns the SHA-256 of each
-    file's parts as the store holds it, by path.
+    put before (by path, e.g. a checkpoint kept while the job trained) as
+    the very file the manifest lists (its size and whole SHA-256), its parts'
+    SHA-256s the store's. A put in parts that does not complete is aborted
+    (none of its parts stays billing). Returns the SHA-256 of each file's
+    parts as the store holds it, by path.
 
     Raises ExecError when the target cannot put them, the store does not
     answer, or a file the store holds is not the manifest's.
@@ -99,9 +118,11 @@ async def put_files(
     parts: dict[str, list[str]] = {entry.path: [entry.sha256] for entry in manifest}
     for entry in manifest:
         info = await _store(store.head, runs.key(record_id, entry.path))
-        before = list(held.get(entry.path, ()))
-        if entry.size > store.part_size and before:
-            parts[entry.path] = before  # what the store reports for it, if it holds it
+        kept = held.get(entry.path)
+        if entry.size > store.part_size and kept is not None and kept.digest() == entry:
+            # put before as this very file (its size and whole SHA-256, hashed in the same
+            # read as its parts): the store holds it when it holds those parts
+            parts[entry.path] = list(kept.parts)
         if not (
             info and info.size == entry.size and info.sha256 == expected_checksum(parts[entry.path])
         ):
@@ -127,43 +148,20 @@ async def put_files(
                 await _run(executor, argv, json.dumps(big).encode(), timeout)
             )
     signed: list[SignedPut] = []
-    for entry in todo:
-        key = runs.key(record_id, entry.path)
-        digests = signed_digests.get(entry.path)
-        signed.append(await _store(store.sign_put, key, entry.size, digests))
-    if signed:
-        plan = {
-            "deadline_s": timeout,
-            "files": [
-                {
-                    "path": entry.path,
-                    "parts": [
-                        {
-                            "url": part.url,
-                            "headers": dict(part.headers),
-                            "offset": part.offset,
-                            "length": part.length,
-                        }
-                        for part in put.parts
-                    ],
-                }
-                for entry, put in zip(todo, signed, strict=True)
-            ],
-        }
-        output = await _run(
-            executor, script_argv(python, "put", remote), json.dumps(plan).encode(), timeout
-        )
-        sent = json.loads(output)
-        for entry, put in zip(todo, signed, strict=True):
-            got = sent[entry.path]
-            if got["sha256"] != entry.sha256:  # what was sent is not what was listed
-                raise ExecError(
-                    "verify",
-                    f"{entry.path} changed on the target after it was listed "
-                    f"({entry.sha256[:12]}... then {got['sha256'][:12]}...)",
-                )
-            parts[entry.path] = list(got["parts"])
-            await _store(store.complete, put, got["etags"], parts[entry.path])
+    completed: list[SignedPut] = []
+    try:
+        for entry in todo:
+            key = runs.key(record_id, entry.path)
+            digests = signed_digests.get(entry.path)
+            signed.append(await _store(store.sign_put, key, entry.size, digests))
+        if signed:
+            await _put_signed(
+                executor, python, store, remote, todo, signed, parts, completed, signed_digests
+            )
+    finally:  # a put in parts begun and not completed: its parts would bill for ever
+        for put in signed:
+            if put not in completed:
+                await asyncio.to_thread(store.abort, put)
     for entry in manifest:
         info = await _store(store.head, runs.key(record_id, entry.path))
         want = expected_checksum(parts[entry.path])
@@ -175,6 +173,131 @@ async def put_files(
                 f"{entry.size} bytes ({entry.sha256[:12]}...)",
             )
     return parts
+
+
+async def _put_signed(
+    executor: Executor,
+    python: str,
+    store: Store,
+    remote: str,
+    todo: Sequence[FileDigest],
+    signed: list[SignedPut],
+    parts: dict[str, list[str]],
+    completed: list[SignedPut],
+    digests: Mapping[str, Sequence[str]],
+) -> None:
+    """Has the target put the files `todo` by their `signed` requests, then
+    completes each whose bytes sent are the listed ones, in order: its parts'
+    SHA-256 into `parts`, itself into `completed`. Where the credentials
+    that sign the URLs expire before every part is in (`signed_for_s`), the
+    target puts what it can while they are good, and the parts it did not
+    begin are signed again (`signed` updated) and put by another run, each
+    from the bytes first hashed; at most one run per part. `digests`: the
+    parts' SHA-256 the store signs (see `sign_put`). Raises ExecError when
+    the target cannot put them or a file changed, or what the store raises."""
+    timeout = max(MIN_PUT_S, sum(entry.size for entry in todo) / SLOWEST_BPS)
+    pending = {
+        entry.path: list(range(len(put.parts))) for entry, put in zip(todo, signed, strict=True)
+    }
+    etags: dict[str, list[str | None]] = {
+        e.path: [None] * len(p.parts) for e, p in zip(todo, signed, strict=True)
+    }
+    hashed: dict[str, list[str]] = {}  # each part's SHA-256, as the first run read it
+    for _ in range(1 + sum(len(put.parts) for put in signed)):  # each run puts a part at least
+        valid_s = await _store(store.signed_for_s)
+        plan = {
+            "deadline_s": timeout,
+            "valid_s": valid_s,
+            "files": [
+                {
+                    "path": entry.path,
+                    "parts": [
+                        {
+                            "url": put.parts[i].url,
+                            "headers": dict(put.parts[i].headers),
+                            "offset": put.parts[i].offset,
+                            "length": put.parts[i].length,
+                        }
+                        for i in pending[entry.path]
+                    ],
+                }
+                for entry, put in zip(todo, signed, strict=True)
+                if pending[entry.path]
+            ],
+        }
+        output = await _run(
+            executor, script_argv(python, "put", remote), json.dumps(plan).encode(), timeout
+        )
+        sent = json.loads(output)
+        progress = False
+        for index, entry in enumerate(todo):
+            if not pending[entry.path]:
+                continue
+            got = sent[entry.path]
+            if entry.path not in hashed:  # the first run read every part of the file, in order
+                if got["sha256"] != entry.sha256:  # what was sent is not what was listed
+                    raise ExecError(
+                        "verify",
+                        f"{entry.path} changed on the target after it was listed "
+                        f"({entry.sha256[:12]}... then {got['sha256'][:12]}...)",
+                    )
+                hashed[entry.path] = list(got["parts"])
+            for i, etag, digest in zip(
+                pending[entry.path], got["etags"], got["parts"], strict=True
+            ):
+                if digest != hashed[entry.path][i]:
+                    raise ExecError(
+                        "verify",
+                        f"{entry.path} changed on the target while it was put (part {i + 1})",
+                    )
+                if etag is not None:
+                    etags[entry.path][i] = etag
+                    progress = True
+            pending[entry.path] = [i for i, tag in enumerate(etags[entry.path]) if tag is None]
+            if pending[entry.path]:
+                signed[index] = await _store(
+                    store.sign_again, signed[index], digests.get(entry.path), pending[entry.path]
+                )
+        for entry, put in zip(todo, signed, strict=True):
+            if not pending[entry.path] and put not in completed:
+                parts[entry.path] = hashed[entry.path]
+                tags = [tag for tag in etags[entry.path] if tag is not None]
+                await _store(store.complete, put, tags, parts[entry.path])
+                completed.append(put)
+        if not any(pending.values()):
+            return
+        if not progress:
+            break
+    raise ExecError(
+        "put the files in the store",
+        f"the credentials that sign {store.url}'s URLs expire before the target can put a part "
+        "with them, and were not renewed: renew them (the worker's role or credentials block), "
+        "then retrieve the run again with attach",
+    )
+
+
+async def check_reach(executor: Executor, python: str, runs: Runs, record_id: str) -> None:
+    """Checks that the target reaches the store of `runs` itself and that the
+    store takes its signed URLs: the target gets one byte of the record
+    `record_id`'s record by a signed URL, tried for at most `reach_s()` seconds.
+    Raises ExecError with one line (naming the store, never the URL) when it
+    cannot."""
+    url = await _store(runs.store.sign_get, runs.key(record_id, runs.record_file))
+    bound = reach_s()
+    plan = json.dumps({"url": url, "deadline_s": bound}).encode()
+    argv = script_argv(python, "reach", ".")
+    try:
+        await _run(executor, argv, plan, bound + 30)
+    except TargetUnreachable:
+        raise
+    except ExecError as error:
+        said = error.message.removeprefix(f"{SCRIPT}: ").removeprefix(f"{REACH_WHAT}: ")
+        raise ExecError(
+            "start the job",
+            f"the target cannot reach {runs.store.url} ({said}); its job could not put its "
+            "files there: open the target's network to the store, or give a runs directory "
+            "it reaches, then start the run again",
+        ) from None
 
 
 def fetch_command(python: str, remote: str) -> list[str]:

@@ -18,6 +18,7 @@ from overbrainer_prefect.runs.store import (
 from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.steps.errors import NotStarted, RunError
 from overbrainer_prefect.steps.retrieve import retrieve
+from overbrainer_prefect.store.records import CHANGE_TRIES, RecordChanged
 from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import (
     STOP_FILE,
@@ -83,15 +84,23 @@ async def request_stop(ctx: RunContext, record: RunRecord) -> None:
 
 def fail(runs: Runs, run_id: str, message: str) -> RunRecord | None:
     """Saves the record `run_id` of `runs` failed with `message` unless it
-    already ended; returns it, or None when it cannot be read or saved (logged)."""
+    already ended (a record another process changed meanwhile is read again
+    and decided again); returns it, or None when it cannot be read or saved
+    (logged)."""
     try:
-        record = runs.load(run_id)
-        if not record.state.ended:
+        for _ in range(CHANGE_TRIES):
+            record = runs.load(run_id)
+            if record.state.ended:
+                return record
             record.state = RunState.FAILED
             record.message = message
             record.ended = rfc3339()
-            runs.save(record)
-        return record
+            try:
+                runs.save(record)
+            except RecordChanged:
+                continue
+            return record
+        raise RecordChanged(f"{runs.where_of(run_id)} kept changing while it was failed")
     except Exception as error:  # the caller's own cleanup matters more
         log.warning("cannot record %s as failed: %s", run_id, error)
         return None

@@ -30,6 +30,7 @@ from overbrainer_prefect.steps.checkpoints import Checkpointing, Keeper
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import NotRetrieved, NotStarted, Unreachable
 from overbrainer_prefect.steps.retrieve import recorded, retrieve
+from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.timestamps import parse_rfc3339, rfc3339
 from overbrainer_prefect.trainers.base import (
     Trainer,
@@ -203,7 +204,8 @@ async def _follow(
     deadline is cancelled. With a `keeper`, each new checkpoint of a running job
     is kept in the run's store beside the loop, and the keep in flight when the
     job ends is waited for. Returns the final status and whether the deadline
-    was what ended it."""
+    was what ended it. Raises LeaseLost, at its next look, when this task
+    lost the run's follow lock."""
     failures = 0
     last: JobStatus | None = None
     deadline = parse_rfc3339(record.deadline) if record.deadline else None
@@ -212,6 +214,7 @@ async def _follow(
     stall_reported = False
     lost_once = False
     while True:
+        check_guarded(record.id)  # a follower that lost the run stops at once (LeaseLost)
         try:
             seen = len(summary.metrics)
             _publish(ctx, await stream.read(), summary)
@@ -254,6 +257,7 @@ async def _follow(
         # once the job wrote its end event it is about to exit: look again sooner
         await asyncio.sleep(min(ctx.poll_s, ENDING_POLL_S) if summary.ended else ctx.poll_s)
     while True:
+        check_guarded(record.id)
         before = stream.offset
         try:
             _publish(ctx, await stream.read(), summary)

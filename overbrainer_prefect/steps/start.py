@@ -27,7 +27,13 @@ from overbrainer_prefect.runs.store import (
     RunState,
 )
 from overbrainer_prefect.steps.context import RunContext
-from overbrainer_prefect.steps.direct import FETCH_ENV, fetch_command, fetch_plan, push_staged
+from overbrainer_prefect.steps.direct import (
+    FETCH_ENV,
+    check_reach,
+    fetch_command,
+    fetch_plan,
+    push_staged,
+)
 from overbrainer_prefect.store import StoreError
 from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import (
@@ -153,6 +159,8 @@ async def _launch(
     if ctx.check_facts is not None:
         ctx.check_facts(facts)
     trainer.check(facts)
+    if ctx.runs.store.direct:  # a job that could not put its files would train for nothing
+        await check_reach(ctx.executor, ctx.python, ctx.runs, record.id)
     local = ctx.runs.run_dir(record.id)
     job_ctx = JobContext(
         run_id=record.id,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import posixpath
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +72,58 @@ class Busy(StoreError):
     def __init__(self, key: str, holder: str) -> None:
         super().__init__(f"{key} is held by {holder}")
         self.holder = holder
+
+
+class LeaseLost(Exception):
+    """A lock this process held is no longer its own: another process took it
+    (`taken`), or it could not be renewed in time. Not a StoreError: nothing
+    may go on as if the store had only failed once. `key`, `why` and `at`
+    (RFC 3339) say which, why and when it was found lost."""
+
+    def __init__(self, key: str, why: str, at: str, taken: bool) -> None:
+        super().__init__(f"{key} is no longer held by this process since {at}: {why}")
+        self.key, self.why, self.at, self.taken = key, why, at, taken
+
+
+class Held(Protocol):
+    """A lock held: whether it still is (a local lock always, a lease until
+    another process takes it or it cannot be renewed in time)."""
+
+    @property
+    def lost(self) -> bool:
+        """Whether this process no longer holds the lock."""
+        ...
+
+    @property
+    def why(self) -> str | None:
+        """Why it was lost, None while it is held."""
+        ...
+
+    @property
+    def lost_at(self) -> str | None:
+        """When it was found lost (RFC 3339), None while it is held."""
+        ...
+
+    @property
+    def taken(self) -> bool:
+        """Whether another process took it (not only: it could not be renewed)."""
+        ...
+
+    def check(self) -> None:
+        """Raises LeaseLost when the lock is lost."""
+        ...
+
+
+class Kept:
+    """A lock that stays held as long as its holder lives (a kernel lock)."""
+
+    lost = False
+    why: str | None = None
+    lost_at: str | None = None
+    taken = False
+
+    def check(self) -> None:
+        """Nothing: a kernel lock is not lost while its holder lives."""
 
 
 @dataclass(frozen=True)
@@ -206,9 +258,29 @@ class Store(Protocol):
         the digests it signs."""
         ...
 
+    def sign_again(
+        self, signed: SignedPut, part_sha256: Sequence[str] | None, indexes: Iterable[int]
+    ) -> SignedPut:
+        """`signed` with its parts at `indexes` (from 0) signed anew, by the
+        store's credentials as they are now, for the same put. Raises
+        StoreError on a store that is not `direct`."""
+        ...
+
+    def signed_for_s(self) -> float | None:
+        """How long URLs signed now may be used (the temporary credentials
+        that sign them expire), None when only by their own lifetime."""
+        ...
+
     def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:
         """Completes a multipart put once its parts are in (`etags` and their
         SHA-256s, in order); nothing for a single-part one."""
+        ...
+
+    def abort(self, signed: SignedPut) -> None:
+        """Gives up a multipart put that will not be completed, so that none
+        of its parts stays in the store (they bill); nothing for a
+        single-part one. Never raises: a put it cannot abort is aborted by the
+        next put of its key."""
         ...
 
     def sign_get(self, key: str) -> str:
@@ -223,11 +295,13 @@ class Store(Protocol):
         in parts of `part_length` bytes (a file is hashed in such parts)."""
         ...
 
-    def lock(self, key: str, holder: Mapping[str, object]) -> AbstractContextManager[None]:
+    def lock(self, key: str, holder: Mapping[str, object]) -> AbstractContextManager[Held]:
         """Holds the lock `key` for the length of the block, as `holder`
-        (said in messages). Raises Busy, at once, when another live holder
-        holds it. A holder that dies loses it (a local store's at once, an
-        object store's lease when it expires)."""
+        (said in messages); the block gets what says whether it still holds
+        it (`Held`). Raises Busy, at once, when another live holder holds
+        it. A holder that dies loses it (a local store's at once, an object
+        store's lease when it expires); a lease is also lost when it cannot
+        be renewed in time."""
         ...
 
     def holder(self, key: str) -> str | None:

@@ -1,5 +1,6 @@
 """The one look at a store before anything of a run exists: it answers, the
-credentials are good, the bucket is there, it refuses a create over an
+credentials are good, the bucket is there, it dates its answers with a sane
+clock (its `Date`: a lease's expiry is the store's clock), it refuses a create over an
 existing key and a replace of a changed one (without which two workers could
 overwrite each other's records), and it checks or computes the SHA-256 of
 what a target puts (without which nothing put could be verified). Each
@@ -28,16 +29,22 @@ _CHECKED: dict[str, ChecksumMode] = {}
 
 
 def check_s3(store: S3Store) -> None:
-    """Checks an object store once per process (see the module); sets how it
+    """Checks an object store once per process (see the module), after a
+    first contact that refuses within seconds a store that does not answer
+    at all (`S3Store.probe`); sets how it
     knows a put's SHA-256 (`store.checksums`). Raises StoreUnreachable or
     StoreRefused with one line."""
     if store.url in _CHECKED:
         store.checksums = _CHECKED[store.url]
         return
+    store.probe()  # a store not there at all: refused within seconds, not waited for
     try:
-        store._call("find the bucket", lambda: store.client.head_bucket(Bucket=store.bucket))
+        found = store._call(
+            "find the bucket", lambda: store.client.head_bucket(Bucket=store.bucket)
+        )
     except botocore.exceptions.ClientError as error:
         raise store.refused(error, "show its bucket") from None
+    store.store_clock(found)
     key = f"{PROBE_DIR}/{secrets.token_hex(8)}"
     try:
         first = store.create(key, b"first")

@@ -14,7 +14,7 @@ import os
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from overbrainer_prefect.store.base import (
     AlreadyExists,
     Busy,
     Changed,
+    Kept,
     ObjectInfo,
     SignedPut,
     StoreError,
@@ -267,14 +268,28 @@ class LocalStore:
         """Refused, as `sign_put`."""
         raise StoreError(f"{self.url} is a local directory: no target puts files there itself")
 
+    def sign_again(
+        self, signed: SignedPut, part_sha256: Sequence[str] | None, indexes: Iterable[int]
+    ) -> SignedPut:
+        """Refused, as `sign_put`."""
+        raise StoreError(f"{self.url} is a local directory: no target puts files there itself")
+
+    def signed_for_s(self) -> None:
+        """None: nothing is signed for a local directory."""
+        return None
+
+    def abort(self, signed: SignedPut) -> None:
+        """Nothing: no target puts files in a local directory itself."""
+
     def sign_get(self, key: str) -> str:
         """Refused: a local store's files pass through this machine."""
         raise StoreError(f"{self.url} is a local directory: no target gets files there itself")
 
     @contextmanager
-    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[None]:
+    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[Kept]:
         """Holds an advisory `flock` on the file `key` (created if needed),
-        which says who holds it. Raises Busy at once when another live
+        which says who holds it; the kernel keeps it while this process
+        lives (`Kept`: never lost). Raises Busy at once when another live
         process holds it."""
         path = self.local_path(key)
         try:
@@ -290,7 +305,7 @@ class LocalStore:
             me = {"pid": os.getpid(), "host": socket.gethostname(), **holder}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(me).encode(), 0)
-            yield
+            yield Kept()
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 

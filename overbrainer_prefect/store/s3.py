@@ -2,7 +2,10 @@
 record change a conditional put (`If-None-Match: *` to create, `If-Match:
 <ETag>` to replace), files put by targets themselves with presigned URLs whose
 parts' SHA-256 the store checks (or, where it only computes them, reports),
-and a lock a lease object renewed by compare-and-swap (`store/lease.py`).
+and a lock a lease object renewed by compare-and-swap (`store/lease.py`),
+whose requests go through a client of their own with short timeouts and no
+retries, and whose expiry is the store's clock (its `Date`): a store whose
+`Date` is missing or absurd is refused.
 
 A store that does not answer is tried again with backoff for
 `OVERBRAINER_STORE_OUTAGE_S` seconds before StoreUnreachable; a conditional
@@ -16,16 +19,22 @@ import logging
 import os
 import random
 import secrets
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import boto3
 import botocore.exceptions
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config
+from botocore.credentials import RefreshableCredentials
+from botocore.httpsession import URLLib3Session
+from botocore.utils import get_environ_proxies
 
 from overbrainer_prefect.store.base import (
     AlreadyExists,
@@ -43,8 +52,8 @@ from overbrainer_prefect.store.base import (
     parts_of,
 )
 from overbrainer_prefect.store.check import check_s3
-from overbrainer_prefect.store.digest import b64_sha256, hex_sha256
-from overbrainer_prefect.store.lease import Lease, lease_holder
+from overbrainer_prefect.store.digest import b64_sha256, expected_checksum, hex_sha256
+from overbrainer_prefect.store.lease import Dated, Lease, lease_holder
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -72,6 +81,13 @@ MIN_PART = 5 << 20  # S3's smallest part (but the last)
 SIGNED_MIN_S = 900  # how long a presigned URL is valid at least
 SLOWEST_BPS = 1 << 20  # the slowest transfer a URL's lifetime allows for (1 MiB/s)
 SIGNED_MAX_S = 7 * 24 * 3600  # SigV4's longest presigned URL
+SIGN_MARGIN_S = 14 * 60
+"""URLs signed by temporary credentials are used until the credentials have
+this long left, then signed again: inside botocore's 15 minutes before
+their expiry, where it refreshes them as it signs, so the new URLs are
+signed by fresh ones, and a part begun just before still has minutes."""
+SIGN_MARGIN_ENV = "OVERBRAINER_STORE_SIGN_MARGIN_S"  # overrides SIGN_MARGIN_S
+MIN_SIGNED_FOR_S = 0.0  # credentials past their margin: each put sends its first part only
 
 WRITE_TOKEN = "overbrainer-write"
 """Metadata each conditional put carries: a token of that write's own."""
@@ -81,14 +97,27 @@ READ_TIMEOUT_S = 60.0
 READ_TIMEOUT_ENV = "OVERBRAINER_STORE_READ_TIMEOUT_S"
 """How long a request waits for the store's answer before it is tried again."""
 
+PROBE_S = 5.0
+"""How long the first contact with a store waits for it to answer at all
+before the flow is refused: a store that is not there when a flow starts is
+a wrong URL or network, not an outage to wait out (OUTAGE_S is for those)."""
+PROBE_CONNECT_S = 2.0  # a try of the first contact: its connect ...
+PROBE_READ_S = 4.0  # ... and its wait for any answer
+
 ChecksumMode = Literal["checked", "computed"]
 """How the store knows a put's SHA-256: `checked`, it refuses a part whose
 `x-amz-checksum-sha256` is not its content's (AWS, MinIO); `computed`, it
 computes it from what it received when asked (`x-amz-sdk-checksum-algorithm`)
 and reports it, and the manifest is compared with that."""
 
-Client = Callable[[], "S3Client"]
-"""Makes the boto3 S3 client of a store (credentials and endpoint inside)."""
+Client = Callable[[Config], "S3Client"]
+"""Makes a boto3 S3 client of a store with the given settings (credentials
+and endpoint inside): `client_config` for its records and files,
+`lease_config` for its leases."""
+
+CLOCK_ABSURD_S = 24 * 3600.0
+"""A store whose `Date` is this far from this machine's clock is refused: one
+of the two clocks is wrong, and a lease's expiry is the store's."""
 
 _REFUSED = {
     "InvalidAccessKeyId": "its access key is not known: check the credentials",
@@ -98,6 +127,7 @@ _REFUSED = {
     "403": "access denied: check the credentials and the bucket's policy",
     "ExpiredToken": "its session token expired: renew the credentials",
     "InvalidToken": "its session token is not valid: check the credentials",
+    "NoSuchUpload": "it no longer knows that put in parts (aborted, or expired): put it again",
     "NoSuchBucket": "there is no such bucket: create it, or fix the runs directory's URL",
     "404": "there is no such bucket: create it, or fix the runs directory's URL",
     "InvalidBucketName": "the bucket name is not valid: fix the runs directory's URL",
@@ -116,6 +146,11 @@ def _seconds(name: str, default: float) -> float:
 def outage_s() -> float:
     """`$OVERBRAINER_STORE_OUTAGE_S`, else OUTAGE_S."""
     return _seconds(OUTAGE_ENV, OUTAGE_S)
+
+
+def sign_margin_s() -> float:
+    """`$OVERBRAINER_STORE_SIGN_MARGIN_S`, else SIGN_MARGIN_S."""
+    return _seconds(SIGN_MARGIN_ENV, SIGN_MARGIN_S)
 
 
 def part_size() -> int:
@@ -144,12 +179,22 @@ def client_config() -> Config:
     )
 
 
-def default_client(endpoint_url: str | None) -> S3Client:
+def lease_config(timeout_s: float) -> Config:
+    """`client_config` for lease requests: one try that gives up within
+    `timeout_s` (half to connect, half to read), so a renewal is bounded
+    well under its lease's TTL."""
+    return client_config().merge(Config(connect_timeout=timeout_s / 2, read_timeout=timeout_s / 2))
+
+
+def default_client(endpoint_url: str | None, config: Config | None = None) -> S3Client:
     """An S3 client from boto3's own credential chain (environment, profile,
     the instance's or pod's role), at `endpoint_url` when given (else boto3's:
-    `AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, or AWS)."""
+    `AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`, or AWS), with `config` (else
+    `client_config`)."""
     session = boto3.session.Session()
-    client: S3Client = session.client("s3", endpoint_url=endpoint_url, config=client_config())
+    client: S3Client = session.client(
+        "s3", endpoint_url=endpoint_url, config=config or client_config()
+    )
     return client
 
 
@@ -165,6 +210,29 @@ def _failure(error: botocore.exceptions.ClientError) -> _Failure:
     return _Failure(str(err.get("Code", "")), int(meta.get("HTTPStatusCode", 0) or 0))
 
 
+_NO_ANSWER = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.HTTPClientError,  # a read timeout, a connection closed before its answer
+    botocore.exceptions.ResponseStreamingError,
+)
+"""What botocore raises when the store did not answer (or not all of it)."""
+
+
+def _transient(error: Exception) -> str | None:
+    """Why `error` is worth trying again (no answer, a 5xx, SlowDown), None
+    when it is the store's answer for good."""
+    if isinstance(error, botocore.exceptions.ClientError):
+        failure = _failure(error)
+        if failure.status >= 500 or failure.code in ("SlowDown", "RequestTimeout"):
+            return f"it answered {failure.status or failure.code}"
+        return None
+    if isinstance(error, _NO_ANSWER):
+        return type(error).__name__
+    return None
+
+
 class S3Store:
     """A `Store` in `bucket` under `prefix` (see the module)."""
 
@@ -178,6 +246,8 @@ class S3Store:
         self.endpoint_url = endpoint_url
         self._make_client = client
         self._client: S3Client | None = None
+        self._quick: dict[float, S3Client] = {}
+        self._quick_lock = threading.Lock()
         self.checksums: ChecksumMode | None = None
         """How the store knows a put's SHA-256, once `store.check` found out."""
         self.outage_s = outage_s()
@@ -206,8 +276,17 @@ class S3Store:
     def client(self) -> S3Client:
         """The boto3 client, made on first use."""
         if self._client is None:
-            self._client = self._make_client()
+            self._client = self._make_client(client_config())
         return self._client
+
+    def quick_client(self, timeout_s: float) -> S3Client:
+        """A client of this store whose every request is one try that gives up
+        within `timeout_s` (`lease_config`), made once per timeout."""
+        with self._quick_lock:
+            client = self._quick.get(timeout_s)
+            if client is None:
+                client = self._quick[timeout_s] = self._make_client(lease_config(timeout_s))
+            return client
 
     def local_path(self, key: str) -> None:
         """None: nothing of an object store is a local file."""
@@ -229,25 +308,12 @@ class S3Store:
         while True:
             try:
                 return call()
-            except botocore.exceptions.ClientError as error:
-                failure = _failure(error)
-                if failure.status >= 500 or failure.code in ("SlowDown", "RequestTimeout"):
-                    reason = f"it answered {failure.status or failure.code}"
-                else:
+            except (botocore.exceptions.ClientError, *_NO_ANSWER) as error:
+                reason = _transient(error)
+                if reason is None:
                     raise
-            except (
-                botocore.exceptions.EndpointConnectionError,
-                botocore.exceptions.ConnectionError,
-                botocore.exceptions.ConnectTimeoutError,
-                botocore.exceptions.ReadTimeoutError,
-                botocore.exceptions.ResponseStreamingError,
-            ) as error:
-                reason = type(error).__name__
             except botocore.exceptions.NoCredentialsError:
-                raise StoreRefused(
-                    f"no credentials for {self.url}: give a credentials block "
-                    "(OVERBRAINER_STORE_CREDENTIALS) or the AWS environment variables"
-                ) from None
+                raise self._no_credentials() from None
             if time.monotonic() + pause > deadline:
                 raise StoreUnreachable(
                     f"the store {self.url} did not answer for {self.outage_s:g} s "
@@ -256,6 +322,90 @@ class S3Store:
             log.warning("the store %s did not answer (%s: %s); again", self.url, what, reason)
             time.sleep(pause * (0.5 + random.random() / 2))
             pause = min(pause * 2, BACKOFF_MAX_S)
+
+    def _no_credentials(self) -> StoreRefused:
+        return StoreRefused(
+            f"no credentials for {self.url}: give a credentials block "
+            "(OVERBRAINER_STORE_CREDENTIALS) or the AWS environment variables"
+        )
+
+    def _once(self, what: str, call: Callable[[], T]) -> T:
+        """`call`, tried once: StoreUnreachable when the store did not answer
+        (or answered a 5xx), the ClientError of a refusal as it is."""
+        try:
+            return call()
+        except (botocore.exceptions.ClientError, *_NO_ANSWER) as error:
+            reason = _transient(error)
+            if reason is None:
+                raise
+        except botocore.exceptions.NoCredentialsError:
+            raise self._no_credentials() from None
+        raise StoreUnreachable(f"the store {self.url} did not answer in time ({what}: {reason})")
+
+    def store_clock(self, response: Mapping[str, object]) -> float:
+        """The store's time when it sent `response` (its `Date`, Unix seconds).
+        Raises StoreRefused, in one line, when the answer has no `Date` or one
+        more than CLOCK_ABSURD_S from this machine's clock: a lease's expiry
+        is the store's clock."""
+        meta = response.get("ResponseMetadata")
+        headers = meta.get("HTTPHeaders") if isinstance(meta, Mapping) else None
+        date = headers.get("date") if isinstance(headers, Mapping) else None
+        why = "it sends no Date header"
+        if isinstance(date, str):
+            try:
+                moment = parsedate_to_datetime(date).timestamp()
+            except (TypeError, ValueError):
+                why = "its Date header is not a date"
+            else:
+                if abs(moment - time.time()) <= CLOCK_ABSURD_S:
+                    return moment
+                why = f"its Date header ({date}) is more than a day from this machine's clock"
+        raise StoreRefused(
+            f"the store {self.url} cannot hold leases: {why}; a lease's expiry is the store's "
+            "clock: fix the store's (or this machine's) clock, or use a store that dates its "
+            "answers (AWS S3, MinIO, R2)"
+        )
+
+    def probe(self) -> None:
+        """The first contact with the store: one unsigned HEAD of its bucket
+        at its endpoint (through the same proxies), whose any answer, even a
+        refusal, means it is there; a connection refused is tried again for
+        at most PROBE_S seconds, a listener that does not answer is not.
+        Raises StoreUnreachable with one line when nothing answers (nothing
+        listens, or a listener that never answers): within seconds, where a
+        store that stops answering mid-run is waited for `outage_s`."""
+        endpoint = self.client.meta.endpoint_url
+        url = f"{endpoint.rstrip('/')}/{self.bucket}"
+        configured = self.client.meta.config.proxies  # type: ignore[attr-defined]  # not in the stubs
+        session = URLLib3Session(
+            proxies=configured or get_environ_proxies(url),
+            timeout=(PROBE_CONNECT_S, PROBE_READ_S),  # type: ignore[arg-type]  # (connect, read)
+        )
+        deadline = time.monotonic() + PROBE_S
+        try:
+            while True:
+                try:
+                    session.send(AWSRequest(method="HEAD", url=url).prepare())
+                    return
+                except botocore.exceptions.SSLError:
+                    return  # something answers: the real calls say what is wrong with it
+                except (
+                    botocore.exceptions.ConnectionError,
+                    botocore.exceptions.HTTPClientError,
+                ) as error:
+                    reason = type(error).__name__
+                    waited = isinstance(error, botocore.exceptions.ReadTimeoutError)
+                if waited or time.monotonic() + BACKOFF_FIRST_S > deadline:
+                    raise StoreUnreachable(
+                        f"the store {self.url} did not answer at {endpoint} within "
+                        f"{PROBE_S:g} s ({reason}): "
+                        "check its endpoint (the runs directory's ?endpoint_url=, "
+                        "AWS_ENDPOINT_URL), that it runs, and this machine's network; "
+                        "nothing was made"
+                    )
+                time.sleep(BACKOFF_FIRST_S)
+        finally:
+            session.close()
 
     def refused(self, error: botocore.exceptions.ClientError, what: str) -> StoreRefused:
         """The one-line refusal of a client error (its code and status, never its body)."""
@@ -502,45 +652,133 @@ class S3Store:
                 f"{key}: {len(part_sha256 or ())} part digests for {len(spans)} parts of "
                 f"{part_length(size, self.part_size)} bytes"
             )
-        digests: list[str | None] = list(part_sha256) if part_sha256 else [None] * len(spans)
+        upload: str | None = None
+        if len(spans) > 1:
+            self._abort_earlier(key)
+            try:
+                started = self._call(
+                    f"start a multipart put of {key}",
+                    lambda: self.client.create_multipart_upload(
+                        Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256"
+                    ),
+                )
+            except botocore.exceptions.ClientError as error:
+                raise self.refused(error, f"write {key}") from None
+            upload = started["UploadId"]
+        spanned = [SignedPart("", {}, offset, length) for offset, length in spans]
+        return self.sign_again(SignedPut(key, spanned, upload), part_sha256, range(len(spans)))
+
+    def sign_again(
+        self, signed: SignedPut, part_sha256: Sequence[str] | None, indexes: Iterable[int]
+    ) -> SignedPut:
+        """`signed` with the parts at `indexes` (from 0) signed anew by the
+        store's credentials now (refreshed first when they are about to
+        expire), for the same upload; `part_sha256` as for `sign_put`. Never
+        calls the store."""
+        full = self.full(signed.key)
+        if not self.signs_digests():
+            part_sha256 = None
+        size = sum(part.length for part in signed.parts)
         expires = self._expires(size)
-        try:
-            if len(spans) == 1:
-                params, headers = self._checksum_params(digests[0])
+        parts = list(signed.parts)
+        for index in indexes:
+            part = parts[index]
+            params, headers = self._checksum_params(part_sha256[index] if part_sha256 else None)
+            if signed.upload_id is None:
                 url = self.client.generate_presigned_url(
                     "put_object",
                     Params={"Bucket": self.bucket, "Key": full, **params},
                     ExpiresIn=expires,
                 )
-                return SignedPut(key, [SignedPart(url, headers, 0, size)])
-            upload = self._call(
-                f"start a multipart put of {key}",
-                lambda: self.client.create_multipart_upload(
-                    Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256"
-                ),
+            else:
+                url = self.client.generate_presigned_url(
+                    "upload_part",
+                    Params={
+                        "Bucket": self.bucket,
+                        "Key": full,
+                        "UploadId": signed.upload_id,
+                        "PartNumber": index + 1,
+                        **params,
+                    },
+                    ExpiresIn=expires,
+                )
+            parts[index] = SignedPart(url, headers, part.offset, part.length)
+        return SignedPut(signed.key, parts, signed.upload_id)
+
+    def signed_for_s(self) -> float | None:
+        """How long URLs signed now stay good before the temporary credentials
+        that sign them (a pod's or task's role: IRSA, ECS) expire, less
+        SIGN_MARGIN_S; None for credentials that do not expire (keys), whose
+        URLs last their own lifetime."""
+        credentials = self.client._get_credentials()  # type: ignore[attr-defined]  # botocore's own
+        if not isinstance(credentials, RefreshableCredentials):
+            return None
+        credentials.get_frozen_credentials()  # refreshed first when they are about to expire
+        left = float(credentials._seconds_remaining())  # type: ignore[attr-defined]
+        return max(MIN_SIGNED_FOR_S, left - sign_margin_s())
+
+    def _abort_earlier(self, key: str) -> None:
+        """Aborts the multipart puts of `key` begun before and never completed
+        nor aborted (a process that died while it put the file): their parts
+        bill until then. Raises StoreRefused when the store refuses to list them."""
+        full = self.full(key)
+        try:
+            answer = self._call(
+                f"list the unfinished puts of {key}",
+                lambda: self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=full),
             )
         except botocore.exceptions.ClientError as error:
-            raise self.refused(error, f"write {key}") from None
-        parts = []
-        numbered = enumerate(zip(spans, digests, strict=True), start=1)
-        for number, ((offset, length), digest) in numbered:
-            params, headers = self._checksum_params(digest)
-            url = self.client.generate_presigned_url(
-                "upload_part",
-                Params={
-                    "Bucket": self.bucket,
-                    "Key": full,
-                    "UploadId": upload["UploadId"],
-                    "PartNumber": number,
-                    **params,
-                },
-                ExpiresIn=expires,
+            raise self.refused(error, f"list the unfinished puts of {key}") from None
+        for upload in answer.get("Uploads", []):
+            if upload.get("Key") == full and upload.get("UploadId"):
+                self.abort(SignedPut(key, [], upload["UploadId"]))
+
+    def abort(self, signed: SignedPut) -> None:
+        """Aborts a multipart put that will not be completed (its parts bill
+        until then); nothing for a single-part one. One try, never raises: a
+        put it cannot abort is aborted by the next put of its key."""
+        if signed.upload_id is None:
+            return
+        upload_id = signed.upload_id
+        try:
+            self.client.abort_multipart_upload(
+                Bucket=self.bucket, Key=self.full(signed.key), UploadId=upload_id
             )
-            parts.append(SignedPart(url, headers, offset, length))
-        return SignedPut(key, parts, upload["UploadId"])
+        except botocore.exceptions.ClientError as error:
+            if _failure(error).code in ("NoSuchUpload", "404"):
+                return  # completed, or aborted already
+            log.warning(
+                "cannot abort the unfinished put of %s (%s): its parts stay in the store "
+                "until the next put of that file aborts it",
+                self.where(signed.key),
+                _failure(error).code or _failure(error).status,
+            )
+        except botocore.exceptions.BotoCoreError as error:
+            log.warning(
+                "cannot abort the unfinished put of %s (%s): its parts stay in the store "
+                "until the next put of that file aborts it",
+                self.where(signed.key),
+                type(error).__name__,
+            )
+
+    def _landed(self, signed: SignedPut, part_sha256: Sequence[str]) -> bool:
+        """Whether the store holds at `signed.key` the very file its parts
+        make (their size, their composite SHA-256): a complete whose answer was
+        lost, tried again on a store that forgets a completed upload."""
+        info = self.head(signed.key)
+        size = sum(part.length for part in signed.parts)
+        return (
+            info is not None
+            and info.size == size
+            and info.sha256 == expected_checksum(list(part_sha256))
+        )
 
     def complete(self, signed: SignedPut, etags: Sequence[str], part_sha256: Sequence[str]) -> None:
-        """Completes a multipart put with its parts' ETags and SHA-256s."""
+        """Completes a multipart put with its parts' ETags and SHA-256s. A
+        complete tried again after its answer was lost, on a store that no
+        longer knows the upload, is recognised by the file it made. Raises
+        StoreRefused when the store refuses it, or no longer knows an upload
+        that did not land (aborted, or expired)."""
         if signed.upload_id is None:
             return
         parts = [
@@ -560,7 +798,15 @@ class S3Store:
                 ),
             )
         except botocore.exceptions.ClientError as error:
-            raise self.refused(error, f"complete the put of {signed.key}") from None
+            if _failure(error).code not in ("NoSuchUpload", "404"):
+                raise self.refused(error, f"complete the put of {signed.key}") from None
+            if self._landed(signed, part_sha256):
+                return  # this very put, completed by a try whose answer was lost
+            raise StoreRefused(
+                f"the store {self.url} no longer knows the put of {signed.key} in parts "
+                "(it was aborted, or expired): put the file again (the retrieval that put "
+                "it, or attach, tries again)"
+            ) from None
 
     def sign_get(self, key: str) -> str:
         """A presigned GET of `key`, valid SIGNED_MIN_S seconds at least."""
@@ -572,11 +818,67 @@ class S3Store:
             ExpiresIn=self._expires(size),
         )
 
+    def read_dated(self, key: str, timeout_s: float | None = None) -> Dated:
+        """The object `key` with the store's clock (its `Date`) and its
+        `Last-Modified`, from one GET: tried once within `timeout_s` by the
+        quick client, or with the store's retries when None. Raises
+        StoreUnreachable; StoreRefused when the store refuses, or gives no
+        usable `Date` (`store_clock`)."""
+        full = self.full(key)
+        client = self.client if timeout_s is None else self.quick_client(timeout_s)
+
+        def get() -> Dated:
+            try:
+                answer = client.get_object(Bucket=self.bucket, Key=full)
+            except botocore.exceptions.ClientError as error:
+                if _failure(error).code in ("NoSuchKey", "404"):
+                    return Dated(None, self.store_clock(error.response), None)
+                raise
+            data = answer["Body"].read()
+            now = self.store_clock(answer)
+            return Dated(Versioned(data, answer["ETag"]), now, answer["LastModified"].timestamp())
+
+        try:
+            if timeout_s is None:
+                return self._call(f"read {key}", get)
+            return self._once(f"read {key}", get)
+        except botocore.exceptions.ClientError as error:
+            raise self.refused(error, f"read {key}") from None
+
+    def put_quick(self, key: str, data: bytes, etag: str | None, timeout_s: float) -> str:
+        """Creates `key` (`etag` None) or replaces its version `etag`, in one
+        try by the quick client (a lease's write). Raises AlreadyExists,
+        Changed, StoreUnreachable (no answer: it may have landed), StoreRefused."""
+        full = self.full(key)
+        client = self.quick_client(timeout_s)
+
+        def put() -> str:
+            if etag is None:
+                answer = client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
+            else:
+                answer = client.put_object(Bucket=self.bucket, Key=full, Body=data, IfMatch=etag)
+            return answer["ETag"]
+
+        try:
+            return self._once(f"write {key}", put)
+        except botocore.exceptions.ClientError as error:
+            failure = _failure(error)
+            if failure.status in (409, 412) or failure.code in (
+                "PreconditionFailed",
+                "ConditionalRequestConflict",
+                "NoSuchKey",
+            ):
+                if etag is None:
+                    raise AlreadyExists(f"{self.where(key)} exists") from None
+                raise Changed(f"{self.where(key)} changed since it was read") from None
+            raise self.refused(error, f"write {key}") from None
+
     @contextmanager
-    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[None]:
-        """A lease on `key` (see `store/lease.py`). Raises Busy."""
-        with Lease(self, key, holder):
-            yield
+    def lock(self, key: str, holder: Mapping[str, object]) -> Iterator[Lease]:
+        """A lease on `key` (see `store/lease.py`); the block gets it, to ask
+        whether it still holds it (`lost`, `check`). Raises Busy."""
+        with Lease(self, key, holder) as lease:
+            yield lease
 
     def holder(self, key: str) -> str | None:
         """Who holds the lease `key`, None when it is free or expired."""

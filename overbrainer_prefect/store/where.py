@@ -19,6 +19,7 @@ from overbrainer_prefect.store.local import LocalStore
 from overbrainer_prefect.store.s3 import S3Store, default_client
 
 if TYPE_CHECKING:
+    from botocore.config import Config
     from mypy_boto3_s3 import S3Client
 
 RUNS_ROOT_ENV = "OVERBRAINER_RUNS_DIR"
@@ -26,8 +27,8 @@ RUNS_ROOT_ENV = "OVERBRAINER_RUNS_DIR"
 default `./runs`."""
 RUNS_DIR = "runs"
 
-ClientFactory = Callable[[str | None], "S3Client"]
-"""Makes an S3 client for an endpoint (None: boto3's own)."""
+ClientFactory = Callable[[str | None, "Config"], "S3Client"]
+"""Makes an S3 client for an endpoint (None: boto3's own) with the given settings."""
 
 _clients: ClientFactory = default_client
 _opened: dict[str, S3Store] = {}
@@ -85,6 +86,6 @@ def open_store(where: str | Path | None = None) -> Store:
         store = _opened.get(key)
         if store is None:
             factory = _clients
-            store = S3Store(bucket, prefix, lambda: factory(endpoint), endpoint)
+            store = S3Store(bucket, prefix, lambda config: factory(endpoint, config), endpoint)
             _opened[key] = store
         return store

@@ -63,6 +63,7 @@ from overbrainer_prefect.targets.runpod.ending import (
     fetch_watchdog_log,
     is_gone,
     kept_message,
+    look_up_pod,
     release,
     remove_hint,
     sweep_others,
@@ -819,6 +820,23 @@ class PodTarget(BlockTarget):
             )
         owner = home.load(owner_id) if owner_id != record.id else record
         async with self.account(home) as ctx:
+            if (
+                record.state.ended
+                and current() is None
+                and _next_job_grace_passed(pod)
+                and _held_by_its_pipeline(pod, record)
+            ):
+                # outside its pipeline (a collect, an attach): its watchdog deletes it at its
+                # next-job grace, and a next job may have just started on it: only looked up
+                if await look_up_pod(ctx, pod, f"pod {pod.pod_id} of {subject(record)}") is None:
+                    yield None
+                    return
+                raise PodError(
+                    f"pod {pod.name} of the pipeline of {subject(record)} is past its next-job "
+                    "grace but still there: its pipeline's next job may run on it, or its "
+                    f"watchdog deletes it within {BETWEEN_MARGIN_S:.0f} s; the next collect ends "
+                    f"it if not, or {remove_hint(record.id)}"
+                )
             if record.state.ended and pod.state == PodState.DELETING:
                 # its files were settled before the delete was sent: confirm that delete
                 await release(ctx, pod, pod.delete_reason or "its job ended")
@@ -936,7 +954,7 @@ class PodTarget(BlockTarget):
         if pod is None:
             return False
         if pod.pipeline_job is not None and not pod.gone and _held_by_its_pipeline(pod, record):
-            return False
+            return _next_job_grace_passed(pod)  # looked up (never deleted) once its bound passed
         return not pod.gone or (pod.host_key_secret is not None and not pod.secret_deleted)
 
     def holds(self, store: Runs, record: RunRecord) -> bool:
@@ -965,6 +983,15 @@ class PodTarget(BlockTarget):
 BETWEEN_MARGIN_S = 60.0
 """Past a pipeline pod's next-job grace, how long its watchdog is given to
 delete it before a collector looks at it."""
+
+
+def _next_job_grace_passed(pod: PodRecord) -> bool:
+    """Whether a pipeline's pod was told the files of its last job were
+    verified longer ago than its next-job grace: its watchdog deletes it
+    then, unless the pipeline's next job started on it."""
+    if pod.between_unix is None:
+        return False
+    return time.time() >= pod.between_unix + (pod.next_job_grace_s or 0.0)
 
 
 def _held_by_its_pipeline(pod: PodRecord, record: RunRecord) -> bool:

@@ -173,6 +173,9 @@ class SimPod:
     shows_restarts: bool = True
     """Whether `startedAt` and `runtime.uptime` count from its container's last start
     (else from its create: a view that does not show the container restarting)."""
+    host_lost_at: float | None = None
+    """When its host was lost (`SimPods.lose_host`): Runpod still shows it RUNNING,
+    but its `runtime.uptime` stays as the host last reported it."""
 
     def container(self) -> tuple[float | None, int]:
         """When its container last started (Unix seconds; None while a hook
@@ -212,6 +215,10 @@ class SimPod:
         hours = max(0.0, stop - max(start, self.created_at)) / 3600.0
         disk_per_hr = float(self.request.get("disk", 50)) * DISK_USD_PER_GB_MONTH / (30 * 24)
         return self.cost_per_hr * hours, disk_per_hr * hours
+
+    def _reported(self, now: float) -> float:
+        """The last time its host reported to Runpod: `now`, unless its host was lost."""
+        return now if self.host_lost_at is None else min(now, self.host_lost_at)
 
     def to_api(self, now: float) -> dict[str, Any]:
         """The pod as REST v2 shows it."""
@@ -256,7 +263,10 @@ class SimPod:
             "cost": 0.0 if not running else self.cost_per_hr,
             "locked": False,
             "globalNetworking": {"enabled": False},
-            "runtime": {"uptime": int(max(0.0, now - (started_at or now))), "ports": ports}
+            "runtime": {
+                "uptime": int(max(0.0, self._reported(now) - (started_at or now))),
+                "ports": ports,
+            }
             if running
             else None,
             "createdAt": _iso(self.created_at),

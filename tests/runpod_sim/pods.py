@@ -219,18 +219,37 @@ class SimPods:
         """The pod's host is lost while Runpod still shows the pod running:
         every process of the pod is frozen (SIGSTOP: its job, its watchdog,
         which would start sshd again), then its sshd processes are killed, so
-        that SSH to it is refused. Its deletion (SIGKILL) ends them all."""
+        that SSH to it is refused. Its deletion (SIGKILL) ends them all.
+        Runpod's view of it stalls: its uptime stays as its host last reported it."""
         with self._lock:
             proc = self._procs.get(pod.id)
         if proc is None:
             return
+        pod.host_lost_at = time.time()
         frozen = [proc.pid, *descendants(proc.pid)]
         kill_pids([pid for pid in frozen if not _is_sshd(pid)], signal.SIGSTOP)
         kill_pids([pid for pid in descendants(proc.pid) if _is_sshd(pid)], signal.SIGKILL)
 
+    def cut_ssh(self, pod: SimPod, job_pid: int) -> None:
+        """This side's network loses the pod's SSH while its host runs on: its
+        job (`job_pid` and below) goes on and Runpod's view of the pod too,
+        but SSH to it is refused (its sshd processes killed; the rest of the
+        pod, its watchdog that would start sshd again, frozen). `find_host`
+        ends it."""
+        with self._lock:
+            proc = self._procs.get(pod.id)
+        if proc is None:
+            return
+        spared = {job_pid, *descendants(job_pid)}
+        below = descendants(proc.pid)
+        frozen = [pid for pid in [proc.pid, *below] if pid not in spared and not _is_sshd(pid)]
+        kill_pids(frozen, signal.SIGSTOP)
+        kill_pids([pid for pid in below if _is_sshd(pid)], signal.SIGKILL)
+
     def find_host(self, pod: SimPod) -> None:
         """The lost host of `lose_host` comes back: the pod's processes go on
         (SIGCONT), and its watchdog starts its sshd again."""
+        pod.host_lost_at = None
         with self._lock:
             proc = self._procs.get(pod.id)
         if proc is not None:

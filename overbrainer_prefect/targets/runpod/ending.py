@@ -79,6 +79,7 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = 
     """
     if pod.pod_id is None or pod.state == PodState.DELETED:
         return
+    before = pod.model_copy()  # what it was: a pod found gone is told by the bound it was under
     pod.state = PodState.DELETING
     pod.save(ctx.runs)
     try:
@@ -96,14 +97,15 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = 
             f"{remove_hint(pod.run_id)}",
             str(error),
         ) from None
-    fate = Fate(by or ENDED_BY.get(), reason, taken_at) if deleted else found_gone(ctx.runs, pod)
+    fate = Fate(by or ENDED_BY.get(), reason, taken_at) if deleted else found_gone(ctx.runs, before)
     pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
     reason = fate.reason
     ctx.log.info(
-        "pod %s of run %s deleted and its deletion confirmed (%s, by the %s); up %s, %s spent%s",
+        "pod %s of run %s %s (%s, by the %s); up %s, %s spent%s",
         pod.pod_id,
         pod.run_id,
+        "deleted and its deletion confirmed" if deleted else "was already gone",
         reason,
         pod.deleted_by,
         _duration(pod.uptime_s()),
@@ -210,12 +212,15 @@ async def is_gone(ctx: PodContext, pod: PodRecord) -> bool:
         return False
 
 
-async def look_up_pod(ctx: PodContext, pod: PodRecord, named: str) -> Pod | None:
+async def look_up_pod(
+    ctx: PodContext, pod: PodRecord, named: str, *, unfollowed: bool = False
+) -> Pod | None:
     """The run's pod as Runpod shows it, or None when it no longer exists
     (none recorded, already recorded deleted, terminated, or 404s in a row and
     absent from the list): then `pod.json` records it deleted, by its watchdog
     when one of its bounds passed, and the run's keys are forgotten. Never
-    deletes anything. `named` names the pod in the error.
+    deletes anything. `named` names the pod in the error; `unfollowed`: its
+    job went unfollowed for a while (see `found_gone`).
 
     Raises PodError when Runpod cannot be asked: the pod is undetermined.
     """
@@ -227,15 +232,15 @@ async def look_up_pod(ctx: PodContext, pod: PodRecord, named: str) -> Pod | None
         raise PodError(f"cannot look {named} up: {error}") from None
     if found is not None and found.status != "TERMINATED":
         return found
-    _record_found_gone(ctx, pod)
+    _record_found_gone(ctx, pod, unfollowed=unfollowed)
     await forget_if_gone(ctx, pod)
     return None
 
 
-def _record_found_gone(ctx: PodContext, pod: PodRecord) -> Fate:
+def _record_found_gone(ctx: PodContext, pod: PodRecord, *, unfollowed: bool = False) -> Fate:
     """Records in `pod.json` the pod found gone without this process deleting
     it, by whom `found_gone` tells; returns that fate."""
-    fate = found_gone(ctx.runs, pod)
+    fate = found_gone(ctx.runs, pod, unfollowed=unfollowed)
     pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
     return fate

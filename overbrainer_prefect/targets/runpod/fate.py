@@ -61,13 +61,18 @@ def _watchdog_log_lines(runs: Runs, run_id: str) -> list[str]:
         return []
 
 
-def found_gone(runs: Runs, pod: PodRecord, now: float | None = None) -> Fate:
+def found_gone(
+    runs: Runs, pod: PodRecord, now: float | None = None, *, unfollowed: bool = False
+) -> Fate:
     """Who deleted a pod found gone (at `now`) without this process deleting
     it: its watchdog when the client had marked its files retrieved, when its
     log (the local copy) says so, or when one of the bounds it was armed with
     had passed (max_cost_usd, max_hours, next_job_grace, retrieve_grace,
     boot_grace: see `bound_passed`), at the time its log gives or the bound's;
-    else nobody known (Runpod, or someone in the console)."""
+    else nobody known (Runpod, or someone in the console). A pod whose job
+    nobody followed for a while (`unfollowed`: reached again by a collect or an
+    attach) may also have been deleted by its watchdog once that job ended
+    unseen: the reason says both."""
     at_now = time.time() if now is None else now
     logged = watchdog_deletion(runs, pod.run_id)
     at = logged.at if logged is not None else None
@@ -81,7 +86,21 @@ def found_gone(runs: Runs, pod: PodRecord, now: float | None = None) -> Fate:
     bound = bound_passed(runs, pod, at_now)
     if bound is not None:
         return bound
+    if unfollowed and pod.state == PodState.RUNNING and pod.retrieve_grace_s is not None:
+        return Fate("unknown", unseen_end_reason(pod))
     return Fate("unknown", terminated_reason(pod))
+
+
+def unseen_end_reason(pod: PodRecord) -> str:
+    """Why a pod is gone whose running job nobody followed, none of its other
+    bounds passed: its job ended unseen and its watchdog's retrieve_grace
+    passed, or Runpod terminated it (nothing here tells which)."""
+    return (
+        f"pod {pod.name} is gone while nobody followed its job, before its max_hours: its job "
+        f"ended and its watchdog deleted it retrieve_grace ({pod.retrieve_grace_s:.0f}s) later "
+        "with its files not retrieved, or Runpod terminated it (the account's balance ran out, "
+        "its host was lost); what was on it is lost. Start the run again with the train flow"
+    )
 
 
 def next_job_reason(grace_s: float) -> str:

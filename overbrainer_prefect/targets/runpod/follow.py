@@ -16,12 +16,14 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
 from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, WATCHDOG_LOG, PodTiming
-from overbrainer_prefect.runpod.errors import PodGone
+from overbrainer_prefect.runpod.errors import PodError, PodGone
+from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import MAX_HOURS_REACHED, PodRecord
 from overbrainer_prefect.runs.metrics import Metric, MetricsSummary
 from overbrainer_prefect.runs.store import RunRecord, RunsError, RunState, subject
@@ -31,7 +33,7 @@ from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.runpod.context import PodContext
-from overbrainer_prefect.targets.runpod.ending import is_gone, remove
+from overbrainer_prefect.targets.runpod.ending import is_gone, look_up_pod, remove
 from overbrainer_prefect.targets.runpod.fate import Restart, lost_to_restart, restart_lost_message
 from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import Trainer
@@ -207,6 +209,67 @@ async def watch_leased(
 
 LOOK_AGAIN_S = 5.0  # between two tries of a silent pod's SSH
 MAX_WATCHES = 20  # watches of one job whose pod fell silent and answered again
+STALLED_SHARE = 0.5  # a runtime that went on for less than this share of the wall clock stalled
+
+
+class Silence:
+    """The pods this process follows now, and which of them are silent (their
+    SSH does not answer): when every one of several went silent at once, the
+    fault is this side's network, not their hosts."""
+
+    def __init__(self) -> None:
+        self.silent: dict[str, bool] = {}
+
+    @contextlib.contextmanager
+    def following(self, pod_id: str) -> Iterator[None]:
+        """Counts the pod `pod_id` as followed (answering) for the block."""
+        self.silent[pod_id] = False
+        try:
+            yield
+        finally:
+            self.silent.pop(pod_id, None)
+
+    def mark(self, pod_id: str, silent: bool) -> None:
+        """Notes whether the followed pod `pod_id` answers SSH now."""
+        if pod_id in self.silent:
+            self.silent[pod_id] = silent
+
+    def all_at_once(self) -> int:
+        """How many pods went silent together when every pod followed (two
+        or more) is silent; 0 otherwise."""
+        count = len(self.silent)
+        return count if count >= 2 and all(self.silent.values()) else 0
+
+
+SILENCE = Silence()
+"""The pods this process follows (one event loop follows them all)."""
+
+
+def runpod_agrees(first: Pod, last: Pod, elapsed_s: float) -> str | None:
+    """Why Runpod's own view of a pod whose SSH stayed silent `elapsed_s`
+    seconds (looked up at the start, `first`, and at the end, `last`) agrees
+    that its host is lost: the pod not RUNNING, no runtime shown, its
+    container started again, or its uptime stalled (it went on for less than
+    STALLED_SHARE of the wall clock). None when Runpod shows its container
+    running on: the silence is this side's."""
+    if last.status != "RUNNING":
+        return f"Runpod shows it {last.status}"
+    if last.uptime_s is None:
+        return "Runpod shows no runtime for it"
+    if first.uptime_s is None:
+        return None  # nothing to compare yet: its runtime shows now
+    went_on = last.uptime_s - first.uptime_s
+    if went_on < 0:
+        return "Runpod shows its container started again"
+    if went_on < STALLED_SHARE * elapsed_s:
+        return f"Runpod's runtime of it stalled ({went_on:.0f} s of uptime in {elapsed_s:.0f} s)"
+    return None
+
+
+async def _looked_up(pod_ctx: PodContext, pod: PodRecord) -> Pod | None:
+    """The pod as Runpod shows it now, None when it is gone (recorded);
+    raises PodError when Runpod cannot be asked."""
+    return await look_up_pod(pod_ctx, pod, f"pod {pod.name}")
 
 
 async def watch_pod(
@@ -220,24 +283,88 @@ async def watch_pod(
     """`watch_leased`, and when the job could not be reached on a pod that
     Runpod still shows: the pod's SSH tried again for the timing's
     `lost_host_s`. Answering again, the job is watched again (its metrics
-    read from the start, up to MAX_WATCHES watches); still silent, its host
-    is taken for lost: the pod is deleted (confirmed), `pod.json` says when
-    and at which step (`host_lost`, `lost_step`), and the Watched says why.
-    Raises PodError when that delete is refused (the pod may still bill)."""
+    read from the start, up to MAX_WATCHES watches). Still silent, its host
+    is taken for lost only with two witnesses: Runpod's own view agrees
+    (`runpod_agrees`) and not every pod this process follows went silent at
+    once (`SILENCE`: this side's network); then the pod is deleted
+    (confirmed), `pod.json` says when and at which step (`host_lost`,
+    `lost_step`), and the Watched says why. Otherwise the follower says why
+    it waits, and watches the job again. Raises PodError when that delete is
+    refused (the pod may still bill)."""
     timing = pod_ctx.timing
-    watched = await watch_leased(ctx, trainer, record, pod, timing, ctx.stall_s, pod_dir)
-    for _ in range(MAX_WATCHES):
-        if not isinstance(watched.error, Unreachable) or pod.keep or await is_gone(pod_ctx, pod):
-            return watched
-        ctx.reporter.warning(
-            f"pod {pod.name} does not answer SSH while Runpod shows it: trying it again for "
-            f"{timing.lost_host_s:g} s before its host is taken for lost"
-        )
-        if not await answers(ctx.executor, timing.lost_host_s):
-            return await drop_lost_host(pod_ctx, pod, watched)
-        ctx.reporter.warning(f"pod {pod.name} answers SSH again: its job is followed again")
+    with SILENCE.following(pod.name):
         watched = await watch_leased(ctx, trainer, record, pod, timing, ctx.stall_s, pod_dir)
-    return watched
+        for _ in range(MAX_WATCHES):
+            if not isinstance(watched.error, Unreachable) or pod.keep:
+                return watched
+            SILENCE.mark(pod.name, True)
+            try:
+                first = await _looked_up(pod_ctx, pod)
+            except PodError as error:
+                first, waits = None, f"{error}: Runpod cannot witness a lost host"
+            else:
+                if first is None:
+                    return watched  # gone (recorded): `settle` tells why
+                ctx.reporter.warning(
+                    f"pod {pod.name} does not answer SSH while Runpod shows it: trying it again "
+                    f"for {timing.lost_host_s:g} s before its host is taken for lost"
+                )
+                began = time.monotonic()
+                if await answers(ctx.executor, timing.lost_host_s):
+                    waits = ""
+                else:
+                    verdict = await _lost_host(pod_ctx, pod, first, time.monotonic() - began)
+                    if verdict.gone:
+                        return watched
+                    if verdict.lost:
+                        return await drop_lost_host(pod_ctx, pod, watched, verdict.why)
+                    waits = verdict.why
+            if waits:
+                ctx.reporter.warning(
+                    f"{waits}; pod {pod.name} is not deleted: its job is followed again"
+                )
+            else:
+                SILENCE.mark(pod.name, False)
+                ctx.reporter.warning(f"pod {pod.name} answers SSH again: its job is followed again")
+            watched = await watch_leased(ctx, trainer, record, pod, timing, ctx.stall_s, pod_dir)
+        return watched
+
+
+@dataclass(frozen=True)
+class HostVerdict:
+    """Whether a pod whose SSH stayed silent is taken for a lost host, and why
+    (Runpod's view that agrees, or why the follower waits); `gone`: the pod
+    is gone meanwhile (recorded)."""
+
+    lost: bool
+    why: str
+    gone: bool = False
+
+
+async def _lost_host(
+    pod_ctx: PodContext, pod: PodRecord, first: Pod, elapsed_s: float
+) -> HostVerdict:
+    """The two witnesses of a lost host for a pod whose SSH stayed silent
+    `elapsed_s` seconds since Runpod showed it as `first`: not every pod this
+    process follows went silent at once, and Runpod's view agrees."""
+    together = SILENCE.all_at_once()
+    if together:
+        why = f"every pod this process follows ({together}) went silent at once: this side's "
+        return HostVerdict(False, why + "network, not their hosts")
+    try:
+        last = await _looked_up(pod_ctx, pod)
+    except PodError as error:
+        return HostVerdict(False, f"{error}: Runpod cannot witness a lost host")
+    if last is None:
+        return HostVerdict(False, "gone", gone=True)
+    agrees = runpod_agrees(first, last, elapsed_s)
+    if agrees is None:
+        return HostVerdict(
+            False,
+            f"pod {pod.name} does not answer SSH, but Runpod shows its container running on "
+            f"(uptime {last.uptime_s or 0:.0f} s): this side's network, not its host",
+        )
+    return HostVerdict(True, agrees)
 
 
 async def answers(executor: Executor, within_s: float) -> bool:
@@ -255,14 +382,18 @@ async def answers(executor: Executor, within_s: float) -> bool:
     return False
 
 
-async def drop_lost_host(ctx: PodContext, pod: PodRecord, watched: Watched) -> Watched:
+async def drop_lost_host(
+    ctx: PodContext, pod: PodRecord, watched: Watched, runpod: str | None = None
+) -> Watched:
     """Deletes the pod of a lost host (confirmed), then records when and the
-    last step its job logged; returns `watched` with why. Raises PodError
-    when the delete is refused (nothing recorded lost: it may still bill)."""
+    last step its job logged; returns `watched` with why (`runpod`: what of
+    Runpod's view agreed). Raises PodError when the delete is refused
+    (nothing recorded lost: it may still bill)."""
     step = f", its job lost at step {watched.last_step}" if watched.last_step is not None else ""
+    agreed = f"; {runpod}" if runpod else ""
     reason = (
         f"the host of pod {pod.name} stopped answering SSH while Runpod showed the pod "
-        f"running (silent {ctx.timing.lost_host_s:g} s more after the follower's tries){step}: "
+        f"(silent {ctx.timing.lost_host_s:g} s more after the follower's tries{agreed}){step}: "
         "a lost host"
     )
     await remove(ctx, pod, reason)

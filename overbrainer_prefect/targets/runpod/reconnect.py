@@ -27,7 +27,8 @@ async def reconnect(
     Raises PodError when the pod is stopped, has no SSH endpoint, the run's
     client key is gone, Runpod cannot be asked, or the pod cannot be reached.
     """
-    remote = await look_up_pod(ctx, pod, f"pod {pod.pod_id} of run {pod.run_id}")
+    named = f"pod {pod.pod_id} of run {pod.run_id}"
+    remote = await look_up_pod(ctx, pod, named, unfollowed=record.job is not None)
     if remote is None:
         return None
     if remote.status == "EXITED":
