@@ -2,7 +2,8 @@
 with work directories of their own: every node gets the rendezvous in its
 job's environment, and no node trains alone (a node that fails or is lost
 cancels every node still running, and the job's status is that node's, read
-after read). Real jobs, this machine's processes; no sshd needed."""
+after read); every node's files are listed, retrieved and verified under
+its rank. Real jobs, this machine's processes; no sshd needed."""
 
 from __future__ import annotations
 
@@ -13,8 +14,17 @@ import signal
 import sys
 from pathlib import Path
 
-from overbrainer_prefect.executors.base import CANCEL_FILE, JobSpec, JobStatus
+import pytest
+
+from overbrainer_prefect.executors.base import (
+    CANCEL_FILE,
+    ExecError,
+    FileDigest,
+    JobSpec,
+    JobStatus,
+)
 from overbrainer_prefect.executors.local import LocalExecutor
+from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.executors.nodes import NodesExecutor
 from tests import procs
 from tests.shelljobs import wait_for
@@ -104,3 +114,39 @@ def test_a_stop_request_reaches_every_node(tmp_path: Path) -> None:
     asyncio.run(executor.touch(os.path.join(run_dir, "stop.request")))
     for rank in (0, 1):
         assert (tmp_path / f"node{rank}" / "20260101-000000-abcd" / "stop.request").exists()
+
+
+def test_every_nodes_files_are_listed_retrieved_and_verified_under_its_rank(
+    tmp_path: Path,
+) -> None:
+    executor = nodes(tmp_path)
+    for rank in (0, 1):  # each node its own part of the checkpoint, rank 0 the adapter
+        point = tmp_path / f"node{rank}" / "run" / "output" / "checkpoint-2"
+        point.mkdir(parents=True)
+        (point / f"rank-{rank}.pt").write_bytes(b"shard %d" % rank)
+    (tmp_path / "node0" / "run" / "output" / "adapter.bin").write_bytes(b"adapter")
+    remote, local = os.path.join(executor.workdir, "run"), tmp_path / "local"
+
+    async def go() -> list[FileDigest]:
+        manifest = await executor.manifest(remote, ["output"])
+        await executor.download(remote, local, ["output"])
+        return manifest
+
+    manifest = asyncio.run(go())
+    paths = [f.path for f in manifest]
+    assert paths == [
+        "output/adapter.bin",
+        "output/checkpoint-2/rank-0.pt",
+        "nodes/1/output/checkpoint-2/rank-1.pt",
+    ]
+    verify(local, ["output"], (), manifest)  # every node's files, each against its node's
+    listed = json.loads(executor.node_files(manifest))
+    node1 = "local target 'node1'"
+    assert [(f["path"], f["rank"], f["node"]) for f in listed["files"]][2] == (paths[2], 1, node1)
+    assert listed["nodes"][1] == {"rank": 1, "node": node1, "dir": "nodes/1"}
+    (local / paths[2]).write_bytes(b"shard 0")  # node 1's shard not as node 1 has it
+    with pytest.raises(ExecError, match="nodes/1/output/checkpoint-2/rank-1.pt.*differs"):
+        verify(local, ["output"], (), manifest)
+    (local / paths[2]).unlink()
+    with pytest.raises(ExecError, match="rank-1.pt.*missing"):
+        verify(local, ["output"], (), manifest)

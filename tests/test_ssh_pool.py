@@ -508,28 +508,55 @@ async def started_on_nodes(
             yield placed, ctx, record
 
 
-def test_a_training_across_two_nodes_of_the_pool_runs_as_one_process_group(
+def test_a_training_across_two_nodes_of_the_pool_is_one_group_stopped_and_retrieved_per_node(
     boxes: list[Sshd], tmp_path: Path
 ) -> None:
     runs = Runs(tmp_path / "runs")
-    trainer = DdpTrainer(steps=3)
+    trainer = DdpTrainer(steps=600, pause_s=0.1)  # a minute at most, stopped at step 3 or so
 
     async def go() -> Outcome:
         target = pool(boxes, tmp_path)
         async with started_on_nodes(target, runs, trainer, 2) as (placed, ctx, record):
-            return await placed.follow(ctx, trainer, record)
+            metrics = Path(record.remote_dir) / "metrics.jsonl"  # rank 0's
+            watching = asyncio.create_task(placed.follow(ctx, trainer, record))
+            await wait_for(
+                lambda: metrics.exists() and '"step": 3' in metrics.read_text(), 60, "step 3"
+            )
+            await end_step.request_stop(ctx, record)
+            return await watching
 
     outcome = asyncio.run(go())
-    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved, outcome.record
+    assert outcome.record.state == RunState.STOPPED and outcome.retrieved, outcome.record
     placement = PoolPlacement.load(runs, outcome.record.id)
     assert placement is not None and len(set(placement.nodes)) == 2
     assert len(placement.jobs) == 2
+    told = []
     for rank, name in enumerate(placement.nodes):  # each node a real member of the group
         run_dir = work_of(tmp_path, int(name[-1])) / outcome.record.id
-        told = json.loads((run_dir / f"rank{rank}.json").read_text())
-        assert told == {"rank": rank, "world": 2, "node": str(rank), "same": True}
-    assert [m.step for m in outcome.summary.metrics] == [1, 2, 3]  # rank 0's progress
-    assert "output/adapter_model.safetensors" in {f.path for f in outcome.files}
+        told.append(json.loads((run_dir / f"rank-{rank}.json").read_text()))
+        assert (told[rank]["rank"], told[rank]["world_size"]) == (rank, 2)
+        assert told[rank]["node_rank"] == rank and told[rank]["backend"] == "gloo"
+    assert told[0]["weights_sha256"] == told[1]["weights_sha256"]  # DDP made them one
+    steps = [m.step for m in outcome.summary.metrics]  # rank 0's progress
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    # a stop checkpoints every node: each rank's part, retrieved from its node and verified
+    point = outcome.summary.checkpoint
+    assert point == f"output/checkpoint-{len(steps)}"
+    paths = {f.path for f in outcome.files}
+    assert {f"{point}/rank-0.pt", f"nodes/1/{point}/rank-1.pt", "nodes/1/job.log"} <= paths
+    assert "output/adapter_model.safetensors" in paths
+    local = runs.run_dir(outcome.record.id)
+    assert (local / point / "rank-0.pt").is_file()
+    assert (local / "nodes" / "1" / point / "rank-1.pt").is_file()
+    listed = json.loads((local / "nodes.json").read_text())  # which node each file came from
+    assert [n["rank"] for n in listed["nodes"]] == [0, 1]
+    for node in listed["nodes"]:
+        assert placement.nodes[node["rank"]] in node["node"]
+    by_path = {f["path"]: f for f in listed["files"]}
+    assert set(by_path) == paths
+    assert by_path[f"nodes/1/{point}/rank-1.pt"]["rank"] == 1
+    assert placement.nodes[1] in by_path[f"nodes/1/{point}/rank-1.pt"]["node"]
+    assert by_path[f"{point}/rank-0.pt"]["rank"] == 0
     for i in range(3):
         assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
 

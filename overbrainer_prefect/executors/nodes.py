@@ -1,7 +1,9 @@
 """One job across several machines (a training on N nodes), as one executor:
 its files go to every node, its job starts on every node with torchrun's own
 rendezvous in its environment, and it is followed as one job whose progress
-and files are rank 0's.
+is rank 0's. Every node's files are retrieved, each node's listed in the
+manifest taken on that node: rank 0's where a one-node run keeps them, every
+other node's under `nodes/<rank>/`; `nodes.json` names the node of each.
 
 Each node's job gets `PET_NNODES`, `PET_NODE_RANK`, `PET_MASTER_ADDR` and
 `PET_MASTER_PORT` (torchrun reads its `--nnodes`, `--node-rank`,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -30,6 +33,10 @@ from overbrainer_prefect.executors.base import (
     JobStatus,
 )
 
+NODES_DIR = "nodes"
+"""In a run's local directory, `nodes/<rank>/`: the files of every node but rank 0."""
+NODES_MANIFEST = "nodes.json"
+"""Beside a run's manifest: every retrieved file with the node (rank, machine) it came from."""
 RANK_ENV = "PET_NODE_RANK"
 """A node's rank (0..N-1) in its job's environment, as torchrun reads it."""
 FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
@@ -175,14 +182,61 @@ class NodesExecutor:
     async def manifest(
         self, remote: str, entries: Sequence[str], exclude: Sequence[str] = ()
     ) -> list[FileDigest]:
-        """Rank 0's manifest (its adapter, metrics and logs are the run's)."""
-        return await self.nodes[0].manifest(remote, entries, exclude)
+        """Every node's manifest, each taken on its node: rank 0's files as
+        its paths say (its adapter, metrics and logs are the run's), every
+        other node's under `nodes/<rank>/` (its shards of a checkpoint, its
+        log)."""
+        found = await asyncio.gather(
+            *(
+                node.manifest(self.on(k, remote), entries, node_exclude(exclude, k))
+                for k, node in enumerate(self.nodes)
+            )
+        )
+        return [
+            dataclasses.replace(f, path=node_dir(k) + f.path)
+            for k, files in enumerate(found)
+            for f in files
+        ]
 
     async def download(
         self, remote: str, local: Path, entries: Sequence[str], exclude: Sequence[str] = ()
     ) -> None:
-        """Copies rank 0's files."""
-        await self.nodes[0].download(remote, local, entries, exclude)
+        """Copies every node's files, at once: rank 0's into `local`, every
+        other node's into `local/nodes/<rank>/` (`manifest`'s paths)."""
+        await asyncio.gather(
+            *(
+                node.download(
+                    self.on(k, remote),
+                    local / node_dir(k) if k else local,
+                    entries,
+                    node_exclude(exclude, k),
+                )
+                for k, node in enumerate(self.nodes)
+            )
+        )
+
+    def node_files(self, manifest: Sequence[FileDigest]) -> bytes:
+        """`nodes.json` of a run retrieved with `manifest`: every node (its
+        rank, its machine, where its files are) and every file with the rank
+        and machine it came from."""
+        ranks = [node_rank(f.path) for f in manifest]
+        document = {
+            "nodes": [
+                {"rank": k, "node": node.description, "dir": node_dir(k).rstrip("/") or "."}
+                for k, node in enumerate(self.nodes)
+            ],
+            "files": [
+                {
+                    "path": f.path,
+                    "rank": rank,
+                    "node": self.nodes[rank].description,
+                    "size": f.size,
+                    "sha256": f.sha256,
+                }
+                for f, rank in zip(manifest, ranks, strict=True)
+            ],
+        }
+        return (json.dumps(document, indent=2) + "\n").encode()
 
     async def touch(self, path: str) -> None:
         """Creates the marker `path` on every node (a stop reaches every rank)."""
@@ -192,6 +246,34 @@ class NodesExecutor:
         """Closes every node's connection."""
         for node in self.nodes:
             await node.close()
+
+
+def node_dir(rank: int) -> str:
+    """Where the files of the node `rank` are in the run's local directory:
+    the directory itself for rank 0, `nodes/<rank>/` for the others."""
+    return f"{NODES_DIR}/{rank}/" if rank else ""
+
+
+def node_rank(path: str) -> int:
+    """The rank of the node a retrieved file's `path` came from (see `node_dir`)."""
+    parts = path.split("/")
+    if len(parts) > 2 and parts[0] == NODES_DIR and parts[1].isdigit():
+        return int(parts[1])
+    return 0
+
+
+def node_exclude(exclude: Sequence[str], rank: int) -> list[str]:
+    """The patterns of `exclude` as the node `rank` sees its own paths: for
+    rank 0 all of them; for another, those of no node's directory as they
+    are, those of its own with `nodes/<rank>/` taken off."""
+    if not rank:
+        return [p for p in exclude if not p.startswith(f"{NODES_DIR}/")]
+    own = node_dir(rank)
+    return [
+        p[len(own) :] if p.startswith(own) else p
+        for p in exclude
+        if p.startswith(own) or not p.startswith(f"{NODES_DIR}/")
+    ]
 
 
 def _failed(status: JobStatus) -> bool:
