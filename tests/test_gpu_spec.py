@@ -197,6 +197,9 @@ def test_a_training_across_nodes_is_launched_by_torchrun_with_the_nodes_rendezvo
     ]
     one = AxolotlTrainer(spec(nodes=2)).commands(context(Path("/w/r1"), gpu(1)))
     assert one[0][1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=1"]
+    with pytest.raises(ValidationError, match="extra sets device_map, which spreads the model"):
+        spec(nodes=2, extra={"device_map": "auto"})  # layers on one machine's GPUs only
+    spec(nodes=1, extra={"device_map": "auto"})
 
 
 def test_the_probe_reports_the_lowest_compute_capability() -> None:
