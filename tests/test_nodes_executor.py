@@ -3,7 +3,9 @@ with work directories of their own: every node gets the rendezvous in its
 job's environment, and no node trains alone (a node that fails or is lost
 cancels every node still running, and the job's status is that node's, read
 after read); every node's files are listed, retrieved and verified under
-its rank. Real jobs, this machine's processes; no sshd needed."""
+its rank, in a local runs directory or by the nodes themselves into an
+object store (moto's S3 server). Real jobs, this machine's processes; no
+sshd needed."""
 
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ from overbrainer_prefect.executors.base import (
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.manifest import verify
 from overbrainer_prefect.executors.nodes import NodesExecutor
+from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.steps.direct import put_files
 from tests import procs
+from tests.s3server import S3Server
 from tests.shelljobs import wait_for
 
 WAITS = "i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done"
@@ -150,3 +155,27 @@ def test_every_nodes_files_are_listed_retrieved_and_verified_under_its_rank(
     (local / paths[2]).unlink()
     with pytest.raises(ExecError, match="rank-1.pt.*missing"):
         verify(local, ["output"], (), manifest)
+
+
+def test_into_an_object_store_every_node_puts_its_own_files_under_its_rank(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    executor = nodes(tmp_path)
+    for rank in (0, 1):
+        point = tmp_path / f"node{rank}" / "run" / "output" / "checkpoint-2"
+        point.mkdir(parents=True)
+        (point / f"rank-{rank}.pt").write_bytes(b"shard %d" % rank)
+    runs = Runs(s3.bucket_url(bucket=s3.bucket()))
+    remote = os.path.join(executor.workdir, "run")
+
+    async def go() -> tuple[list[FileDigest], dict[str, list[str]]]:
+        manifest = await executor.manifest(remote, ["output"])
+        return manifest, await put_files(executor, sys.executable, runs, "r1", remote, manifest)
+
+    manifest, parts = asyncio.run(go())
+    assert set(parts) == {f.path for f in manifest}
+    shard = "nodes/1/output/checkpoint-2/rank-1.pt"  # node 1's, under its rank as listed
+    assert shard in parts
+    held = runs.store.head(runs.key("r1", shard))
+    assert held is not None and held.size == len(b"shard 1")
+    assert runs.store.head(runs.key("r1", "output/checkpoint-2/rank-1.pt")) is None
