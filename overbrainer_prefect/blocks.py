@@ -325,6 +325,7 @@ class SshPool(TargetBlock):
                     m.address,
                     m.work_dir,
                     lambda m=m: self.executor(m, f"{ref}:{m.label}"),  # type: ignore[misc]
+                    reach_at=m.host,
                 )
                 for m in self.hosts
             ],

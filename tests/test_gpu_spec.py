@@ -186,6 +186,22 @@ def test_every_gpu_is_one_process_launched_by_torchrun() -> None:
         AxolotlTrainer(spec(), processes=2).check(gpu(4))
 
 
+def test_a_training_across_nodes_is_launched_by_torchrun_with_the_nodes_rendezvous() -> None:
+    trainer = AxolotlTrainer(spec(nodes=2, sharding="zero2"))
+    assert trainer.commands(context(Path("/w/r1"), gpu(4))) == [
+        [
+            "/venv/bin/python",
+            *("-m", "torch.distributed.run", "--nproc_per_node=4"),  # PET_* from each node
+            *("-m", "axolotl.cli.train", "axolotl.yaml"),
+        ]
+    ]
+    one = AxolotlTrainer(spec(nodes=2)).commands(context(Path("/w/r1"), gpu(1)))
+    assert one[0][1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=1"]
+    with pytest.raises(ValidationError, match="extra sets device_map, which spreads the model"):
+        spec(nodes=2, extra={"device_map": "auto"})  # layers on one machine's GPUs only
+    spec(nodes=1, extra={"device_map": "auto"})
+
+
 def test_the_probe_reports_the_lowest_compute_capability() -> None:
     line = PROBE_MARK + json.dumps(
         {"python": "3.11", "gpus": 2, "capabilities": [[9, 0], [8, 6]], "modules": {}}

@@ -9,6 +9,7 @@ used (no Prefect server)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -36,8 +37,11 @@ from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.targets import host_claim
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.targets.pool import POOL_RECORD, PoolError, PoolPlacement, PoolTarget
+from overbrainer_prefect.trainers.base import TrainError
+from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests import procs
 from tests.conftest import REPO, job_venv
+from tests.ddpjob import DdpTrainer
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
 from tests.sshd import Sshd
 from tests.test_train_flow import spec
@@ -476,3 +480,178 @@ def test_two_worker_processes_claiming_one_machine_never_hold_it_at_once(
     for (out, err), racer in zip(answers, racers, strict=True):
         assert racer.returncode == 0, err[-2000:]
         assert "TAKEN 10" in out
+
+
+def nodes_need(nodes: int) -> JobNeed:
+    training = TrainingSpec(datasets=["data/train.jsonl"], nodes=nodes)
+    return JobNeed(what="the training", training=training)
+
+
+@asynccontextmanager
+async def started_on_nodes(
+    target: Target, runs: Runs, trainer: ShellTrainer, nodes: int
+) -> AsyncIterator[Any]:
+    """Creates, places and starts a job across `nodes`; yields (placed, ctx, record)."""
+    need = nodes_need(nodes)
+    target.check(need)
+    async with target.reserve(runs, need, NoBudget()) as reservation:
+        record = start_step.create(
+            runs, target=target.ref, target_kind=target.kind, workdir=target.workdir
+        )
+        async with target.place(runs, record, reservation) as placed:
+            record = runs.load(record.id)
+            record.remote_dir = placed.remote_dir(record)
+            runs.save(record)
+            ctx = placed.context(runs, reporters.LogReporter())
+            record = await start_step.start(ctx, trainer, record)
+            placed.started(runs, record)
+            yield placed, ctx, record
+
+
+def test_a_training_across_two_nodes_of_the_pool_is_one_group_stopped_and_retrieved_per_node(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    trainer = DdpTrainer(steps=600, pause_s=0.1)  # a minute at most, stopped at step 3 or so
+
+    async def go() -> Outcome:
+        target = pool(boxes, tmp_path)
+        async with started_on_nodes(target, runs, trainer, 2) as (placed, ctx, record):
+            metrics = Path(record.remote_dir) / "metrics.jsonl"  # rank 0's
+            watching = asyncio.create_task(placed.follow(ctx, trainer, record))
+            await wait_for(
+                lambda: metrics.exists() and '"step": 3' in metrics.read_text(), 60, "step 3"
+            )
+            await end_step.request_stop(ctx, record)
+            return await watching
+
+    outcome = asyncio.run(go())
+    assert outcome.record.state == RunState.STOPPED and outcome.retrieved, outcome.record
+    placement = PoolPlacement.load(runs, outcome.record.id)
+    assert placement is not None and len(set(placement.nodes)) == 2
+    assert len(placement.jobs) == 2
+    told = []
+    for rank, name in enumerate(placement.nodes):  # each node a real member of the group
+        run_dir = work_of(tmp_path, int(name[-1])) / outcome.record.id
+        told.append(json.loads((run_dir / f"rank-{rank}.json").read_text()))
+        assert (told[rank]["rank"], told[rank]["world_size"]) == (rank, 2)
+        assert told[rank]["node_rank"] == rank and told[rank]["backend"] == "gloo"
+    assert told[0]["weights_sha256"] == told[1]["weights_sha256"]  # DDP made them one
+    steps = [m.step for m in outcome.summary.metrics]  # rank 0's progress
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    # a stop checkpoints every node: each rank's part, retrieved from its node and verified
+    point = outcome.summary.checkpoint
+    assert point == f"output/checkpoint-{len(steps)}"
+    paths = {f.path for f in outcome.files}
+    assert {f"{point}/rank-0.pt", f"nodes/1/{point}/rank-1.pt", "nodes/1/job.log"} <= paths
+    assert "output/adapter_model.safetensors" in paths
+    local = runs.run_dir(outcome.record.id)
+    assert (local / point / "rank-0.pt").is_file()
+    assert (local / "nodes" / "1" / point / "rank-1.pt").is_file()
+    listed = json.loads((local / "nodes.json").read_text())  # which node each file came from
+    assert [n["rank"] for n in listed["nodes"]] == [0, 1]
+    for node in listed["nodes"]:
+        assert placement.nodes[node["rank"]] in node["node"]
+    by_path = {f["path"]: f for f in listed["files"]}
+    assert set(by_path) == paths
+    assert by_path[f"nodes/1/{point}/rank-1.pt"]["rank"] == 1
+    assert placement.nodes[1] in by_path[f"nodes/1/{point}/rank-1.pt"]["node"]
+    assert by_path[f"{point}/rank-0.pt"]["rank"] == 0
+    for i in range(3):
+        assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+
+
+def test_a_node_killed_mid_training_ends_the_training_on_every_node(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    trainer = DdpTrainer(steps=600, pause_s=0.1)  # a minute at most
+
+    async def go() -> tuple[Outcome, PoolPlacement]:
+        target = pool(boxes, tmp_path)
+        async with started_on_nodes(target, runs, trainer, 2) as (placed, ctx, record):
+            placement = PoolPlacement.load(runs, record.id)
+            assert placement is not None and len(placement.jobs) == 2
+            metrics = Path(record.remote_dir) / "metrics.jsonl"  # rank 0's
+            watching = asyncio.create_task(placed.follow(ctx, trainer, record))
+            await wait_for(
+                lambda: metrics.exists() and '"step": 5' in metrics.read_text(),
+                60,
+                "rank 0 training",
+            )
+            os.killpg(placement.jobs[1].pid, signal.SIGKILL)  # node 1 is lost
+            return await watching, placement
+
+    outcome, placement = asyncio.run(go())
+    assert outcome.record.state == RunState.FAILED, outcome.record
+    assert not procs.alive(placement.jobs[0].pid)  # rank 0 did not train alone
+    for i in range(3):  # both machines given back
+        assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+
+
+def test_more_nodes_than_machines_is_refused_in_one_line_before_anything(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    with pytest.raises(PoolError, match="asks for nodes=4, but pool .* has 3 machines") as caught:
+        pool(boxes, tmp_path).check(nodes_need(4))
+    assert "\n" not in str(caught.value)
+    single = SshTarget(host="127.0.0.1", job_venv="/v", work_dir="/w").target("ssh/one", LOG)
+    with pytest.raises(TrainError, match="asks for nodes=2, but ssh/one is one machine"):
+        single.check(nodes_need(2))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_training_across_nodes_is_cancelled_on_every_node_from_its_record_alone(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    trainer = DdpTrainer(steps=600, pause_s=0.1)  # a minute at most
+
+    async def leave() -> RunRecord:
+        async with started_on_nodes(pool(boxes, tmp_path), runs, trainer, 2) as (_, _, record):
+            return record  # its follower goes: both nodes keep training
+
+    record = asyncio.run(leave())
+    placement = PoolPlacement.load(runs, record.id)
+    assert placement is not None and len(placement.jobs) == 2
+    again = pool(boxes, tmp_path)  # another process, from the records alone
+    assert again.detached(runs, record).count("machine box") == 2
+
+    async def cancel() -> RunRecord:
+        async with again.reach(runs, runs.load(record.id)) as placed:
+            assert placed is not None and placed.description.startswith("2 nodes: ")
+            ctx = placed.context(runs, reporters.LogReporter())
+            ended, status, _ = await end_step.cancel(ctx, trainer, runs.load(record.id))
+            assert status.kind == "cancelled"
+            await placed.end(retrieve.recorded(runs, trainer, ended))
+            return ended
+
+    assert asyncio.run(cancel()).state == RunState.CANCELLED
+    for job in placement.jobs:  # every node's job cancelled, every machine given back
+        assert (Path(job.dir) / "job.cancelled").exists() and not procs.alive(job.pid)
+    for i in range(3):
+        assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+
+
+def test_a_training_across_more_free_machines_than_there_are_holds_none_and_says_why(
+    boxes: list[Sshd], tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    release = tmp_path / "release"
+
+    async def go() -> str:
+        async with started(pool(boxes, tmp_path), runs, held_job(release)) as (p, ctx, record):
+            with pytest.raises(PoolError) as caught:
+                async with started_on_nodes(pool(boxes, tmp_path), runs, DdpTrainer(3), 3):
+                    pass
+            held = machine_of(runs, record)
+            for i in range(3):  # the two claimed were given back: all or none
+                lease = work_of(tmp_path, i) / host_claim.LEASE_FILE
+                assert lease.exists() == (f"box{i}" == held)
+            release.touch()
+            await p.follow(ctx, ShellTrainer(QUICK), record)
+            return str(caught.value)
+
+    message = asyncio.run(go())
+    assert "\n" not in message and "has 2 of the 3 free machines" in message
+    assert message.count(" is free") == 2 and "whose job runs there" in message

@@ -18,6 +18,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 
 from overbrainer_prefect.executors.base import ExecError, FileDigest
+from overbrainer_prefect.executors.nodes import node_dir, node_rank
 
 HASH_CHUNK = 4 << 20  # bytes read per call: large enough that the syscalls cost nothing
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # files hashed at once (hashlib drops the GIL)
@@ -102,9 +103,12 @@ def verify(
     Raises ExecError (`verify`) naming the first file, in manifest order, that is
     missing locally or differs from the target, else the first local file that
     is not on the target; ExecError (`manifest`) when the local files cannot be
-    listed or read.
+    listed or read. The files of a job across nodes (`executors.nodes`) are
+    checked under each node's `nodes/<rank>/` as under `local`.
     """
-    local_files = {file.path: file.sha256 for file in local_manifest(local, entries, exclude)}
+    ranks = sorted({node_rank(file.path) for file in manifest} - {0})
+    listed = [*entries, *(node_dir(rank) + entry for rank in ranks for entry in entries)]
+    local_files = {file.path: file.sha256 for file in local_manifest(local, listed, exclude)}
     for file in manifest:
         sha256 = local_files.get(file.path)
         if sha256 is None:

@@ -86,7 +86,9 @@ def _checkpoint_files(
         return listed, None
     kept = [p for p in load_kept(runs, run_id).checkpoints if p.path.rstrip("/") == prefix[:-1]]
     on_volume = kept[-1] if kept and kept[-1].volume is not None and kept[-1].remote else None
-    return [file.digest() for point in kept for file in point.files], on_volume
+    # rank 0's part of a checkpoint across nodes (the others' are under nodes/<rank>/)
+    files = [f.digest() for point in kept for f in point.files if f.path.startswith(prefix)]
+    return files, on_volume
 
 
 def lost_point(runs: Runs, lost: RunRecord) -> ResumedFrom | None:

@@ -17,6 +17,7 @@ store key reaches the target.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from overbrainer_prefect.executors.base import ExecError, Executor, FileDigest, TargetUnreachable
+from overbrainer_prefect.executors.nodes import NodesExecutor, node_dir, node_rank
 from overbrainer_prefect.runs.checkpoints import KeptFile
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import SignedPut, Store, StoreError
@@ -97,10 +99,12 @@ async def put_files(
     remote: str,
     manifest: Sequence[FileDigest],
     held: Mapping[str, KeptFile] | None = None,
+    prefix: str = "",
 ) -> dict[str, list[str]]:
     """Has the target put the files of `manifest` (relative to its run
     directory `remote`) into the store of `runs`, under the record
-    `record_id`, then checks that the store holds every one of them, whole.
+    `record_id` (each at `prefix` and its path), then checks that the store
+    holds every one of them, whole.
     A file the store already holds with the same SHA-256 (a retrieval tried
     again) is not put again, nor one of several parts that `held` says was
     put before (by path, e.g. a checkpoint kept while the job trained) as
@@ -109,15 +113,20 @@ async def put_files(
     (none of its parts stays billing). Returns the SHA-256 of each file's
     parts as the store holds it, by path.
 
+    A job across nodes (`executors.nodes`) has each node put its own files
+    (those its manifest lists under `nodes/<rank>/`, rank 0's as they are).
+
     Raises ExecError when the target cannot put them, the store does not
     answer, or a file the store holds is not the manifest's.
     """
+    if isinstance(executor, NodesExecutor):
+        return await _put_every_node(executor, python, runs, record_id, remote, manifest, held)
     store = runs.store
     held = held or {}
     todo: list[FileDigest] = []
     parts: dict[str, list[str]] = {entry.path: [entry.sha256] for entry in manifest}
     for entry in manifest:
-        info = await _store(store.head, runs.key(record_id, entry.path))
+        info = await _store(store.head, runs.key(record_id, prefix + entry.path))
         kept = held.get(entry.path)
         if entry.size > store.part_size and kept is not None and kept.digest() == entry:
             # put before as this very file (its size and whole SHA-256, hashed in the same
@@ -151,7 +160,7 @@ async def put_files(
     completed: list[SignedPut] = []
     try:
         for entry in todo:
-            key = runs.key(record_id, entry.path)
+            key = runs.key(record_id, prefix + entry.path)
             digests = signed_digests.get(entry.path)
             signed.append(await _store(store.sign_put, key, entry.size, digests))
         if signed:
@@ -163,15 +172,43 @@ async def put_files(
             if put not in completed:
                 await asyncio.to_thread(store.abort, put)
     for entry in manifest:
-        info = await _store(store.head, runs.key(record_id, entry.path))
+        info = await _store(store.head, runs.key(record_id, prefix + entry.path))
         want = expected_checksum(parts[entry.path])
         if info is None or info.size != entry.size or info.sha256 != want:
             found = "nothing" if info is None else f"{info.size} bytes, SHA-256 {info.sha256}"
             raise ExecError(
                 "verify",
-                f"{runs.where_of(record_id, entry.path)} holds {found}, not the job's "
+                f"{runs.where_of(record_id, prefix + entry.path)} holds {found}, not the job's "
                 f"{entry.size} bytes ({entry.sha256[:12]}...)",
             )
+    return parts
+
+
+async def _put_every_node(
+    executor: NodesExecutor,
+    python: str,
+    runs: Runs,
+    record_id: str,
+    remote: str,
+    manifest: Sequence[FileDigest],
+    held: Mapping[str, KeptFile] | None,
+) -> dict[str, list[str]]:
+    """`put_files` on each node of `executor`, one after the other, each with
+    the files of `manifest` (and `held`) under its `nodes/<rank>/`; returns
+    every file's parts by its path in `manifest`."""
+    parts: dict[str, list[str]] = {}
+    for rank, node in enumerate(executor.nodes):
+        own = node_dir(rank)
+        files = [
+            dataclasses.replace(f, path=f.path[len(own) :])
+            for f in manifest
+            if node_rank(f.path) == rank
+        ]
+        kept = {p[len(own) :]: k for p, k in (held or {}).items() if node_rank(p) == rank}
+        if files:
+            where = executor.on(rank, remote)
+            got = await put_files(node, python, runs, record_id, where, files, kept, own)
+            parts |= {own + path: each for path, each in got.items()}
     return parts
 
 

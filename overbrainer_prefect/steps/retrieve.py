@@ -19,6 +19,7 @@ from overbrainer_prefect.executors.base import (
     FileDigest,
 )
 from overbrainer_prefect.executors.manifest import verify
+from overbrainer_prefect.executors.nodes import NODES_MANIFEST, NodesExecutor
 from overbrainer_prefect.runs.checkpoints import KeptFile, load_kept, save_kept, sorted_against
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE, load_manifest, manifest_bytes
 from overbrainer_prefect.runs.metrics import stored_summary
@@ -59,7 +60,8 @@ async def retrieve(
     target still holds them as they were kept (they are verified all the
     same); one the target no longer holds stays as it was kept; one it
     changed since is replaced only by a copy that verified, and recorded
-    anew. The manifest is kept beside them. Returns it and, for a succeeded
+    anew. The manifest is kept beside them (and, for a job across nodes,
+    `nodes.json`: the node each file came from). Returns it and, for a succeeded
     job, whether its required entry held no file at all.
 
     Raises ExecError when the target or the store fails or a file does not
@@ -96,6 +98,8 @@ async def retrieve(
             await asyncio.to_thread(_record_changed, runs, record_id, changed, manifest)
     try:
         runs.write_bytes(record_id, MANIFEST_FILE, manifest_bytes(manifest))
+        if isinstance(executor, NodesExecutor):  # which node each file came from
+            runs.write_bytes(record_id, NODES_MANIFEST, executor.node_files(manifest))
     except RecordError as error:
         raise ExecError("keep the manifest", str(error)) from None
     return manifest, no_output

@@ -17,7 +17,7 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
-from overbrainer_prefect.trainers.base import TargetFacts, Trainer
+from overbrainer_prefect.trainers.base import TargetFacts, Trainer, TrainError
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,16 @@ class BlockTarget:
         with one line when its env file cannot be read."""
         return self._secrets()
 
+    def one_node(self, need: JobNeed, where: str) -> None:
+        """Refuses, with one line, a training across nodes on a target of one
+        machine per job (`where` says which, and what to use instead)."""
+        nodes = need.training.nodes if need.training is not None else 1
+        if nodes > 1:
+            raise TrainError(
+                f"{need.what} asks for nodes={nodes}, but {self.ref} is {where}: run it on an "
+                "SSH pool (SshPool) with at least that many machines, or set nodes=1"
+            )
+
     @property
     def max_restarts(self) -> int:
         """0: a machine you own is not replaced by another."""
@@ -151,7 +161,9 @@ class HostTarget(BlockTarget):
         return self._executor().workdir
 
     def check(self, need: JobNeed) -> None:
-        """Accepts any job; an image asked for is said to be ignored."""
+        """Accepts any job on one machine (a training across nodes is refused
+        in one line); an image asked for is said to be ignored."""
+        self.one_node(need, "one machine")
         if need.image:
             self._log.warning(
                 "image=%s is for a Runpod target's pod: %s runs on its own machine",

@@ -443,7 +443,9 @@ class PodTarget(BlockTarget):
 
     def check(self, need: JobNeed) -> None:
         """Refuses, with one line, settings (with the job's own image) that
-        cannot make a pod. Raises SettingsError."""
+        cannot make a pod (SettingsError), and a training across nodes (not
+        built on Runpod yet: TrainError)."""
+        self.one_node(need, "one pod per job (Runpod clusters are not built yet)")
         self._settings(need)
 
     def _settings(self, need: JobNeed) -> RunpodTargetSettings:

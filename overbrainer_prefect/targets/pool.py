@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
-from pydantic import ConfigDict, SecretStr
+from pydantic import ConfigDict, Field, SecretStr
 
-from overbrainer_prefect.executors.base import ExecError, Executor
+from overbrainer_prefect.executors.base import ExecError, Executor, JobId
+from overbrainer_prefect.executors.nodes import NodesExecutor
 from overbrainer_prefect.runs.store import RunRecord, Runs, follow_again, subject
 from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
@@ -57,6 +58,8 @@ class PoolHost:
     workdir: str
     executor: Callable[[], Executor]
     """A new executor to the machine (closed by whoever made it)."""
+    reach_at: str = ""
+    """Where the other nodes of a training across nodes reach it (its host)."""
 
     @property
     def shown(self) -> str:
@@ -80,6 +83,10 @@ class PoolPlacement(StoredRecord):
     """The job's run directory on it."""
     claimed: str
     """When the machine was claimed for the job, RFC 3339."""
+    nodes: list[str] = Field(default_factory=list)
+    """A training across nodes: its machines' names, rank 0 first (`host`)."""
+    jobs: list[JobId] = Field(default_factory=list)
+    """A training across nodes: each node's job, by rank, once all started."""
 
     @classmethod
     def load(cls, store: Runs, run_id: str) -> PoolPlacement | None:
@@ -99,20 +106,21 @@ class PoolPlacement(StoredRecord):
 
 @dataclass
 class PoolPlaced(HostPlaced):
-    """A job on the machine of its pool that holds it: as on a single SSH
-    target, and the machine given back once the job's files are retrieved or
-    it ended."""
+    """A job on the machine (or, across nodes, the machines) of its pool that
+    hold it: as on a single SSH target, and each machine given back once the
+    job's files are retrieved or it ended."""
 
-    host: PoolHost | None = None
+    claims: list[tuple[PoolHost, Executor]] = field(default_factory=list)
+    """Each machine the job holds and its connection, rank 0 first."""
     run_id: str = ""
     remote_dir_here: str = ""
     job_started: bool = False
     log: Logger | None = None
-    released: bool = field(default=False)
+    released: bool = False
 
     @property
     def description(self) -> str:
-        """`ssh target '<pool>:<machine>' (user@host:port)`."""
+        """`ssh target '<pool>:<machine>' (user@host:port)` (each node's)."""
         return self.executor.description
 
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
@@ -120,48 +128,51 @@ class PoolPlaced(HostPlaced):
         return replace(super().context(store, reporter), local_only=(POOL_RECORD,))
 
     def remote_dir(self, record: RunRecord) -> str:
-        """The job's run directory on its machine."""
+        """The job's run directory on its machine (rank 0's)."""
         return self.remote_dir_here or record.remote_dir
 
     def started(self, store: Runs, record: RunRecord) -> None:
-        """Notes that the job started: the machine stays held by it."""
+        """Notes that the job started: its machines stay held by it."""
         self.job_started = True
 
     def facts(self) -> list[tuple[str, str]]:
-        """The machine of the pool the job ran on."""
-        return [("machine", self.host.shown)] if self.host is not None else []
+        """The machine (or each node's) of the pool the job ran on."""
+        if len(self.claims) == 1:
+            return [("machine", self.claims[0][0].shown)]
+        return [(f"node {rank}", host.shown) for rank, (host, _) in enumerate(self.claims)]
 
     async def follow(self, ctx: RunContext, trainer: Trainer, record: RunRecord) -> Outcome:
-        """`follow.watch`, then the machine given back once the job ended
-        (its files retrieved, or not retrievable: the ended job holds it no
-        more). Raises what `follow.watch` raises; the machine stays held."""
+        """`follow.watch`, then the machines given back once the job ended
+        (its files retrieved, or not retrievable: the ended job holds them no
+        more). Raises what `follow.watch` raises; the machines stay held."""
         outcome = await follow.watch(ctx, trainer, record)
         await self.end(outcome)
         return outcome
 
     async def end(self, outcome: Outcome) -> None:
-        """Gives the machine back once the job ended (never raises: a machine
+        """Gives the machines back once the job ended (never raises: a machine
         that does not answer keeps a lease that the job's end frees anyway)."""
         if outcome.record.state.ended:
             await self.release()
 
     async def release(self) -> None:
-        """Gives the machine back if this job holds it; a failure is logged
-        (its lease is free once its job ended)."""
-        if self.released or self.host is None:
+        """Gives back each machine this job holds; a failure is logged (its
+        lease is free once its job ended)."""
+        if self.released:
             return
-        try:
-            await host_claim.release(self.executor, self.host.workdir, self.run_id)
-            self.released = True
-        except ExecError as error:
-            if self.log is not None:
-                self.log.warning(
-                    "run %s: cannot give back machine %s of its pool (%s); it is free once "
-                    "its job ended",
-                    self.run_id,
-                    self.host.shown,
-                    error.message,
-                )
+        self.released = True
+        for host, executor in self.claims:
+            try:
+                await host_claim.release(executor, host.workdir, self.run_id)
+            except ExecError as error:
+                if self.log is not None:
+                    self.log.warning(
+                        "run %s: cannot give back machine %s of its pool (%s); it is free once "
+                        "its job ended",
+                        self.run_id,
+                        host.shown,
+                        error.message,
+                    )
 
 
 class PoolTarget(BlockTarget):
@@ -203,7 +214,14 @@ class PoolTarget(BlockTarget):
         return self.hosts[0].workdir
 
     def check(self, need: JobNeed) -> None:
-        """Accepts any job; an image asked for is said to be ignored."""
+        """Refuses, in one line, a training across more nodes than the pool
+        has machines; an image asked for is said to be ignored."""
+        nodes = _nodes(need)
+        if nodes > len(self.hosts):
+            raise PoolError(
+                f"{need.what} asks for nodes={nodes}, but pool {self.ref} has "
+                f"{len(self.hosts)} machines: add machines to the pool, or ask for fewer nodes"
+            )
         if need.image:
             self._log.warning(
                 "image=%s is for a Runpod target's pod: %s runs on its own machines",
@@ -280,49 +298,57 @@ class PoolTarget(BlockTarget):
     @asynccontextmanager
     async def reserve(
         self, store: Runs, need: JobNeed, budget: Budget
-    ) -> AsyncIterator[Reservation[None]]:
-        """Nothing to reserve: a machine is claimed once the job's record exists."""
-        yield Reservation(plan=None)
+    ) -> AsyncIterator[Reservation[int]]:
+        """Nothing to reserve: machines are claimed once the job's record
+        exists; the plan is how many (the training's nodes)."""
+        yield Reservation(plan=_nodes(need), need=need)
 
     @asynccontextmanager
     async def place(
-        self, store: Runs, record: RunRecord, reservation: Reservation[None]
+        self, store: Runs, record: RunRecord, reservation: Reservation[int]
     ) -> AsyncIterator[PoolPlaced]:
-        """Claims a free machine for the job `record` (waiting up to `wait_s`
-        while none is), records it in `pool.json`, and yields the job's place
-        on it. On exit, a job that never started gives the machine back.
+        """Claims a free machine for the job `record` (one per node for a
+        training across nodes, all or none; waiting up to `wait_s` while too
+        few are free), records them in `pool.json`, and yields the job's
+        place on them. On exit, a job that never started gives them back.
 
         Raises PoolError (one line naming each machine and why; nothing
-        held) when no machine is free in time, or the placement cannot be
+        held) when too few are free in time, or the placement cannot be
         recorded."""
-        host, executor = await self._claim_one(record)
+        count = reservation.plan if isinstance(reservation.plan, int) else 1
+        claims = await self._claim(record, count)
+        host = claims[0][0]
         remote = self._remote_dir(host, record)
+        placement = PoolPlacement(
+            run_id=record.id,
+            host=host.name,
+            address=host.address,
+            remote_dir=remote,
+            claimed=rfc3339(),
+            nodes=[h.name for h, _ in claims] if count > 1 else [],
+        )
         placed = PoolPlaced(
-            executor,
+            self._executor_of(store, placement, claims),
             self._bounds,
             self._probed.get(host.name, {}),
-            host=host,
+            claims=claims,
             run_id=record.id,
             remote_dir_here=remote,
             log=self._log,
         )
         try:
             try:
-                placement = PoolPlacement(
-                    run_id=record.id,
-                    host=host.name,
-                    address=host.address,
-                    remote_dir=remote,
-                    claimed=rfc3339(),
-                )
                 placement.save(store)
             except Exception as error:
                 raise PoolError(
-                    f"{subject(record)} cannot record machine {host.shown} of pool {self.ref} "
+                    f"{subject(record)} cannot record its machines of pool {self.ref} "
                     f"({error}): nothing was started there"
                 ) from None
             self._log.info(
-                "%s placed on machine %s of pool %s", subject(record), host.shown, self.ref
+                "%s placed on %s of pool %s",
+                subject(record),
+                " and ".join(f"machine {h.shown}" for h, _ in claims),
+                self.ref,
             )
             try:
                 yield placed
@@ -330,40 +356,83 @@ class PoolTarget(BlockTarget):
                 if not placed.job_started:
                     await asyncio.shield(placed.release())
         finally:
-            await executor.close()
+            for _, executor in claims:
+                await executor.close()
 
-    async def _claim_one(self, record: RunRecord) -> tuple[PoolHost, Executor]:
-        """A machine of the pool claimed for `record`, and its executor (open)."""
+    def _executor_of(
+        self, store: Runs, placement: PoolPlacement, claims: list[tuple[PoolHost, Executor]]
+    ) -> Executor:
+        """The job's executor: its machine's; across nodes, one over every
+        node (`executors.nodes`) whose nodes' jobs are recorded in `pool.json`
+        once all started."""
+        if len(claims) == 1:
+            return claims[0][1]
+
+        def spawned(jobs: list[JobId]) -> None:
+            placement.jobs = jobs
+            placement.save(store)
+
+        return NodesExecutor(
+            [executor for _, executor in claims],
+            claims[0][0].reach_at or claims[0][0].address.rpartition("@")[2].rpartition(":")[0],
+            self.python,
+            jobs=placement.jobs,
+            spawned=spawned,
+        )
+
+    async def _claim(self, record: RunRecord, count: int) -> list[tuple[PoolHost, Executor]]:
+        """`count` machines claimed for `record`, with their executors (open):
+        the machine the last `facts` probed first, then the pool's order. With
+        too few free, those claimed are given back and the claim tried again
+        (up to `wait_s`)."""
         deadline = time.monotonic() + self.wait_s
         waiting = False
         while True:
             why: list[str] = []
             kept, self._kept = self._kept, None
-            order = (
-                self.hosts
-                if kept is None
-                else [kept[0]] + [h for h in self.hosts if h is not kept[0]]
-            )
+            first = [kept[0]] if kept is not None else []
+            order = first + [h for h in self.hosts if h not in first]
+            claims: list[tuple[PoolHost, Executor]] = []
             for host in order:
+                if len(claims) == count:
+                    break
                 executor = kept[1] if kept is not None and host is kept[0] else host.executor()
                 answer = await self._try(host, executor, record)
                 if answer is None:
-                    return host, executor
+                    claims.append((host, executor))
+                    continue
                 await executor.close()
                 why.append(f"{host.shown} {answer}")
+            if len(claims) == count:
+                return claims
+            for host, executor in claims:  # too few: all or none
+                with contextlib.suppress(ExecError):
+                    await host_claim.release(executor, host.workdir, record.id)
+                await executor.close()
+                why.append(f"{host.shown} is free")
             left = deadline - time.monotonic()
+            wanted = "a free machine" if count == 1 else f"{count} free machines"
             if left <= 0:
+                if count == 1:
+                    short = f"no machine of pool {self.ref} is free for {subject(record)}"
+                    again = "one is free"
+                else:
+                    short = (
+                        f"pool {self.ref} has {len(claims)} of the {count} free machines "
+                        f"{subject(record)} needs"
+                    )
+                    again = "they are free"
                 raise PoolError(
-                    f"no machine of pool {self.ref} is free for {subject(record)}: "
-                    f"{'; '.join(why)}. Try again once one is free, or raise the pool's "
+                    f"{short}: {'; '.join(why)}. Try again once {again}, or raise the pool's "
                     "wait_minutes"
                 )
             if not waiting:
                 waiting = True
                 self._log.info(
-                    "%s waits up to %.0f s for a free machine of pool %s: %s",
+                    "%s waits up to %.0f s for %s of pool %s: %s",
                     subject(record),
                     left,
+                    wanted,
                     self.ref,
                     "; ".join(why),
                 )
@@ -411,68 +480,75 @@ class PoolTarget(BlockTarget):
             return host.workdir.rstrip("/") + record.remote_dir[len(base) :]
         return record.remote_dir
 
-    def _host_of(self, store: Runs, record: RunRecord) -> tuple[PoolHost, PoolPlacement]:
-        """The machine the job `record` was placed on, from `pool.json`.
-        Raises PoolError when it has none or the machine left the pool."""
+    def _hosts_of(self, store: Runs, record: RunRecord) -> tuple[list[PoolHost], PoolPlacement]:
+        """The machines the job `record` was placed on (rank 0 first), from
+        `pool.json`. Raises PoolError when it has none or a machine left the pool."""
         placement = PoolPlacement.load(store, record.id)
         if placement is None:
             raise PoolError(
                 f"{subject(record)} has no {POOL_RECORD}: it was never placed on a machine "
                 f"of pool {self.ref}, so there is nothing to reach"
             )
-        for host in self.hosts:
-            if host.name == placement.host:
-                return host, placement
-        raise PoolError(
-            f"{subject(record)} ran on machine {placement.host} ({placement.address}), which "
-            f"is no longer in pool {self.ref}: put it back in the pool's block to follow it again"
-        )
+        named = {host.name: host for host in self.hosts}
+        found = []
+        for name in placement.nodes or [placement.host]:
+            if name not in named:
+                raise PoolError(
+                    f"{subject(record)} ran on machine {name} of pool {self.ref}, which is no "
+                    "longer in the pool: put it back in the pool's block to follow it again"
+                )
+            found.append(named[name])
+        return found, placement
 
     @asynccontextmanager
     async def reach(self, store: Runs, record: RunRecord) -> AsyncIterator[PoolPlaced | None]:
-        """The machine the job was placed on, from `pool.json` (it is never
-        gone: its job's status says the rest). Raises PoolError when the job
-        was never placed, or its machine left the pool."""
-        host, placement = self._host_of(store, record)
-        executor = host.executor()
+        """The machines the job was placed on, from `pool.json` (never gone:
+        its job's status says the rest). Raises PoolError when the job was
+        never placed, or a machine of it left the pool."""
+        hosts, placement = self._hosts_of(store, record)
+        claims = [(host, host.executor()) for host in hosts]
         try:
             yield PoolPlaced(
-                executor,
+                self._executor_of(store, placement, claims),
                 self._bounds,
                 {},
-                host=host,
+                claims=claims,
                 run_id=record.id,
                 remote_dir_here=placement.remote_dir,
                 job_started=record.job is not None,
                 log=self._log,
             )
         finally:
-            await executor.close()
+            for _, executor in claims:
+                await executor.close()
 
     async def abandon(self, store: Runs, record: RunRecord, reason: str) -> bool:
-        """Gives back the machine a job that never started was placed on.
+        """Gives back the machines a job that never started was placed on.
         Returns whether nothing is left held (a machine that does not answer
         keeps its lease until its claim expires)."""
         try:
-            host, _ = self._host_of(store, record)
+            hosts, _ = self._hosts_of(store, record)
         except PoolError:
             return True
-        executor = host.executor()
-        try:
-            return await host_claim.release(executor, host.workdir, record.id)
-        except ExecError as error:
-            self._log.warning(
-                "%s: cannot give back machine %s of pool %s (%s); it is free %.0f s after "
-                "its claim",
-                subject(record),
-                host.shown,
-                self.ref,
-                error.message,
-                self.claim_s,
-            )
-            return False
-        finally:
-            await executor.close()
+        freed = True
+        for host in hosts:
+            executor = host.executor()
+            try:
+                freed = await host_claim.release(executor, host.workdir, record.id) and freed
+            except ExecError as error:
+                self._log.warning(
+                    "%s: cannot give back machine %s of pool %s (%s); it is free %.0f s after "
+                    "its claim",
+                    subject(record),
+                    host.shown,
+                    self.ref,
+                    error.message,
+                    self.claim_s,
+                )
+                freed = False
+            finally:
+                await executor.close()
+        return freed
 
     def lost(self, store: Runs, record: RunRecord) -> str:
         """A machine you own is never gone; said for completeness."""
@@ -488,10 +564,10 @@ class PoolTarget(BlockTarget):
         return False
 
     def detached(self, store: Runs, record: RunRecord) -> str:
-        """How to follow again a job left running on its machine of the pool."""
+        """How to follow again a job left running on its machines of the pool."""
         try:
-            host, _ = self._host_of(store, record)
-            where = f"machine {host.shown} of pool {self.ref}"
+            hosts, _ = self._hosts_of(store, record)
+            where = f"{' and '.join(f'machine {h.shown}' for h in hosts)} of pool {self.ref}"
         except Exception:
             where = f"pool {self.ref}"
         return (
@@ -531,3 +607,8 @@ def _lacks(facts: TargetFacts, wanted: TargetFacts) -> str | None:
         if version is not None and facts.modules.get(module) is None:
             return f"lacks {module} in its job venv"
     return None
+
+
+def _nodes(need: JobNeed) -> int:
+    """The machines a job needs at once: a training's nodes, else one."""
+    return need.training.nodes if need.training is not None else 1

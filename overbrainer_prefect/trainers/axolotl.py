@@ -303,9 +303,13 @@ class AxolotlTrainer(TrainerBase):
         """One process: `python -m axolotl.cli.train axolotl.yaml`, with the job
         venv's Python (`accelerate` need not be on the PATH). N processes:
         `python -m torch.distributed.run --standalone --nproc_per_node=N -m
-        axolotl.cli.train axolotl.yaml`, what axolotl's torchrun launcher runs."""
+        axolotl.cli.train axolotl.yaml`, what axolotl's torchrun launcher runs.
+        On several nodes, the same without `--standalone`: each node's target
+        gives it the rendezvous (`executors.nodes`)."""
         train = ["-m", "axolotl.cli.train", CONFIG_FILE]
         processes = self.process_count(ctx.facts)
+        if self.spec.nodes > 1:  # the rendezvous comes from each node's environment (PET_*)
+            return [[ctx.facts.python, "-m", LAUNCHER, f"--nproc_per_node={processes}", *train]]
         if processes == 1:
             return [[ctx.facts.python, *train]]
         launcher = ["-m", LAUNCHER, "--standalone", f"--nproc_per_node={processes}"]

@@ -71,6 +71,10 @@ AxolotlKeys = Annotated[
 """axolotl config keys and their values, as JSON; a plain JSON object in the
 Prefect form (the schema pydantic would give JsonValue is a `$ref` to `{}`)."""
 
+ONE_MACHINE_KEYS = ("device_map", "max_memory")
+"""axolotl keys that spread one model over one machine's GPUs (naive model
+parallel): a process of one node cannot hold layers on another node."""
+
 SHARDING_KEYS = frozenset({"deepspeed", "fsdp", "fsdp_version"})
 """axolotl keys that `sharding` sets (`fsdp_config` in `extra` tunes `sharding: fsdp`)."""
 
@@ -263,6 +267,12 @@ class TrainingSpec(BaseModel):
         "weights sharded), or `fsdp` (PyTorch FSDP2, weights sharded). Sharding needs 2 or "
         "more GPUs.",
     )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        description="Machines the training runs on at once, under torchrun's rendezvous: 2 or "
+        "more on a pool of SSH machines (one free machine each); 1 elsewhere.",
+    )
     trackers: list[Tracker] = Field(
         default_factory=list,
         description="Experiment trackers to report to: `wandb` (needs WANDB_API_KEY) and/or "
@@ -316,6 +326,13 @@ class TrainingSpec(BaseModel):
             raise ValueError("eval_steps is set but val_set_size is 0: set val_set_size too")
         if "mlflow" in self.trackers and not self.tracker_uri:
             raise ValueError("trackers has mlflow but no tracker_uri: give the MLflow server URL")
+        if self.nodes > 1:
+            for key in ONE_MACHINE_KEYS:
+                if key in self.extra:
+                    raise ValueError(
+                        f"extra sets {key}, which spreads the model over one machine's GPUs "
+                        f"and cannot span {self.nodes} nodes: remove {key}, or set nodes to 1"
+                    )
         return self
 
     @field_validator("val_set_size", "holdout")
