@@ -591,11 +591,11 @@ class Trained:
 @pytest.fixture(scope="session")
 def trained(deployed: Stack, tiny: tuple[Path, Path]) -> Trained:
     """The local train deployment run once to its end (by `prefect deployment run`)."""
-    before = set(p.name for p in deployed.runs.glob("*"))
+    before = set(p.name for p in deployed.runs.glob("[!.]*"))  # runs, not the live index
     flow_run_id = deployed.run_deployment(
         "train/local", target=deployed.target, training=tiny_training(*tiny)
     )
     flow_run = deployed.wait_final(flow_run_id)
-    made = [p.name for p in deployed.runs.glob("*") if p.name not in before]
+    made = [p.name for p in deployed.runs.glob("[!.]*") if p.name not in before]
     assert len(made) == 1, (made, flow_run.state)
     return Trained(flow_run=flow_run, run_id=made[0])

@@ -236,7 +236,7 @@ def test_a_follower_that_lost_the_runs_directory_puts_back_no_flow_run(
             assert time.monotonic() < deadline
             time.sleep(0.05)
         proxy.release()
-        assert run(recover(runs, "me", logger, held)) == 0
+        assert run(recover(runs, "me", logger, held=held)).put_back == 0
     assert runs.store.read(marker) is not None  # left to the follower that took over
     assert any("this one stops recovering" in line for line in said), said
 

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store import Busy, Held, LeaseLost
 from overbrainer_prefect.store.held import guarding
-from overbrainer_prefect.store.lease import LeaseStore, lease_until
+from overbrainer_prefect.store.lease import LeaseStore, lease_held
 from overbrainer_prefect.store.records import store_errors
 from overbrainer_prefect.timestamps import rfc3339
 
@@ -109,14 +109,14 @@ def followed_by(runs: Runs, run_id: str) -> str | None:
     Raises RecordIoError."""
     key = runs.key(run_id, LOCK_FILE)
     with store_errors(runs.store.where(key)):
-        holder = runs.store.holder(key)
-        if holder is None:
-            return None
         store = runs.store
-        until = lease_until(store, key) if isinstance(store, LeaseStore) else None
-    if until is None:
-        return f"{holder} while it lives"
-    return f"{holder} until {rfc3339(datetime.fromtimestamp(until, UTC))}"
+        if not isinstance(store, LeaseStore):  # a lock its holder's death drops
+            holder = store.holder(key)
+            return None if holder is None else f"{holder} while it lives"
+        held = lease_held(store, key)  # one read: who, and until when
+    if held is None:
+        return None
+    return f"{held[0]} until {rfc3339(datetime.fromtimestamp(held[1], UTC))}"
 
 
 def is_followed(runs: Runs, run_id: str) -> bool:

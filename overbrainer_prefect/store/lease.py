@@ -137,17 +137,14 @@ def _holder(lease: Mapping[str, object]) -> str:
 def lease_holder(store: LeaseStore, key: str) -> str | None:
     """Who holds the lease `key` now, None when nobody does (none, released,
     expired by the store's clock). Raises StoreError."""
-    dated = store.read_dated(key)
-    if dated.found is None:
-        return None
-    lease = _parse(dated.found.data)
-    return _holder(lease) if _live(lease, dated) else None
+    held = lease_held(store, key)
+    return held[0] if held is not None else None
 
 
-def lease_until(store: LeaseStore, key: str) -> float | None:
-    """When the lease `key` lapses unless renewed (Unix seconds, by the
-    store's clock: its last write plus its TTL), None when nobody holds it.
-    Raises StoreError."""
+def lease_held(store: LeaseStore, key: str) -> tuple[str, float] | None:
+    """Who holds the lease `key` now and when it lapses unless renewed (Unix
+    seconds, by the store's clock: its last write plus its TTL), from one
+    read; None when nobody holds it. Raises StoreError."""
     dated = store.read_dated(key)
     if dated.found is None or dated.modified is None:
         return None
@@ -155,7 +152,7 @@ def lease_until(store: LeaseStore, key: str) -> float | None:
     if not _live(lease, dated):
         return None
     ttl = lease.get("ttl")
-    return dated.modified + (float(ttl) if isinstance(ttl, int | float) else TTL_S)
+    return _holder(lease), dated.modified + (float(ttl) if isinstance(ttl, int | float) else TTL_S)
 
 
 class Lease:
