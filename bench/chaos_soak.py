@@ -6,7 +6,8 @@ proxy of its own (`tests/faultproxy.py`), so one machine's store can stall
 while the other's answers. Each worker runs short trainings (shell jobs of
 `tests/shelljobs.py`, through the same driver and records as `train`: a
 pod on the Runpod simulator, tests/runpod_sim, booting in BOOT_S) one after
-another, a `collect` after each, then collects until the soak's end.
+another while, in the same process, its follower collects every 3 s (a
+`collect`: it takes the runs whose follower is gone) until the soak's end.
 
 Meanwhile, at moments drawn from the seed: stalls of one machine's store
 longer than the lease TTL (OVERBRAINER_LEASE_TTL_S = TTL_S), answers lost
@@ -64,15 +65,15 @@ from kit.lines import bench, note, progress, run_main  # noqa: E402
 
 SEED_ENV = "CHAOS_SEED"
 MACHINES = ("a", "b")
-TRAININGS = 4  # per machine
+TRAININGS = 10  # per machine at most: none starts past TRAIN_UNTIL_S
 TTL_S = 4.0  # the lease TTL of every process: stalls of 2 to 3 TTLs lose every lease
 TRAIN_UNTIL_S = 150.0  # no training starts after this (seconds into the soak)
 COLLECT_UNTIL_S = 180.0  # the workers collect until then
 JOIN_S = 90.0  # then each worker is waited for this long at most, then killed
-STALLS = 2
+STALLS = 3
 BURSTS = 4  # 503 bursts
-DROPS = 4  # answers lost
-KILLS = 1
+DROPS = 6  # answers lost
+KILLS = 2
 POD_GRACE_S = 15.0  # for the deletes under way when the final collect ends
 FINAL_COLLECT_S = 240.0
 BOOT_S = 3.0
@@ -135,6 +136,7 @@ url, target, count, seed, name = sys.argv[1:6]
 train_until, collect_until = float(sys.argv[6]), float(sys.argv[7])
 job_low, job_high = float(sys.argv[8]), float(sys.argv[9])
 rng = random.Random(f"{seed}/{name}")
+COLLECT_EVERY_S = 3.0
 SPEC = {"base_model": "/none", "datasets": ["/none.jsonl"], "max_steps": 3}
 
 
@@ -167,7 +169,7 @@ async def collect_once():
         say("COLLECT-FAILED", first_line(error))
 
 
-async def main():
+async def trainings():
     for number in range(int(count)):
         if time.monotonic() > train_until:
             break
@@ -181,10 +183,16 @@ async def main():
             say("TRAINED", await chaos_train(target, url, script))
         except Exception as error:
             say("TRAIN-FAILED", first_line(error))
-        await collect_once()
+
+
+async def collector():  # this machine's follower: a collect every few seconds
     while time.monotonic() < collect_until:
         await collect_once()
-        await asyncio.sleep(2)
+        await asyncio.sleep(COLLECT_EVERY_S)
+
+
+async def main():
+    await asyncio.gather(trainings(), collector())
     say("DONE", time.monotonic())
 
 
@@ -336,13 +344,17 @@ def two_followers(workers: list[Worker]) -> list[str]:
     said = []
     for run_id, taken in spans(workers).items():
         taken.sort()
-        for (a_from, a_to, a), (b_from, _b_to, b) in itertools.pairwise(taken):
-            if a != b and b_from < a_to:
-                said.append(
-                    f"run {run_id}: {b} took it at {b_from:.2f} while {a} held it "
-                    f"({a_from:.2f} to {a_to:.2f})"
-                )
-                break
+        both = [
+            (a, b)
+            for a, b in itertools.combinations(taken, 2)
+            if a[2] != b[2] and b[0] < a[1]  # b took it before a let it go
+        ]
+        if both:
+            (a_from, a_to, a), (b_from, _b_to, b) = both[0]
+            said.append(
+                f"run {run_id}: {b} took it at {b_from:.2f} while {a} held it "
+                f"({a_from:.2f} to {a_to:.2f})"
+            )
     return said
 
 
