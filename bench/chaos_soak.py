@@ -34,8 +34,8 @@ Counted as violations, after that collect:
 
 Prints `BENCH chaos-violations <n> count goal <= 0`, a `# seed N` line (give
 it back as the first argument or CHAOS_SEED to replay the same chaos) and one
-`#` line per kind of violation. About three to four minutes on a 2-core
-machine.
+`#` line per kind of violation. About four minutes on a 2-core machine
+(its first half-minute starting the servers).
 """
 
 from __future__ import annotations
@@ -599,13 +599,15 @@ def main() -> None:
             took = sum(len(w.said("FOLLOW")) for w in workers)
             lost = sum(len(w.said("LOST")) for w in workers)
             proxies = [m.proxy for m in machines.values()]
+            pods_made = len(sim.pods(include_deleted=True))
         note(
             f"{trained} trainings started by {len(workers)} worker processes "
             f"({failed} ended with an exception in their flow), {len(records)} runs: "
             + ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
         )
         note(
-            f"follow locks taken {took} times, seen lost {lost} times; the final collect "
+            f"{pods_made} pods made; follow locks taken {took} times, seen lost {lost} times; "
+            "the final collect "
             f"finished {len(rows)} run(s); {checked} verified files hashed again; "
             f"{sum(p.requests for p in proxies)} requests through the proxies, "
             f"{sum(p.failed for p in proxies)} answered 503, "
