@@ -103,7 +103,12 @@ def axolotl_train(
 
 
 def orchestrate(
-    where: Path, config: dict[str, Any], cloud: dict[str, Any], command: str = "train", **env: str
+    where: Path,
+    config: dict[str, Any],
+    cloud: dict[str, Any],
+    command: str = "train",
+    timeout_s: float = 120.0,
+    **env: str,
 ) -> subprocess.CompletedProcess[str]:
     """What the launcher runs in the orchestrator's Python for `command`
     (train, preprocess, lm_eval), without axolotl's CLI before it (whose
@@ -119,7 +124,7 @@ def orchestrate(
         env=changed,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout_s,
         stdin=subprocess.DEVNULL,
     )
 

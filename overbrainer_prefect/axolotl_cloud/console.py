@@ -5,6 +5,9 @@ flow (in this process, or as a run of cloud.yml's deployment) and streams it to
 the terminal: the flow run's UI link, the job's progress lines, then the
 verified files. Ctrl-C asks once "stop with a checkpoint (s), cancel (c), or
 leave it running (l)?" and does that with the `stop` and `cancel` flows.
+`axolotl preprocess --cloud` is the same with a spec that only prepares the
+datasets; `axolotl lm-eval --cloud` runs the `evaluate` flow on a trained run
+and prints its verdict (`lm_eval_from_axolotl`).
 
 Exit codes: 0 the run succeeded; 1 it did not (failed, cancelled, stopped);
 2 bad input, nothing created; 3 left running.
