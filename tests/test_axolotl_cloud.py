@@ -81,13 +81,18 @@ def axolotl_env(visible: Path, **changes: str) -> dict[str, str]:
 
 
 def axolotl_train(
-    visible: Path, where: Path, config: dict[str, Any], cloud: dict[str, Any], **env: str
+    visible: Path,
+    where: Path,
+    config: dict[str, Any],
+    cloud: dict[str, Any],
+    command: str = "train",
+    **env: str,
 ) -> subprocess.CompletedProcess[str]:
-    """`axolotl train config.yml --cloud cloud.yml` in `where`."""
+    """`axolotl COMMAND config.yml --cloud cloud.yml` in `where` (train by default)."""
     (where / "config.yml").write_text(yaml.safe_dump(config))
     (where / "cloud.yml").write_text(yaml.safe_dump({"python": sys.executable, **cloud}))
     return subprocess.run(
-        [str(job_venv() / "bin" / "axolotl"), "train", "config.yml", "--cloud", "cloud.yml"],
+        [str(job_venv() / "bin" / "axolotl"), command, "config.yml", "--cloud", "cloud.yml"],
         cwd=where,
         env=axolotl_env(visible, **env),
         capture_output=True,
@@ -98,22 +103,28 @@ def axolotl_train(
 
 
 def orchestrate(
-    where: Path, config: dict[str, Any], cloud: dict[str, Any], **env: str
+    where: Path,
+    config: dict[str, Any],
+    cloud: dict[str, Any],
+    command: str = "train",
+    timeout_s: float = 120.0,
+    **env: str,
 ) -> subprocess.CompletedProcess[str]:
-    """What the launcher runs in the orchestrator's Python, without axolotl's
-    CLI before it (whose imports take most of a minute on a loaded machine)."""
+    """What the launcher runs in the orchestrator's Python for `command`
+    (train, preprocess, lm_eval), without axolotl's CLI before it (whose
+    imports take most of a minute on a loaded machine)."""
     request = {"cloud": cloud, "config_dir": str(where), "config_yaml": yaml.safe_dump(config)}
     (where / "request.json").write_text(json.dumps(request))
     changed = dict(os.environ, PYTHONPATH=str(REPO), **env)
     if "PREFECT_API_URL" not in env:
         changed.pop("PREFECT_API_URL", None)
     return subprocess.run(
-        [sys.executable, "-m", "overbrainer_prefect.axolotl_cloud", "train", "request.json"],
+        [sys.executable, "-m", "overbrainer_prefect.axolotl_cloud", command, "request.json"],
         cwd=where,
         env=changed,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout_s,
         stdin=subprocess.DEVNULL,
     )
 
@@ -428,17 +439,11 @@ def test_a_deployment_that_does_not_exist_ends_the_command_in_one_line(
     ]
 
 
-@pytest.mark.parametrize(
-    ("what", "said"),
-    [
-        ("preprocess", "overbrainer: `axolotl preprocess --cloud` is not supported yet"),
-        ("lm_eval", "overbrainer: `axolotl lm-eval --cloud` is not supported yet"),
-        ("train", "overbrainer: no orchestrator Python found: set `python:` in cloud.yml"),
-    ],
-)
-def test_what_the_launcher_cannot_do_it_says_in_one_line(
-    visible: Path, what: str, said: str
+@pytest.mark.parametrize("what", ["train", "preprocess", "lm_eval"])
+def test_without_an_orchestrator_python_each_command_says_so_in_one_line(
+    visible: Path, what: str
 ) -> None:
+    said = "overbrainer: no orchestrator Python found: set `python:` in cloud.yml"
     code = (
         "import sys\n"
         "from overbrainer_prefect.axolotl_cloud.launcher import OverbrainerLauncher\n"
@@ -536,3 +541,152 @@ def test_what_the_targets_job_venv_cannot_run_ends_the_command_in_one_line(
         "flash_attention off, or use a target with a GPU"
     ]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "work").exists()
+
+
+def test_a_preprocessing_runs_axolotls_preprocess_once_and_brings_back_prepared() -> None:
+    from overbrainer_prefect.kinds.training import next_step
+    from overbrainer_prefect.runs import RunRecord, RunState
+    from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
+    from overbrainer_prefect.trainers.base import JobContext, TargetFacts
+
+    spec, _ = spec_from_axolotl({"base_model": "o/m", "datasets": ["o/d"], "learning_rate": 1})
+    only = spec.model_copy(update={"preprocess_only": True})
+    ctx = JobContext(
+        run_id="r", run_dir="/w/r", cache_dir="/hf", facts=TargetFacts(python="/py", gpus=4)
+    )
+    prepare, ended = AxolotlTrainer(only).commands(ctx)
+    assert prepare == ["/py", "-m", "axolotl.cli.preprocess", "axolotl.yaml"]
+    assert ended[:2] == ["/py", "-c"] and "'event': 'end'" in ended[2]
+    assert AxolotlTrainer(spec).commands(ctx)[0][:3] == ["/py", "-m", "torch.distributed.run"]
+    artifacts = AxolotlTrainer(only).artifacts()
+    assert artifacts.required == "prepared" and "prepared" in artifacts.entries
+    assert "prepared" not in AxolotlTrainer(only).artifacts().exclude
+    assert AxolotlTrainer(only).config(ctx.facts)["dataset_prepared_path"] == "prepared"
+    record = RunRecord(
+        id="20260101-000000-abcd",
+        target="t",
+        created="2026-01-01T00:00:00Z",
+        remote_dir="/w",
+        state=RunState.SUCCEEDED,
+        spec=only.model_dump(mode="json"),
+    )
+    assert "tokenized datasets are in `runs/20260101-000000-abcd/prepared/`" in next_step(record)
+
+
+def test_a_preprocessing_that_names_a_run_to_resume_from_ends_in_one_line(
+    tmp_path: Path,
+) -> None:
+    config = {"base_model": "org/m", "datasets": ["org/d"], "learning_rate": 1e-4}
+    cloud = {"target": "local", "resume_from": "20260101-000000-abcd"}
+    done = orchestrate(tmp_path, config, cloud, "preprocess")
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr) == [
+        "overbrainer: cloud.yml: resume_from: a preprocessing starts from no checkpoint: remove it"
+    ]
+
+
+@pytest.mark.slow
+def test_axolotls_preprocess_command_brings_back_the_tokenized_datasets_verified(
+    prefect_server: None, visible: Path, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from overbrainer_prefect.blocks import LocalTarget
+    from overbrainer_prefect.runs import Runs, RunState
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(
+        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
+    ).save(name)
+    runs_dir = tmp_path / "runs"
+    cloud = {"provider": "overbrainer", "target": name, "runs_dir": str(runs_dir)}
+    done = axolotl_train(visible, tmp_path, tiny_config(*tiny), cloud, "preprocess")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "files verified in" in ours(done.stderr)[-1], ours(done.stderr)
+    [record] = Runs(runs_dir).list()
+    assert record.state == RunState.SUCCEEDED
+    assert (record.spec or {}).get("preprocess_only") is True
+    local = Runs(runs_dir).run_dir(record.id)
+    shown = {
+        line.split()[-1]: line.split()[0]
+        for line in done.stdout.splitlines()
+        if re.match(r"  [0-9a-f]{64}  ", line)
+    }
+    prepared = [path for path in shown if path.startswith("prepared/")]
+    assert any(path.endswith(".arrow") for path in prepared), shown
+    for path, digest in shown.items():
+        assert hashlib.sha256((local / path).read_bytes()).hexdigest() == digest
+    assert not (local / "output").exists() and not (tmp_path / "outputs").exists()
+
+
+def lm_eval_request(tmp_path: Path, cloud: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """`axolotl lm-eval --cloud`'s work in the orchestrator's Python, on the
+    test's Prefect server, with the tiny YAML of a base model `org/model`."""
+    from prefect.settings import PREFECT_API_URL
+
+    config = {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4}
+    return orchestrate(
+        tmp_path,
+        config,
+        {"runs_dir": str(tmp_path / "runs"), **cloud},
+        "lm_eval",
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+    )
+
+
+def test_lm_eval_without_a_trained_run_of_the_yamls_model_ends_in_one_line(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    done = lm_eval_request(tmp_path, {"target": "local"})
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr) == [
+        f"overbrainer: no succeeded training of org/model in {tmp_path / 'runs'}: train it "
+        "first (`axolotl train config.yml --cloud cloud.yml`) or name a run with `run_id:` in "
+        "cloud.yml"
+    ]
+    bad = lm_eval_request(tmp_path, {"target": "local", "evaluation": {"quant": 3, "x": 1}})
+    assert bad.returncode == 2, bad.stderr
+    [line] = ours(bad.stderr)
+    assert line.startswith("overbrainer: cloud.yml: evaluation."), line
+
+
+def test_lm_eval_runs_the_evaluate_flow_on_the_newest_training_of_the_yamls_model(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    """The newest succeeded training of `org/model` (not a preprocessing, not
+    another model's) goes to the evaluate flow, whose own refusal (no export
+    to evaluate) ends the command in one line; then `run_id:` names a run."""
+    from overbrainer_prefect.runs import RunRecord, Runs, RunState
+
+    runs = Runs(tmp_path / "runs")
+    spec, _ = spec_from_axolotl({"base_model": "org/model", "datasets": ["d"], "learning_rate": 1})
+    made = [
+        ("20260101-000000-aaaa", spec),
+        ("20260102-000000-bbbb", spec),
+        ("20260103-000000-cccc", spec.model_copy(update={"preprocess_only": True})),
+        ("20260104-000000-dddd", spec.model_copy(update={"base_model": "other/model"})),
+    ]
+    for run_id, each in made:
+        runs.save(
+            RunRecord(
+                id=run_id,
+                target="local",
+                created="2026-01-01T00:00:00Z",
+                remote_dir="/w",
+                state=RunState.SUCCEEDED,
+                spec=each.model_dump(mode="json"),
+            )
+        )
+    done = lm_eval_request(tmp_path, {"target": "local"})
+    assert done.returncode == 1, done.stderr
+    lines = ours(done.stderr)
+    assert lines[0].startswith("overbrainer: evaluating run 20260102-000000-bbbb: http"), lines
+    assert lines[-1] == (
+        "overbrainer: the evaluation ended Failed: run 20260102-000000-bbbb has no succeeded "
+        "q4_k_m export to compare: run the export flow first (run_id=20260102-000000-bbbb, "
+        "quant=q4_k_m)"
+    ), lines
+    named = lm_eval_request(
+        tmp_path,
+        {"target": "local", "run_id": "20260101-000000-aaaa", "evaluation": {"quant": "q8_0"}},
+    )
+    assert named.returncode == 1, named.stderr
+    assert ours(named.stderr)[-1].endswith("(run_id=20260101-000000-aaaa, quant=q8_0)")

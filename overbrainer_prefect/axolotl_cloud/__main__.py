@@ -1,4 +1,4 @@
-"""`python -m overbrainer_prefect.axolotl_cloud train REQUEST.json`: what the
+"""`python -m overbrainer_prefect.axolotl_cloud train|preprocess|lm_eval REQUEST.json`: what the
 `overbrainer` launcher of axolotl's `--cloud` runs in the orchestrator's Python."""
 
 from __future__ import annotations

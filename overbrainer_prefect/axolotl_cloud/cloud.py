@@ -10,6 +10,8 @@ max_hours: 4              # optional overrides of the target's bounds
 max_cost_usd: 20
 python: ~/venvs/prefect/bin/python   # optional: the orchestrator's Python
 resume_from: 20260101-120000-abcd    # optional: a stopped run to go on from
+run_id: 20260101-120000-abcd         # optional: the run `axolotl lm-eval --cloud` evaluates
+evaluation: {eval_file: evals.jsonl} # optional: the evaluate flow's settings for lm-eval
 ```
 """
 
@@ -41,6 +43,16 @@ class CloudConfig(BaseModel):
     python: str | None = Field(default=None, description="The orchestrator's Python.")
     resume_from: str | None = Field(
         default=None, description="A stopped run whose checkpoint the new run starts from."
+    )
+    run_id: str | None = Field(
+        default=None,
+        description="The run `axolotl lm-eval --cloud` evaluates (else the newest succeeded "
+        "training of the YAML's base model in runs_dir).",
+    )
+    evaluation: dict[str, Any] | None = Field(
+        default=None,
+        description="`axolotl lm-eval --cloud`'s settings: the `evaluate` flow's evaluation "
+        "(eval_file, relative to cloud.yml's directory; quant; max_tokens...).",
     )
 
     @field_validator("deployment")

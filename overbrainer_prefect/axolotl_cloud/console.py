@@ -5,6 +5,9 @@ flow (in this process, or as a run of cloud.yml's deployment) and streams it to
 the terminal: the flow run's UI link, the job's progress lines, then the
 verified files. Ctrl-C asks once "stop with a checkpoint (s), cancel (c), or
 leave it running (l)?" and does that with the `stop` and `cancel` flows.
+`axolotl preprocess --cloud` is the same with a spec that only prepares the
+datasets; `axolotl lm-eval --cloud` runs the `evaluate` flow on a trained run
+and prints its verdict (`lm_eval_from_axolotl`).
 
 Exit codes: 0 the run succeeded; 1 it did not (failed, cancelled, stopped);
 2 bad input, nothing created; 3 left running.
@@ -38,15 +41,22 @@ from prefect.exceptions import ObjectNotFound
 from prefect.flow_engine import run_flow_async
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 from prefect.states import Cancelling
+from pydantic import ValidationError
 
 from overbrainer_prefect.axolotl_cloud.cloud import CloudConfig, CloudConfigError, read_cloud
-from overbrainer_prefect.axolotl_cloud.mapping import MappingError, spec_from_axolotl
+from overbrainer_prefect.axolotl_cloud.mapping import MappingError, local_model, spec_from_axolotl
 from overbrainer_prefect.blocks import AmbiguousTarget, UnknownTarget, target_named
+from overbrainer_prefect.evaluation.results import EvaluationResult
+from overbrainer_prefect.evaluation.spec import BadEvaluationInput, EvaluationSpec
+from overbrainer_prefect.evaluation.verdict import verdict
 from overbrainer_prefect.executors.base import ExecError
+from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.train import RunResult, cancel, stop, train
 from overbrainer_prefect.kinds.training import check_before_anything as training_checks
 from overbrainer_prefect.runpod.settings import SettingsError
-from overbrainer_prefect.runs.store import RunState
+from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.runs_dir import runs_at
+from overbrainer_prefect.store import StoreError
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.keys import CONFIG_KEYS
@@ -63,6 +73,8 @@ FOLLOW_BOUND_S = 31 * 24 * 3600.0  # the longest a deployment's run is followed 
 RUN_ID = re.compile(r"\brun (\d{8}-\d{6}-[0-9a-z]{4})\b")
 """A run's ID in the flow's log lines (`run 20261205-031500-ab12: step 3/6 ...`)."""
 
+RAISED = re.compile(r"^Flow run encountered an exception: \w+: ")
+"""How Prefect words a flow's exception before its message (left out here)."""
 
 TERMINAL = logging.getLogger("overbrainer.axolotl_cloud")
 """The checks' warnings, on the terminal as the launcher's own lines."""
@@ -91,9 +103,9 @@ class Request:
     notes: list[str]
 
 
-def read_request(path: Path) -> Request:
-    """The launcher's request file, checked: cloud.yml, then the axolotl YAML
-    with the command line's overrides. Raises BadInput with one line."""
+def read_files(path: Path) -> tuple[CloudConfig, dict[str, Any], dict[str, Any]]:
+    """The launcher's request file: cloud.yml checked, the axolotl YAML parsed,
+    and the whole request. Raises BadInput with one line."""
     found = json.loads(path.read_text(encoding="utf-8"))
     try:
         cloud = read_cloud(found["cloud"])
@@ -105,6 +117,19 @@ def read_request(path: Path) -> Request:
         raise BadInput(f"the axolotl YAML does not parse: {error}".splitlines()[0]) from None
     if not isinstance(config, dict):
         raise BadInput("the axolotl YAML is not a mapping of keys")
+    return cloud, config, found
+
+
+def read_request(path: Path, *, preprocess: bool = False) -> Request:
+    """The launcher's request file, checked: cloud.yml, then the axolotl YAML
+    with the command line's overrides; with `preprocess`, a spec that only
+    prepares the datasets (`axolotl.cli.preprocess`). Raises BadInput with one
+    line."""
+    cloud, config, found = read_files(path)
+    if preprocess and cloud.resume_from is not None:
+        raise BadInput(
+            "cloud.yml: resume_from: a preprocessing starts from no checkpoint: remove it"
+        )
     overrides: dict[str, Any] = {}
     for key, value in dict(found.get("overrides") or {}).items():
         if key in CONFIG_KEYS:
@@ -117,7 +142,28 @@ def read_request(path: Path) -> Request:
         raise BadInput(str(error)) from None
     if found.get("launcher_args"):
         notes.append("launcher arguments are not used: the target's GPUs decide the launch")
+    if preprocess:
+        try:
+            spec = TrainingSpec.model_validate(spec.model_dump() | {"preprocess_only": True})
+        except ValidationError as error:
+            raise BadInput(f"the axolotl YAML: {error.errors()[0]['msg']}") from None
     return Request(cloud=cloud, spec=spec, notes=notes)
+
+
+async def check_server() -> None:
+    """Raises BadInput with one line when no Prefect server is set or answers."""
+    if PREFECT_API_URL.value() is None:
+        raise BadInput(
+            "no Prefect server: start one (`prefect server start`) and set PREFECT_API_URL "
+            "(`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`)"
+        )
+    async with get_client() as client:
+        problem = await client.api_healthcheck()
+    if problem is not None:
+        raise BadInput(
+            f"no Prefect server answers at {PREFECT_API_URL.value()}: start it "
+            "(`prefect server start`) or fix PREFECT_API_URL"
+        )
 
 
 async def check_before_anything(request: Request) -> None:
@@ -127,18 +173,8 @@ async def check_before_anything(request: Request) -> None:
     and their rows, the model's context, what the target's GPUs can run), and,
     on a machine you own, its job venv's axolotl knows every key (the probe).
     Raises BadInput with one line."""
-    if PREFECT_API_URL.value() is None:
-        raise BadInput(
-            "no Prefect server: start one (`prefect server start`) and set PREFECT_API_URL "
-            "(`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`)"
-        )
+    await check_server()
     async with get_client() as client:
-        problem = await client.api_healthcheck()
-        if problem is not None:
-            raise BadInput(
-                f"no Prefect server answers at {PREFECT_API_URL.value()}: start it "
-                "(`prefect server start`) or fix PREFECT_API_URL"
-            )
         if request.cloud.deployment is not None:
             try:
                 await client.read_deployment_by_name(request.cloud.deployment)
@@ -426,10 +462,13 @@ async def _ended(state: State) -> int:
     return SUCCEEDED
 
 
-async def train_from_axolotl(request_file: Path) -> int:
-    """The whole `axolotl train --cloud`: checks, runs, follows; the exit code."""
+async def train_from_axolotl(request_file: Path, *, preprocess: bool = False) -> int:
+    """The whole `axolotl train --cloud` (with `preprocess`, `axolotl preprocess
+    --cloud`: a run of the `train` flow that only prepares the datasets, its
+    `prepared/` retrieved and verified as the run's files): checks, runs,
+    follows; the exit code."""
     try:
-        request = read_request(request_file)
+        request = read_request(request_file, preprocess=preprocess)
         for note in request.notes:
             say(note)
         await check_before_anything(request)
@@ -447,9 +486,102 @@ async def train_from_axolotl(request_file: Path) -> int:
         loop.remove_signal_handler(signal.SIGINT)
 
 
-def main(argv: list[str]) -> int:
-    """`python -m overbrainer_prefect.axolotl_cloud train REQUEST`: the exit code."""
-    if len(argv) != 2 or argv[0] != "train":
-        say("usage: python -m overbrainer_prefect.axolotl_cloud train REQUEST.json")
+def trained_run(runs: Runs, base_model: str) -> str:
+    """The newest succeeded training (not a preprocessing) of `base_model` in
+    `runs`: the run `axolotl lm-eval --cloud` evaluates when cloud.yml names
+    none. Raises BadInput with one line when there is none."""
+    found = [
+        record
+        for record in runs.list()
+        if record.state == RunState.SUCCEEDED
+        and (record.spec or {}).get("base_model") == base_model
+        and not (record.spec or {}).get("preprocess_only")
+    ]
+    if not found:
+        raise BadInput(
+            f"no succeeded training of {base_model} in {runs.where}: train it first "
+            "(`axolotl train config.yml --cloud cloud.yml`) or name a run with `run_id:` in "
+            "cloud.yml"
+        )
+    return max(found, key=lambda record: record.id).id
+
+
+def evaluation_of(cloud: CloudConfig, config_dir: Path) -> EvaluationSpec | None:
+    """cloud.yml's `evaluation:`, checked, its files made absolute from
+    `config_dir` (cloud.yml's directory). Raises BadInput with one line."""
+    if cloud.evaluation is None:
+        return None
+    values = dict(cloud.evaluation)
+    for key in ("eval_file", "controls_file"):
+        if isinstance(values.get(key), str) and values[key]:
+            values[key] = str((config_dir / Path(values[key]).expanduser()).resolve())
+    try:
+        return EvaluationSpec.model_validate(values)
+    except (ValidationError, BadEvaluationInput) as error:
+        if isinstance(error, ValidationError):
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            message = str(first["msg"]).removeprefix("Value error, ")
+            raise BadInput(f"cloud.yml: evaluation.{where}: {message}") from None
+        raise BadInput(f"cloud.yml: evaluation: {str(error).splitlines()[0]}") from None
+
+
+async def lm_eval_from_axolotl(request_file: Path) -> int:
+    """The whole `axolotl lm-eval --cloud`: the `evaluate` flow, in this
+    process, on cloud.yml's `run_id` (else the newest succeeded training of the
+    YAML's base model in the runs directory) on cloud.yml's target; prints the
+    flow run's UI link, its log lines, then the verdict. Exit code 0 when the
+    evaluation ended with a verdict, 1 when it did not, 2 for bad input
+    (nothing created)."""
+    try:
+        cloud, config, found = read_files(request_file)
+        evaluation = evaluation_of(cloud, Path(found.get("config_dir") or "."))
+        if not config.get("base_model") and cloud.run_id is None:
+            raise BadInput("the axolotl YAML has no base_model: name the run with `run_id:`")
+        await check_server()
+        try:
+            runs = await runs_at(cloud.runs_dir)
+        except StoreError as error:
+            raise BadInput(str(error).splitlines()[0]) from None
+        run_id = cloud.run_id or trained_run(runs, local_model(str(config["base_model"])))
+        if cloud.deployment is not None:
+            say(f"lm-eval runs the evaluate flow here, not as a run of {cloud.deployment}")
+    except BadInput as error:
+        say(str(error))
         return BAD_INPUT
-    return asyncio.run(train_from_axolotl(Path(argv[1])))
+    params: dict[str, Any] = {"run_id": run_id, "target": cloud.target}
+    if evaluation is not None:
+        params["evaluation"] = evaluation.model_dump(mode="json")
+    if cloud.runs_dir is not None:
+        params["runs_dir"] = cloud.runs_dir
+    async with get_client() as client:
+        flow_run = await client.create_flow_run(evaluate, parameters=params)
+    say(f"evaluating run {run_id}: {ui_link(flow_run.id)}")
+    state = await run_flow_async(
+        evaluate, flow_run=flow_run, parameters=params, return_type="state"
+    )
+    assert isinstance(state, State)
+    if not state.is_completed():
+        message = (state.message or "no message").strip().splitlines()[0]
+        say(f"the evaluation ended {state.name}: {RAISED.sub('', message)}")
+        return NOT_SUCCEEDED
+    result = await state.result()
+    if not isinstance(result, EvaluationResult):
+        say(f"the evaluation ended {state.name} without a verdict")
+        return NOT_SUCCEEDED
+    say(f"run {run_id}: {verdict(result)}")
+    return SUCCEEDED
+
+
+COMMANDS = ("train", "preprocess", "lm_eval")
+"""What the launcher hands over (axolotl's `train`, `preprocess`, `lm-eval`)."""
+
+
+def main(argv: list[str]) -> int:
+    """`python -m overbrainer_prefect.axolotl_cloud COMMAND REQUEST`: the exit code."""
+    if len(argv) != 2 or argv[0] not in COMMANDS:
+        say(f"usage: python -m overbrainer_prefect.axolotl_cloud {'|'.join(COMMANDS)} REQUEST")
+        return BAD_INPUT
+    if argv[0] == "lm_eval":
+        return asyncio.run(lm_eval_from_axolotl(Path(argv[1])))
+    return asyncio.run(train_from_axolotl(Path(argv[1]), preprocess=argv[0] == "preprocess"))

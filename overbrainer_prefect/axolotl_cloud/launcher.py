@@ -6,8 +6,8 @@ It runs in axolotl's environment, which need not have Prefect (a laptop's
 axolotl on Python 3.12 with torch; Prefect and this package in another venv):
 it imports only the standard library and axolotl's launcher contract, and hands
 the work to the orchestrator's Python, `python -m overbrainer_prefect.axolotl_cloud
-train REQUEST`, in the same terminal (its output, its Ctrl-C question, its exit
-code). The orchestrator's Python is, first found:
+COMMAND REQUEST` (COMMAND: train, preprocess or lm_eval), in the same terminal
+(its output, its Ctrl-C question, its exit code). The orchestrator's Python is, first found:
 
 1. `python:` in cloud.yml (`~` expanded, relative to cloud.yml's directory);
 2. `$OVERBRAINER_PYTHON`;
@@ -35,19 +35,11 @@ PYTHON_ENV = "OVERBRAINER_PYTHON"
 MODULE = "overbrainer_prefect.axolotl_cloud"
 """What the orchestrator's Python runs (`-m`)."""
 
-NOT_YET_PREPROCESS = (
-    "overbrainer: `axolotl preprocess --cloud` is not supported yet; `axolotl train "
-    "--cloud` prepares the datasets on the target as the run's first step"
-)
-NOT_YET_LM_EVAL = (
-    "overbrainer: `axolotl lm-eval --cloud` is not supported yet; evaluate a trained run "
-    "with this package's `evaluate` flow (run_id=<the run's id>)"
-)
-
 
 class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, untyped here
     """axolotl's launcher for this product's targets (local, SSH, Runpod): the
-    training runs as the `train` flow, followed in this terminal."""
+    training (or the datasets' preprocessing) runs as the `train` flow, an
+    lm-eval as the `evaluate` flow, followed in this terminal."""
 
     def __init__(self, config: dict[str, Any], config_dir: Path | None = None) -> None:
         super().__init__(config)
@@ -93,12 +85,38 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
             raise SystemExit(code)
 
     def preprocess(self, config_yaml: str, *args: Any, **kwargs: Any) -> None:
-        """Says in one line that preprocessing on a target is not supported yet."""
-        raise SystemExit(NOT_YET_PREPROCESS)
+        """Prepares axolotl's `config_yaml`'s datasets (`axolotl.cli.preprocess`)
+        on cloud.yml's target as a run of the `train` flow, in the orchestrator's
+        Python, streaming it here; the tokenized datasets come back as the run's
+        files (`prepared/`), retrieved and verified. Returns when it succeeded.
+
+        Raises SystemExit with the orchestrator's exit code when it did not, or
+        one line when no orchestrator Python is found."""
+        request = {
+            "cloud": self.config,
+            "config_dir": str(self.config_dir),
+            "config_yaml": config_yaml,
+        }
+        code = self._hand_over("preprocess", request)
+        if code != 0:
+            raise SystemExit(code)
 
     def lm_eval(self, config_yaml: str) -> None:
-        """Says in one line that lm-eval on a target is not supported yet."""
-        raise SystemExit(NOT_YET_LM_EVAL)
+        """Evaluates a trained run with this package's `evaluate` flow, in the
+        orchestrator's Python, and prints its verdict: cloud.yml's `run_id`, else
+        the newest succeeded training of `config_yaml`'s base model in the runs
+        directory. Returns when the evaluation ended with a verdict.
+
+        Raises SystemExit with the orchestrator's exit code when it did not, or
+        one line when no orchestrator Python is found."""
+        request = {
+            "cloud": self.config,
+            "config_dir": str(self.config_dir),
+            "config_yaml": config_yaml,
+        }
+        code = self._hand_over("lm_eval", request)
+        if code != 0:
+            raise SystemExit(code)
 
     def _hand_over(self, command: str, request: dict[str, Any]) -> int:
         """Runs `python -m MODULE command REQUEST` in this terminal; a SIGINT sent

@@ -88,7 +88,7 @@ def spec_from_axolotl(
     for key, default in AXOLOTL_DEFAULTS.items():
         values.setdefault(key, default)
     values["datasets"] = [_dataset(entry) for entry in _listed(left.pop("datasets"))]
-    values["base_model"] = _local_model(str(values["base_model"]))
+    values["base_model"] = local_model(str(values["base_model"]))
     _adapter(left, values)
     _precision(left, values)
     _sharding(left, values)
@@ -149,9 +149,10 @@ def _dataset(entry: Any) -> Any:
     return entry
 
 
-def _local_model(model: str) -> str:
-    """A relative model directory that exists here, made absolute: a local
-    target reads it from the job's own directory otherwise."""
+def local_model(model: str) -> str:
+    """`model`, or, when it is a relative model directory that exists here,
+    made absolute: a local target reads it from the job's own directory
+    otherwise."""
     if model.startswith(".") and Path(model).is_dir():
         return str(Path(model).resolve())
     return model

@@ -225,6 +225,8 @@ def next_step(record: RunRecord) -> str:
         return f"Resume it: run the `train` flow with `resume_from={record.id}`."
     if record.state in (RunState.RUNNING, RunState.PREPARING):
         return f"Follow it again: run the `attach` flow with `run_id={record.id}`."
+    if record.state == RunState.SUCCEEDED and (record.spec or {}).get("preprocess_only"):
+        return f"Its tokenized datasets are in `runs/{record.id}/prepared/`."
     if record.state == RunState.SUCCEEDED:
         return f"Its files are in `runs/{record.id}/`; export it with the `export` flow."
     return f"See `runs/{record.id}/job.log`, fix the cause, and start a new run."

@@ -169,7 +169,9 @@ class AxolotlTrainer(TrainerBase):
 
     def process_count(self, facts: TargetFacts) -> int:
         """How many training processes the job runs: `processes` when set, else
-        one per GPU (one on a CPU)."""
+        one per GPU (one on a CPU); one for a preprocessing."""
+        if self.spec.preprocess_only:
+            return 1
         if self.processes is not None:
             return self.processes
         return max(1, facts.gpus)
@@ -305,7 +307,20 @@ class AxolotlTrainer(TrainerBase):
         `python -m torch.distributed.run --standalone --nproc_per_node=N -m
         axolotl.cli.train axolotl.yaml`, what axolotl's torchrun launcher runs.
         On several nodes, the same without `--standalone`: each node's target
-        gives it the rendezvous (`executors.nodes`)."""
+        gives it the rendezvous (`executors.nodes`). A preprocessing: `python -m
+        axolotl.cli.preprocess axolotl.yaml`, one process, then, once it
+        succeeded, its end event written to the metrics file (no trainer runs,
+        so the metrics plugin writes none)."""
+        if self.spec.preprocess_only:  # one process: the datasets, tokenized once
+            ended = (
+                f"import json, time; open({METRICS_FILE!r}, 'a').write(json.dumps({{'event': "
+                "'end', 'step': 0, 'stopped': False, 'preprocessed': True, 'time': time.time()})"
+                " + '\\n')"
+            )
+            return [
+                [ctx.facts.python, "-m", "axolotl.cli.preprocess", CONFIG_FILE],
+                [ctx.facts.python, "-c", ended],
+            ]
         train = ["-m", "axolotl.cli.train", CONFIG_FILE]
         processes = self.process_count(ctx.facts)
         if self.spec.nodes > 1:  # the rendezvous comes from each node's environment (PET_*)
@@ -340,7 +355,15 @@ class AxolotlTrainer(TrainerBase):
 
     def artifacts(self) -> Artifacts:
         """`output/` (the adapter or model, and any checkpoint a stop saved), the
-        metrics and the config; a succeeded run must have something in `output/`."""
+        metrics and the config; a succeeded run must have something in `output/`.
+        A preprocessing's are `prepared/` (the tokenized datasets, which must be
+        there), the metrics (its end event) and the config."""
+        if self.spec.preprocess_only:
+            return Artifacts(
+                entries=(PREPARED_DIR, METRICS_FILE, CONFIG_FILE),
+                exclude=("__pycache__",),
+                required=PREPARED_DIR,
+            )
         return Artifacts(
             entries=(OUTPUT_DIR, METRICS_FILE, CONFIG_FILE),
             exclude=(PREPARED_DIR, "__pycache__"),

@@ -302,6 +302,11 @@ class TrainingSpec(BaseModel):
         description="Chat template: `tokenizer_default` (the model's own), `chatml`, "
         "`llama3`, `qwen3`...",
     )
+    preprocess_only: bool = Field(
+        default=False,
+        description="Only prepare the datasets (`axolotl.cli.preprocess`): the run's files "
+        "are its tokenized datasets under `prepared/`, nothing is trained.",
+    )
     extra: AxolotlKeys = Field(
         default_factory=dict,
         description="More axolotl config keys, passed as they are (e.g. "
@@ -326,6 +331,8 @@ class TrainingSpec(BaseModel):
             raise ValueError("eval_steps is set but val_set_size is 0: set val_set_size too")
         if "mlflow" in self.trackers and not self.tracker_uri:
             raise ValueError("trackers has mlflow but no tracker_uri: give the MLflow server URL")
+        if self.preprocess_only and self.nodes > 1:
+            raise ValueError("preprocess_only prepares the datasets on one machine: set nodes to 1")
         if self.nodes > 1:
             for key in ONE_MACHINE_KEYS:
                 if key in self.extra:
