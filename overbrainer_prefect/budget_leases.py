@@ -22,8 +22,15 @@ from prefect.concurrency._asyncio import aacquire_concurrency_slots_with_lease
 from prefect.concurrency.context import ConcurrencyContext
 
 from overbrainer_prefect.money.limits import LEASE_S
+from overbrainer_prefect.runs.lock import follower_of
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.targets.base import Logger
+
+HANDOVER_S = 600.0
+"""The most a follower that holds GPU budget leases of its jobs waits (renewing
+them) for its successor to hold the runs directory: the follow deployment's
+schedule starts one within ten minutes when the one it started does not come."""
+HANDOVER_LOOK_S = 2.0  # between two looks at who holds it
 
 RENEW_EVERY_S = LEASE_S / 3
 """How often a holder renews its leases."""
@@ -138,3 +145,30 @@ async def release(ids: Sequence[UUID], logger: Logger) -> None:
                 await client.release_concurrency_slots_with_lease(lease)
         except Exception as error:
             logger.warning("cannot release the GPU budget's lease %s now: %s", lease, error)
+
+
+async def taken_over(runs: Runs, logger: Logger) -> None:
+    """Waits (at most HANDOVER_S) until a follower holds the runs directory
+    again: the successor, which follows every job from then on, and renews
+    the GPU budget's leases of the jobs this one followed. Says in one line
+    when none came. Never raises: a store away is looked at again."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + HANDOVER_S
+    while loop.time() < end:
+        try:
+            holder = await asyncio.to_thread(follower_of, runs)
+        except Exception as error:  # the store is away: looked at again
+            logger.warning("cannot read who follows %s now: %s", runs.where, error)
+            holder = None
+        if holder is not None:
+            logger.info("%s is followed by the next follower (%s)", runs.where, holder)
+            return
+        await asyncio.sleep(HANDOVER_LOOK_S)
+    logger.warning(
+        "the next follower did not take %s within %g s: the GPU budget's slots of the jobs "
+        "this one followed free themselves within %g s unless it takes them first (its "
+        "schedule starts one)",
+        runs.where,
+        HANDOVER_S,
+        LEASE_S,
+    )

@@ -193,6 +193,24 @@ class Here:
             thread.join(max(0.0, deadline - time.monotonic()))
         return self.running()
 
+    async def wait_out(self, logger: Logger) -> None:
+        """The follower's last act: waits (at most JOIN_S) for the flow runs its
+        process runs, saying so; the next follower leaves them to it meanwhile,
+        and runs again those still running past it. Never raises."""
+        running = self.running()
+        if running:
+            logger.info(
+                "%d flow run(s) still run in this follower's process: it waits for them to end "
+                "(the next follower leaves them to it)",
+                running,
+            )
+        if await asyncio.to_thread(self.join):
+            logger.warning(
+                "flow runs still run in this follower's process after %g h: they end with it, and "
+                "the next follower runs them again",
+                JOIN_S / 3600,
+            )
+
     async def _flow_for(self, waiting: FlowRun) -> AnyFlow | None:
         """This package's flow of `waiting` when it may run here, else None."""
         if waiting.deployment_id is None:

@@ -18,7 +18,7 @@ evaluation: {eval_file: evals.jsonl} # optional: the evaluate flow's settings fo
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -49,7 +49,7 @@ class CloudConfig(BaseModel):
         description="The run `axolotl lm-eval --cloud` evaluates (else the newest succeeded "
         "training of the YAML's base model in runs_dir).",
     )
-    evaluation: dict[str, Any] | None = Field(
+    evaluation: dict[str, object] | None = Field(
         default=None,
         description="`axolotl lm-eval --cloud`'s settings: the `evaluate` flow's evaluation "
         "(eval_file, relative to cloud.yml's directory; quant; max_tokens...).",
@@ -72,7 +72,7 @@ class CloudConfigError(ValueError):
     """cloud.yml cannot be used; the message is one line saying what to fix."""
 
 
-def read_cloud(values: dict[str, Any]) -> CloudConfig:
+def read_cloud(values: dict[str, object]) -> CloudConfig:
     """cloud.yml's `values`, checked.
 
     Raises CloudConfigError with one line for the first problem: an unknown key

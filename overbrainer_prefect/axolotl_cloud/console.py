@@ -103,7 +103,7 @@ class Request:
     notes: list[str]
 
 
-def read_files(path: Path) -> tuple[CloudConfig, dict[str, Any], dict[str, Any]]:
+def read_files(path: Path) -> tuple[CloudConfig, dict[str, object], dict[str, object]]:
     """The launcher's request file: cloud.yml checked, the axolotl YAML parsed,
     and the whole request. Raises BadInput with one line."""
     found = json.loads(path.read_text(encoding="utf-8"))
@@ -130,8 +130,9 @@ def read_request(path: Path, *, preprocess: bool = False) -> Request:
         raise BadInput(
             "cloud.yml: resume_from: a preprocessing starts from no checkpoint: remove it"
         )
-    overrides: dict[str, Any] = {}
-    for key, value in dict(found.get("overrides") or {}).items():
+    overrides: dict[str, object] = {}
+    given = found.get("overrides")
+    for key, value in (given if isinstance(given, dict) else {}).items():
         if key in CONFIG_KEYS:
             overrides[key] = value
         elif value not in (False, None, 0, "", []):
@@ -349,9 +350,9 @@ def ui_link(flow_run_id: UUID) -> str:
     return f"{str(base).rstrip('/')}/runs/flow-run/{flow_run_id}"
 
 
-def parameters(request: Request) -> dict[str, Any]:
+def parameters(request: Request) -> dict[str, object]:
     """The `train` flow's parameters for `request`."""
-    found: dict[str, Any] = {
+    found: dict[str, object] = {
         "target": request.cloud.target,
         "training": request.spec.model_dump(mode="json"),
     }
@@ -513,8 +514,9 @@ def evaluation_of(cloud: CloudConfig, config_dir: Path) -> EvaluationSpec | None
         return None
     values = dict(cloud.evaluation)
     for key in ("eval_file", "controls_file"):
-        if isinstance(values.get(key), str) and values[key]:
-            values[key] = str((config_dir / Path(values[key]).expanduser()).resolve())
+        value = values.get(key)
+        if isinstance(value, str) and value:
+            values[key] = str((config_dir / Path(value).expanduser()).resolve())
     try:
         return EvaluationSpec.model_validate(values)
     except (ValidationError, BadEvaluationInput) as error:
@@ -535,7 +537,7 @@ async def lm_eval_from_axolotl(request_file: Path) -> int:
     (nothing created)."""
     try:
         cloud, config, found = read_files(request_file)
-        evaluation = evaluation_of(cloud, Path(found.get("config_dir") or "."))
+        evaluation = evaluation_of(cloud, Path(str(found.get("config_dir") or ".")))
         if not config.get("base_model") and cloud.run_id is None:
             raise BadInput("the axolotl YAML has no base_model: name the run with `run_id:`")
         await check_server()
@@ -549,7 +551,7 @@ async def lm_eval_from_axolotl(request_file: Path) -> int:
     except BadInput as error:
         say(str(error))
         return BAD_INPUT
-    params: dict[str, Any] = {"run_id": run_id, "target": cloud.target}
+    params: dict[str, object] = {"run_id": run_id, "target": cloud.target}
     if evaluation is not None:
         params["evaluation"] = evaluation.model_dump(mode="json")
     if cloud.runs_dir is not None:

@@ -41,13 +41,13 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
     training (or the datasets' preprocessing) runs as the `train` flow, an
     lm-eval as the `evaluate` flow, followed in this terminal."""
 
-    def __init__(self, config: dict[str, Any], config_dir: Path | None = None) -> None:
+    def __init__(self, config: dict[str, object], config_dir: Path | None = None) -> None:
         super().__init__(config)
         self.config_dir = config_dir or Path.cwd()
 
     @classmethod
     def from_config(
-        cls, config: dict[str, Any], *, config_dir: Path | None = None
+        cls, config: dict[str, object], *, config_dir: Path | None = None
     ) -> OverbrainerLauncher:
         """The launcher of cloud.yml's `config` (read from `config_dir`). It is
         checked by the orchestrator, in one line per problem, when it trains."""
@@ -118,7 +118,7 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
         if code != 0:
             raise SystemExit(code)
 
-    def _hand_over(self, command: str, request: dict[str, Any]) -> int:
+    def _hand_over(self, command: str, request: dict[str, object]) -> int:
         """Runs `python -m MODULE command REQUEST` in this terminal; a SIGINT sent
         to this process alone is passed on (the orchestrator asks what to do; one
         that the terminal sent both gets is asked once). Returns its exit code."""
@@ -141,7 +141,7 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
                 signal.signal(signal.SIGINT, previous)
 
 
-def orchestrator_python(cloud: dict[str, Any], config_dir: Path) -> str:
+def orchestrator_python(cloud: dict[str, object], config_dir: Path) -> str:
     """The orchestrator's Python (see the module's docstring for the order).
 
     Raises SystemExit with one line when none is found, or the one named does

@@ -64,7 +64,7 @@ class MappingError(ValueError):
 
 
 def spec_from_axolotl(
-    config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
+    config: Mapping[str, object], overrides: Mapping[str, object] | None = None
 ) -> tuple[TrainingSpec, list[str]]:
     """The `TrainingSpec` of axolotl's `config` with the command line's
     `overrides` (`--learning-rate 1e-4`), and notes on what the run does
@@ -74,9 +74,9 @@ def spec_from_axolotl(
     base_model, no datasets, no learning_rate, an unknown key (with the nearest
     one), a key this launcher cannot carry yet (plugins, a dataset `type` given
     as a mapping, a DeepSpeed file it does not know)."""
-    left: dict[str, Any] = {**config, **(overrides or {})}
+    left: dict[str, object] = {**config, **(overrides or {})}
     notes: list[str] = []
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     for key in ("base_model", "datasets", "learning_rate"):
         if left.get(key) in (None, "", []):
             raise MappingError(f"the axolotl YAML has no {key}: axolotl needs it")
@@ -158,7 +158,7 @@ def local_model(model: str) -> str:
     return model
 
 
-def _adapter(left: dict[str, Any], values: dict[str, Any]) -> None:
+def _adapter(left: dict[str, object], values: dict[str, object]) -> None:
     adapter = left.pop("adapter", None)
     four_bit = left.pop("load_in_4bit", None)
     if adapter in (None, ""):
@@ -176,7 +176,7 @@ def _adapter(left: dict[str, Any], values: dict[str, Any]) -> None:
         values.pop("lora_target_modules", None)  # every linear layer: the spec's default
 
 
-def _precision(left: dict[str, Any], values: dict[str, Any]) -> None:
+def _precision(left: dict[str, object], values: dict[str, object]) -> None:
     bf16, fp16 = left.pop("bf16", None), left.pop("fp16", None)
     left.pop("tf32", None)
     if bf16 == "auto":
@@ -189,7 +189,7 @@ def _precision(left: dict[str, Any], values: dict[str, Any]) -> None:
         values["precision"] = "fp32"
 
 
-def _sharding(left: dict[str, Any], values: dict[str, Any]) -> None:
+def _sharding(left: dict[str, object], values: dict[str, object]) -> None:
     deepspeed = left.pop("deepspeed", None)
     if deepspeed is not None:
         stage = DEEPSPEED_STAGE.search(Path(str(deepspeed)).name)
@@ -204,7 +204,7 @@ def _sharding(left: dict[str, Any], values: dict[str, Any]) -> None:
         values["sharding"] = "fsdp"
 
 
-def _trackers(left: dict[str, Any], values: dict[str, Any]) -> None:
+def _trackers(left: dict[str, object], values: dict[str, object]) -> None:
     trackers: list[str] = []
     project = left.pop("wandb_project", None)
     if project:

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Container
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from collections.abc import Container
 
 import anyio.from_thread
 import anyio.to_thread
@@ -42,11 +40,11 @@ from overbrainer_prefect.flowruns import (
 )
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.collected import Collected, collected_markdown, state_now
+from overbrainer_prefect.kinds.live import collectable, unfollowed_of
 from overbrainer_prefect.kinds.registry import kind_of
 from overbrainer_prefect.kinds.training import next_step
-from overbrainer_prefect.runs.lock import RunBusy, followed_by
+from overbrainer_prefect.runs.lock import RunBusy
 from overbrainer_prefect.runs.store import (
-    RunNotFound,
     RunRecord,
     Runs,
     RunsError,
@@ -67,9 +65,6 @@ from overbrainer_prefect.timestamps import parse_rfc3339
 COLLECT_ARTIFACT = "collected-runs"
 """Key of the markdown artifact in which each collect says what it did."""
 
-LIVE_READERS = (
-    8  # live jobs a pass reads at once (a round trip each), within boto3's 10 connections
-)
 CHANGE_ROUNDS = 5  # rounds a job's records are read again after another process changed them
 CREATE_GRACE_S = 10.0  # a record this young and unlocked may still be taking its creator's lock
 
@@ -131,82 +126,10 @@ async def candidates(
         marked = await anyio.to_thread.run_sync(runs.build_live, live)
         logger.info("indexed the live jobs of %s once: %d live", runs.where, marked)
         entries = await asyncio.to_thread(runs.live) or []
-    unfollowed = await asyncio.to_thread(_unfollowed, entries, following, followed)
+    unfollowed = await asyncio.to_thread(unfollowed_of, entries, following, followed)
     for store, record in unfollowed:
         await target_of(store, record)
-    return await asyncio.to_thread(_decided, unfollowed, targets, holds, logger)
-
-
-def _unfollowed(
-    entries: list[tuple[Runs, str]],
-    following: Container[str],
-    followed: list[str] | None = None,
-) -> list[tuple[Runs, RunRecord]]:
-    """The records of the live index's `entries` that no live process
-    follows, runs first, oldest first, read LIVE_READERS at a time (a store's
-    round trip each); a marker whose record never came is dropped once
-    stale; each job not ended that a live process follows is said in
-    `followed` when given (its record read for that). Store calls: run in a
-    worker thread."""
-
-    def unfollowed(store: Runs, record_id: str) -> RunRecord | None:
-        try:
-            follower = followed_by(store, record_id)
-            if follower is None:
-                return store.load(record_id)
-            if followed is not None:
-                record = store.load(record_id)
-                if not record.state.ended:
-                    followed.append(
-                        f"{subject(record)} is followed by {follower}; the next collect takes "
-                        "it if that follower is gone"
-                    )
-            return None
-        except RunNotFound:
-            with suppress(RecordError):  # else the next pass drops it
-                store.drop_if_stale(record_id)
-        except RecordError:  # unreadable now: the next pass looks again
-            pass
-        return None
-
-    todo = [
-        (store, record_id)
-        for store, record_id in sorted(entries, key=lambda entry: (bool(entry[0].prefix), entry[1]))
-        if store.key(record_id) not in following
-    ]
-    if not todo:
-        return []
-    with ThreadPoolExecutor(min(LIVE_READERS, len(todo))) as pool:
-        records = list(pool.map(lambda entry: unfollowed(*entry), todo))
-    return [
-        (store, record)
-        for (store, _), record in zip(todo, records, strict=True)
-        if record is not None
-    ]
-
-
-def _decided(
-    unfollowed: list[tuple[Runs, RunRecord]],
-    targets: dict[str, Target | None],
-    holds: Callable[[Runs, RunRecord, Target | None], bool],
-    logger: Logger,
-) -> list[tuple[Runs, RunRecord, Target | None]]:
-    """The candidates among `unfollowed` (see `candidates`); an ended job its
-    target holds nothing for leaves the live index. Store calls: run in a
-    worker thread."""
-    found: list[tuple[Runs, RunRecord, Target | None]] = []
-    for store, record in unfollowed:
-        target = targets.get(record.target)
-        if not record.state.ended or (target is not None and target.leftover(store, record)):
-            found.append((store, record, target))
-        elif not holds(store, record, target):
-            try:
-                store.unmark_live(record.id)
-            except RecordError as error:  # the next pass tries again
-                logger.warning(
-                    "%s: cannot take it out of the live index: %s", subject(record), error
-                )
-    return found
+    return await asyncio.to_thread(collectable, unfollowed, targets, holds, logger)
 
 
 async def collect_job(

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack
-from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.deployments.flow_runs import arun_deployment
 from prefect.runtime import deployment, flow_run
 
-from overbrainer_prefect.budget_leases import handed_over, renewed
+from overbrainer_prefect.budget_leases import handed_over, renewed, taken_over
 from overbrainer_prefect.flowruns import cancelled_at, job_logger, suspended
 from overbrainer_prefect.flows.collect import candidates, collect_job
 from overbrainer_prefect.flows.compare import compare
@@ -35,9 +34,8 @@ from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.export import export
 from overbrainer_prefect.flows.train import train
 from overbrainer_prefect.kinds.collected import Collected
-from overbrainer_prefect.money.limits import LEASE_S
-from overbrainer_prefect.resume_here import HERE, JOIN_S, Here, recover, recover_again
-from overbrainer_prefect.runs.lock import RunBusy, follower_lock, follower_of
+from overbrainer_prefect.resume_here import HERE, Here, recover, recover_again
+from overbrainer_prefect.runs.lock import RunBusy, follower_lock
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps.context import COLLECTOR, ENDED_BY
@@ -46,11 +44,6 @@ from overbrainer_prefect.suspension import waited_for
 from overbrainer_prefect.targets.base import Logger, Target
 
 KEEP_ROWS = 200  # what a follower returns of the jobs it finished: the last ones
-HANDOVER_S = 600.0
-"""The most a follower that holds GPU budget leases of its jobs waits (renewing
-them) for its successor to hold the runs directory: the follow deployment's
-schedule starts one within ten minutes when the one it started does not come."""
-HANDOVER_LOOK_S = 2.0  # between two looks at who holds it
 
 RUN_HERE = {f.name: f for f in (train, export, compare, evaluate)}
 """The flows whose resumed runs this follower runs again itself (`resume_here`)."""
@@ -92,15 +85,12 @@ async def follow(
             return []
         except Exception:
             await handing.aclose()
-            await _join(here, logger)
+            await here.wait_out(logger)
             raise
-        if lost:  # the follower that took the runs directory is the one that goes on
-            await handing.aclose()
-            await _join(here, logger)
-            return rows
-        if await _successor(runs_dir, minutes, every_s, logger) and leases:
-            await _taken_over(runs, logger)
-    await _join(here, logger)
+        # lost: the follower that took the runs directory is the one that goes on
+        if not lost and await _successor(runs_dir, minutes, every_s, logger) and leases:
+            await taken_over(runs, logger)
+    await here.wait_out(logger)
     return rows
 
 
@@ -133,59 +123,12 @@ async def _term(
             HERE.reset(token)
             again.cancel()
             await asyncio.gather(again, return_exceptions=True)
-            leases = await asyncio.to_thread(_budget_leases, followed)
+            held_by = [(job.store, job.record.id) for job in followed]  # the budget's leases:
+            leases = await asyncio.to_thread(lambda: [x for j in held_by for x in handed_over(*j)])
             await handing.enter_async_context(
                 renewed(leases, logger, at_once=True, last_on_exit=True)
             )
     return rows, len(leases), held.lost
-
-
-def _budget_leases(followed: list[_Followed]) -> list[UUID]:
-    """The GPU budget's leases handed over with the jobs `followed`."""
-    return [lease for job in followed for lease in handed_over(job.store, job.record.id)]
-
-
-async def _taken_over(runs: Runs, logger: Logger) -> None:
-    """Waits (at most HANDOVER_S) until a follower holds the runs directory
-    again: the successor, which follows every job from then on."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + HANDOVER_S
-    while loop.time() < end:
-        try:
-            holder = await asyncio.to_thread(follower_of, runs)
-        except Exception as error:  # the store is away: looked at again
-            logger.warning("cannot read who follows %s now: %s", runs.where, error)
-            holder = None
-        if holder is not None:
-            logger.info("%s is followed by the next follower (%s)", runs.where, holder)
-            return
-        await asyncio.sleep(HANDOVER_LOOK_S)
-    logger.warning(
-        "the next follower did not take %s within %g s: the GPU budget's slots of the jobs "
-        "this one followed free themselves within %g s unless it takes them first (its "
-        "schedule starts one)",
-        runs.where,
-        HANDOVER_S,
-        LEASE_S,
-    )
-
-
-async def _join(here: Here, logger: Logger) -> None:
-    """The follower's last act: waits (at most JOIN_S) for the flow runs its
-    process runs; the next follower leaves them to it meanwhile."""
-    running = here.running()
-    if running:
-        logger.info(
-            "%d flow run(s) still run in this follower's process: it waits for them to end "
-            "(the next follower leaves them to it)",
-            running,
-        )
-    if await asyncio.to_thread(here.join):
-        logger.warning(
-            "flow runs still run in this follower's process after %g h: they end with it, and "
-            "the next follower runs them again",
-            JOIN_S / 3600,
-        )
 
 
 async def _follow_for(
