@@ -40,13 +40,12 @@ def measure(root: Path) -> None:
     """Starts the sshd, times both sides, prints the figures."""
     from overbrainer_prefect.blocks import SshPool, SshPoolHost
     from overbrainer_prefect.runs.store import Runs, RunState
-    from overbrainer_prefect.steps import reporters
-    from overbrainer_prefect.steps import start as start_step
-    from overbrainer_prefect.targets.base import JobNeed, NoBudget
+    from overbrainer_prefect.targets.base import JobNeed
     from overbrainer_prefect.targets.pool import PoolPlacement
     from overbrainer_prefect.trainers.spec import TrainingSpec
     from tests.conftest import job_venv
     from tests.ddpjob import DdpTrainer
+    from tests.shelljobs import started_job
     from tests.sshd import Sshd
 
     log = logging.getLogger("bench")
@@ -81,19 +80,8 @@ def measure(root: Path) -> None:
                 training=TrainingSpec(datasets=["data/train.jsonl"], nodes=nodes),
             )
             begin = time.perf_counter()
-            target.check(need)
-            async with target.reserve(runs, need, NoBudget()) as reservation:
-                record = start_step.create(
-                    runs, target=target.ref, target_kind=target.kind, workdir=target.workdir
-                )
-                async with target.place(runs, record, reservation) as placed:
-                    record = runs.load(record.id)
-                    record.remote_dir = placed.remote_dir(record)
-                    runs.save(record)
-                    ctx = placed.context(runs, reporters.LogReporter())
-                    record = await start_step.start(ctx, trainer, record)
-                    placed.started(runs, record)
-                    outcome = await placed.follow(ctx, trainer, record)
+            async with started_job(target, runs, trainer, need) as (placed, ctx, record):
+                outcome = await placed.follow(ctx, trainer, record)
             seconds = time.perf_counter() - begin
             if outcome.record.state != RunState.SUCCEEDED or not outcome.retrieved:
                 raise RuntimeError(f"the {nodes}-node run {record.id} ended {outcome.record.state}")

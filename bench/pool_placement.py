@@ -41,11 +41,9 @@ def measure(root: Path) -> None:
     """Starts the sshd, times both sides, prints the figure."""
     from overbrainer_prefect.blocks import SshPool, SshPoolHost, SshTarget
     from overbrainer_prefect.runs.store import Runs
-    from overbrainer_prefect.steps import reporters
-    from overbrainer_prefect.steps import start as start_step
-    from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
+    from overbrainer_prefect.targets.base import JobNeed, Target
     from tests.conftest import job_venv
-    from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
+    from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, started_job
     from tests.sshd import Sshd
 
     log = logging.getLogger("bench")
@@ -63,22 +61,11 @@ def measure(root: Path) -> None:
         begin = time.perf_counter()
         await target.facts(trainer.probe_modules)
         need = JobNeed(what="the bench's job")
-        target.check(need)
-        async with target.reserve(runs, need, NoBudget()) as reservation:
-            record = start_step.create(
-                runs, target=target.ref, target_kind=target.kind, workdir=target.workdir
-            )
-            async with target.place(runs, record, reservation) as placed:
-                record = runs.load(record.id)
-                record.remote_dir = placed.remote_dir(record)
-                runs.save(record)
-                ctx = placed.context(runs, reporters.LogReporter())
-                record = await start_step.start(ctx, trainer, record)
-                placed.started(runs, record)
-                seconds = time.perf_counter() - begin
-                if follow:
-                    await placed.follow(ctx, trainer, record)
-                return seconds
+        async with started_job(target, runs, trainer, need) as (placed, ctx, record):
+            seconds = time.perf_counter() - begin
+            if follow:
+                await placed.follow(ctx, trainer, record)
+            return seconds
 
     with ExitStack() as stack:
         boxes = [stack.enter_context(Sshd.create(root / f"sshd{i}")) for i in range(MACHINES)]

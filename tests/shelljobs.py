@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from overbrainer_prefect.runs.store import RunRecord, Runs
+from overbrainer_prefect.steps import reporters
+from overbrainer_prefect.steps import start as start_step
+from overbrainer_prefect.steps.context import RunContext
+from overbrainer_prefect.targets.base import JobNeed, NoBudget, Placed, Target
 from overbrainer_prefect.trainers.base import (
     METRICS_FILE,
     Artifacts,
     JobContext,
     TargetFacts,
+    Trainer,
 )
 
 WRITE_METRICS = (
@@ -69,3 +76,30 @@ async def wait_for(
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@asynccontextmanager
+async def started_job(
+    place: Target, runs: Runs, trainer: Trainer, need: JobNeed, record_trainer: str = "training"
+) -> AsyncIterator[tuple[Placed, RunContext, RunRecord]]:
+    """The job of `trainer` started on `place` as the driver starts it: `need`
+    checked, a reservation, a record (`record_trainer`), its place (the
+    caller records its remote dir, as for a pod), then the start; yields
+    (placed, ctx, record) while the place is held. Raises what those steps raise."""
+    place.check(need)
+    async with place.reserve(runs, need, NoBudget()) as reservation:
+        record = start_step.create(
+            runs,
+            target=place.ref,
+            target_kind=place.kind,
+            workdir=place.workdir,
+            trainer=record_trainer,
+        )
+        async with place.place(runs, runs.load(record.id), reservation) as placed:
+            record = runs.load(record.id)
+            record.remote_dir = placed.remote_dir(record)
+            runs.save(record)
+            ctx = placed.context(runs, reporters.LogReporter())
+            record = await start_step.start(ctx, trainer, record)
+            placed.started(runs, record)
+            yield placed, ctx, record

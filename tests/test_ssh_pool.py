@@ -17,8 +17,8 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import ExitStack, asynccontextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +31,17 @@ from overbrainer_prefect.runpod.settings import SettingsError
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import reporters, retrieve
-from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.targets import host_claim
-from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
+from overbrainer_prefect.targets.base import JobNeed, Target
 from overbrainer_prefect.targets.pool import POOL_RECORD, PoolError, PoolPlacement, PoolTarget
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests import procs
 from tests.conftest import REPO, job_venv
 from tests.ddpjob import DdpTrainer
-from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, wait_for
+from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, started_job, wait_for
 from tests.sshd import Sshd
 from tests.test_train_flow import spec
 
@@ -106,23 +105,9 @@ def machine_of(runs: Runs, record: RunRecord) -> str:
     return placement.host
 
 
-@asynccontextmanager
-async def started(target: Target, runs: Runs, script: str) -> AsyncIterator[Any]:
+def started(target: Target, runs: Runs, script: str) -> Any:
     """Creates, places and starts a job; yields (placed, ctx, record)."""
-    need = JobNeed(what="the pool's job")
-    target.check(need)
-    async with target.reserve(runs, need, NoBudget()) as reservation:
-        record = start_step.create(
-            runs, target=target.ref, target_kind=target.kind, workdir=target.workdir
-        )
-        async with target.place(runs, record, reservation) as placed:
-            record = runs.load(record.id)
-            record.remote_dir = placed.remote_dir(record)
-            runs.save(record)
-            ctx = placed.context(runs, reporters.LogReporter())
-            record = await start_step.start(ctx, ShellTrainer(script), record)
-            placed.started(runs, record)
-            yield placed, ctx, record
+    return started_job(target, runs, ShellTrainer(script), JobNeed(what="the pool's job"))
 
 
 async def run_job(target: PoolTarget, runs: Runs, script: str) -> Outcome:
@@ -487,25 +472,9 @@ def nodes_need(nodes: int) -> JobNeed:
     return JobNeed(what="the training", training=training)
 
 
-@asynccontextmanager
-async def started_on_nodes(
-    target: Target, runs: Runs, trainer: ShellTrainer, nodes: int
-) -> AsyncIterator[Any]:
+def started_on_nodes(target: Target, runs: Runs, trainer: ShellTrainer, nodes: int) -> Any:
     """Creates, places and starts a job across `nodes`; yields (placed, ctx, record)."""
-    need = nodes_need(nodes)
-    target.check(need)
-    async with target.reserve(runs, need, NoBudget()) as reservation:
-        record = start_step.create(
-            runs, target=target.ref, target_kind=target.kind, workdir=target.workdir
-        )
-        async with target.place(runs, record, reservation) as placed:
-            record = runs.load(record.id)
-            record.remote_dir = placed.remote_dir(record)
-            runs.save(record)
-            ctx = placed.context(runs, reporters.LogReporter())
-            record = await start_step.start(ctx, trainer, record)
-            placed.started(runs, record)
-            yield placed, ctx, record
+    return started_job(target, runs, trainer, nodes_need(nodes))
 
 
 def test_a_training_across_two_nodes_of_the_pool_is_one_group_stopped_and_retrieved_per_node(

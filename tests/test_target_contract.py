@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from tests.conftest import job_venv
 from tests.runpod_sim import running_sim
 from tests.runpod_sim.pods import SimPods
-from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
+from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, started_job
 from tests.sshd import Sshd
 
 pytestmark = pytest.mark.slow
@@ -116,21 +115,10 @@ def new_record(place: Target, runs: Runs) -> RunRecord:
     )
 
 
-@asynccontextmanager
-async def placed_job(place: Target, runs: Runs, script: str) -> AsyncIterator[Any]:
+def placed_job(place: Target, runs: Runs, script: str) -> Any:
     """Reserves, creates, places and starts a job; yields (placed, ctx, record)."""
     need = JobNeed(what="the contract's job")
-    place.check(need)
-    async with place.reserve(runs, need, NoBudget()) as reservation:
-        record = new_record(place, runs)
-        async with place.place(runs, runs.load(record.id), reservation) as placed:
-            record = runs.load(record.id)
-            record.remote_dir = placed.remote_dir(record)  # the caller records it (a pod's)
-            runs.save(record)
-            ctx = placed.context(runs, reporters.LogReporter())
-            record = await start_step.start(ctx, ShellTrainer(script), record)
-            placed.started(runs, record)
-            yield placed, ctx, record
+    return started_job(place, runs, ShellTrainer(script), need, record_trainer="shell")
 
 
 def test_a_job_is_placed_followed_retrieved_and_ended(place: Target, tmp_path: Path) -> None:
