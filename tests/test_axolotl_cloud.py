@@ -151,6 +151,17 @@ def tiny_config(model: Path, dataset: Path) -> dict[str, Any]:
     }
 
 
+def saved_local_target(tmp_path: Path) -> str:
+    """A new LocalTarget block of the job venv, working in `tmp_path`/work; its name."""
+    from overbrainer_prefect.blocks import LocalTarget
+
+    name = f"local-{uuid.uuid4().hex[:8]}"
+    LocalTarget(
+        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
+    ).save(name)
+    return name
+
+
 def test_axolotls_registry_returns_the_launcher_without_importing_anything_heavy(
     visible: Path,
 ) -> None:
@@ -236,13 +247,9 @@ def test_a_key_the_axolotl_versions_do_not_know_ends_the_command_in_one_line(
 def test_a_tiny_training_through_axolotls_command_ends_0_with_its_files_verified(
     prefect_server: None, visible: Path, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.blocks import LocalTarget
     from overbrainer_prefect.runs import Runs, RunState
 
-    name = f"local-{uuid.uuid4().hex[:8]}"
-    LocalTarget(
-        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
-    ).save(name)
+    name = saved_local_target(tmp_path)
     runs_dir = tmp_path / "runs"
     done = axolotl_train(
         visible,
@@ -403,13 +410,9 @@ def test_ctrl_c_then_cancel_cancels_the_job_on_its_pod_and_deletes_the_pod(
 def test_ctrl_c_then_stop_retrieves_a_checkpoint_and_says_how_to_resume(
     prefect_server: None, visible: Path, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.blocks import LocalTarget
     from overbrainer_prefect.runs import Runs, RunState
 
-    name = f"local-{uuid.uuid4().hex[:8]}"
-    LocalTarget(
-        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
-    ).save(name)
+    name = saved_local_target(tmp_path)
     runs_dir = tmp_path / "runs"
     cloud = {"provider": "overbrainer", "target": name, "runs_dir": str(runs_dir)}
     config = tiny_config(*tiny) | {"max_steps": LONG}
@@ -469,10 +472,7 @@ def test_a_bound_the_target_does_not_have_ends_the_command_in_one_line(
 ) -> None:
     from prefect.settings import PREFECT_API_URL
 
-    from overbrainer_prefect.blocks import LocalTarget
-
-    name = f"local-{uuid.uuid4().hex[:8]}"
-    LocalTarget(job_venv=str(job_venv()), work_dir=str(tmp_path / "work")).save(name)
+    name = saved_local_target(tmp_path)
     done = orchestrate(
         tmp_path,
         {"base_model": "org/model", "datasets": ["org/data"], "learning_rate": 1e-4},
@@ -525,10 +525,7 @@ def test_what_the_targets_job_venv_cannot_run_ends_the_command_in_one_line(
     attention on a CPU box whose job venv has no flash_attn."""
     from prefect.settings import PREFECT_API_URL
 
-    from overbrainer_prefect.blocks import LocalTarget
-
-    name = f"local-{uuid.uuid4().hex[:8]}"
-    LocalTarget(job_venv=str(job_venv()), work_dir=str(tmp_path / "work")).save(name)
+    name = saved_local_target(tmp_path)
     done = orchestrate(
         tmp_path,
         tiny_config(*tiny) | {"flash_attention": True},
@@ -589,13 +586,9 @@ def test_a_preprocessing_that_names_a_run_to_resume_from_ends_in_one_line(
 def test_axolotls_preprocess_command_brings_back_the_tokenized_datasets_verified(
     prefect_server: None, visible: Path, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from overbrainer_prefect.blocks import LocalTarget
     from overbrainer_prefect.runs import Runs, RunState
 
-    name = f"local-{uuid.uuid4().hex[:8]}"
-    LocalTarget(
-        job_venv=str(job_venv()), work_dir=str(tmp_path / "work"), poll_seconds=0.5, cpu_threads=1
-    ).save(name)
+    name = saved_local_target(tmp_path)
     runs_dir = tmp_path / "runs"
     cloud = {"provider": "overbrainer", "target": name, "runs_dir": str(runs_dir)}
     done = axolotl_train(visible, tmp_path, tiny_config(*tiny), cloud, "preprocess")
