@@ -72,17 +72,13 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
 
         Raises SystemExit with the orchestrator's exit code when the run did not
         succeed, or one line when no orchestrator Python is found."""
-        request = {
-            "cloud": self.config,
-            "config_dir": str(self.config_dir),
-            "config_yaml": config_yaml,
-            "overrides": {k: v for k, v in kwargs.items() if v is not None},
-            "launcher_args": list(launcher_args or []),
-            "local_dirs": dict(local_dirs or {}),
-        }
-        code = self._hand_over("train", request)
-        if code != 0:
-            raise SystemExit(code)
+        self._hand_over(
+            "train",
+            config_yaml,
+            overrides={k: v for k, v in kwargs.items() if v is not None},
+            launcher_args=list(launcher_args or []),
+            local_dirs=dict(local_dirs or {}),
+        )
 
     def preprocess(self, config_yaml: str, *args: Any, **kwargs: Any) -> None:
         """Prepares axolotl's `config_yaml`'s datasets (`axolotl.cli.preprocess`)
@@ -92,14 +88,7 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
 
         Raises SystemExit with the orchestrator's exit code when it did not, or
         one line when no orchestrator Python is found."""
-        request = {
-            "cloud": self.config,
-            "config_dir": str(self.config_dir),
-            "config_yaml": config_yaml,
-        }
-        code = self._hand_over("preprocess", request)
-        if code != 0:
-            raise SystemExit(code)
+        self._hand_over("preprocess", config_yaml)
 
     def lm_eval(self, config_yaml: str) -> None:
         """Evaluates a trained run with this package's `evaluate` flow, in the
@@ -109,19 +98,22 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
 
         Raises SystemExit with the orchestrator's exit code when it did not, or
         one line when no orchestrator Python is found."""
+        self._hand_over("lm_eval", config_yaml)
+
+    def _hand_over(self, command: str, config_yaml: str, **more: object) -> None:
+        """Runs `python -m MODULE command REQUEST` in this terminal, the request
+        being cloud.yml, its folder, `config_yaml` and `more`; a SIGINT sent to
+        this process alone is passed on (the orchestrator asks what to do; one
+        that the terminal sent both gets is asked once). Returns when it ended 0.
+
+        Raises SystemExit with its exit code otherwise, or one line when no
+        orchestrator Python is found."""
         request = {
             "cloud": self.config,
             "config_dir": str(self.config_dir),
             "config_yaml": config_yaml,
+            **more,
         }
-        code = self._hand_over("lm_eval", request)
-        if code != 0:
-            raise SystemExit(code)
-
-    def _hand_over(self, command: str, request: dict[str, object]) -> int:
-        """Runs `python -m MODULE command REQUEST` in this terminal; a SIGINT sent
-        to this process alone is passed on (the orchestrator asks what to do; one
-        that the terminal sent both gets is asked once). Returns its exit code."""
         python = orchestrator_python(self.config, self.config_dir)
         with tempfile.TemporaryDirectory(prefix="overbrainer-axolotl-") as scratch:
             path = Path(scratch) / "request.json"
@@ -136,9 +128,11 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
 
             previous = signal.signal(signal.SIGINT, pass_on)
             try:
-                return child.wait()
+                code = child.wait()
             finally:
                 signal.signal(signal.SIGINT, previous)
+        if code != 0:
+            raise SystemExit(code)
 
 
 def orchestrator_python(cloud: dict[str, object], config_dir: Path) -> str:
