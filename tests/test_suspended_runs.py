@@ -218,9 +218,12 @@ def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
     local = Runs(deployed.runs).run_dir(record.id)
     assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
     # what it left retrieved, its pod deleted: nothing bills, no secret stays in the account
-    pod = pod_of(deployed, record.id)
-    assert pod.state == PodState.DELETED and pod.pod_id == pod_id, pod
-    assert on_sim.sim.pod(pod_id).deleted and on_sim.sim.pods() == []
+    pod = wait_until(
+        lambda: (p := pod_of(deployed, record.id)).state == PodState.DELETED and p,
+        60,
+        "the follower to delete the pod",
+    )
+    assert pod.pod_id == pod_id and on_sim.sim.pod(pod_id).deleted and on_sim.sim.pods() == []
     assert on_sim.sim.secret_names() == []
     assert not (local / SSH_DIR / CLIENT_KEY).exists()
 
