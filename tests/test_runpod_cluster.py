@@ -1,0 +1,183 @@
+"""A training across nodes on a Runpod target: one instant cluster of the
+Runpod simulator, whose pods are real local process trees (the package's
+bootstrap and watchdog, a real sshd on 127.0.0.1) on a private network of
+their own (loopback addresses of the cluster), the job a plain torch DDP
+step (gloo) under torchrun on every pod (tests/ddpjob.py: axolotl does not
+run multi-process on the CPU).
+
+What is shown: both pods are real members of one process group, the run's
+progress is rank 0's, every node's files are retrieved and verified, the
+cluster is deleted as one only after that, and it is priced, capped and
+recorded as its two pods; a cluster the simulator cannot place fails in one
+line with nothing created."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
+from overbrainer_prefect.runpod.errors import PodError
+from overbrainer_prefect.runpod.pod import PodRecord, PodState
+from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.steps.context import Outcome
+from overbrainer_prefect.targets.base import JobNeed, Target
+from overbrainer_prefect.trainers.base import TrainError
+from overbrainer_prefect.trainers.spec import TrainingSpec
+from tests.conftest import job_venv
+from tests.ddpjob import DdpTrainer
+from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_sim.pods import SimPods
+from tests.shelljobs import started_job
+
+FAST = (
+    "watch_interval_s=1,lease_ttl_s=6,lease_renew_s=1,lease_tick_s=0.5,deadline_margin_s=4,"
+    "arm_timeout_s=30,ready_poll_s=0.3,gone_interval_s=0.3,confirm_timeout_s=30,"
+    "checkpoint_hold_s=90"
+)
+A4000 = "NVIDIA RTX A4000"
+LOG = logging.getLogger("cluster")
+
+
+@pytest.fixture
+def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[RunpodSim]:
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    with running_sim() as simulator:
+        yield simulator
+
+
+@pytest.fixture
+def pods_of(sim: RunpodSim, tmp_path: Path) -> Iterator[SimPods]:
+    with SimPods(tmp_path / "pods").attached(sim) as simulated:
+        yield simulated
+
+
+def runpod(sim: RunpodSim, **changes: Any) -> Target:
+    values: dict[str, Any] = {
+        "credentials": RunpodCredentials(
+            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
+        ),
+        "job_venv": str(job_venv()),
+        "gpu_types": [A4000],
+        "image": "overbrainer/test:1",
+        "max_hours": 1.0,
+        "boot_grace_s": 60.0,
+        "retrieve_grace_s": 120.0,
+        "poll_seconds": 0.5,
+        "stall_minutes": 1.0,
+        "cpu_threads": 1,
+    }
+    values.update(changes)
+    return RunpodTarget.model_validate(values).target("runpod-target/cluster", LOG)
+
+
+def nodes_need(nodes: int) -> JobNeed:
+    return JobNeed(
+        what="the training", training=TrainingSpec(datasets=["data/train.jsonl"], nodes=nodes)
+    )
+
+
+def test_a_training_across_two_nodes_runs_on_one_instant_cluster_deleted_as_one_once_verified(
+    sim: RunpodSim, pods_of: SimPods, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="cluster")
+    runs = Runs(tmp_path / "runs")
+    trainer = DdpTrainer(steps=4)
+    target = runpod(sim, max_cost_usd=2.0)
+
+    async def go() -> Outcome:
+        async with started_job(target, runs, trainer, nodes_need(2)) as (placed, ctx, record):
+            return await placed.follow(ctx, trainer, record)
+
+    outcome = asyncio.run(go())
+    record = outcome.record
+    assert record.state == RunState.SUCCEEDED and outcome.retrieved, record
+    pod = PodRecord.load(runs, record.id)
+    assert pod is not None and pod.cluster_id is not None and pod.cluster_pods == 2
+    assert [n.rank for n in pod.nodes] == [0, 1] and pod.pod_id == pod.nodes[0].pod_id
+    # one cluster of two pods, nothing else made; deleted as one, by this side, after the
+    # run's files were verified (the manifest written first), each pod confirmed gone
+    [cluster] = sim.clusters(include_deleted=True)
+    assert cluster.id == pod.cluster_id and cluster.pod_ids == [n.pod_id for n in pod.nodes]
+    assert sorted(p.id for p in sim.pods(include_deleted=True)) == sorted(cluster.pod_ids)
+    assert cluster.deleted_at is not None and all(sim.pod(i).deleted for i in cluster.pod_ids)
+    local = runs.run_dir(record.id)
+    assert (local / "manifest.json").stat().st_mtime <= cluster.deleted_at
+    assert pod.state == PodState.DELETED and pod.deleted_by == "client" and pod.gone
+    deletes = [r for r in sim.requests if r.method == "DELETE"]
+    assert [(r.path, r.status) for r in deletes if "/clusters/" in r.path] == [
+        (f"/v2/clusters/{cluster.id}", 204)
+    ]
+    assert not any(r.path.startswith("/v2/pods/") for r in deletes)
+    for pod_id in cluster.pod_ids:
+        assert not pods_of.running(pod_id)
+    # each pod a real member of the gloo group, rendezvous at the primary's private address
+    told = []
+    for node in pod.nodes:
+        run_dir = pods_of.workspace_of(node.pod_id) / "overbrainer" / record.id
+        told.append(json.loads((run_dir / f"rank-{node.rank}.json").read_text()))
+        assert (told[-1]["rank"], told[-1]["world_size"], told[-1]["node_rank"]) == (
+            node.rank,
+            2,
+            node.rank,
+        )
+        assert told[-1]["backend"] == "gloo"
+        assert node.address == sim.pod(node.pod_id).private_ip
+        assert node.address is not None and node.address.startswith("127.77.")
+        watchdog = (run_dir / ".pod" / "watchdog.log").read_text()
+        assert f"cluster: node {node.rank} of 2 at {node.address}" in watchdog
+        assert "cost cap armed:" in watchdog and (run_dir / ".pod" / "retrieved").is_file()
+    assert told[0]["weights_sha256"] == told[1]["weights_sha256"]  # DDP made them one
+    assert pod.nodes[0].address != pod.nodes[1].address
+    assert pod.node_jobs and len(pod.node_jobs) == 2
+    # the run's progress is rank 0's; every node's files retrieved and verified
+    assert [m.step for m in outcome.summary.metrics] == [1, 2, 3, 4]
+    paths = {f.path for f in outcome.files}
+    assert {"output/adapter_model.safetensors", "nodes/1/job.log"} <= paths
+    listed = json.loads((local / "nodes.json").read_text())
+    assert [n["rank"] for n in listed["nodes"]] == [0, 1]
+    for node, shown in zip(pod.nodes, listed["nodes"], strict=True):
+        assert node.pod_id in shown["node"]
+    # priced, capped and bounded as its two pods: $0.25/h each on an A4000
+    assert pod.cost_per_hour == pytest.approx(0.50)
+    assert pod.rate is not None and pod.rate > 0.50
+    assert pod.estimated_spend() == pytest.approx(sim.spend(), rel=0.2, abs=1e-4)
+    said = caplog.text
+    assert "an instant cluster of 2 pods of NVIDIA RTX A4000" in said
+    assert "$0.50/h in all (2 × $0.25/h)" in said
+    cap = pods_of.workspace_of(pod.nodes[1].pod_id) / "overbrainer" / record.id / ".pod" / "cap"
+    assert cap.read_text().startswith(f"rate={pod.rate:g} max_cost_usd=2")
+
+
+def test_a_cluster_runpod_cannot_place_fails_in_one_line_before_anything_is_created(
+    sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    target = runpod(sim)
+    sim.set_capacity(A4000, 1)  # one pod's GPU free: not two
+    trainer = DdpTrainer(steps=2)
+
+    async def go() -> None:
+        async with started_job(target, runs, trainer, nodes_need(2)):
+            raise AssertionError("placed")
+
+    with pytest.raises(PodError) as caught:
+        asyncio.run(go())
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "cannot place an instant cluster of 2 pods" in message, message
+    assert sim.pods(include_deleted=True) == [] and sim.clusters(include_deleted=True) == []
+    [record] = Runs(tmp_path / "runs").list()  # the driver fails it with this line
+    pod = PodRecord.load(runs, record.id)
+    assert pod is not None and pod.gone and pod.secret_deleted
+    assert sim.secret_names() == []
+    # more nodes than a self-serve cluster has pods: refused before anything
+    with pytest.raises(TrainError, match="a Runpod instant cluster has 2 to 8 pods"):
+        target.check(nodes_need(9))
