@@ -16,13 +16,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.money.ledger import Ask, Entry
+from overbrainer_prefect.money.pods import cost_facts
+from overbrainer_prefect.money.reconcile import reconcile
+from overbrainer_prefect.money.store import Admission, Facts, update
+from overbrainer_prefect.money.view import pod_row
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.errors import PodError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
@@ -82,6 +89,27 @@ def nodes_need(nodes: int) -> JobNeed:
     return JobNeed(
         what="the training", training=TrainingSpec(datasets=["data/train.jsonl"], nodes=nodes)
     )
+
+
+class Recorded:
+    """A `Budget` that bounds nothing and records what it was asked to admit and hold."""
+
+    def __init__(self) -> None:
+        self.asks: list[Ask] = []
+        self.held: list[float] = []
+
+    async def spend_limit_cents(self) -> int | None:
+        return None
+
+    @asynccontextmanager
+    async def hold(self, price_per_hour: float) -> AsyncIterator[None]:
+        self.held.append(price_per_hour)
+        yield
+
+    @asynccontextmanager
+    async def admit(self, store: Runs, ask: Ask, facts: Facts) -> AsyncIterator[Admission | None]:
+        self.asks.append(ask)
+        yield None
 
 
 def test_a_training_across_two_nodes_runs_on_one_instant_cluster_deleted_as_one_once_verified(
@@ -154,6 +182,25 @@ def test_a_training_across_two_nodes_runs_on_one_instant_cluster_deleted_as_one_
     assert "$0.50/h in all (2 × $0.25/h)" in said
     cap = pods_of.workspace_of(pod.nodes[1].pod_id) / "overbrainer" / record.id / ".pod" / "cap"
     assert cap.read_text().startswith(f"rate={pod.rate:g} max_cost_usd=2")
+    # the spend view: the cluster is one line naming its two pods; its bill is theirs
+    entry = Entry(
+        id="e1",
+        opened=datetime.now(UTC),
+        target=target.ref,
+        deployment="train",
+        what="the training",
+        max_usd=2.0,
+        run_id=record.id,
+        store_dir="",
+    )
+    spent = cost_facts(runs, entry)
+    assert spent is not None and spent.ended
+    update(entry, spent)
+    row = pod_row(entry)
+    assert row.pod_id == f"cluster {cluster.id}: 2 pods ({', '.join(cluster.pod_ids)})"
+    billed = {pod_id: sim.spend(pod_id) for pod_id in cluster.pod_ids}
+    reconcile([entry], billed)
+    assert entry.billed_usd == pytest.approx(sum(billed.values()))
 
 
 def test_a_cluster_runpod_cannot_place_fails_in_one_line_before_anything_is_created(
@@ -178,6 +225,21 @@ def test_a_cluster_runpod_cannot_place_fails_in_one_line_before_anything_is_crea
     pod = PodRecord.load(runs, record.id)
     assert pod is not None and pod.gone and pod.secret_deleted
     assert sim.secret_names() == []
+    # the day's and month's budgets admit, and the GPU budget holds, both pods' price
+    budget = Recorded()
+
+    async def reserve(nodes: int) -> None:
+        async with target.reserve(runs, nodes_need(nodes), budget):
+            pass
+
+    asyncio.run(reserve(1))
+    asyncio.run(reserve(2))
+    one, two = budget.asks
+    assert one.most_usd is not None and two.most_usd is not None
+    assert two.most_usd == pytest.approx(2 * one.most_usd)
+    assert two.least_usd == pytest.approx(2 * one.least_usd)
+    assert budget.held == [pytest.approx(0.25), pytest.approx(0.50)]
+    assert sim.pods(include_deleted=True) == []
     # more nodes than a self-serve cluster has pods: refused before anything
     with pytest.raises(TrainError, match="a Runpod instant cluster has 2 to 8 pods"):
         target.check(nodes_need(9))

@@ -47,9 +47,11 @@ def reconcile(entries: Iterable[Entry], billed: Mapping[str, float]) -> list[Dif
     cent and a twentieth. A pod alive keeps counting at its most."""
     found = []
     for entry in entries:
-        if not entry.ended or entry.pod_id is None or entry.pod_id not in billed:
+        pods = entry.pod_ids or ([entry.pod_id] if entry.pod_id is not None else [])
+        if not entry.ended or not pods or any(pod not in billed for pod in pods):
             continue
-        bill = billed[entry.pod_id]
+        bill = sum(billed[pod] for pod in pods)  # a cluster's bill is its pods'
+
         entry.billed_usd = bill
         own = entry.cost_usd or 0.0
         if abs(bill - own) > max(TOLERANCE_USD, TOLERANCE_SHARE * own):
