@@ -33,7 +33,9 @@ from overbrainer_prefect.money.view import pod_row
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.errors import PodError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
-from overbrainer_prefect.runs.store import Runs, RunState
+from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.steps import end as end_step
+from overbrainer_prefect.steps import reporters
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, Target
 from overbrainer_prefect.trainers.base import TrainError
@@ -41,8 +43,9 @@ from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import job_venv
 from tests.ddpjob import DdpTrainer
 from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_sim.api import SimRequest
 from tests.runpod_sim.pods import SimPods
-from tests.shelljobs import started_job
+from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, started_job, wait_for
 
 FAST = (
     "watch_interval_s=1,lease_ttl_s=6,lease_renew_s=1,lease_tick_s=0.5,deadline_margin_s=4,"
@@ -117,16 +120,29 @@ def test_a_training_across_two_nodes_runs_on_one_instant_cluster_deleted_as_one_
 ) -> None:
     caplog.set_level(logging.INFO, logger="cluster")
     runs = Runs(tmp_path / "runs")
-    trainer = DdpTrainer(steps=4)
+    trainer = DdpTrainer(steps=600, pause_s=0.1)  # a minute at most, stopped at step 2 or so
     target = runpod(sim, max_cost_usd=2.0)
 
-    async def go() -> Outcome:
-        async with started_job(target, runs, trainer, nodes_need(2)) as (placed, ctx, record):
-            return await placed.follow(ctx, trainer, record)
+    async def start() -> RunRecord:
+        async with started_job(target, runs, trainer, nodes_need(2)) as (_, _, record):
+            return record  # its follower goes: both pods train on
 
-    outcome = asyncio.run(go())
+    started = asyncio.run(start())
+    primary = PodRecord.load(runs, started.id)
+    assert primary is not None and len(primary.node_jobs) == 2
+    rank0 = pods_of.workspace_of(primary.nodes[0].pod_id) / "overbrainer" / started.id
+    asyncio.run(wait_for(lambda: '"step": 2' in read(rank0 / "metrics.jsonl"), 60, "step 2"))
+
+    async def again() -> Outcome:  # from its records alone, as attach, stop or collect do
+        async with target.reach(runs, runs.load(started.id)) as placed:
+            assert placed is not None and placed.description.startswith("2 nodes: ")
+            ctx = placed.context(runs, reporters.LogReporter())
+            await end_step.request_stop(ctx, runs.load(started.id))
+            return await placed.follow(ctx, trainer, runs.load(started.id))
+
+    outcome = asyncio.run(again())
     record = outcome.record
-    assert record.state == RunState.SUCCEEDED and outcome.retrieved, record
+    assert record.state == RunState.STOPPED and outcome.retrieved, record
     pod = PodRecord.load(runs, record.id)
     assert pod is not None and pod.cluster_id is not None and pod.cluster_pods == 2
     assert [n.rank for n in pod.nodes] == [0, 1] and pod.pod_id == pod.nodes[0].pod_id
@@ -165,10 +181,15 @@ def test_a_training_across_two_nodes_runs_on_one_instant_cluster_deleted_as_one_
     assert told[0]["weights_sha256"] == told[1]["weights_sha256"]  # DDP made them one
     assert pod.nodes[0].address != pod.nodes[1].address
     assert pod.node_jobs and len(pod.node_jobs) == 2
-    # the run's progress is rank 0's; every node's files retrieved and verified
-    assert [m.step for m in outcome.summary.metrics] == [1, 2, 3, 4]
+    # the run's progress is rank 0's; a stop checkpoints every node; every node's files
+    # retrieved and verified
+    steps = [m.step for m in outcome.summary.metrics]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+    point = outcome.summary.checkpoint
+    assert point == f"output/checkpoint-{len(steps)}"
     paths = {f.path for f in outcome.files}
     assert {"output/adapter_model.safetensors", "nodes/1/job.log"} <= paths
+    assert {f"{point}/rank-0.pt", f"nodes/1/{point}/rank-1.pt"} <= paths
     listed = json.loads((local / "nodes.json").read_text())
     assert [n["rank"] for n in listed["nodes"]] == [0, 1]
     for node, shown in zip(pod.nodes, listed["nodes"], strict=True):
@@ -243,3 +264,47 @@ def test_a_cluster_runpod_cannot_place_fails_in_one_line_before_anything_is_crea
     # more nodes than a self-serve cluster has pods: refused before anything
     with pytest.raises(TrainError, match="a Runpod instant cluster has 2 to 8 pods"):
         target.check(nodes_need(9))
+
+
+def test_a_watchdog_bound_deletes_the_whole_cluster(
+    sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    trainer = ShellTrainer(f"{WRITE_METRICS}; {WRITE_OUTPUT}")  # ends at once, on each pod
+    target = runpod(sim, retrieve_grace_s=2.0)
+
+    async def start() -> RunRecord:
+        async with started_job(target, runs, trainer, nodes_need(2)) as (_, _, record):
+            return record  # nobody follows it: its files are never retrieved
+
+    record = asyncio.run(start())
+
+    def deletes() -> list[SimRequest]:
+        return [r for r in sim.requests if r.method == "DELETE"]
+
+    def deleted() -> bool:  # (the other watchdog's key may be refused: its pod is gone)
+        return any(r.status == 204 for r in deletes())
+
+    asyncio.run(wait_for(deleted, 90, "a watchdog to delete the cluster"))
+    [cluster] = sim.clusters(include_deleted=True)
+    sent = deletes()
+    assert not any(r.path.startswith("/v2/pods/") for r in sent), sent
+    by = [r for r in sent if r.path == f"/v2/clusters/{cluster.id}" and r.status == 204]
+    assert len(by) == 1 and by[0].scope in {f"pod:{i}" for i in cluster.pod_ids}, sent
+    deleter = by[0].scope.removeprefix("pod:")
+    log = pods_of.watchdog_log(deleter, record.id)
+    assert "its files were not retrieved (retrieve_grace)" in log, log
+    assert "the whole cluster is deleted" in log, log
+    assert all(sim.pod(i).deleted for i in cluster.pod_ids)
+
+    async def look() -> bool:
+        async with target.reach(runs, runs.load(record.id)) as placed:
+            return placed is None
+
+    assert asyncio.run(look())  # gone, and its record says so
+    pod = PodRecord.load(runs, record.id)
+    assert pod is not None and pod.gone
+
+
+def read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
