@@ -33,6 +33,8 @@ from overbrainer_prefect.runpod.gpus import (
 )
 from overbrainer_prefect.runpod.models import (
     Cloud,
+    Cluster,
+    ClusterRequest,
     DataCenter,
     GpuType,
     Pod,
@@ -60,6 +62,8 @@ __all__ = [
     "GONE_LOOKS",
     "USER_AGENT",
     "Cloud",
+    "Cluster",
+    "ClusterRequest",
     "DataCenter",
     "GpuChoice",
     "GpuChoiceError",
