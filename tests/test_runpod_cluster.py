@@ -175,6 +175,9 @@ def test_a_training_across_two_nodes_runs_on_one_instant_cluster_deleted_as_one_
         assert told[-1]["backend"] == "gloo"
         assert node.address == sim.pod(node.pod_id).private_ip
         assert node.address is not None and node.address.startswith("127.77.")
+        job = (run_dir / "job.sh").read_text()  # the rendezvous: the primary's private address
+        assert f"export PET_MASTER_ADDR={pod.nodes[0].address}" in job
+        assert f"export PET_NODE_RANK={node.rank}" in job
         watchdog = (run_dir / ".pod" / "watchdog.log").read_text()
         assert f"cluster: node {node.rank} of 2 at {node.address}" in watchdog
         assert "cost cap armed:" in watchdog and (run_dir / ".pod" / "retrieved").is_file()
