@@ -267,6 +267,11 @@ def test_a_cluster_runpod_cannot_place_fails_in_one_line_before_anything_is_crea
     # more nodes than a self-serve cluster has pods: refused before anything
     with pytest.raises(TrainError, match="a Runpod instant cluster has 2 to 8 pods"):
         target.check(nodes_need(9))
+    volume = sim.add_volume(50, "EU-RO-1")  # its pods would share one run directory
+    on_volume = runpod(sim, network_volume_id=volume, data_center_ids=["EU-RO-1"])
+    with pytest.raises(TrainError, match="mount a network volume"):
+        on_volume.check(nodes_need(2))
+    on_volume.check(nodes_need(1))
 
 
 def test_a_watchdog_bound_deletes_the_whole_cluster(
@@ -311,3 +316,26 @@ def test_a_watchdog_bound_deletes_the_whole_cluster(
 
 def read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
+
+
+def test_a_node_whose_job_fails_ends_the_job_on_every_pod_and_the_cluster_with_it(
+    sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    # node 1 fails at once; rank 0 would train on alone for a minute
+    script = f'if [ "$PET_NODE_RANK" = 1 ]; then exit 3; fi; {WRITE_METRICS}; sleep 60'
+    trainer = ShellTrainer(script, required=None)
+    target = runpod(sim)
+
+    async def go() -> Outcome:
+        async with started_job(target, runs, trainer, nodes_need(2)) as (placed, ctx, record):
+            return await placed.follow(ctx, trainer, record)
+
+    outcome = asyncio.run(go())
+    assert outcome.record.state == RunState.FAILED, outcome.record
+    pod = PodRecord.load(runs, outcome.record.id)
+    assert pod is not None
+    rank0 = pods_of.workspace_of(pod.nodes[0].pod_id) / "overbrainer" / outcome.record.id
+    assert (rank0 / "job.cancelled").exists()  # rank 0 did not train alone
+    [cluster] = sim.clusters(include_deleted=True)
+    assert outcome.retrieved and cluster.deleted_at is not None and pod.gone
