@@ -23,12 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prefect import flow, get_run_logger
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.driver import run_new
+from overbrainer_prefect.kinds.base import NewJob
 from overbrainer_prefect.money.ledger import Ask, Entry
 from overbrainer_prefect.money.pods import cost_facts
 from overbrainer_prefect.money.reconcile import reconcile
-from overbrainer_prefect.money.store import Admission, Facts, update
+from overbrainer_prefect.money.store import Admission, Facts, LedgerFile, update
 from overbrainer_prefect.money.view import pod_row
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.errors import PodError
@@ -319,23 +322,34 @@ def read(path: Path) -> str:
 
 
 def test_a_node_whose_job_fails_ends_the_job_on_every_pod_and_the_cluster_with_it(
-    sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+    prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
 ) -> None:
+    """Through the job driver in a flow run, as the train flow runs it: the
+    day's and month's ledger admits the cluster, and its entry is one line
+    naming its pods once it ended."""
     runs = Runs(tmp_path / "runs")
     # node 1 fails at once; rank 0 would train on alone for a minute
     script = f'if [ "$PET_NODE_RANK" = 1 ]; then exit 3; fi; {WRITE_METRICS}; sleep 60'
     trainer = ShellTrainer(script, required=None)
-    target = runpod(sim)
+    target = runpod(sim, max_cost_usd=1.0)
 
-    async def go() -> Outcome:
-        async with started_job(target, runs, trainer, nodes_need(2)) as (placed, ctx, record):
-            return await placed.follow(ctx, trainer, record)
+    @flow(name="cluster-training", persist_result=False)
+    async def training() -> Outcome:
+        job = NewJob(store=runs, need=nodes_need(2), kind="training", prepare=lambda _: trainer)
+        return (await run_new(target, job, get_run_logger())).outcome
 
-    outcome = asyncio.run(go())
+    outcome = asyncio.run(training())
     assert outcome.record.state == RunState.FAILED, outcome.record
+    assert outcome.record.flow_run_id is not None
     pod = PodRecord.load(runs, outcome.record.id)
     assert pod is not None
     rank0 = pods_of.workspace_of(pod.nodes[0].pod_id) / "overbrainer" / outcome.record.id
     assert (rank0 / "job.cancelled").exists()  # rank 0 did not train alone
     [cluster] = sim.clusters(include_deleted=True)
     assert outcome.retrieved and cluster.deleted_at is not None and pod.gone
+    [entry] = LedgerFile.of(runs).read().entries
+    assert entry.run_id == outcome.record.id and entry.ended
+    assert entry.cluster_id == cluster.id and entry.pod_ids == cluster.pod_ids
+    assert pod.rate is not None  # admitted at both pods' most: max_hours and the checkpoint hold
+    assert entry.max_usd == pytest.approx(pod.rate * (1 + 90 / 3600))
+    assert pod_row(entry).pod_id == f"cluster {cluster.id}: 2 pods ({', '.join(cluster.pod_ids)})"
