@@ -62,6 +62,7 @@ from overbrainer_prefect.targets.runpod.cluster import (
     nodes_executor,
     provision_cluster,
     reach_nodes,
+    reachable,
 )
 from overbrainer_prefect.targets.runpod.context import INTERRUPTED, PodContext
 from overbrainer_prefect.targets.runpod.ending import (
@@ -891,8 +892,9 @@ class PodTarget(BlockTarget):
                 yield None
                 return
             linked = owner_id != record.id
+            cluster = reachable(pod)
             try:
-                nodes = await reach_nodes(ctx, pod, executor, self.ref) if pod.nodes else [executor]
+                nodes = await reach_nodes(ctx, pod, executor, self.ref) if cluster else [executor]
             except BaseException:
                 await executor.close()
                 raise
@@ -905,9 +907,9 @@ class PodTarget(BlockTarget):
                     self.settings.retrieve_grace_s,
                     pod_dir=job_dir(pod.workdir or DEFAULT_WORKDIR, owner_id) if linked else None,
                     owner=owner if linked else None,
-                    share=None if pod.nodes else self._share_of(home, owner, pod),
+                    share=None if pod.is_cluster else self._share_of(home, owner, pod),
                     checkpoints_volume=self.settings.checkpoints_volume,
-                    nodes=nodes_executor(ctx, pod, nodes, self.python) if pod.nodes else None,
+                    nodes=nodes_executor(ctx, pod, nodes, self.python) if cluster else None,
                 )
             finally:
                 for each in nodes:

@@ -28,7 +28,6 @@ import posixpath
 import shlex
 import time
 from collections.abc import Sequence
-from contextlib import suppress
 from datetime import UTC, datetime
 
 from overbrainer_prefect.executors.base import ExecError, JobId
@@ -373,13 +372,20 @@ def nodes_executor(
     return NodesExecutor(executors, master, python, jobs=pod.node_jobs, spawned=spawned)
 
 
+def reachable(pod: PodRecord) -> bool:
+    """Whether the record `pod` is of a cluster whose every pod was readied
+    (its private addresses known): its job runs on them all. A cluster that
+    never got that far is reached as its primary alone (to be ended)."""
+    return bool(pod.nodes) and all(n.address and n.workdir for n in pod.nodes)
+
+
 async def reach_nodes(
     ctx: PodContext, pod: PodRecord, primary: SshExecutor, name: str
 ) -> list[SshExecutor]:
     """Every pod of the cluster `pod` reached again (the primary's executor
     `primary` first; each other pod looked up, its SSH address updated),
     connected on their first command. Raises PodError when a pod of it has
-    no SSH endpoint now."""
+    no SSH endpoint now, RecordIoError when `pod.json` cannot be saved."""
     found: list[SshExecutor] = [primary]
     for node in pod.nodes[1:]:
         try:
@@ -397,6 +403,5 @@ async def reach_nodes(
                 "endpoint right now: try again in a minute"
             )
         found.append(pod_executor(ctx, node_view(pod, node), node.workdir, node_name(name, node)))
-    with suppress(Exception):
-        pod.save(ctx.runs)
+    pod.save(ctx.runs)
     return found
