@@ -28,6 +28,7 @@ from overbrainer_prefect.runpod import (
     RunpodError,
     confirm_deleted,
     delete_and_confirm,
+    delete_node_or_pod,
     look_up,
     secret_ref,
 )
@@ -121,7 +122,9 @@ def test_an_instant_cluster_is_created_listed_by_rank_and_deleted_as_one(sim: Ru
         with pytest.raises(RunpodError) as alone:  # a node is deleted only with its cluster
             await client.delete_pod(pods[1].id)
         assert alone.value.status == 409
-        assert await client.delete_cluster(cluster.id) is True
+        # a node found on the account (the pods flow, a sweep) goes with its whole cluster
+        node = pods[1]
+        assert await delete_node_or_pod(client, node.id, node.cluster_id, interval_s=0.01) is True
         assert await client.delete_cluster(cluster.id) is False  # already gone: success
         assert await client.get_cluster(cluster.id) is None
         assert [await client.get_pod(p.id) for p in pods] == [None, None]

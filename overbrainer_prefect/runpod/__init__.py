@@ -16,6 +16,7 @@ from overbrainer_prefect.runpod.deletion import (
     GONE_LOOKS,
     confirm_deleted,
     delete_and_confirm,
+    delete_node_or_pod,
     look_up,
 )
 from overbrainer_prefect.runpod.errors import NoCapacity, PodNotGone, RunpodError
@@ -89,6 +90,7 @@ __all__ = [
     "confirm_deleted",
     "create_with_fallback",
     "delete_and_confirm",
+    "delete_node_or_pod",
     "estimate_vram",
     "look_up",
     "model_shape",

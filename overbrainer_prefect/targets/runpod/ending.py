@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.runpod.bootstrap import RETRIEVED_MARKER, WATCHDOG_LOG
-from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_and_confirm, look_up
+from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_node_or_pod, look_up
 from overbrainer_prefect.runpod.errors import PodError, RunpodError
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, usd
@@ -157,34 +157,21 @@ async def sweep_others(ctx: PodContext, pod: PodRecord) -> None:
             if other.cluster_id == pod.cluster_id or other.cluster_id in twins:
                 continue
             twins.add(other.cluster_id)
-            try:
-                await ctx.client.delete_cluster(other.cluster_id)
-                await confirm_deleted(
-                    ctx.client,
-                    other.id,
-                    interval_s=ctx.timing.gone_interval_s,
-                    timeout_s=ctx.timing.confirm_timeout_s,
-                )
-                pod.swept.append(other.cluster_id)
-                ctx.log.warning(
-                    "deleted cluster %s, another cluster of run %s", other.cluster_id, pod.run_id
-                )
-            except RunpodError as error:
-                ctx.log.warning(
-                    "cannot delete cluster %s of run %s: %s", other.cluster_id, pod.run_id, error
-                )
-                left.append(other.id)
-            continue
         try:
-            await delete_and_confirm(
+            await delete_node_or_pod(
                 ctx.client,
                 other.id,
+                other.cluster_id,
                 interval_s=ctx.timing.gone_interval_s,
                 timeout_s=ctx.timing.confirm_timeout_s,
             )
-            pod.swept.append(other.id)
+            pod.swept.append(other.cluster_id or other.id)
             ctx.log.warning(
-                "deleted pod %s, another pod of run %s (%s)", other.id, pod.run_id, other.name
+                "deleted %s, another %s of run %s (%s)",
+                f"cluster {other.cluster_id}" if other.cluster_id else f"pod {other.id}",
+                "cluster" if other.cluster_id else "pod",
+                pod.run_id,
+                other.name,
             )
         except RunpodError as error:
             ctx.log.warning("cannot delete pod %s of run %s: %s", other.id, pod.run_id, error)
