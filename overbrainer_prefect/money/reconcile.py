@@ -34,9 +34,12 @@ class Difference:
     billed_usd: float
 
     def line(self) -> str:
-        """`pod P of run R: the ledger says $0.12, Runpod billed $0.15`."""
+        """`pod P of run R: the ledger says $0.12, Runpod billed $0.15` (`cluster C`
+        for an instant cluster's pods together)."""
+        entry = self.entry
+        place = f"cluster {entry.cluster_id}" if entry.cluster_id else f"pod {entry.pod_id}"
         return (
-            f"pod {self.entry.pod_id} of {self.entry.who}: the ledger says "
+            f"{place} of {self.entry.who}: the ledger says "
             f"{usd(self.ledger_usd)}, the provider billed {usd(self.billed_usd)}"
         )
 

@@ -151,7 +151,8 @@ class LaunchPlan:
             ends.append(f"at max_cost_usd (${self.max_cost_usd:.2f})")
         ends.append(f"{_minutes(self.settings.retrieve_grace_s)} after its job ends unretrieved")
         ends.append(f"{_minutes(self.settings.boot_grace_s)} after it starts if no job starts")
-        text += ". The pod is deleted " + ", ".join(ends[:-1]) + ", and " + ends[-1]
+        deleted = "The pod is" if self.pods == 1 else "The cluster (every pod of it) is"
+        text += f". {deleted} deleted " + ", ".join(ends[:-1]) + ", and " + ends[-1]
         if self.checkpoint_hold_s:
             text += (
                 f" (a job that saved the checkpoint asked for at max_hours keeps it "
