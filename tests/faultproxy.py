@@ -13,6 +13,7 @@ It runs in threads of the test's own process, is stopped by `stop` (or its
         proxy.stall(90)            # every connection holds its bytes for 90 s
         proxy.release()            # ... or until now
         proxy.drop_answers(1)      # the next request is applied, its answer lost
+        proxy.drop_answers(1, rb"^PUT [^ ]*ledger")  # ... the next one whose request line matches
         proxy.fail(3)              # the next 3 requests are answered 503
         proxy.latency(0.2)         # every chunk waits 0.2 s
         proxy.date(None)           # answers come without a Date header (or with the one given)
@@ -86,6 +87,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._stalled_until = 0.0
         self._drops = 0
+        self._drop_line: re.Pattern[bytes] | None = None
         self._fails = 0
         self._latency_s = 0.0
         self._date: bytes | bool | None = True  # True: the server's own
@@ -117,11 +119,13 @@ class FaultProxy:
         with self._lock:
             self._stalled_until = 0.0
 
-    def drop_answers(self, count: int = 1) -> None:
-        """The next `count` requests reach the server; their answers are
+    def drop_answers(self, count: int = 1, line: bytes | None = None) -> None:
+        """The next `count` requests (whose request line matches the regular
+        expression `line`, when given) reach the server; their answers are
         thrown away and their connections closed (the client sees a lost answer)."""
         with self._lock:
             self._drops += count
+            self._drop_line = None if line is None else re.compile(line)
 
     def fail(self, count: int) -> None:
         """The next `count` requests are answered 503 by the proxy, never forwarded."""
@@ -218,7 +222,9 @@ class FaultProxy:
                             if fail:
                                 self._fails -= 1
                                 self.failed += 1
-                            elif self._drops > 0:
+                            elif self._drops > 0 and (
+                                self._drop_line is None or self._drop_line.search(data[:2048])
+                            ):
                                 self._drops -= 1
                                 self.dropped += 1
                                 connection.dropping = True

@@ -1,4 +1,4 @@
-"""How `make test` spreads the suite over pytest-xdist workers (`-n 3 --dist
+"""How `make test` spreads the suite over pytest-xdist workers (`-n 4 --dist
 loadscope --no-loadscope-reorder`): most tests wait (on sshd, simulated boots,
 Prefect servers, sleeps), so workers overlap the waits.
 
@@ -46,42 +46,44 @@ GROUPS = {
 """Module -> its unit, for the modules that share one (every other module is its own)."""
 
 MEASURED_S: dict[str, float] = {
-    "tiny-run": 725,
     # the demo on a busy machine: first, while the rest of the suite keeps every core busy
     "tests/test_demo_busy.py": 650,
-    "tests/test_runpod_flows.py": 628,
-    "deployed": 560,
-    "deployed-ui": 600,
+    "tests/test_train_flow.py": 339,  # a stop and its resume: two real trainings in a row
     # axolotl's CLI imports torch: ~30 s a command; + a preprocessing through it (~70 s)
-    "tests/test_axolotl_cloud.py": 420,
-    "tests/test_recovery.py": 171,
-    "tests/test_lost_pod.py": 250,  # + a restart from step 0 (about 80 s on 3 workers)
-    "tests/test_object_store.py": 150,
-    "tests/test_watchdog.py": 171,
-    "tests/test_train_flow.py": 159,
-    "tests/test_ssh_flows.py": 127,
-    # three sshd, shell jobs, 2-node DDP trainings and one tiny training on a saved pool
-    "tests/test_ssh_pool.py": 160,
-    "tests/test_readme.py": 86,
-    "tests/test_deployments_postgres.py": 150,
-    "tests/test_gpu_spec.py": 78,
+    "tests/test_axolotl_cloud.py": 334,
+    "deployed-ui": 309,
+    "tests/test_runpod_flows.py": 265,
+    "tests/test_deployments_postgres.py": 251,
+    "deployed": 227,
+    "tests/test_lost_pod.py": 214,  # + a restart from step 0
+    "tiny-run": 208,
+    "tests/test_object_store.py": 175,
+    "tests/test_recovery.py": 167,
     # both axolotl lines' validate_config; the 0.19 venv's first build (cached outside the clone)
-    "tests/test_axolotl_versions.py": 130,
-    "tests/test_evaluate_flow.py": 77,
-    "tests/test_pipeline.py": 59,
-    "tests/test_pod_fate.py": 135,  # + two lost-host tests (about 40 s)
-    "tests/test_money_flows.py": 36,
-    "tests/test_live_index.py": 45,  # 500 ended runs put into moto, a Prefect server
-    "tests/test_checkpoints.py": 80,
-    "tests/test_lease_chaos.py": 80,  # stalls longer than a (4 s) lease, waited out
-    "tests/test_collect_final.py": 80,
+    "tests/test_axolotl_versions.py": 143,
+    "tests/test_watchdog.py": 100,
+    "tests/test_readme.py": 100,
+    "tests/test_ssh_flows.py": 95,
+    "tests/test_pipeline.py": 85,
+    # three sshd, shell jobs, 2-node DDP trainings and one tiny training on a saved pool
+    "tests/test_ssh_pool.py": 83,
+    "tests/test_evaluate_flow.py": 81,
+    "tests/test_pod_fate.py": 78,  # + two lost-host tests (about 40 s)
+    "tests/test_gpu_spec.py": 67,
     # three 2-pod clusters of the simulator (one a 2-node DDP training under torchrun), a
     # Prefect server (46 s alone on a loaded machine, 2026-12-05)
-    "tests/test_runpod_cluster.py": 70,
+    "tests/test_runpod_cluster.py": 65,
+    "tests/test_checkpoints.py": 62,
+    "tests/test_store.py": 48,
+    "tests/test_lease_chaos.py": 44,  # stalls longer than a (4 s) lease, waited out
+    "tests/test_money_flows.py": 43,
+    "tests/test_collect_final.py": 37,
+    "tests/test_live_index.py": 13,  # 500 ended runs put into moto, a Prefect server
 }
-"""Unit -> its seconds (setup, call and teardown of its tests) in a run of `make
-test` on 3 workers (2026-12-02, junit times); a unit not listed counts 5 s
-a test. Only their order matters."""
+"""Unit -> its seconds (setup, call and teardown of its tests): junit times of
+a run of the suite on 3 workers beside other work (2026-12-05), scaled to a
+quiet run's length; a unit not listed counts 5 s a test. Only their order
+matters (and the demo's place: first)."""
 
 UNMEASURED_S_PER_TEST = 5.0
 

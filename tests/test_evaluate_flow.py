@@ -176,7 +176,7 @@ def test_the_verdict_leads_the_evaluation_artifact_and_the_pipeline_summary(
     found = run(artifacts())
     runs = Runs(evaluated.spec.runs_dir)
     (evaluation_dir,) = runs.children(evaluated.result.run_id, "evaluation").root.iterdir()
-    evaluation = found[f"evaluation-{evaluation_dir.name}".lower()]  # this run's, not another test's
+    evaluation = found[f"evaluation-{evaluation_dir.name}".lower()]  # its own, not another's
     first = next(line for line in str(evaluation.data).splitlines() if line.strip())
     assert verdict in first
     pipeline = found[f"run-{evaluated.result.run_id}-pipeline".lower()]

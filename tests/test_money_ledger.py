@@ -6,7 +6,9 @@ and target, and two processes that ask for the last dollars at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,6 +48,7 @@ from overbrainer_prefect.runpod.models import GpuType
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store.base import AlreadyExists, Changed, Store
+from tests.faultproxy import FaultProxy
 
 NOW = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
 ROOT = Path(__file__).resolve().parents[1]
@@ -399,18 +402,40 @@ def test_an_admission_whose_answer_was_lost_after_it_landed_is_one_entry(
     """A conditional PUT of the ledger lands and its answer is lost: the
     admission reads the ledger again, finds its own entry (its id was made
     once, before the compare-and-swap) and adds no second one, so the day's
-    second pod is still admitted."""
-    runs_dir = str(tmp_path) if where == "local" else request.getfixturevalue("s3").bucket_url()
-    runs = Runs(runs_dir)
-    ledger = LedgerFile(runs)
-    budgets = Budgets(day_usd=1.0)
-    lost = _lose_one_answer(runs.store, monkeypatch)
-    first = admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, NOW)  # the ledger created
-    assert lost and [e.id for e in ledger.read().entries] == [first.entry.id]
-    lost.clear()
-    second = admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, NOW)  # replaced
-    assert lost and second.cap_usd == 0.5
-    assert [e.id for e in ledger.read().entries] == [first.entry.id, second.entry.id]
+    second pod is still admitted. On S3 the answer is lost for real, by the
+    fault proxy between the store and the S3 server (the PUT applied, its
+    connection closed before its answer)."""
+    with contextlib.ExitStack() as stack:
+        if where == "local":
+            runs = Runs(str(tmp_path))
+            lost = _lose_one_answer(runs.store, monkeypatch)
+
+            def lose() -> None:
+                lost.clear()  # the next ledger write's answer is lost
+
+            def losses() -> int:
+                return len(lost)
+        else:
+            s3 = request.getfixturevalue("s3")
+            proxy = stack.enter_context(FaultProxy(s3.port, max_s=120))
+            runs = Runs(s3.bucket_url(endpoint=proxy.endpoint))
+            ledger_put = rb"^PUT [^ ]*" + re.escape(LEDGER_KEY.encode())
+
+            def lose() -> None:
+                proxy.drop_answers(1, ledger_put)
+
+            def losses() -> int:
+                return proxy.dropped
+
+        ledger = LedgerFile(runs)
+        budgets = Budgets(day_usd=1.0)
+        lose()
+        first = admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, NOW)  # created
+        assert losses() == 1 and [e.id for e in ledger.read().entries] == [first.entry.id]
+        lose()
+        second = admit_into(ledger, budgets, ask(most=0.5), who(), no_facts, NOW)  # replaced
+        assert losses() == (1 if where == "local" else 2) and second.cap_usd == 0.5
+        assert [e.id for e in ledger.read().entries] == [first.entry.id, second.entry.id]
 
 
 ADMIT_AND_DIE = textwrap.dedent(

@@ -4,7 +4,8 @@ once its job started, the `follow` deployment's one follower follows the job
 (its progress in the suspended run's own artifacts and log), and resumes it
 to `Completed` with its files verified, through its follower being SIGKILLed
 and replaced and the Prefect server restarted mid-training; a suspended run
-cancelled with `prefect flow-run cancel` has its job cancelled by the follower;
+cancelled with `prefect flow-run cancel` on a simulated pod has its job cancelled by
+the follower, its pod deleted and its host-key secret gone;
 a suspended run on a simulated Runpod pod has its pod deleted by the follower;
 a `fine-tune` with an evaluation, from its deployment, on one simulated pod,
 waits suspended while it trains and goes on on that pod once resumed."""
@@ -27,6 +28,7 @@ from overbrainer_prefect.runpod.pod import PodState
 from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.lock import follower_of
 from overbrainer_prefect.server_budget import set_budget
+from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
 from tests.prefect_server import FOLLOWER, Stack, tiny_training, wait_until
 from tests.procs import alive, group_alive
 from tests.test_deployments import OnSim, assert_verified, on_sim, pod_of
@@ -193,12 +195,13 @@ def test_a_train_run_waits_suspended_while_followers_die_and_the_server_restarts
 
 
 def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
-    deployed: Stack, follower: list[uuid.UUID], tiny: tuple[Path, Path]
+    deployed: Stack, on_sim: OnSim, follower: list[uuid.UUID], tiny: tuple[Path, Path]
 ) -> None:
     flow_run_id = deployed.run_deployment(
-        "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=100000)
+        "train/local", target=on_sim.target, training=tiny_training(*tiny, max_steps=100000)
     )
     record = suspended_with_its_job(deployed, flow_run_id)
+    pod_id = pod_of(deployed, record.id).pod_id
     metrics = Path(record.remote_dir) / "metrics.jsonl"
     wait_until(lambda: metrics.exists() and '"log"' in metrics.read_text(), 240, "the job to train")
     deployed.server.cli("flow-run", "cancel", str(flow_run_id))
@@ -214,6 +217,12 @@ def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
     wait_until(lambda: not group_alive(record.job.pid), 30, "the job's process group to go")
     local = Runs(deployed.runs).run_dir(record.id)
     assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
+    # what it left retrieved, its pod deleted: nothing bills, no secret stays in the account
+    pod = pod_of(deployed, record.id)
+    assert pod.state == PodState.DELETED and pod.pod_id == pod_id, pod
+    assert on_sim.sim.pod(pod_id).deleted and on_sim.sim.pods() == []
+    assert on_sim.sim.secret_names() == []
+    assert not (local / SSH_DIR / CLIENT_KEY).exists()
 
 
 @pytest.fixture
