@@ -70,6 +70,9 @@ MEASURED_S: dict[str, float] = {
     "tests/test_evaluate_flow.py": 81,
     "tests/test_pod_fate.py": 78,  # + two lost-host tests (about 40 s)
     "tests/test_gpu_spec.py": 67,
+    # three 2-pod clusters of the simulator (one a 2-node DDP training under torchrun), a
+    # Prefect server (46 s alone on a loaded machine, 2026-12-05)
+    "tests/test_runpod_cluster.py": 65,
     "tests/test_checkpoints.py": 62,
     "tests/test_store.py": 48,
     "tests/test_lease_chaos.py": 44,  # stalls longer than a (4 s) lease, waited out

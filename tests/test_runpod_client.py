@@ -18,6 +18,7 @@ from pydantic import SecretStr
 from overbrainer_prefect import __version__
 from overbrainer_prefect.runpod import (
     GONE_LOOKS,
+    ClusterRequest,
     GpuType,
     NoCapacity,
     PodNotGone,
@@ -27,6 +28,7 @@ from overbrainer_prefect.runpod import (
     RunpodError,
     confirm_deleted,
     delete_and_confirm,
+    delete_node_or_pod,
     look_up,
     secret_ref,
 )
@@ -102,6 +104,58 @@ def test_a_500_after_the_pod_was_created_leaves_exactly_one_pod(sim: RunpodSim) 
     assert [p.id for p in sim.pods_named("ob-r1-a1")] == [pod.id]
     assert len(sim.requests_to("POST", "/v2/pods")) == 1  # never sent again
     assert len(sim.pods()) == 1
+
+
+def test_an_instant_cluster_is_created_listed_by_rank_and_deleted_as_one(sim: RunpodSim) -> None:
+    wanted = ClusterRequest(
+        name="ob-r1-a1", image="img:1", gpu_type_id="NVIDIA A40", pod_count=2, env={"A": "1"}
+    )
+
+    async def body(client: RunpodClient) -> None:
+        cluster = await client.create_cluster(wanted)
+        assert cluster.name == "ob-r1-a1" and cluster.cidr is not None
+        pods = await client.cluster_pods(cluster.id)
+        assert [p.cluster_rank for p in pods] == [0, 1]
+        assert {p.cluster_id for p in pods} == {cluster.id}
+        assert pods[0].id == cluster.primary_pod_id
+        assert [c.id for c in await client.list_clusters()] == [cluster.id]
+        with pytest.raises(RunpodError) as alone:  # a node is deleted only with its cluster
+            await client.delete_pod(pods[1].id)
+        assert alone.value.status == 409
+        # a node found on the account (the pods flow, a sweep) goes with its whole cluster
+        node = pods[1]
+        assert await delete_node_or_pod(client, node.id, node.cluster_id, interval_s=0.01) is True
+        assert await client.delete_cluster(cluster.id) is False  # already gone: success
+        assert await client.get_cluster(cluster.id) is None
+        assert [await client.get_pod(p.id) for p in pods] == [None, None]
+
+    run(sim, body)
+    [made] = sim.clusters(include_deleted=True)
+    envs = [sim.pod(pod_id).env for pod_id in made.pod_ids]
+    primary = envs[0]["NODE_ADDR"]
+    for rank, env in enumerate(envs):  # Runpod's env of a cluster's node
+        assert (env["NODE_RANK"], env["NUM_NODES"], env["WORLD_SIZE"]) == (str(rank), "2", "2")
+        assert env["PRIMARY_ADDR"] == env["MASTER_ADDR"] == primary and env["A"] == "1"
+    assert envs[1]["NODE_ADDR"] != primary
+
+
+def test_a_500_after_the_cluster_was_created_leaves_exactly_one_cluster(sim: RunpodSim) -> None:
+    sim.fail_after_create(1)
+    wanted = ClusterRequest(name="ob-r1-a1", image="img:1", gpu_type_id="NVIDIA A40", pod_count=3)
+    cluster = run(sim, lambda client: client.create_cluster(wanted))
+    assert [c.id for c in sim.clusters()] == [cluster.id]
+    assert len(sim.requests_to("POST", "/v2/clusters")) == 1  # never sent again
+    assert len(sim.pods()) == 3
+
+
+def test_a_cluster_runpod_cannot_place_is_its_capacity_refusal_and_creates_nothing(
+    sim: RunpodSim,
+) -> None:
+    sim.set_capacity("NVIDIA A40", 3)
+    wanted = ClusterRequest(name="ob-r1-a1", image="img:1", gpu_type_id="NVIDIA A40", pod_count=4)
+    with pytest.raises(NoCapacity):
+        run(sim, lambda client: client.create_cluster(wanted))
+    assert sim.pods(include_deleted=True) == [] and sim.clusters(include_deleted=True) == []
 
 
 def test_a_5xx_on_a_create_that_created_nothing_is_sent_again_once(sim: RunpodSim) -> None:

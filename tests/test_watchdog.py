@@ -654,7 +654,8 @@ def test_pods_are_named_after_their_run_and_found_back_by_name() -> None:
     name = pod_name("20260101-000000-r1r1", 2)
     assert name == "ob-20260101-000000-r1r1-a2"
     assert run_of_pod_name(name) == "20260101-000000-r1r1"
-    for other in ("my pod", "ob-../etc-a1", "ob-20260101-000000-r1r1", "ob-x-a1"):
+    assert run_of_pod_name(f"{name}-1") == "20260101-000000-r1r1"  # node 1 of a cluster
+    for other in ("my pod", "ob-../etc-a1", "ob-20260101-000000-r1r1", "ob-x-a1", f"{name}-x"):
         assert run_of_pod_name(other) is None
 
 

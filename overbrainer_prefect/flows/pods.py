@@ -21,7 +21,7 @@ from prefect.artifacts import acreate_table_artifact
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget, load_target
 from overbrainer_prefect.kinds.registry import KINDS
-from overbrainer_prefect.runpod.deletion import delete_and_confirm
+from overbrainer_prefect.runpod.deletion import delete_node_or_pod
 from overbrainer_prefect.runpod.errors import PodError, RunpodError
 from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState, subject
@@ -102,12 +102,15 @@ async def _sweep_retrieved(ctx: PodContext, rows: list[PodRow]) -> list[str]:
         local = PodRecord.load(store, row.run_id)
         mine = PodContext(client=ctx.client, runs=store, log=ctx.log, timing=ctx.timing)
         try:
-            if local is not None and local.pod_id == row.pod_id:
+            if local is not None and (
+                local.pod_id == row.pod_id
+                or (row.cluster_id is not None and local.cluster_id == row.cluster_id)
+            ):  # its pod, or its cluster (deleted as one)
                 await remove(mine, local, f"swept: {row.why}")
                 await forget_if_gone(mine, local)
                 end_step.fail(store, row.run_id, "its job never started within boot_grace")
             else:  # an earlier attempt of the run, or a pod.json that lost track of it
-                await delete_and_confirm(ctx.client, row.pod_id)
+                await delete_node_or_pod(ctx.client, row.pod_id, row.cluster_id)
         except (PodError, RunpodError) as error:
             ctx.log.warning("cannot delete pod %s of run %s: %s", row.pod_id, row.run_id, error)
             continue
@@ -165,8 +168,8 @@ async def _remove(runs: Runs, run_id: str, credentials: str | None) -> PodsResul
             for found in await client.list_pods():
                 if run_of_pod_name(found.name) != run_id or found.status == "TERMINATED":
                     continue
-                try:
-                    await delete_and_confirm(client, found.id)
+                try:  # a node of a cluster goes with its cluster
+                    await delete_node_or_pod(client, found.id, found.cluster_id)
                     result.removed.append(found.id)
                 except RunpodError as error:
                     result.warnings.append(f"pod {found.id} of run {run_id} may remain: {error}")

@@ -60,6 +60,12 @@ class Entry(BaseModel):
     run_id: str | None = Field(default=None, description="The job's record, once created.")
     store_dir: str | None = Field(default=None, description="Where that record is.")
     pod_id: str | None = None
+    cluster_id: str | None = Field(
+        default=None, description="An instant cluster's id (`pod_id` is its primary's pod)."
+    )
+    pod_ids: list[str] = Field(
+        default_factory=list, description="An instant cluster's pods, by rank: one entry for all."
+    )
     cost_usd: float | None = Field(default=None, description="Rate × uptime, as last seen.")
     billed_usd: float | None = Field(default=None, description="What Runpod billed, reconciled.")
     ended: bool = False

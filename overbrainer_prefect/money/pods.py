@@ -74,4 +74,10 @@ def cost_facts(runs: Runs, entry: Entry) -> Spent | None:
             return Spent(pod_id=None, cost_usd=0.0, ended=True) if ended else None
     except Exception:  # another machine's runs directory, or a damaged record
         return None
-    return Spent(pod_id=pod.pod_id, cost_usd=pod.estimated_spend() or 0.0, ended=pod.gone)
+    return Spent(
+        pod_id=pod.pod_id,
+        cost_usd=pod.estimated_spend() or 0.0,
+        ended=pod.gone,
+        pod_ids=tuple(node.pod_id for node in pod.nodes),
+        cluster_id=pod.cluster_id,
+    )

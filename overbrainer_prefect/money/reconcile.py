@@ -34,9 +34,12 @@ class Difference:
     billed_usd: float
 
     def line(self) -> str:
-        """`pod P of run R: the ledger says $0.12, Runpod billed $0.15`."""
+        """`pod P of run R: the ledger says $0.12, Runpod billed $0.15` (`cluster C`
+        for an instant cluster's pods together)."""
+        entry = self.entry
+        place = f"cluster {entry.cluster_id}" if entry.cluster_id else f"pod {entry.pod_id}"
         return (
-            f"pod {self.entry.pod_id} of {self.entry.who}: the ledger says "
+            f"{place} of {self.entry.who}: the ledger says "
             f"{usd(self.ledger_usd)}, the provider billed {usd(self.billed_usd)}"
         )
 
@@ -47,9 +50,11 @@ def reconcile(entries: Iterable[Entry], billed: Mapping[str, float]) -> list[Dif
     cent and a twentieth. A pod alive keeps counting at its most."""
     found = []
     for entry in entries:
-        if not entry.ended or entry.pod_id is None or entry.pod_id not in billed:
+        pods = entry.pod_ids or ([entry.pod_id] if entry.pod_id is not None else [])
+        if not entry.ended or not pods or any(pod not in billed for pod in pods):
             continue
-        bill = billed[entry.pod_id]
+        bill = sum(billed[pod] for pod in pods)  # a cluster's bill is its pods'
+
         entry.billed_usd = bill
         own = entry.cost_usd or 0.0
         if abs(bill - own) > max(TOLERANCE_USD, TOLERANCE_SHARE * own):

@@ -57,6 +57,9 @@ class Spent:
     pod_id: str | None
     cost_usd: float | None
     ended: bool
+    pod_ids: tuple[str, ...] = ()
+    """An instant cluster's pods, by rank (`pod_id` is its primary's)."""
+    cluster_id: str | None = None
 
 
 Facts = Callable[[Entry], Spent | None]
@@ -148,6 +151,9 @@ def refresh(ledger: Ledger, facts: Facts, now: datetime) -> list[Entry]:
 def update(entry: Entry, spent: Spent) -> None:
     """Writes what a job's place cost into its entry."""
     entry.pod_id = spent.pod_id or entry.pod_id
+    if spent.cluster_id is not None:
+        entry.cluster_id = spent.cluster_id
+        entry.pod_ids = list(spent.pod_ids)
     if spent.cost_usd is not None:
         entry.cost_usd = spent.cost_usd
     entry.ended = spent.ended

@@ -101,11 +101,16 @@ def left_rows(ledger: Ledger, budgets: Budgets | None, now: datetime) -> list[Le
 
 
 def pod_row(entry: Entry) -> PodRow:
-    """The table row of one entry."""
+    """The table row of one entry (an instant cluster's: one row naming its pods)."""
+    shown = entry.pod_id
+    if entry.cluster_id is not None:
+        shown = (
+            f"cluster {entry.cluster_id}: {len(entry.pod_ids)} pods ({', '.join(entry.pod_ids)})"
+        )
     return PodRow(
         opened=entry.opened.strftime("%Y-%m-%d %H:%M"),
         run_id=entry.run_id,
-        pod_id=entry.pod_id,
+        pod_id=shown,
         deployment=entry.deployment,
         target=entry.target,
         state="expired" if entry.expired else "ended" if entry.ended else "alive",

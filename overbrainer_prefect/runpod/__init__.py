@@ -16,6 +16,7 @@ from overbrainer_prefect.runpod.deletion import (
     GONE_LOOKS,
     confirm_deleted,
     delete_and_confirm,
+    delete_node_or_pod,
     look_up,
 )
 from overbrainer_prefect.runpod.errors import NoCapacity, PodNotGone, RunpodError
@@ -33,6 +34,8 @@ from overbrainer_prefect.runpod.gpus import (
 )
 from overbrainer_prefect.runpod.models import (
     Cloud,
+    Cluster,
+    ClusterRequest,
     DataCenter,
     GpuType,
     Pod,
@@ -60,6 +63,8 @@ __all__ = [
     "GONE_LOOKS",
     "USER_AGENT",
     "Cloud",
+    "Cluster",
+    "ClusterRequest",
     "DataCenter",
     "GpuChoice",
     "GpuChoiceError",
@@ -85,6 +90,7 @@ __all__ = [
     "confirm_deleted",
     "create_with_fallback",
     "delete_and_confirm",
+    "delete_node_or_pod",
     "estimate_vram",
     "look_up",
     "model_shape",

@@ -56,6 +56,14 @@ it unless a next job started."""
 OWNER_FILE = f"{POD_DIR}/owner"
 """The claim of the run directory by the pod: `run=<run id> pod=<pod id>`."""
 
+NODE_FILE = f"{POD_DIR}/node"
+"""On a node of an instant cluster, written at its claim: `rank=<r> addr=<its
+private address> primary=<rank 0's> nodes=<N>` (Runpod's NODE_* env)."""
+
+CLUSTER_FILE = f"{POD_DIR}/cluster"
+"""On a node of an instant cluster, written by the client before the cost cap:
+the cluster's id, which every bound of the watchdog deletes as one."""
+
 ALIVE_FILE = f"{POD_DIR}/alive"
 """Touched by the watchdog at every check: when it last looked."""
 

@@ -31,6 +31,10 @@
 # is deleted OVERBRAINER_NEXT_JOB_GRACE seconds later unless the next job
 # started. max_hours, max_cost_usd and the lease bound the pod's whole life.
 # With OVERBRAINER_KEEP_POD=1 only the boot grace applies.
+# A pod that is a node of an instant cluster (NODE_ADDR in its environment)
+# writes its rank and private address to .pod/node at its claim; once the
+# client wrote its cluster's id to .pod/cluster, each bound deletes the whole
+# cluster (a node of one cannot be deleted alone).
 #
 # Every decision is logged with its reason to <run dir>/.pod/watchdog.log,
 # which the client reads (`cost cap armed` is how it knows the cap holds).
@@ -167,8 +171,14 @@ check_api() {
 # for the end (the pod's processes end with it).
 delete_pod() {
     log "decision: delete pod $POD_ID: $1"
+    cluster=$(cat "$STATE/cluster" 2>/dev/null)
+    [ -z "$cluster" ] || log "cluster: pod $POD_ID is a node of cluster $cluster: the whole cluster is deleted"
     while :; do
-        code=$(api DELETE "/pods/$POD_ID")
+        if [ -n "$cluster" ]; then
+            code=$(api DELETE "/clusters/$cluster")
+        else
+            code=$(api DELETE "/pods/$POD_ID")
+        fi
         case $code in
             2??)
                 log "deleted: Runpod answered $code to the delete of pod $POD_ID [at=$(precise)]"
@@ -191,6 +201,11 @@ claim() {
     owner="run=$RUN_ID pod=$POD_ID"
     if (set -C; printf '%s\n' "$owner" > "$STATE/owner") 2>/dev/null; then
         log "claim: the run directory $RUN_DIR belongs to run $RUN_ID (pod $POD_ID)"
+        if [ -n "${NODE_ADDR:-}" ]; then
+            printf 'rank=%s addr=%s primary=%s nodes=%s\n' "${NODE_RANK:-0}" "$NODE_ADDR" \
+                "${PRIMARY_ADDR:-}" "${NUM_NODES:-}" > "$STATE/node"
+            log "cluster: node ${NODE_RANK:-0} of ${NUM_NODES:-?} at $NODE_ADDR (primary ${PRIMARY_ADDR:-?})"
+        fi
         return
     fi
     found=$(cat "$STATE/owner" 2>/dev/null)

@@ -45,6 +45,8 @@ from overbrainer_prefect.runpod.errors import (
 )
 from overbrainer_prefect.runpod.models import (
     Cloud,
+    Cluster,
+    ClusterRequest,
     DataCenter,
     GpuType,
     NetworkVolume,
@@ -308,6 +310,163 @@ class RunpodClient:
             log.info("pod %s was already gone", pod_id)
             return False
         raise self._error(response)
+
+    # Instant clusters
+
+    async def create_cluster(self, request: ClusterRequest) -> Cluster:
+        """Creates the instant cluster `request` describes (all its pods at
+        once), and returns it as Runpod shows it.
+
+        As for a pod, after a 5xx or a lost answer the cluster is looked up by
+        its name before the create is sent again, and any other cluster of
+        that name is deleted: exactly one cluster of that name is left.
+
+        Raises NoCapacity when Runpod cannot place the cluster on the GPU
+        type, and RunpodError for any other refusal, or when Runpod stays
+        unreachable (its hint then says a cluster of that name may exist).
+        """
+        body = request.to_api()
+        ambiguous = 0
+        while True:
+            capacity_detail = ""
+            try:
+                response = await self._request(
+                    "POST", self._url("/clusters"), json=body, retry=False
+                )
+            except RunpodError as error:
+                if error.status is not None:
+                    raise
+                last: RunpodError = error
+            else:
+                if response.status_code in (200, 201):
+                    cluster = Cluster.model_validate(self._json(response))
+                    if ambiguous:
+                        await self._delete_twin_clusters(request.name, keep=cluster.id)
+                    log.info(
+                        "created cluster %s (%s): %d pods on %s",
+                        cluster.id,
+                        cluster.name,
+                        request.pod_count,
+                        request.gpu_type_id,
+                    )
+                    return cluster
+                last = self._error(response, gpu_type=request.gpu_type_id)
+                if response.status_code < 500:
+                    raise last
+                if isinstance(last, NoCapacity):
+                    capacity_detail = last.detail
+            ambiguous += 1
+            found = await self._reconcile_cluster(request.name, last)
+            if found is not None:
+                log.warning(
+                    "%s to the create of cluster %s, but the cluster exists: %s",
+                    last.run_message,
+                    request.name,
+                    found.id,
+                )
+                return found
+            if capacity_detail:
+                raise NoCapacity(request.gpu_type_id, 500, detail=capacity_detail)
+            if ambiguous >= self.retry.create_attempts:
+                raise RunpodError(
+                    last.status,
+                    last.reason,
+                    f"no cluster named {request.name} shows after {ambiguous} tries: try again "
+                    "later, and check with the pods flow that no pod of the run is left",
+                    detail=last.detail,
+                )
+            wait = self.retry.backoff(ambiguous)
+            log.warning(
+                "%s to the create of cluster %s, which does not show; sending it again in %.1f s",
+                last.run_message,
+                request.name,
+                wait,
+            )
+            await asyncio.sleep(wait)
+
+    async def get_cluster(self, cluster_id: str) -> Cluster | None:
+        """The cluster `cluster_id`, or None when Runpod answers 404. Raises
+        RunpodError on any other failure."""
+        response = await self._request("GET", self._url(f"/clusters/{_segment(cluster_id)}"))
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise self._error(response)
+        return Cluster.model_validate(self._json(response))
+
+    async def list_clusters(self) -> list[Cluster]:
+        """Every instant cluster of the account. Raises RunpodError on failure."""
+        response = await self._request("GET", self._url("/clusters"))
+        if response.status_code != 200:
+            raise self._error(response)
+        rows = _rows(self._json(response), "clusters")
+        return [Cluster.model_validate(row) for row in rows if isinstance(row, Mapping)]
+
+    async def cluster_pods(self, cluster_id: str) -> list[Pod]:
+        """The pods of the cluster `cluster_id`, by rank (rank 0, the primary,
+        first); empty when Runpod answers 404. Raises RunpodError on any other
+        failure."""
+        response = await self._request("GET", self._url(f"/clusters/{_segment(cluster_id)}/pods"))
+        if response.status_code == 404:
+            return []
+        if response.status_code != 200:
+            raise self._error(response)
+        rows = _rows(self._json(response), "pods")
+        pods = [Pod.model_validate(row) for row in rows if isinstance(row, Mapping)]
+        return sorted(pods, key=lambda pod: pod.cluster_rank if pod.cluster_rank is not None else 0)
+
+    async def delete_cluster(self, cluster_id: str) -> bool:
+        """Deletes the cluster `cluster_id`, every pod of it: True when this
+        call deleted it, False when it was already gone (404), which is success
+        too. The pods' deletion is not confirmed here (see
+        `deletion.confirm_deleted`, for each). Raises RunpodError when Runpod
+        refuses or stays unreachable."""
+        response = await self._request("DELETE", self._url(f"/clusters/{_segment(cluster_id)}"))
+        if response.status_code in (200, 202, 204):
+            log.info("deleted cluster %s", cluster_id)
+            return True
+        if response.status_code == 404:
+            log.info("cluster %s was already gone", cluster_id)
+            return False
+        raise self._error(response)
+
+    async def _reconcile_cluster(self, name: str, cause: RunpodError) -> Cluster | None:
+        """The cluster named `name` after an ambiguous create, looked for as
+        `_reconcile` looks for a pod; the others of that name are deleted.
+        Raises RunpodError when the clusters cannot be listed."""
+        policy = self.retry
+        loop = asyncio.get_running_loop()
+        until = loop.time() + policy.reconcile_window_s
+        look = 0
+        while look < policy.reconcile_looks or loop.time() < until:
+            if look:
+                await asyncio.sleep(policy.reconcile_interval_s)
+            look += 1
+            try:
+                named = [c for c in await self.list_clusters() if c.name == name]
+            except RunpodError as error:
+                raise RunpodError(
+                    cause.status,
+                    cause.reason,
+                    f"the create of cluster {name} got no clear answer and the clusters cannot "
+                    f"be listed ({error.run_message}): a cluster of that name may exist; check "
+                    "with the pods flow",
+                    detail=cause.detail,
+                ) from None
+            if named:
+                await self._delete_twin_clusters(name, keep=named[0].id, listed=named)
+                return named[0]
+        return None
+
+    async def _delete_twin_clusters(
+        self, name: str, keep: str, listed: list[Cluster] | None = None
+    ) -> None:
+        """Deletes every cluster named `name` but `keep`: earlier tries of one create."""
+        clusters = listed if listed is not None else await self.list_clusters()
+        for twin in clusters:
+            if twin.name == name and twin.id != keep:
+                log.warning("deleting cluster %s, a second cluster named %s", twin.id, name)
+                await self.delete_cluster(twin.id)
 
     # Billing
 

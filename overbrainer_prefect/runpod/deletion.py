@@ -75,6 +75,25 @@ async def confirm_deleted(
         await asyncio.sleep(interval_s)
 
 
+async def delete_node_or_pod(
+    client: RunpodClient,
+    pod_id: str,
+    cluster_id: str | None,
+    *,
+    interval_s: float = GONE_INTERVAL_S,
+    timeout_s: float = CONFIRM_TIMEOUT_S,
+) -> bool:
+    """Deletes the pod `pod_id`, or, when it is a node of the instant cluster
+    `cluster_id`, that whole cluster (a node cannot be deleted alone), and
+    confirms the pod is gone. True when this call deleted it, False when it
+    was already gone. Raises as `delete_and_confirm`."""
+    if cluster_id is None:
+        return await delete_and_confirm(client, pod_id, interval_s=interval_s, timeout_s=timeout_s)
+    deleted = await client.delete_cluster(cluster_id)
+    await confirm_deleted(client, pod_id, interval_s=interval_s, timeout_s=timeout_s)
+    return deleted
+
+
 async def delete_and_confirm(
     client: RunpodClient,
     pod_id: str,

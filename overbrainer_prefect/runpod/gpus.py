@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from overbrainer_prefect.runpod.bootstrap import PodTiming, disk_per_hour
 from overbrainer_prefect.runpod.client import RunpodClient
@@ -70,6 +70,10 @@ class LaunchPlan:
     """How long past max_hours a job that saved the checkpoint asked for keeps its pod."""
     job_launch: str | None = None
     """How the job uses the pod's GPUs (`launch_summary`): processes and sharding."""
+    pods: int = 1
+    """The pods made at once for the job: an instant cluster's (a training
+    across nodes). Each choice's price and `disk_per_hour` are theirs together
+    (`for_pods`), so every bound on money counts them all."""
 
     @property
     def cloud(self) -> Cloud:
@@ -114,6 +118,13 @@ class LaunchPlan:
         cloud = self.cloud.lower()
         first = self.first
         text = f"Runpod: {first.label()} on the {cloud} cloud at ${first.price_per_hour:.2f}/h"
+        if self.pods > 1:
+            each = first.price_per_hour / self.pods
+            text = (
+                f"Runpod: an instant cluster of {self.pods} pods of {first.label()} on the "
+                f"{cloud} cloud at ${first.price_per_hour:.2f}/h in all ({self.pods} × "
+                f"${each:.2f}/h)"
+            )
         if self.settings.data_center_ids:
             text += f" in {', '.join(self.settings.data_center_ids)}"
         if self.vram_floor_gb is not None:
@@ -140,7 +151,8 @@ class LaunchPlan:
             ends.append(f"at max_cost_usd (${self.max_cost_usd:.2f})")
         ends.append(f"{_minutes(self.settings.retrieve_grace_s)} after its job ends unretrieved")
         ends.append(f"{_minutes(self.settings.boot_grace_s)} after it starts if no job starts")
-        text += ". The pod is deleted " + ", ".join(ends[:-1]) + ", and " + ends[-1]
+        deleted = "The pod is" if self.pods == 1 else "The cluster (every pod of it) is"
+        text += f". {deleted} deleted " + ", ".join(ends[:-1]) + ", and " + ends[-1]
         if self.checkpoint_hold_s:
             text += (
                 f" (a job that saved the checkpoint asked for at max_hours keeps it "
@@ -155,6 +167,16 @@ class LaunchPlan:
             if self.disk_per_hour:
                 text += f", its container disk included (${self.disk_per_hour:.4f}/h)"
         return text + "."
+
+
+def for_pods(plan: LaunchPlan, pods: int) -> LaunchPlan:
+    """`plan` for `pods` pods made at once (an instant cluster of them): each
+    GPU type's price and the container disk's are the pods' together, so the
+    budget, the ledger and the cost cap count every pod."""
+    if pods <= 1:
+        return plan
+    choices = tuple(replace(c, price_per_hour=c.price_per_hour * pods) for c in plan.choices)
+    return replace(plan, choices=choices, disk_per_hour=plan.disk_per_hour * pods, pods=pods)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""What the Runpod API sends and answers: a pod request, a pod, a GPU type, a
-data center, a secret.
+"""What the Runpod API sends and answers: a pod request, a pod, an instant
+cluster request and cluster, a GPU type, a data center, a secret.
 
 The answers are read leniently (unknown fields are ignored, the v1 spellings
 `costPerHr`, `desiredStatus`, `imageName` and `portMappings` are accepted
@@ -88,6 +88,10 @@ class Pod(BaseModel):
     uptime_s: float | None = None
     """Seconds since its container last started (`runtime.uptime`), while it runs."""
     ssh: SshEndpoint | None = None
+    cluster_id: str | None = None
+    """The instant cluster it is a node of (`cluster.id`), None for a pod alone."""
+    cluster_rank: int | None = None
+    """Its rank in that cluster (`cluster.rank`; 0 is the primary)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -151,6 +155,10 @@ def normalize_pod(data: Mapping[str, object]) -> dict[str, object]:
     ssh = out.get("ssh")
     if not (isinstance(ssh, SshEndpoint) or (isinstance(ssh, Mapping) and "host" in ssh)):
         out["ssh"] = _ssh_endpoint(data)
+    cluster = out.get("cluster")
+    if isinstance(cluster, Mapping):
+        out.setdefault("cluster_id", cluster.get("id"))
+        out.setdefault("cluster_rank", cluster.get("rank"))
     return out
 
 
@@ -344,6 +352,83 @@ class PodRequest(BaseModel):
         if self.args is not None:
             body["args"] = self.args
         return body
+
+
+CLUSTER_PODS = (2, 8)
+"""The pods of a self-serve instant cluster: at least, at most."""
+
+
+class ClusterRequest(BaseModel):
+    """An instant cluster to create, as REST v2's `POST /clusters` takes it:
+    `pod_count` pods of `gpu_count_per_pod` GPUs each on one private network,
+    every pod with the same image, start command and `env` (Runpod adds each
+    node's `NODE_RANK`, `NODE_ADDR`, `PRIMARY_ADDR`...). `name` must be
+    unique to this attempt, as a pod's (a create with no clear answer is
+    looked up by it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=191)
+    image: str = Field(min_length=1)
+    gpu_type_id: str = Field(min_length=1)
+    gpu_count_per_pod: int = Field(default=1, ge=1)
+    pod_count: int = Field(ge=CLUSTER_PODS[0], le=CLUSTER_PODS[1])
+    type: Literal["TRAINING"] = "TRAINING"
+    container_disk_gb: int = Field(default=50, ge=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    ports: list[str] = Field(default_factory=lambda: ["22/tcp"])
+    data_center_ids: list[str] = Field(default_factory=list)
+    args: str | None = None
+
+    def to_api(self) -> dict[str, JsonValue]:
+        """The JSON body of REST v2's `POST /clusters`."""
+        body: dict[str, JsonValue] = {
+            "name": self.name,
+            "type": self.type,
+            "compute": {
+                "gpuTypeId": self.gpu_type_id,
+                "gpuCountPerPod": self.gpu_count_per_pod,
+                "podCount": self.pod_count,
+            },
+            "image": self.image,
+            "disk": self.container_disk_gb,
+            "env": {key: value for key, value in self.env.items()},
+            "ports": [port for port in self.ports],
+        }
+        if self.data_center_ids:
+            body["dataCenterIds"] = [center for center in self.data_center_ids[:1]]
+        if self.args is not None:
+            body["args"] = self.args
+        return body
+
+
+class Cluster(BaseModel):
+    """An instant cluster as Runpod shows it: its private network (`cidr`),
+    its primary pod (rank 0) and, when the answer lists them, its pods."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str
+    name: str = ""
+    status: str = "UNKNOWN"
+    cidr: str | None = None
+    primary_pod_id: str | None = None
+    pods: list[Pod] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_api(cls, data: object) -> object:
+        if not isinstance(data, Mapping):
+            return data
+        out: dict[str, object] = dict(data)
+        network, primary = out.get("network"), out.get("primary")
+        if isinstance(network, Mapping):
+            out.setdefault("cidr", network.get("cidr"))
+        if isinstance(primary, Mapping):
+            out.setdefault("primary_pod_id", primary.get("podId"))
+        if out.get("pods") is None:
+            out["pods"] = []
+        return out
 
 
 def _object(value: JsonValue) -> Mapping[str, JsonValue]:

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.store import Store
 from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.store.records import StoredRecord, read_record, write_record
@@ -90,8 +91,25 @@ class SshAddress(BaseModel):
     user: str = "root"
 
 
+class ClusterNode(BaseModel):
+    """One pod of a run's instant cluster: its rank (0 is the primary, whose
+    pod the record's `pod_id` names), where its sshd answers, its address on
+    the cluster's private network and its run directories' directory."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    pod_id: str
+    rank: int
+    ssh: SshAddress | None = None
+    address: str | None = None
+    workdir: str | None = None
+
+
 class PodRecord(StoredRecord):
-    """The record of a run's pod (`pod.json`)."""
+    """The record of a run's pod (`pod.json`). For a training across nodes it
+    is the record of its instant cluster: `cluster_id` and its `nodes` (rank 0,
+    the primary, is `pod_id`); its rate is the whole cluster's, and every
+    delete deletes the cluster."""
 
     model_config = ConfigDict(extra="ignore", validate_assignment=True)
 
@@ -196,6 +214,24 @@ class PodRecord(StoredRecord):
         description="When the client took its host for lost and deleted it (RFC 3339): its "
         "SSH stayed silent for the timing's `lost_host_s` while Runpod showed it running.",
     )
+    cluster_id: str | None = Field(
+        default=None,
+        description="The instant cluster made for a training across nodes: deleted as one "
+        "(a node of it cannot be deleted alone); `pod_id` is its primary's pod.",
+    )
+    cluster_pods: int = Field(
+        default=0,
+        description="The pods its cluster was asked with (0: a pod alone); its rate and cost "
+        "cap count them all.",
+    )
+    nodes: list[ClusterNode] = Field(
+        default_factory=list, description="Its cluster's pods, by rank, once created."
+    )
+    node_jobs: list[JobId] = Field(
+        default_factory=list,
+        description="A training across the cluster's pods: each node's job, by rank, once all "
+        "started.",
+    )
 
     @classmethod
     def load(cls, runs: RecordHome, run_id: str) -> PodRecord | None:
@@ -225,8 +261,15 @@ class PodRecord(StoredRecord):
 
     @property
     def name(self) -> str:
-        """The pod's id, or `(none)` before it exists."""
+        """The pod's id, or `(none)` before it exists; a cluster's id (its pods follow)."""
+        if self.cluster_id is not None:
+            return f"{self.cluster_id} (cluster of {self.cluster_pods} pods)"
         return self.pod_id or "(none)"
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether this is the record of an instant cluster (asked for, or made)."""
+        return self.cluster_pods > 1
 
     @property
     def gone(self) -> bool:

@@ -30,13 +30,15 @@ from datetime import datetime
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
+from overbrainer_prefect.executors.nodes import NodesExecutor
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.money.limits import BudgetError
 from overbrainer_prefect.money.pods import ask_of, capped, cost_facts_of
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.errors import PodError, PodGone, RunpodError
-from overbrainer_prefect.runpod.gpus import LaunchPlan, plan_from_api
+from overbrainer_prefect.runpod.gpus import LaunchPlan, for_pods, plan_from_api
+from overbrainer_prefect.runpod.models import CLUSTER_PODS
 from overbrainer_prefect.runpod.pod import POD_RECORD, PodRecord, PodState
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings, settings_from
 from overbrainer_prefect.runpod.volume import ensure_volume
@@ -56,6 +58,12 @@ from overbrainer_prefect.store.records import RecordIoError
 from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservation
 from overbrainer_prefect.targets.disk import fit_disk
 from overbrainer_prefect.targets.host import BlockTarget, Bounds
+from overbrainer_prefect.targets.runpod.cluster import (
+    nodes_executor,
+    provision_cluster,
+    reach_nodes,
+    reachable,
+)
 from overbrainer_prefect.targets.runpod.context import INTERRUPTED, PodContext
 from overbrainer_prefect.targets.runpod.ending import (
     detached_message,
@@ -85,7 +93,7 @@ from overbrainer_prefect.targets.runpod.shared import (
 )
 from overbrainer_prefect.targets.sharing import current
 from overbrainer_prefect.trainers.axolotl import launch_summary
-from overbrainer_prefect.trainers.base import TargetFacts, Trainer
+from overbrainer_prefect.trainers.base import TargetFacts, Trainer, TrainError
 from overbrainer_prefect.trainers.compare import vram_floor
 
 LOCAL_RECORDS = (POD_RECORD, POD_DIR, SSH_DIR, LINK_FILE, PIPELINE_LINK)
@@ -127,11 +135,13 @@ class PodPlaced:
     checkpoints_volume: str | None = None
     """The network volume the job's checkpoints are kept on (see
     `RunContext.checkpoints_volume`), when the target keeps them there."""
+    nodes: NodesExecutor | None = None
+    """On an instant cluster: every pod's executor as one (`ssh` is the primary's)."""
 
     @property
     def executor(self) -> Executor:
-        """The pod's executor."""
-        return self.ssh
+        """The pod's executor; a cluster's, over every pod of it."""
+        return self.nodes or self.ssh
 
     def remote_dir(self, record: RunRecord) -> str:
         """The job's run directory on its pod (the pod's own work directory)."""
@@ -139,8 +149,8 @@ class PodPlaced:
 
     @property
     def description(self) -> str:
-        """`<target>: pod <id>`."""
-        return self.ssh.description
+        """`<target>: pod <id>` (a cluster's: `N nodes: ...`)."""
+        return self.executor.description
 
     def context(self, store: Runs, reporter: Reporter) -> RunContext:
         """The job's context on its pod (its pod record, keys and watchdog log
@@ -149,7 +159,7 @@ class PodPlaced:
         deleted under it ends the watch unreachable, `settle` says why."""
         pod = self.pod
         return replace(
-            self.bounds.context(store, self.ssh, reporter),
+            self.bounds.context(store, self.executor, reporter),
             local_only=LOCAL_RECORDS,
             check_facts=lambda facts: check_gpus(pod, facts),
             host_gone=lambda: is_gone(self.ctx, pod),
@@ -172,7 +182,7 @@ class PodPlaced:
         except NotRetrieved as error:
             self.pod.state = PodState.AWAITING_RETRIEVAL
             self.pod.save(self.ctx.runs)
-            await fetch_watchdog_log(ctx.runs, self.ssh, record)
+            await fetch_watchdog_log(ctx.runs, self.executor, record)
             raise RunError(
                 f"{error}; its pod {self.pod.name}{self.pod.rate_text()} stays until its "
                 f"watchdog's retrieve grace ends, or {remove_hint(record.id)}"
@@ -192,7 +202,9 @@ class PodPlaced:
         if self.share is not None and not self.pod.gone:
             await self.share.between(self.ctx, self.ssh, outcome.record, outcome.retrieved)
             return
-        await end_pod(self.ctx, self.pod, self.ssh, self.owner or outcome.record, outcome.retrieved)
+        await end_pod(
+            self.ctx, self.pod, self.executor, self.owner or outcome.record, outcome.retrieved
+        )
 
     def started(self, store: Runs, record: RunRecord) -> None:
         """Records the pod running its job, and logs what bounds it. Raises
@@ -387,6 +399,12 @@ def pod_spent(store: Runs, record: RunRecord) -> float | None:
     return None if pod is None else pod.estimated_spend()
 
 
+def cluster_pods(pod: PodRecord) -> str:
+    """An instant cluster's pods in one line: `2 pods (node 0 abc, node 1 def)`."""
+    shown = ", ".join(f"node {n.rank} {n.pod_id}" for n in pod.nodes)
+    return f"{pod.cluster_pods} pods" + (f" ({shown})" if shown else "")
+
+
 def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
     """A pod's summary rows: GPU, rate, uptime, spend, deadline, how it ended."""
     spend = pod.estimated_spend()
@@ -400,6 +418,8 @@ def pod_facts(pod: PodRecord) -> list[tuple[str, str]]:
         ("Watchdog deadline (max_hours)", pod.deadline or "none"),
         ("State", str(pod.state)),
     ]
+    if pod.cluster_id is not None:
+        rows.insert(1, ("Cluster", f"{pod.cluster_id}: {cluster_pods(pod)}"))
     if pod.deleted_by:
         rows.append(("Deleted by", f"{pod.deleted_by} ({pod.delete_reason})"))
     if pod.attempts:
@@ -443,10 +463,25 @@ class PodTarget(BlockTarget):
 
     def check(self, need: JobNeed) -> None:
         """Refuses, with one line, settings (with the job's own image) that
-        cannot make a pod (SettingsError), and a training across nodes (not
-        built on Runpod yet: TrainError)."""
-        self.one_node(need, "one pod per job (Runpod clusters are not built yet)")
-        self._settings(need)
+        cannot make a pod (SettingsError), and a training across more nodes
+        than a self-serve instant cluster has pods, or on a network volume
+        (its pods would share one run directory) (TrainError)."""
+        settings = self._settings(need)
+        nodes = _nodes(need)
+        if nodes <= 1:
+            return
+        low, high = CLUSTER_PODS
+        if not low <= nodes <= high:
+            raise TrainError(
+                f"{need.what} asks for nodes={nodes}, but a Runpod instant cluster has {low} to "
+                f"{high} pods: ask for at most {high} nodes"
+            )
+        if settings.network_volume_id or settings.checkpoints_volume:
+            raise TrainError(
+                f"{need.what} asks for nodes={nodes} on {self.ref}, whose pods mount a network "
+                "volume: the pods of an instant cluster would share one run directory; use a "
+                "target without network_volume_id and checkpoints_volume, or set nodes=1"
+            )
 
     def _settings(self, need: JobNeed) -> RunpodTargetSettings:
         if not need.image:
@@ -481,7 +516,8 @@ class PodTarget(BlockTarget):
         BudgetRefused or BudgetError with one line; nothing is created.
         """
         settings = self._settings(need)
-        held = await self._shared_pod(store, settings)
+        nodes = _nodes(need)
+        held = await self._shared_pod(store, settings) if nodes == 1 else None
         if held is not None:  # the pipeline's pod is up: nothing new to plan, admit or hold
             self._log.info(
                 "%s runs on pod %s of its pipeline (%s, job %d on it): no new pod",
@@ -492,7 +528,7 @@ class PodTarget(BlockTarget):
             )
             yield Reservation(plan=held.plan, need=need)  # type: ignore[arg-type]
             return
-        later = self._later(settings)
+        later = self._later(settings) if nodes == 1 else []  # a cluster runs its training only
         # the pod's disk holds every job it will run (auto: sized), or the job is refused
         settings = await asyncio.to_thread(
             fit_disk, settings, need, later, self.ref, *self._hub, self._log
@@ -520,6 +556,7 @@ class PodTarget(BlockTarget):
                 else None
             )
             plan = await plan_from_api(ctx.client, settings, vram_floor_gb=floor, job_launch=launch)
+            plan = for_pods(plan, nodes)  # an instant cluster: every price is its pods' together
             image = f" Its image: {settings.image}." if need.image else ""
             self._log.info("%s%s", plan.describe(), image)
             await self._warn_orphans(ctx, store)
@@ -734,7 +771,10 @@ class PodTarget(BlockTarget):
         if reservation.admission is not None:  # issue 20: the ledger's entry names this record
             reservation.admission.bind(store, record.id)
         async with self.account(store) as ctx:
-            ready = await provision(ctx, record, plan, api_url=self._api_url, name=self.ref)
+            steps = provision_cluster if plan.pods > 1 else None
+            ready = await provision(
+                ctx, record, plan, api_url=self._api_url, name=self.ref, steps=steps
+            )
             await sweep_others(ctx, ready.pod)  # a twin of an answer lost on the way: at once
             placed = PodPlaced(
                 ctx,
@@ -744,9 +784,12 @@ class PodTarget(BlockTarget):
                 settings.retrieve_grace_s,
                 remote_dir_here=ready.remote_dir,
                 checkpoints_volume=settings.checkpoints_volume,
+                nodes=nodes_executor(ctx, ready.pod, ready.nodes, self.python)
+                if ready.nodes
+                else None,
             )
             sharing = current()
-            if sharing is not None and self.ref not in sharing.held:  # the pipeline's pod
+            if sharing is not None and self.ref not in sharing.held and not ready.nodes:
                 placed.share = PodShare(self, store, record.id, ready.pod, settings.image, plan)
                 sharing.held[self.ref] = placed.share
                 ready.pod.pipeline_job = record.id  # once its job ended, the pod is not left over
@@ -768,7 +811,8 @@ class PodTarget(BlockTarget):
                 if not placed.job_started:
                     await release(ctx, placed.pod, INTERRUPTED)
             finally:
-                await ready.executor.close()
+                for executor in ready.nodes or [ready.executor]:
+                    await executor.close()
 
     async def _rejoin(
         self, ctx: PodContext, held: PodShare, store: Runs, record: RunRecord
@@ -848,6 +892,12 @@ class PodTarget(BlockTarget):
                 yield None
                 return
             linked = owner_id != record.id
+            cluster = reachable(pod)
+            try:
+                nodes = await reach_nodes(ctx, pod, executor, self.ref) if cluster else [executor]
+            except BaseException:
+                await executor.close()
+                raise
             try:
                 yield PodPlaced(
                     ctx,
@@ -857,11 +907,13 @@ class PodTarget(BlockTarget):
                     self.settings.retrieve_grace_s,
                     pod_dir=job_dir(pod.workdir or DEFAULT_WORKDIR, owner_id) if linked else None,
                     owner=owner if linked else None,
-                    share=self._share_of(home, owner, pod),
+                    share=None if pod.is_cluster else self._share_of(home, owner, pod),
                     checkpoints_volume=self.settings.checkpoints_volume,
+                    nodes=nodes_executor(ctx, pod, nodes, self.python) if cluster else None,
                 )
             finally:
-                await executor.close()
+                for each in nodes:
+                    await each.close()
 
     def _share_of(self, home: Runs, owner: RunRecord, pod: PodRecord) -> PodShare | None:
         """The pipeline's hold on `pod`, reached again within a pipeline that
@@ -1019,3 +1071,8 @@ def _after_lost_pods(plan: LaunchPlan, need: JobNeed) -> LaunchPlan:
             f"(${need.spent_usd:.2f}): no new pod; raise max_cost_usd to go on"
         )
     return capped(plan, left)
+
+
+def _nodes(need: JobNeed) -> int:
+    """The pods a job needs at once: a training's nodes (an instant cluster), else one."""
+    return need.training.nodes if need.training is not None else 1

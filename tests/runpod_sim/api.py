@@ -32,6 +32,17 @@ each pod a real process (see `pods.SimPods`). A create hook may set
 `pod.public_ip`, `pod.ssh_port` and `pod.ssh_user` (the pod then shows
 `ssh.direct`), add to `pod.env`, or set
 `pod.status`. Hooks may call the simulator's HTTP API.
+
+Instant clusters (`POST /v2/clusters`, type TRAINING, 2-8 pods): one create
+makes `podCount` pods at once (each through the create hook, so each is a
+real process tree), all or none (a cluster it cannot place is the capacity
+refusal a pod gets). Its pods are on a private network of their own: each
+has a loopback address of its cluster (`127.77.<k>.<rank + 1>`, all of
+127/8 reaches this machine) and the env Runpod gives a cluster's nodes
+(`PRIMARY_ADDR`, `MASTER_ADDR`, `NODE_ADDR`, `NODE_RANK`, `NUM_NODES`,
+`NUM_TRAINERS`, `WORLD_SIZE`...). A pod of a cluster cannot be deleted
+alone (409): `DELETE /v2/clusters/{id}` deletes them all, for the account or
+the pod-scoped key of one of its pods (a watchdog).
 """
 
 from __future__ import annotations
@@ -176,6 +187,11 @@ class SimPod:
     host_lost_at: float | None = None
     """When its host was lost (`SimPods.lose_host`): Runpod still shows it RUNNING,
     but its `runtime.uptime` stays as the host last reported it."""
+    cluster_id: str | None = None
+    """The instant cluster it is a node of (its rank in `cluster_rank`)."""
+    cluster_rank: int | None = None
+    private_ip: str | None = None
+    """Its address on its cluster's private network (a loopback address of its own)."""
 
     def container(self) -> tuple[float | None, int]:
         """When its container last started (Unix seconds; None while a hook
@@ -271,6 +287,11 @@ class SimPod:
             else None,
             "createdAt": _iso(self.created_at),
             "startedAt": _iso(started_at, millis=True) if running and started_at else None,
+            **(
+                {"cluster": {"id": self.cluster_id, "rank": self.cluster_rank}}
+                if self.cluster_id is not None
+                else {}
+            ),
         }
 
 
@@ -327,6 +348,59 @@ class _Fault:
 
 PodHook = Callable[[SimPod], None]
 
+CLUSTER_FIELDS = frozenset(
+    {
+        "name",
+        "type",
+        "compute",
+        "image",
+        "args",
+        "env",
+        "ports",
+        "disk",
+        "dataCenterIds",
+        "mounts",
+        "startSsh",
+    }
+)
+"""The properties `POST /v2/clusters` takes here; any other is a 422."""
+CLUSTER_PODS = (2, 8)  # the self-serve instant clusters' sizes
+CLUSTER_PORT = 29500  # PRIMARY_PORT / MASTER_PORT ("all ports are available")
+
+
+@dataclass
+class SimCluster:
+    """An instant cluster: its pods by rank (rank 0 the primary)."""
+
+    id: str
+    name: str
+    type: str
+    pod_ids: list[str]
+    cidr: str
+    vxlan_id: int
+    created_at: float
+    deleted_at: float | None = None
+
+    def to_api(self, pods: dict[str, SimPod], now: float) -> dict[str, Any]:
+        """The cluster as REST v2 shows it."""
+        primary = pods[self.pod_ids[0]]
+        endpoint = (
+            f"{primary.public_ip}:{primary.ssh_port}"
+            if primary.public_ip and primary.ssh_port
+            else None
+        )
+        return {
+            "id": self.id,
+            "name": self.name,
+            "type": self.type,
+            "status": "TERMINATED" if self.deleted_at is not None else "RUNNING",
+            "podCount": len(self.pod_ids),
+            "network": {"cidr": self.cidr, "vxlanId": self.vxlan_id},
+            "primary": {"podId": primary.id, "sshEndpoint": endpoint},
+            "pods": [pods[pod_id].to_api(now) for pod_id in self.pod_ids],
+            "createdAt": _iso(self.created_at),
+        }
+
 
 class RunpodSim:
     """Runpod's API on 127.0.0.1, served by uvicorn in a thread.
@@ -358,6 +432,7 @@ class RunpodSim:
         self._offset = 0.0
         self._lock = threading.RLock()
         self._pods: dict[str, SimPod] = {}
+        self._clusters: dict[str, SimCluster] = {}
         self._secrets: dict[str, SimSecret] = {}
         self._volumes: dict[str, SimVolume] = {}
         self._faults: list[_Fault] = []
@@ -531,6 +606,11 @@ class RunpodSim:
 
     # Inspection
 
+    def clusters(self, *, include_deleted: bool = False) -> list[SimCluster]:
+        """The instant clusters, in creation order; the deleted ones too when asked."""
+        with self._lock:
+            return [c for c in self._clusters.values() if include_deleted or c.deleted_at is None]
+
     def pods(self, *, include_deleted: bool = False) -> list[SimPod]:
         """The pods, in creation order; the deleted ones too when asked."""
         with self._lock:
@@ -584,6 +664,9 @@ class RunpodSim:
             Route("/v2/pods/{pod_id}", self._pod_endpoint, methods=["GET", "DELETE"]),
             Route("/v2/pods/{pod_id}/action", self._pod_action, methods=["POST"]),
             Route("/v2/pods/{pod_id}/logs", self._pod_logs, methods=["GET"]),
+            Route("/v2/clusters", self._clusters_endpoint, methods=["GET", "POST"]),
+            Route("/v2/clusters/{cluster_id}", self._cluster_endpoint, methods=["GET", "DELETE"]),
+            Route("/v2/clusters/{cluster_id}/pods", self._cluster_pods, methods=["GET"]),
             Route("/v2/catalog/gpus", self._catalog_gpus, methods=["GET"]),
             Route("/v2/catalog/datacenters", self._catalog_dcs, methods=["GET"]),
             Route("/v2/account/secrets", self._secrets_endpoint, methods=["GET", "POST"]),
@@ -679,7 +762,9 @@ class RunpodSim:
         assert answer is not None
         return self._done(request, answer, scope)
 
-    def _create(self, body: Any) -> tuple[Response | None, SimPod | None, bool]:
+    def _create(
+        self, body: Any, *, faults: bool = True
+    ) -> tuple[Response | None, SimPod | None, bool]:
         if not isinstance(body, dict):
             return _problem(422, "body is not an object"), None, False
         unknown = sorted(set(body) - CREATE_FIELDS)
@@ -762,7 +847,7 @@ class RunpodSim:
                 }
             )
             self._pods[pod.id] = pod
-            fail = self._fail_after_create > 0
+            fail = faults and self._fail_after_create > 0
             if fail:
                 self._fail_after_create -= 1
         return None, pod, fail
@@ -793,6 +878,9 @@ class RunpodSim:
             return self._done(request, answer, scope)
         if request.method == "GET":
             return self._done(request, self._get_pod(pod_id), scope)
+        refused = self._cluster_refusal(pod_id)
+        if refused is not None:
+            return self._done(request, refused, scope)
         deleted = self._delete(pod_id)
         if deleted is None:
             return self._done(request, _problem(404, "resource not found"), scope)
@@ -827,6 +915,186 @@ class RunpodSim:
                 gpu.stock += pod.gpu_count
             return pod
 
+    def _cluster_refusal(self, pod_id: str) -> Response | None:
+        """409 for a live pod of a cluster: only its cluster is deleted."""
+        with self._lock:
+            pod = self._pods.get(pod_id)
+            if pod is None or pod.deleted or pod.cluster_id is None:
+                return None
+            return _problem(
+                409, f"pod {pod_id} is a node of cluster {pod.cluster_id}: delete the cluster"
+            )
+
+    # Instant clusters
+
+    def _cluster_scope(self, scope: str, cluster_id: str) -> bool:
+        """Whether `scope` may look at or delete the cluster: the account, or
+        the pod-scoped key of one of its pods."""
+        if scope == "account":
+            return True
+        with self._lock:
+            cluster = self._clusters.get(cluster_id)
+            return cluster is not None and scope.removeprefix("pod:") in cluster.pod_ids
+
+    async def _clusters_endpoint(self, request: Request) -> Response:
+        scope, answer = self._gate(request)
+        if answer is None and scope != "account":
+            answer = _problem(403, "access denied")
+        if answer is not None:
+            return self._done(request, answer, scope)
+        now = self.now()
+        if request.method == "GET":
+            with self._lock:
+                shown = [
+                    c.to_api(self._pods, now)
+                    for c in self._clusters.values()
+                    if c.deleted_at is None
+                ]
+            return self._done(request, JSONResponse({"clusters": shown}), scope)
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._done(request, _problem(422, "body is not JSON"), scope)
+        answer, cluster, fail = self._create_cluster(body)
+        if cluster is not None:
+            if self.on_pod_create is not None:
+                for pod_id in cluster.pod_ids:
+                    await anyio.to_thread.run_sync(self.on_pod_create, self._pods[pod_id])
+            answer = (
+                _problem(500, "create cluster: Something went wrong. Please try again later.")
+                if fail
+                else JSONResponse(cluster.to_api(self._pods, self.now()), status_code=201)
+            )
+        assert answer is not None
+        return self._done(request, answer, scope)
+
+    def _create_cluster(self, body: Any) -> tuple[Response | None, SimCluster | None, bool]:
+        if not isinstance(body, dict):
+            return _problem(422, "body is not an object"), None, False
+        unknown = sorted(set(body) - CLUSTER_FIELDS)
+        if unknown:
+            detail = f"$: additional properties '{unknown[0]}' not allowed"
+            return _problem(422, "Request validation failed.", errors=[detail]), None, False
+        compute = body.get("compute")
+        name = body.get("name")
+        if not isinstance(compute, dict) or not isinstance(compute.get("gpuTypeId"), str):
+            return (
+                _problem(422, "Request validation failed.", errors=["$.compute: required"]),
+                None,
+                False,
+            )
+        if not isinstance(name, str) or not name:
+            return (
+                _problem(422, "Request validation failed.", errors=["$.name: required"]),
+                None,
+                False,
+            )
+        if body.get("type", "TRAINING") not in ("APPLICATION", "TRAINING", "SLURM", "RAY"):
+            return (
+                _problem(422, "Request validation failed.", errors=["$.type: unknown"]),
+                None,
+                False,
+            )
+        count = int(compute.get("podCount", 2))
+        per_pod = int(compute.get("gpuCountPerPod", 1))
+        low, high = CLUSTER_PODS
+        if not low <= count <= high:
+            detail = f"podCount must be {low} to {high} for a self-serve cluster"
+            return _problem(400, detail), None, False
+        with self._lock:
+            gpu = self.gpus.get(compute["gpuTypeId"])
+            if gpu is None:
+                return _problem(400, "gpu type is not valid"), None, False
+            cloud = str(body.get("cloud", "SECURE"))
+            no_stock = gpu.stock is not None and gpu.stock < per_pod * count
+            if gpu.price(cloud) is None or per_pod > gpu.max_count or no_stock:
+                return _problem(400, CAPACITY_TEXT), None, False
+            k = len(self._clusters) % 250 + 1
+            cluster = SimCluster(
+                id="cl" + _token(12),
+                name=name,
+                type=str(body.get("type", "TRAINING")),
+                pod_ids=[],
+                cidr=f"127.77.{k}.0/24",
+                vxlan_id=1000 + k,
+                created_at=self.now(),
+            )
+            primary = f"127.77.{k}.1"
+            for rank in range(count):
+                address = f"127.77.{k}.{rank + 1}"
+                env = {
+                    **{str(key): str(value) for key, value in (body.get("env") or {}).items()},
+                    "PRIMARY_ADDR": primary,
+                    "MASTER_ADDR": primary,
+                    "PRIMARY_PORT": str(CLUSTER_PORT),
+                    "MASTER_PORT": str(CLUSTER_PORT),
+                    "HOST_NODE_ADDR": f"{primary}:{CLUSTER_PORT}",
+                    "NODE_ADDR": address,
+                    "NODE_RANK": str(rank),
+                    "NUM_NODES": str(count),
+                    "NUM_TRAINERS": str(per_pod),
+                    "WORLD_SIZE": str(count * per_pod),
+                }
+                pod_body = {
+                    key: value
+                    for key, value in body.items()
+                    if key in CREATE_FIELDS and key not in ("env", "name")
+                }
+                pod_body.update(
+                    name=f"{name}-{rank}",
+                    gpu={"id": gpu.id, "count": per_pod},
+                    env=env,
+                )
+                answer, pod, _ = self._create(pod_body, faults=False)
+                if pod is None:  # all or none
+                    for made in cluster.pod_ids:
+                        self._delete(made)
+                        del self._pods[made]
+                    return answer, None, False
+                pod.cluster_id, pod.cluster_rank, pod.private_ip = cluster.id, rank, address
+                cluster.pod_ids.append(pod.id)
+            self._clusters[cluster.id] = cluster
+            fail = self._fail_after_create > 0
+            if fail:
+                self._fail_after_create -= 1
+        return None, cluster, fail
+
+    async def _cluster_endpoint(self, request: Request) -> Response:
+        cluster_id = request.path_params["cluster_id"]
+        scope, answer = self._gate(request)
+        if answer is None and not self._cluster_scope(scope, cluster_id):
+            answer = _problem(403, "access denied")
+        if answer is not None:
+            return self._done(request, answer, scope)
+        with self._lock:
+            cluster = self._clusters.get(cluster_id)
+            if cluster is None or cluster.deleted_at is not None:
+                return self._done(request, _problem(404, "resource not found"), scope)
+            if request.method == "GET":
+                shown = cluster.to_api(self._pods, self.now())
+                return self._done(request, JSONResponse(shown), scope)
+            cluster.deleted_at = self.now()
+            deleted = [p for p in (self._delete(pod_id) for pod_id in cluster.pod_ids) if p]
+        if self.on_pod_delete is not None:
+            for pod in deleted:
+                await anyio.to_thread.run_sync(self.on_pod_delete, pod)
+        return self._done(request, Response(status_code=204), scope)
+
+    async def _cluster_pods(self, request: Request) -> Response:
+        cluster_id = request.path_params["cluster_id"]
+        scope, answer = self._gate(request)
+        if answer is None and not self._cluster_scope(scope, cluster_id):
+            answer = _problem(403, "access denied")
+        if answer is not None:
+            return self._done(request, answer, scope)
+        with self._lock:
+            cluster = self._clusters.get(cluster_id)
+            if cluster is None or cluster.deleted_at is not None:
+                return self._done(request, _problem(404, "resource not found"), scope)
+            now = self.now()
+            shown = [self._pods[pod_id].to_api(now) for pod_id in cluster.pod_ids]
+        return self._done(request, JSONResponse({"pods": shown}), scope)
+
     async def _pod_action(self, request: Request) -> Response:
         pod_id = request.path_params["pod_id"]
         scope, answer = self._gate(request)
@@ -839,6 +1107,9 @@ class RunpodSim:
         except (ValueError, AttributeError):
             action = None
         if action == "terminate":
+            refused = self._cluster_refusal(pod_id)
+            if refused is not None:
+                return self._done(request, refused, scope)
             deleted = self._delete(pod_id)
             if deleted is None:
                 return self._done(request, _problem(404, "resource not found"), scope)

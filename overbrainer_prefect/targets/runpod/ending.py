@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.runpod.bootstrap import RETRIEVED_MARKER, WATCHDOG_LOG
-from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_and_confirm, look_up
+from overbrainer_prefect.runpod.deletion import confirm_deleted, delete_node_or_pod, look_up
 from overbrainer_prefect.runpod.errors import PodError, RunpodError
 from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, PodState, usd
@@ -72,7 +72,8 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = 
     success), recording each step in `pod.json`: `deleting` before the
     delete, `deleted` once confirmed, by `by` (by default who this process
     is: `client`, or `collector` in the collect flow). Does nothing when
-    there is no pod or it is already recorded deleted.
+    there is no pod or it is already recorded deleted. The record of an
+    instant cluster deletes the cluster, and confirms each of its pods gone.
 
     Raises PodError when the delete is refused or cannot be confirmed: the pod
     then stays `deleting` in `pod.json`, and may still bill.
@@ -83,14 +84,18 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = 
     pod.state = PodState.DELETING
     pod.save(ctx.runs)
     try:
-        deleted = await ctx.client.delete_pod(pod.pod_id)
+        if pod.cluster_id is not None:  # a node of a cluster is deleted only with it
+            deleted = await ctx.client.delete_cluster(pod.cluster_id)
+        else:
+            deleted = await ctx.client.delete_pod(pod.pod_id)
         taken_at = time.time()  # it bills until Runpod took the delete, not until confirmed
-        await confirm_deleted(
-            ctx.client,
-            pod.pod_id,
-            interval_s=ctx.timing.gone_interval_s,
-            timeout_s=ctx.timing.confirm_timeout_s,
-        )
+        for pod_id in [pod.pod_id, *(n.pod_id for n in pod.nodes if n.pod_id != pod.pod_id)]:
+            await confirm_deleted(
+                ctx.client,
+                pod_id,
+                interval_s=ctx.timing.gone_interval_s,
+                timeout_s=ctx.timing.confirm_timeout_s,
+            )
     except RunpodError as error:
         raise DeleteRefused(
             f"pod {pod.pod_id} of run {pod.run_id}{pod.rate_text()} may still exist ({error}); "
@@ -129,6 +134,10 @@ async def sweep_others(ctx: PodContext, pod: PodRecord) -> None:
         return
     left: list[str] = []
     names = {other.name for other in listed}
+    # a cluster's pods are named for it (`<its name>-<rank>`)
+    names |= {other.name.rpartition("-")[0] for other in listed if other.cluster_id is not None}
+    own = {node.pod_id for node in pod.nodes}
+    twins: set[str] = set()
     for index, attempt in enumerate(pod.attempts):
         if attempt.result == "sent" and attempt.pod_id is None:
             if attempt.name in names:
@@ -142,18 +151,27 @@ async def sweep_others(ctx: PodContext, pod: PodRecord) -> None:
     for other in listed:
         if run_of_pod_name(other.name) != pod.run_id or other.id == pod.pod_id:
             continue
-        if other.status == "TERMINATED":
+        if other.status == "TERMINATED" or other.id in own:
             continue
+        if other.cluster_id is not None:  # another cluster of the run: deleted as one
+            if other.cluster_id == pod.cluster_id or other.cluster_id in twins:
+                continue
+            twins.add(other.cluster_id)
         try:
-            await delete_and_confirm(
+            await delete_node_or_pod(
                 ctx.client,
                 other.id,
+                other.cluster_id,
                 interval_s=ctx.timing.gone_interval_s,
                 timeout_s=ctx.timing.confirm_timeout_s,
             )
-            pod.swept.append(other.id)
+            pod.swept.append(other.cluster_id or other.id)
             ctx.log.warning(
-                "deleted pod %s, another pod of run %s (%s)", other.id, pod.run_id, other.name
+                "deleted %s, another %s of run %s (%s)",
+                f"cluster {other.cluster_id}" if other.cluster_id else f"pod {other.id}",
+                "cluster" if other.cluster_id else "pod",
+                pod.run_id,
+                other.name,
             )
         except RunpodError as error:
             ctx.log.warning("cannot delete pod %s of run %s: %s", other.id, pod.run_id, error)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
+from overbrainer_prefect.executors.nodes import NodesExecutor
 from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, WATCHDOG_LOG, PodTiming
 from overbrainer_prefect.runpod.errors import PodError, PodGone
 from overbrainer_prefect.runpod.models import Pod
@@ -131,8 +132,14 @@ class Watched:
 
 
 async def renew_lease(executor: Executor, path: str) -> None:
-    """Touches the lease file `path` on the pod (its time is the pod's clock).
-    Raises ExecError when the pod cannot be reached."""
+    """Touches the lease file `path` on the pod (its time is the pod's clock);
+    on every pod of a cluster (each watchdog reads its own). Raises ExecError
+    when a pod cannot be reached."""
+    if isinstance(executor, NodesExecutor):
+        await asyncio.gather(
+            *(renew_lease(node, executor.on(k, path)) for k, node in enumerate(executor.nodes))
+        )
+        return
     script = 'mkdir -p "$(dirname "$1")" && touch "$1"'
     result = await executor.run(["sh", "-c", script, "lease", path], timeout=30)
     if result.code != 0:

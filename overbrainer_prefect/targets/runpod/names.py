@@ -16,10 +16,12 @@ def pod_name(run_id: str, attempt: int) -> str:
 
 
 def run_of_pod_name(name: str) -> str | None:
-    """The run ID a pod named `ob-<run id>-a<n>` belongs to, or None."""
+    """The run ID a pod named `ob-<run id>-a<n>` belongs to (or a node of a
+    cluster of that name, `ob-<run id>-a<n>-<rank>`), or None."""
     if not name.startswith(POD_NAME_PREFIX):
         return None
     body, sep, attempt = name[len(POD_NAME_PREFIX) :].rpartition("-a")
-    if not sep or not attempt.isdigit():
+    number, _, rank = attempt.partition("-")
+    if not sep or not number.isdigit() or (rank and not rank.isdigit()):
         return None
     return body if is_valid_run_id(body) else None

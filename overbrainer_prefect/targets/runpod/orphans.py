@@ -52,6 +52,8 @@ class PodRow:
     """When its watchdog deletes it with files nobody retrieved (Unix seconds),
     when it holds such files and that time is known."""
     save_with: str = ""
+    cluster_id: str | None = None
+    """The instant cluster it is a node of: deleted only with it."""
     """The command that saves the files its pod holds before they are lost,
     when nobody follows its job; empty otherwise."""
 
@@ -173,6 +175,7 @@ def _row(pod: Pod, run_id: str, runs: Runs, now: float) -> PodRow:
         retrieved=retrieved,
         files_lost_at=lost_at,
         save_with=save_with,
+        cluster_id=pod.cluster_id,
     )
 
 

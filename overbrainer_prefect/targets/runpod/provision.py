@@ -27,8 +27,9 @@ import asyncio
 import posixpath
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Protocol
 
 from overbrainer_prefect.executors.base import ExecError, TargetUnreachable
 from overbrainer_prefect.executors.ssh import SshExecutor
@@ -76,11 +77,34 @@ DEFAULT_WORKDIR = f"{POD_WORKSPACE}/{WORKDIR_NAME}"
 @dataclass
 class Provisioned:
     """A ready pod: its record, an executor reaching it (pinned host key) and
-    the run directory on it."""
+    the run directory on it. For an instant cluster: its primary's, and
+    every node's executor by rank with the primary's private address."""
 
     pod: PodRecord
     executor: SshExecutor
     remote_dir: str
+    nodes: list[SshExecutor] = field(default_factory=list)
+    """An instant cluster's pods, by rank (rank 0's is `executor`)."""
+    master_addr: str | None = None
+    """An instant cluster's primary's address on its private network."""
+
+
+class ProvisionSteps(Protocol):
+    """What makes and readies the pod (or cluster) of a run whose record and
+    keys exist (`provision` wraps it: whatever it raises ends every pod)."""
+
+    async def __call__(
+        self,
+        ctx: PodContext,
+        run: RunRecord,
+        pod: PodRecord,
+        keys: PodKeys,
+        settings: RunpodTargetSettings,
+        plan: LaunchPlan,
+        *,
+        api_url: str,
+        name: str,
+    ) -> Provisioned: ...
 
 
 async def provision(
@@ -90,12 +114,14 @@ async def provision(
     *,
     api_url: str,
     name: str,
+    steps: ProvisionSteps | None = None,
 ) -> Provisioned:
     """Creates the pod of the new run `run` on the GPU types of `plan` and
     waits until it is ready, reachable and capped (see the module). `api_url`
     is the API the pod's watchdog deletes it through; `name` names the target
     in messages. The run directory on the pod is `Provisioned.remote_dir`:
-    the run's record is not changed here.
+    the run's record is not changed here. `steps` make something else than
+    one pod (an instant cluster: `targets.runpod.cluster`).
 
     Raises PodError (NoCapacity, RunpodError as their one line; `kept` what
     the run's record keeps) with every pod of the run deleted; on
@@ -113,14 +139,16 @@ async def provision(
             max_cost_usd=settings.max_cost_usd,
             boot_grace_s=settings.boot_grace_s,
             retrieve_grace_s=settings.retrieve_grace_s,
+            cluster_pods=plan.pods if plan.pods > 1 else 0,
         )
         pod.save(ctx.runs)
         start_reaper(ctx.runs, run.id, ctx.client)  # bounds the pod until its watchdog runs
     except Exception as error:  # nothing was asked of Runpod yet
         why = f"cannot prepare the keys and pod record of the run: {error}"
         raise PodError(f"run {run.id} failed before its job started: {why}", kept=why) from None
+    make = steps or _provision
     try:
-        return await _provision(ctx, run, pod, keys, settings, plan, api_url=api_url, name=name)
+        return await make(ctx, run, pod, keys, settings, plan, api_url=api_url, name=name)
     except asyncio.CancelledError:
         await asyncio.shield(_abandon(ctx, run, pod, INTERRUPTED))
         raise
@@ -240,7 +268,7 @@ async def _provision(
     executor = await wait_ready(
         ctx, pod, settings.boot_grace_s - (time.monotonic() - sent_at[0]), name, settings.image
     )
-    workdir = await _workdir(executor)
+    workdir = await pod_workdir(executor)
     if workdir != executor.workdir:
         await executor.close()
         executor = pod_executor(ctx, pod, workdir, f"{name}: pod {pod.name}")
@@ -376,7 +404,7 @@ async def ssh_banner(host: str, port: int, timeout: float) -> bool:
         writer.close()
 
 
-async def _workdir(executor: SshExecutor) -> str:
+async def pod_workdir(executor: SshExecutor) -> str:
     """The run directories' directory on the pod: `<its workspace>/overbrainer`
     (the bootstrap tells SSH sessions its workspace)."""
     script = f'printf %s "${{OVERBRAINER_WORKSPACE:-{POD_WORKSPACE}}}"'
