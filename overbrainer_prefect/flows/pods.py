@@ -102,10 +102,7 @@ async def _sweep_retrieved(ctx: PodContext, rows: list[PodRow]) -> list[str]:
         local = PodRecord.load(store, row.run_id)
         mine = PodContext(client=ctx.client, runs=store, log=ctx.log, timing=ctx.timing)
         try:
-            if local is not None and (
-                local.pod_id == row.pod_id
-                or (row.cluster_id is not None and local.cluster_id == row.cluster_id)
-            ):  # its pod, or its cluster (deleted as one)
+            if local is not None and local.owns(row.pod_id, row.cluster_id):
                 await remove(mine, local, f"swept: {row.why}")
                 await forget_if_gone(mine, local)
                 end_step.fail(store, row.run_id, "its job never started within boot_grace")

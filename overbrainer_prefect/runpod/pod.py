@@ -266,6 +266,11 @@ class PodRecord(StoredRecord):
             return f"{self.cluster_id} (cluster of {self.cluster_pods} pods)"
         return self.pod_id or "(none)"
 
+    def owns(self, pod_id: str, cluster_id: str | None) -> bool:
+        """Whether pod `pod_id` (a node of cluster `cluster_id`, if any) is this
+        record's: its pod, or a node of its cluster (deleted as one)."""
+        return self.pod_id == pod_id or (cluster_id is not None and self.cluster_id == cluster_id)
+
     @property
     def is_cluster(self) -> bool:
         """Whether this is the record of an instant cluster (asked for, or made)."""
