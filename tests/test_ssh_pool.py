@@ -27,7 +27,15 @@ import pytest
 from overbrainer_prefect.blocks import SshPool, SshPoolHost, SshTarget
 from overbrainer_prefect.executors.base import JOB_LOG
 from overbrainer_prefect.flows import attach, train
+from overbrainer_prefect.kinds.base import Finished
+from overbrainer_prefect.kinds.training import (
+    LostRun,
+    go_on_after_lost_machines,
+    resume_path,
+    stage_checkpoint,
+)
 from overbrainer_prefect.runpod.settings import SettingsError
+from overbrainer_prefect.runs.checkpoints import last_kept
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import reporters, retrieve
@@ -556,6 +564,109 @@ def test_a_node_killed_mid_training_ends_the_training_on_every_node(
     assert not procs.alive(placement.jobs[0].pid)  # rank 0 did not train alone
     for i in range(3):  # both machines given back
         assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+
+
+def test_a_node_whose_machine_is_lost_after_a_complete_checkpoint_goes_on_from_it_elsewhere(
+    boxes: list[Sshd], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runs = Runs(tmp_path / "runs")
+    target = pool(boxes, tmp_path)  # max_restarts 2
+    training = TrainingSpec(datasets=["data/train.jsonl"], nodes=2)
+    recorded = training.model_dump(mode="json")
+    need = JobNeed(what="the training", training=training)
+    steps = 30
+    first = DdpTrainer(steps, pause_s=0.5, save_steps=3)  # 15 s at most: lost well before
+
+    async def lose_node_1() -> tuple[Finished, PoolPlacement]:
+        async with started_job(target, runs, first, need, spec=recorded) as (placed, ctx, record):
+            placement = PoolPlacement.load(runs, record.id)
+            assert placement is not None and len(placement.jobs) == 2
+            watching = asyncio.create_task(placed.follow(ctx, first, record))
+            await wait_for(lambda: last_kept(runs, record.id) is not None, 60, "a kept checkpoint")
+            boxes[int(placement.nodes[1][-1])].stop()  # node 1's machine is gone from the network
+            return Finished(await watching, placed.description), placement
+
+    async def again(spec: TrainingSpec, point: Any, attempt: int, usd: float) -> Finished:
+        assert point is not None and spec.nodes == 2
+        trainer = DdpTrainer(steps, pause_s=0.05, save_steps=3, resume_from=resume_path(point))
+
+        def prepare(record: RunRecord) -> None:
+            stage_checkpoint(runs, point, record)
+            record.resumed_from = point
+            runs.save(record)
+
+        async with started_job(
+            target,
+            runs,
+            trainer,
+            JobNeed(what="the training", training=spec),
+            spec=recorded,
+            prepare=prepare,
+        ) as (placed, ctx, record):
+            return Finished(await placed.follow(ctx, trainer, record), placed.description)
+
+    async def go() -> tuple[Finished, list[LostRun], PoolPlacement]:
+        finished, placement = await lose_node_1()
+        assert finished.outcome.record.state == RunState.FAILED, finished.outcome.record
+        assert not procs.alive(placement.jobs[0].pid)  # rank 0 did not train alone
+        with caplog.at_level(logging.WARNING, logger="pool"):
+            ended, lost = await go_on_after_lost_machines(runs, target, finished, LOG, again)
+        return ended, lost, placement
+
+    orphan = 0
+    try:
+        ended, lost, placement = asyncio.run(go())
+        orphan = placement.jobs[1].pid
+        # the lost node's own process ended once rank 0's did (its peer gone)
+        asyncio.run(wait_for(lambda: not procs.alive(orphan), 70, "node 1's process to end"))
+    finally:
+        if orphan and procs.alive(orphan):
+            os.killpg(orphan, signal.SIGKILL)
+    gone = placement.nodes[1]
+    saved = PoolPlacement.load(runs, placement.run_id)
+    assert saved is not None and saved.lost is not None
+    assert (
+        saved.lost.startswith("node 1 (") and "does not answer" in saved.lost and gone in saved.lost
+    )
+    (lost_run,) = lost
+    kept = last_kept(runs, placement.run_id)
+    assert kept is not None and lost_run.point is not None and lost_run.stop is None
+    assert (lost_run.point.checkpoint, lost_run.point.step) == (kept.path, kept.step)
+    assert {f.path for f in kept.files} >= {
+        f"{kept.path}/rank-0.pt",
+        f"{kept.path}/trainer_state.json",
+        f"nodes/1/{kept.path}/rank-1.pt",
+    }  # complete: every node's part
+    said = [r.getMessage() for r in caplog.records if "goes on from" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert f"goes on from {kept.path} (step {kept.step}) in a new run on new machines" in said[0]
+    message = runs.load(placement.run_id).message
+    assert f"it went on from {kept.path} (step {kept.step})" in message
+    # the run went on, on two machines of the pool that answer, and succeeded
+    outcome = ended.outcome
+    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved, outcome.record
+    assert outcome.record.resumed_from == lost_run.point
+    again_on = PoolPlacement.load(runs, outcome.record.id)
+    assert again_on is not None and again_on.lost is None
+    assert sorted(again_on.nodes) == sorted(f"box{i}" for i in range(3) if f"box{i}" != gone)
+    told = []
+    for rank, name in enumerate(again_on.nodes):
+        run_dir = work_of(tmp_path, int(name[-1])) / outcome.record.id
+        assert (run_dir / "resume" / f"checkpoint-{kept.step}" / f"rank-{rank}.pt").is_file()
+        told.append(json.loads((run_dir / f"rank-{rank}.json").read_text()))
+        assert told[rank]["resumed_at"] == kept.step and told[rank]["world_size"] == 2
+        assert len(told[rank]["losses"]) == steps - kept.step
+    assert told[0]["weights_sha256"] == told[1]["weights_sha256"]
+    progress = [m.step for m in outcome.summary.metrics]
+    assert progress == list(range(kept.step + 1, steps + 1))
+    paths = {f.path for f in outcome.files}
+    last = f"output/checkpoint-{steps}"
+    assert {f"{last}/rank-0.pt", f"nodes/1/{last}/rank-1.pt", "nodes/1/job.log"} <= paths
+    listed = json.loads((runs.run_dir(outcome.record.id) / "nodes.json").read_text())
+    assert {f["path"] for f in listed["files"]} == paths
+    for i in range(3):
+        if f"box{i}" != gone:  # the machines that answer are free again
+            assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
 
 
 def test_more_nodes_than_machines_is_refused_in_one_line_before_anything(
