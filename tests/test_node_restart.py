@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.kinds.base import Finished
 from overbrainer_prefect.kinds.training import (
@@ -28,7 +29,9 @@ from overbrainer_prefect.runs.checkpoints import (
     KeptCheckpoint,
     KeptCheckpoints,
     KeptFile,
+    in_checkpoint,
     save_kept,
+    sorted_against,
 )
 from overbrainer_prefect.runs.metrics import MetricsSummary
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
@@ -172,3 +175,23 @@ def test_every_nodes_part_of_the_checkpoint_is_staged_for_the_node_of_its_rank(
     assert (local / "resume" / "checkpoint-6" / "rank-0.pt").read_bytes() == b"shard 0"
     assert (local / "nodes" / "1" / "resume" / "checkpoint-6" / "rank-1.pt").read_bytes() == b"s1"
     assert not (local / "resume" / "checkpoint-6" / "rank-1.pt").exists()
+
+
+def test_a_kept_checkpoint_across_nodes_found_unchanged_is_not_copied_again() -> None:
+    files = [
+        KeptFile(path="output/checkpoint-6/rank-0.pt", size=1, sha256="a"),
+        KeptFile(path="nodes/1/output/checkpoint-6/rank-1.pt", size=1, sha256="b"),
+    ]
+    point = KeptCheckpoint(
+        step=6, path="output/checkpoint-6", kept="2026-12-05T00:00:00Z", files=files
+    )
+    kept = KeptCheckpoints(checkpoints=[point])
+    manifest = [f.digest() for f in files] + [
+        FileDigest(path="output/adapter_model.safetensors", size=1, sha256="c"),
+        FileDigest(path="nodes/1/output/checkpoint-60/rank-1.pt", size=1, sha256="d"),
+    ]
+    assert sorted_against(kept, manifest) == (["output/checkpoint-6"], [], [])
+    changed = [*manifest[:1], FileDigest(path=files[1].path, size=1, sha256="e")]
+    assert sorted_against(kept, changed) == ([], [], ["output/checkpoint-6"])  # node 1's differs
+    assert in_checkpoint("nodes/1/output/checkpoint-6/rank-1.pt", "output/checkpoint-6")
+    assert not in_checkpoint("nodes/1/output/checkpoint-60/rank-1.pt", "output/checkpoint-6")

@@ -17,7 +17,12 @@ from overbrainer_prefect.executors.nodes import node_dir, node_rank
 from overbrainer_prefect.kinds.base import Finished, JobKind, JobResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.files import FileEntry
-from overbrainer_prefect.runs.checkpoints import KeptCheckpoint, last_kept, load_kept
+from overbrainer_prefect.runs.checkpoints import (
+    KeptCheckpoint,
+    in_checkpoint,
+    last_kept,
+    load_kept,
+)
 from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunsError, RunState
 from overbrainer_prefect.steps.context import Outcome
@@ -83,17 +88,18 @@ def _checkpoint_files(
     when its files were never retrieved (its machine was lost), as they were
     verified when it was kept while the job trained; with, for one kept on a
     network volume (not in the store), how it was kept there."""
-    prefix = f"{checkpoint.rstrip('/')}/"
-
-    def inside(path: str) -> bool:  # rank 0's part, or another node's under nodes/<rank>/
-        return path[len(node_dir(node_rank(path))) :].startswith(prefix)
-
-    listed = [entry for entry in load_manifest(runs, run_id) if inside(entry.path)]
+    listed = [
+        entry for entry in load_manifest(runs, run_id) if in_checkpoint(entry.path, checkpoint)
+    ]
     if listed:
         return listed, None
-    kept = [p for p in load_kept(runs, run_id).checkpoints if p.path.rstrip("/") == prefix[:-1]]
+    kept = [
+        p
+        for p in load_kept(runs, run_id).checkpoints
+        if p.path.rstrip("/") == checkpoint.rstrip("/")
+    ]
     on_volume = kept[-1] if kept and kept[-1].volume is not None and kept[-1].remote else None
-    files = [f.digest() for point in kept for f in point.files if inside(f.path)]
+    files = [f.digest() for point in kept for f in point.files if in_checkpoint(f.path, checkpoint)]
     return files, on_volume
 
 
