@@ -11,7 +11,9 @@ directory, put by the target itself into an object store (`direct.put_files`).
 It counts as kept once every file's SHA-256 is verified against the
 target's own (across nodes: every node's part, rank 0's under its path and
 each other node's under `nodes/<rank>/`; one missing a node's part is not
-complete), and is then added to the run's `checkpoints.json`. On a pod
+complete: under axolotl every process writes at least its
+`rng_state_<rank>.pth` there, and its shards under DeepSpeed ZeRO), and is
+then added to the run's `checkpoints.json`. On a pod
 whose run directory is on a network volume that keeps the checkpoints
 (`RunContext.checkpoints_volume`), nothing moves: the pod hashes it where
 the job wrote it, and that is what is recorded. One keep at
