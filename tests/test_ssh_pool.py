@@ -4,8 +4,9 @@ different machines, never one; a machine killed mid-run is that run's loss
 only; two workers racing for the last free machine: one gets it, the other
 waits or fails in one line; a dead orchestrator's claim is taken over once
 its job ended; a training across nodes that loses a node ends on every node
-and goes on from its last complete checkpoint on machines that answer. Jobs are shell scripts (`tests.shelljobs`); only the core is
-used (no Prefect server)."""
+and goes on from its last complete checkpoint on machines that answer. Jobs
+are shell scripts (`tests.shelljobs`); only the core is used (no Prefect
+server)."""
 
 from __future__ import annotations
 
