@@ -172,6 +172,21 @@ def test_a_node_silent_once_rank_0_failed_is_lost_at_once(tmp_path: Path) -> Non
     assert [rank for rank, _ in told] == [1]
 
 
+def test_a_cancelled_job_whose_node_then_stops_answering_stays_cancelled(tmp_path: Path) -> None:
+    told: list[tuple[int, str]] = []
+    executor = nodes(tmp_path, told)
+    machine = executor.nodes[1]
+    assert isinstance(machine, Machine)
+
+    async def go() -> JobStatus:
+        first = await executor.spawn(job(executor, WAITS))
+        await executor.cancel(first)
+        machine.silent = True  # a cancel is no loss
+        return await executor.status(first)
+
+    assert asyncio.run(go()) == JobStatus.cancelled() and told == []
+
+
 def test_a_nodes_own_files_are_uploaded_to_that_node_alone(tmp_path: Path) -> None:
     executor = NodesExecutor(
         [LocalExecutor(tmp_path / f"node{rank}", name=f"node{rank}") for rank in (0, 1)],

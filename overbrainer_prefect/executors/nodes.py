@@ -14,7 +14,7 @@ is cancelled, and the job's status is that node's (its exit code, or lost);
 once rank 0 ended, any node still running is cancelled. A node is lost when
 its job is gone without an exit code, or when its machine does not answer
 NODE_GONE_LOOKS looks in a row while rank 0's does (at once when rank 0's
-job already ended badly): the job's status is then `lost`, said first to
+job already failed or was lost): the job's status is then `lost`, said first to
 `lost` (the node's rank and why), and every node's job still running is
 cancelled.
 
@@ -49,9 +49,8 @@ NODES_MANIFEST = "nodes.json"
 """Beside a run's manifest: every retrieved file with the node (rank, machine) it came from."""
 RANK_ENV = "PET_NODE_RANK"
 """A node's rank (0..N-1) in its job's environment, as torchrun reads it."""
-NODE_GONE_LOOKS = (
-    3  # looks in a row a node's machine does not answer, rank 0's does, before it is lost
-)
+NODE_GONE_LOOKS = 3
+"""Looks in a row a node's machine does not answer, rank 0's does, before the node is lost."""
 FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 """Printed by the first node's Python: a port free there for the rendezvous."""
 
@@ -194,7 +193,8 @@ class NodesExecutor:
             if isinstance(look, ExecError):
                 silent[rank] = look
         found = {rank: look for rank, look in enumerate(looks) if isinstance(look, JobStatus)}
-        ended_badly = first.is_finished and first != JobStatus.exited(0)
+        # rank 0 failed or lost (not cancelled: a cancel is no loss): a silent node is lost now
+        ended_badly = first.kind == "lost" or (first.kind == "exited" and first.code != 0)
         gone = [
             (rank, f"it does not answer ({error})")
             for rank, error in silent.items()
