@@ -21,6 +21,7 @@ from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.settings import (
+    MAX_RESTARTS,
     RunpodSettingsFields,
     RunpodTargetSettings,
     SettingsError,
@@ -293,6 +294,15 @@ class SshPool(TargetBlock):
         ge=0,
         description="How long a run waits for a free machine before it fails (0: not at all).",
     )
+    max_restarts: int = Field(
+        default=2,
+        ge=0,
+        le=MAX_RESTARTS,
+        description="How many times a training across nodes that lost a node (its job gone, "
+        "its machine silent) goes on, by itself, from its last complete checkpoint (every "
+        "node's part kept; from where it started when none was) on free machines of the pool; "
+        f"0: the run fails with the loss; at most {MAX_RESTARTS}.",
+    )
     connect_timeout: float = Field(default=15.0, gt=0, description="Seconds to connect.")
 
     def executor(self, machine: SshPoolHost, name: str) -> Executor:
@@ -331,6 +341,7 @@ class SshPool(TargetBlock):
             ],
             self.bounds(),
             wait_s=self.wait_minutes * 60,
+            max_restarts=self.max_restarts,
             secrets=self.secrets,
             cpu_threads=self.cpu_threads,
             log=log,

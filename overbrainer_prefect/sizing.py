@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from overbrainer_prefect.trainers.export import QUANTS
-from overbrainer_prefect.trainers.spec import TrainingSpec
+from overbrainer_prefect.trainers.spec import DEEPSPEED_STAGES, TrainingSpec
 
 DTYPE_BYTES = {
     "F64": 8,
@@ -238,6 +238,10 @@ class DiskJob:
     model and the f16 GGUF stay in its `work/`)."""
     checkpoints: int = 1
     """Checkpoints a training of full weights may leave (model and optimizer state)."""
+    shards: int = 1
+    """The nodes a training's checkpoints shard their optimizer state over
+    (DeepSpeed ZeRO across nodes: each node saves its ranks' part; rank 0's
+    node also the whole model, so its disk holds the most)."""
     gguf_bytes: int | None = None
     """A job asking GGUFs of known size made elsewhere (its own machine's compare)."""
 
@@ -247,7 +251,9 @@ def train_job(spec: TrainingSpec) -> DiskJob:
     even for a QLoRA) and, for full weights, the model and the checkpoints it
     may leave (one, the checkpoint hold's, unless `save_steps` saves more: as
     many as `save_total_limit` in `extra`, else one a `save_steps` of
-    `max_steps`)."""
+    `max_steps`), on each node of a training across nodes its own part of
+    their optimizer state when DeepSpeed ZeRO shards it (FSDP's are saved
+    whole, FULL_STATE_DICT, by rank 0)."""
     checkpoints = 1
     if spec.save_steps is not None:
         limit = spec.extra.get("save_total_limit")
@@ -256,7 +262,11 @@ def train_job(spec: TrainingSpec) -> DiskJob:
         elif spec.max_steps is not None:
             checkpoints = max(1, math.ceil(spec.max_steps / spec.save_steps))
     return DiskJob(
-        "train", model=spec.base_model, full=spec.adapter == "full", checkpoints=checkpoints
+        "train",
+        model=spec.base_model,
+        full=spec.adapter == "full",
+        checkpoints=checkpoints,
+        shards=spec.nodes if spec.sharding in DEEPSPEED_STAGES else 1,
     )
 
 
@@ -327,7 +337,7 @@ def disk_peak(jobs: Sequence[tuple[str, DiskJob]], weights: Callable[[str], Weig
             left = 0
             if job.full:  # the model in bf16, and each checkpoint with its AdamW moments
                 left = 2 * base.parameters * (1 + job.checkpoints) + (
-                    ADAM_STATE_BYTES * base.parameters * job.checkpoints
+                    ADAM_STATE_BYTES * base.parameters * job.checkpoints // max(1, job.shards)
                 )
             peaks.append(JobDisk(what, held, fresh + left))
             held += fresh + left

@@ -3,7 +3,8 @@ job, for the checks of a multi-process or multi-node launch (the CPU tests
 through tests/ddpjob.py, the GPU check, the multi-node bench). Runs in the
 job venv (torch).
 
-usage: torchrun ... scripts/ddp_step.py [--steps N] [--step-s S]
+usage: torchrun ... scripts/ddp_step.py [--steps N] [--step-s S] [--save-steps K]
+                                       [--resume DIR]
 
 Joins the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR... in
 its environment): NCCL on a GPU, gloo on a CPU. Each step trains on data of
@@ -11,7 +12,8 @@ its own rank, so the gradients differ until DDP's all-reduce makes them one.
 Writes, in the working directory:
 
 - `rank-<global rank>.json`: the rank, the local rank, the world size, the
-  backend, the node's rank (torchrun's GROUP_RANK), each step's loss, the
+  backend, the node's rank (torchrun's GROUP_RANK), the step it resumed
+  at (0: none), each step's loss, the
   SHA-256 of the final weights (equal on every rank when DDP synchronised
   them) and when the first step ended (epoch seconds);
 - `metrics.jsonl`, on global rank 0 only (the metrics plugin's rule): a
@@ -20,11 +22,17 @@ Writes, in the working directory:
   weights (the run's required output, as an adapter is).
 
 `--step-s` sleeps that long after each step (a run long enough to be
-stopped or lost mid-way). After each step rank 0 looks for `stop.request` in
-the working directory and tells every rank (the metrics plugin's rule): then
-every rank saves its model and optimizer state in
-`output/checkpoint-<step>/rank-<global rank>.pt` on its own node, and all
-stop at the same step. Exits 1 when a collective fails (a peer is gone).
+stopped or lost mid-way). A checkpoint is saved every `--save-steps` steps,
+and when rank 0 finds `stop.request` in the working directory after a step
+(it tells every rank: the metrics plugin's rule; then all stop at that
+step): every rank saves its part, its model, optimizer and data state, in
+`output/checkpoint-<step>/rank-<global rank>.pt` on its own node (a shard
+per node, as a sharded checkpoint is), then, once every rank saved,
+rank 0 writes `trainer_state.json` there last (its marker: the checkpoint
+is complete, as axolotl's trainer writes it last). `--resume DIR` has every
+rank load its own part, `DIR/rank-<global rank>.pt`, and go on from the
+step after it (a rank without its part exits 1). Exits 1 when a collective
+fails (a peer is gone).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 STOP_FILE = "stop.request"  # as the trainer names it (trainers/base.py)
+MARKER = "trainer_state.json"  # written last into a complete checkpoint (steps/checkpoints.py)
 TIMEOUT_S = 60  # a collective whose peer is gone fails after this at the latest
 
 
@@ -48,6 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--resume", default=None)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -69,10 +80,37 @@ def main() -> None:
             metrics.write(json.dumps({**fields, "time": time.time()}) + "\n")
             metrics.flush()
 
-    event(event="begin", step=0, max_steps=args.steps, processes=world, gpus=world if cuda else 0)
+    start = 0
+    if args.resume is not None:  # this rank's own part of the checkpoint
+        state = torch.load(f"{args.resume}/rank-{rank}.pt", map_location=device)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        data.set_state(state["data"])
+        start = int(state["step"])
+
+    def save(step: int) -> str:
+        checkpoint = f"output/checkpoint-{step}"
+        os.makedirs(checkpoint, exist_ok=True)
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "data": data.get_state(),
+            "step": step,
+        }
+        torch.save(state, f"{checkpoint}/rank-{rank}.pt")
+        dist.barrier()  # every rank's part is written before the marker
+        if rank == 0:
+            with open(f"{checkpoint}/{MARKER}", "w", encoding="utf-8") as out:
+                json.dump({"global_step": step, "world_size": world}, out)
+        return checkpoint
+
+    event(
+        event="begin", step=start, max_steps=args.steps, processes=world, gpus=world if cuda else 0
+    )
     losses: list[float] = []
     first_step_at = None
-    for step in range(1, args.steps + 1):
+    checkpoint = None
+    for step in range(start + 1, args.steps + 1):
         x = torch.randn(16, 8, generator=data).to(device)
         y = x.sum(dim=1, keepdim=True)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -85,15 +123,12 @@ def main() -> None:
         stop = torch.tensor([int(rank == 0 and os.path.exists(STOP_FILE))], device=device)
         dist.broadcast(stop, src=0)  # rank 0's decision, for every rank
         if stop.item():
-            checkpoint = f"output/checkpoint-{step}"
-            os.makedirs(checkpoint, exist_ok=True)
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            torch.save(state, f"{checkpoint}/rank-{rank}.pt")
+            checkpoint = save(step)
             break
+        if args.save_steps and step % args.save_steps == 0:
+            save(step)
         if args.step_s:
             time.sleep(args.step_s)
-    else:
-        checkpoint = None
     dist.barrier()
     weights = repr([p.detach().cpu().tolist() for p in model.parameters()]).encode()
     result = {
@@ -102,6 +137,7 @@ def main() -> None:
         "world_size": world,
         "backend": backend,
         "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "resumed_at": start,
         "losses": losses,
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "first_step_at": first_step_at,
@@ -113,7 +149,11 @@ def main() -> None:
         torch.save(model.state_dict(), "output/adapter_model.safetensors")
     stopped = checkpoint is not None
     event(
-        event="end", step=len(losses), stopped=stopped, checkpoint=checkpoint, train_loss=losses[-1]
+        event="end",
+        step=start + len(losses),
+        stopped=stopped,
+        checkpoint=checkpoint,
+        train_loss=losses[-1] if losses else None,
     )
     dist.destroy_process_group()
 

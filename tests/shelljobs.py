@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from overbrainer_prefect.runs.store import RunRecord, Runs
 from overbrainer_prefect.steps import reporters
@@ -80,12 +81,20 @@ async def wait_for(
 
 @asynccontextmanager
 async def started_job(
-    place: Target, runs: Runs, trainer: Trainer, need: JobNeed, record_trainer: str = "training"
+    place: Target,
+    runs: Runs,
+    trainer: Trainer,
+    need: JobNeed,
+    record_trainer: str = "training",
+    *,
+    spec: dict[str, Any] | None = None,
+    prepare: Callable[[RunRecord], None] | None = None,
 ) -> AsyncIterator[tuple[Placed, RunContext, RunRecord]]:
     """The job of `trainer` started on `place` as the driver starts it: `need`
-    checked, a reservation, a record (`record_trainer`), its place (the
-    caller records its remote dir, as for a pod), then the start; yields
-    (placed, ctx, record) while the place is held. Raises what those steps raise."""
+    checked, a reservation, a record (`record_trainer`, with `spec`), what
+    `prepare` does with it (a checkpoint staged), its place (the caller
+    records its remote dir, as for a pod), then the start; yields (placed,
+    ctx, record) while the place is held. Raises what those steps raise."""
     place.check(need)
     async with place.reserve(runs, need, NoBudget()) as reservation:
         record = start_step.create(
@@ -94,7 +103,10 @@ async def started_job(
             target_kind=place.kind,
             workdir=place.workdir,
             trainer=record_trainer,
+            spec=spec,
         )
+        if prepare is not None:
+            prepare(record)
         async with place.place(runs, runs.load(record.id), reservation) as placed:
             record = runs.load(record.id)
             record.remote_dir = placed.remote_dir(record)

@@ -239,6 +239,15 @@ def test_the_vram_estimate_per_gpu_falls_as_sharding_spreads_the_state() -> None
     )
     assert ddp.total > zero1.total > zero2.total > zero3.total
     assert zero3.weights < ddp.weights / 3
+    # across nodes the states are sharded over every node's GPUs: 2 nodes of 4 are 8 GPUs
+    for sharding in ("zero1", "zero2", "zero3", "fsdp"):
+        one = full.model_copy(update={"sharding": sharding})
+        two = one.model_copy(update={"nodes": 2})
+        assert training_vram(shape, two, gpus=4) == training_vram(shape, one, gpus=8)
+        assert training_vram(shape, two, gpus=4).total < training_vram(shape, one, gpus=4).total
+        assert training_vram(shape, two, gpus=1) == training_vram(shape, one, gpus=2)
+    # DDP holds everything on every GPU, however many nodes
+    assert training_vram(shape, full.model_copy(update={"nodes": 3}), gpus=4) == ddp
 
 
 # Against the pinned axolotl, in the job venv

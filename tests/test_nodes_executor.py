@@ -1,11 +1,13 @@
 """One job across nodes (`executors.nodes`), its nodes two local executors
 with work directories of their own: every node gets the rendezvous in its
-job's environment, and no node trains alone (a node that fails or is lost
-cancels every node still running, and the job's status is that node's, read
-after read); every node's files are listed, retrieved and verified under
-its rank, in a local runs directory or by the nodes themselves into an
-object store (moto's S3 server). Real jobs, this machine's processes; no
-sshd needed."""
+job's environment, and no node trains alone (a node that fails or is lost,
+its job gone or its machine silent a few looks in a row, cancels every node
+still running, and the job's status is that node's, read after read); every
+node's files are listed, retrieved and verified under its rank, in a local
+runs directory or by the nodes themselves into an object store (moto's S3
+server); a node's own files are uploaded to it alone; a checkpoint is kept
+only with every node's part. Real jobs, this machine's processes; no sshd
+needed."""
 
 from __future__ import annotations
 
@@ -22,13 +24,17 @@ from overbrainer_prefect.executors.base import (
     CANCEL_FILE,
     ExecError,
     FileDigest,
+    JobId,
     JobSpec,
     JobStatus,
+    TargetUnreachable,
 )
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.manifest import verify
-from overbrainer_prefect.executors.nodes import NodesExecutor
+from overbrainer_prefect.executors.nodes import NODE_GONE_LOOKS, NodesExecutor
+from overbrainer_prefect.runs.checkpoints import KeptCheckpoint, last_kept
 from overbrainer_prefect.runs.store import Runs
+from overbrainer_prefect.steps.checkpoints import COMPLETE_MARK, keep
 from overbrainer_prefect.steps.direct import put_files
 from tests import procs
 from tests.s3server import S3Server
@@ -38,9 +44,23 @@ WAITS = "i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done"
 """A node's job that runs for 30 s at most, unless it is ended."""
 
 
-def nodes(tmp_path: Path) -> NodesExecutor:
-    executors = [LocalExecutor(tmp_path / f"node{rank}", name=f"node{rank}") for rank in (0, 1)]
-    return NodesExecutor(executors, "127.0.0.1", sys.executable)
+class Machine(LocalExecutor):
+    """A node on this machine that can stop answering (`silent`), as a
+    machine gone from the network does."""
+
+    silent = False
+
+    async def status(self, job: JobId) -> JobStatus:
+        """Its job's status; TargetUnreachable while it is silent."""
+        if self.silent:
+            raise TargetUnreachable("status", f"{self.description} does not answer")
+        return await super().status(job)
+
+
+def nodes(tmp_path: Path, told: list[tuple[int, str]] | None = None) -> NodesExecutor:
+    executors = [Machine(tmp_path / f"node{rank}", name=f"node{rank}") for rank in (0, 1)]
+    lost = (lambda rank, why: told.append((rank, why))) if told is not None else None
+    return NodesExecutor(executors, "127.0.0.1", sys.executable, lost=lost)
 
 
 def job(executor: NodesExecutor, script: str) -> JobSpec:
@@ -87,7 +107,8 @@ def test_a_node_that_fails_cancels_every_node_still_running_and_its_code_is_the_
 
 
 def test_a_node_lost_ends_the_job_on_every_node_and_the_job_reads_lost(tmp_path: Path) -> None:
-    executor = nodes(tmp_path)
+    told: list[tuple[int, str]] = []
+    executor = nodes(tmp_path, told)
 
     async def go() -> list[JobStatus]:
         first = await executor.spawn(job(executor, WAITS))
@@ -99,6 +120,127 @@ def test_a_node_lost_ends_the_job_on_every_node_and_the_job_reads_lost(tmp_path:
 
     assert asyncio.run(go()) == [JobStatus.lost()] * 3
     assert (Path(executor.jobs[0].dir) / CANCEL_FILE).exists()
+    assert told == [(1, "node 1 (local target 'node1'): its job is gone without an exit code")]
+
+
+def test_a_node_whose_machine_stops_answering_is_lost_after_a_few_looks_and_ends_every_node(
+    tmp_path: Path,
+) -> None:
+    told: list[tuple[int, str]] = []
+    executor = nodes(tmp_path, told)
+    machine = executor.nodes[1]
+    assert isinstance(machine, Machine)
+
+    async def go() -> list[JobStatus]:
+        first = await executor.spawn(job(executor, WAITS))
+        machine.silent = True
+        for _ in range(NODE_GONE_LOOKS - 1):  # not lost yet: a blip is retried
+            with pytest.raises(TargetUnreachable, match="node1. does not answer"):
+                await executor.status(first)
+        assert told == [] and not (Path(executor.jobs[0].dir) / CANCEL_FILE).exists()
+        return [await executor.status(first) for _ in range(2)]
+
+    try:
+        assert asyncio.run(go()) == [JobStatus.lost()] * 2
+    finally:
+        for each in executor.jobs:
+            if procs.alive(each.pid):
+                os.killpg(each.pid, signal.SIGKILL)
+    assert (Path(executor.jobs[0].dir) / CANCEL_FILE).exists()  # rank 0 did not train alone
+    ((rank, why),) = told
+    assert rank == 1 and why.startswith("node 1 (local target 'node1'): it does not answer (")
+
+
+def test_a_node_silent_once_rank_0_failed_is_lost_at_once(tmp_path: Path) -> None:
+    told: list[tuple[int, str]] = []
+    executor = nodes(tmp_path, told)
+    machine = executor.nodes[1]
+    assert isinstance(machine, Machine)
+    script = f'if [ "$PET_NODE_RANK" = 0 ]; then exit 1; fi; {WAITS}'
+
+    async def go() -> JobStatus:
+        first = await executor.spawn(job(executor, script))
+        await wait_for(lambda: any((tmp_path / "node0").rglob("job.exit")), 10, "rank 0's end")
+        machine.silent = True
+        return await executor.status(first)
+
+    try:
+        assert asyncio.run(go()) == JobStatus.lost()
+    finally:
+        if procs.alive(executor.jobs[1].pid):
+            os.killpg(executor.jobs[1].pid, signal.SIGKILL)
+    assert [rank for rank, _ in told] == [1]
+
+
+def test_a_cancelled_job_whose_node_then_stops_answering_stays_cancelled(tmp_path: Path) -> None:
+    told: list[tuple[int, str]] = []
+    executor = nodes(tmp_path, told)
+    machine = executor.nodes[1]
+    assert isinstance(machine, Machine)
+
+    async def go() -> JobStatus:
+        first = await executor.spawn(job(executor, WAITS))
+        await executor.cancel(first)
+        machine.silent = True  # a cancel is no loss
+        return await executor.status(first)
+
+    assert asyncio.run(go()) == JobStatus.cancelled() and told == []
+
+
+def test_a_nodes_own_files_are_uploaded_to_that_node_alone(tmp_path: Path) -> None:
+    executor = NodesExecutor(
+        [LocalExecutor(tmp_path / f"node{rank}", name=f"node{rank}") for rank in (0, 1)],
+        "127.0.0.1",
+        sys.executable,
+    )
+    local = tmp_path / "local"
+    (local / "resume" / "checkpoint-3").mkdir(parents=True)
+    (local / "resume" / "checkpoint-3" / "rank-0.pt").write_bytes(b"shard 0")
+    own = local / "nodes" / "1" / "resume" / "checkpoint-3"
+    own.mkdir(parents=True)
+    (own / "rank-1.pt").write_bytes(b"shard 1")
+    remote = os.path.join(executor.workdir, "run")
+    asyncio.run(executor.upload(local, remote))
+    node0, node1 = tmp_path / "node0" / "run", tmp_path / "node1" / "run"
+    assert (node0 / "resume" / "checkpoint-3" / "rank-0.pt").read_bytes() == b"shard 0"
+    assert (node1 / "resume" / "checkpoint-3" / "rank-0.pt").read_bytes() == b"shard 0"
+    assert (node1 / "resume" / "checkpoint-3" / "rank-1.pt").read_bytes() == b"shard 1"
+    assert not (node0 / "resume" / "checkpoint-3" / "rank-1.pt").exists()
+    assert not (node0 / "nodes").exists() and not (node1 / "nodes").exists()
+
+
+def test_a_checkpoint_is_kept_only_with_every_nodes_part(tmp_path: Path) -> None:
+    executor = nodes(tmp_path)
+    runs = Runs(tmp_path / "runs")
+    record = "20260101-000000-abcd"
+    remote = os.path.join(executor.workdir, "run")
+    point = Path(remote) / "output" / "checkpoint-3"
+    point.mkdir(parents=True)
+    (point / "rank-0.pt").write_bytes(b"shard 0")
+    (point / COMPLETE_MARK).write_text("{}")
+
+    def keep_it() -> KeptCheckpoint:
+        return asyncio.run(
+            keep(executor, sys.executable, runs, record, remote, "output/checkpoint-3", 3)
+        )
+
+    with pytest.raises(ExecError, match="has no part on node 1: it is not complete"):
+        keep_it()
+    assert last_kept(runs, record) is None
+    shard = tmp_path / "node1" / "run" / "output" / "checkpoint-3"
+    shard.mkdir(parents=True)
+    (shard / "rank-1.pt").write_bytes(b"shard 1")
+    kept = keep_it()
+    assert {f.path for f in kept.files} == {
+        "output/checkpoint-3/rank-0.pt",
+        f"output/checkpoint-3/{COMPLETE_MARK}",
+        "nodes/1/output/checkpoint-3/rank-1.pt",
+    }
+    assert last_kept(runs, record) == kept
+    local = runs.run_dir(record)
+    assert (local / "nodes" / "1" / "output" / "checkpoint-3" / "rank-1.pt").read_bytes() == (
+        b"shard 1"
+    )
 
 
 def test_a_cancel_cancels_every_node(tmp_path: Path) -> None:

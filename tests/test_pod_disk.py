@@ -157,6 +157,13 @@ def test_an_f16_export_peaks_in_the_compare_and_a_full_run_counts_its_checkpoint
     assert train_job(full.model_copy(update={"extra": {"save_total_limit": 1}})).checkpoints == 1
     (run,) = disk_peak([("the run", train_job(full))], eight_b).jobs
     assert run.own == W + W + 2 * (W + 8 * PARAMS)
+    # across 2 nodes DeepSpeed ZeRO saves each node's part of the optimizer state on that node
+    zero3 = full.model_copy(update={"sharding": "zero3", "nodes": 2})
+    assert train_job(zero3).shards == 2
+    (node,) = disk_peak([("the run", train_job(zero3))], eight_b).jobs
+    assert node.own == W + W + 2 * (W + 4 * PARAMS)
+    fsdp = full.model_copy(update={"sharding": "fsdp", "nodes": 2})  # saved whole by rank 0
+    assert train_job(fsdp).shards == 1
     # an export that keeps its intermediates leaves its merged model and f16 GGUF to the next
     kept = after_training(training(), ExportSpec(quant="q8_0", keep_intermediate=True))
     jobs = [("the run", train_job(training()))] + [(n.what, n.disk) for n in kept if n.disk]

@@ -214,6 +214,22 @@ def test_sharding_on_enough_gpus_passes(tmp_path: Path) -> None:
         assert preflight(spec, gpus=2, compute_capability=(9, 0)) == []
 
 
+def test_across_nodes_every_sharding_and_adapter_runs_on_one_gpu_a_node_but_not_on_none(
+    tmp_path: Path, runs: Runs
+) -> None:
+    data = dataset(tmp_path, [json.dumps(CHAT)])
+    for sharding in ("ddp", "zero1", "zero2", "zero3", "fsdp"):  # 2 nodes of 1 GPU: 2 GPUs
+        for adapter in ("lora", "qlora", "full"):
+            spec = make(tmp_path, data, sharding=sharding, adapter=adapter, nodes=2)
+            assert preflight(spec, gpus=1, compute_capability=(9, 0)) == [], (sharding, adapter)
+    # axolotl puts each process's model on the GPU of its LOCAL_RANK: a CPU node cannot join
+    spec = make(tmp_path, data, nodes=2)
+    says = refused(runs, spec, gpus=0)
+    assert "nodes=2 runs axolotl as one process per GPU" in says and "\n" not in says
+    assert says.endswith("use machines with a GPU each, or set nodes to 1")
+    assert "sharding zero3" in refused(runs, make(tmp_path, data, sharding="zero3"), gpus=1)
+
+
 def test_a_gpu_count_the_gpu_type_cannot_have_is_refused_before_any_pod(runs: Runs) -> None:
     catalog = [
         GpuType(

@@ -3,8 +3,10 @@
 different machines, never one; a machine killed mid-run is that run's loss
 only; two workers racing for the last free machine: one gets it, the other
 waits or fails in one line; a dead orchestrator's claim is taken over once
-its job ended. Jobs are shell scripts (`tests.shelljobs`); only the core is
-used (no Prefect server)."""
+its job ended; a training across nodes that loses a node ends on every node
+and goes on from its last complete checkpoint on machines that answer. Jobs
+are shell scripts (`tests.shelljobs`); only the core is used (no Prefect
+server)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,16 @@ import pytest
 from overbrainer_prefect.blocks import SshPool, SshPoolHost, SshTarget
 from overbrainer_prefect.executors.base import JOB_LOG
 from overbrainer_prefect.flows import attach, train
+from overbrainer_prefect.kinds.base import Finished
+from overbrainer_prefect.kinds.training import (
+    LostRun,
+    go_on_after_lost_machines,
+    resume_path,
+    stage_checkpoint,
+)
 from overbrainer_prefect.runpod.settings import SettingsError
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.runs.checkpoints import last_kept
+from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import reporters, retrieve
 from overbrainer_prefect.steps.context import Outcome
@@ -530,32 +540,137 @@ def test_a_training_across_two_nodes_of_the_pool_is_one_group_stopped_and_retrie
         assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
 
 
-def test_a_node_killed_mid_training_ends_the_training_on_every_node(
-    boxes: list[Sshd], tmp_path: Path
+def test_a_training_across_nodes_that_loses_a_node_goes_on_from_its_last_complete_checkpoint(
+    boxes: list[Sshd], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Node 1's machine leaves the network (its sshd killed) once a checkpoint
+    is kept: the run goes on from it on the free machines that answer; there,
+    node 1's job is killed once a checkpoint of that run is kept: it goes on
+    again (max_restarts 2), from that one, and succeeds."""
     runs = Runs(tmp_path / "runs")
-    trainer = DdpTrainer(steps=600, pause_s=0.1)  # a minute at most
+    target = pool(boxes, tmp_path)  # max_restarts 2
+    training = TrainingSpec(datasets=["data/train.jsonl"], nodes=2)
+    recorded = training.model_dump(mode="json")
+    steps = 30
+    placements: list[PoolPlacement] = []
 
-    async def go() -> tuple[Outcome, PoolPlacement]:
-        target = pool(boxes, tmp_path)
-        async with started_on_nodes(target, runs, trainer, 2) as (placed, ctx, record):
-            placement = PoolPlacement.load(runs, record.id)
-            assert placement is not None and len(placement.jobs) == 2
-            metrics = Path(record.remote_dir) / "metrics.jsonl"  # rank 0's
+    async def lost_once_kept(
+        record: RunRecord, watching: asyncio.Task[Outcome], lose: Callable[[PoolPlacement], None]
+    ) -> Outcome:
+        """`lose` node 1 once a checkpoint of `record` is kept; the run's end."""
+        placement = PoolPlacement.load(runs, record.id)
+        assert placement is not None and len(placement.jobs) == 2
+        placements.append(placement)
+        await wait_for(lambda: last_kept(runs, record.id) is not None, 60, "a kept checkpoint")
+        lose(placement)
+        outcome = await watching
+        assert outcome.record.state == RunState.FAILED, outcome.record
+        assert not procs.alive(placement.jobs[0].pid)  # rank 0 did not train alone
+        return outcome
+
+    def sshd_killed(placement: PoolPlacement) -> None:
+        boxes[int(placement.nodes[1][-1])].stop()  # gone from the network; its job runs on
+
+    def job_killed(placement: PoolPlacement) -> None:
+        os.killpg(placement.jobs[1].pid, signal.SIGKILL)
+
+    async def run(
+        point: ResumedFrom | None, lose: Callable[[PoolPlacement], None] | None
+    ) -> Finished:
+        """A run of the training (from `point`): slow and losing node 1 with
+        `lose`, else quick to its end with one checkpoint there."""
+        pause, save = (0.5, 3) if lose is not None else (0.05, steps)  # 15 s at most: lost first
+        trainer = DdpTrainer(steps, pause, save, resume_path(point) if point else None)
+
+        def prepare(record: RunRecord) -> None:
+            if point is not None:
+                stage_checkpoint(runs, point, record)
+                record.resumed_from = point
+                runs.save(record)
+
+        async with started_job(
+            target,
+            runs,
+            trainer,
+            JobNeed(what="the training", training=training),
+            spec=recorded,
+            prepare=prepare,
+        ) as (placed, ctx, record):
             watching = asyncio.create_task(placed.follow(ctx, trainer, record))
-            await wait_for(
-                lambda: metrics.exists() and '"step": 5' in metrics.read_text(),
-                60,
-                "rank 0 training",
-            )
-            os.killpg(placement.jobs[1].pid, signal.SIGKILL)  # node 1 is lost
-            return await watching, placement
+            if lose is not None:
+                return Finished(await lost_once_kept(record, watching, lose), placed.description)
+            return Finished(await watching, placed.description)
 
-    outcome, placement = asyncio.run(go())
-    assert outcome.record.state == RunState.FAILED, outcome.record
-    assert not procs.alive(placement.jobs[0].pid)  # rank 0 did not train alone
-    for i in range(3):  # both machines given back
-        assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
+    async def again(spec: TrainingSpec, point: Any, attempt: int, usd: float) -> Finished:
+        assert point is not None and spec.nodes == 2
+        return await run(point, job_killed if attempt == 1 else None)
+
+    async def go() -> tuple[Finished, list[LostRun]]:
+        finished = await run(None, sshd_killed)
+        with caplog.at_level(logging.WARNING, logger="pool"):
+            return await go_on_after_lost_machines(runs, target, finished, LOG, again)
+
+    try:
+        ended, lost = asyncio.run(go())
+        orphan = placements[0].jobs[1].pid  # on the silent machine: it ends once its peer did
+        asyncio.run(wait_for(lambda: not procs.alive(orphan), 70, "node 1's process to end"))
+    finally:
+        for placement in placements:
+            for job in placement.jobs:
+                if procs.alive(job.pid):
+                    os.killpg(job.pid, signal.SIGKILL)
+    first, second = placements[0], placements[1]
+    gone = first.nodes[1]
+    # each loss recorded by the pool, and the run went on from its last complete checkpoint
+    whys = [PoolPlacement.load(runs, p.run_id) for p in (first, second)]
+    assert whys[0] is not None and whys[0].lost is not None and gone in whys[0].lost
+    assert whys[0].lost.startswith("node 1 (") and "does not answer" in whys[0].lost
+    assert whys[1] is not None and whys[1].lost is not None
+    assert "node 1 (" in whys[1].lost and "its job is gone without an exit code" in whys[1].lost
+    assert [r.record.id for r in lost] == [first.run_id, second.run_id]
+    said = [r.getMessage() for r in caplog.records if "goes on from" in r.getMessage()]
+    assert len(said) == 2 and all("\n" not in line for line in said), said
+    for n, run_lost in enumerate(lost, 1):
+        kept = last_kept(runs, run_lost.record.id)
+        assert kept is not None and run_lost.point is not None and run_lost.stop is None
+        assert (run_lost.point.checkpoint, run_lost.point.step) == (kept.path, kept.step)
+        assert {f.path for f in kept.files} >= {
+            f"{kept.path}/rank-0.pt",
+            f"{kept.path}/trainer_state.json",
+            f"nodes/1/{kept.path}/rank-1.pt",
+        }  # complete: every node's part
+        on = f"{kept.path} (step {kept.step}) in a new run on new machines (restart {n} of 2)"
+        assert f"goes on from {on}" in said[n - 1]
+        message = runs.load(run_lost.record.id).message
+        assert f"it went on from {kept.path} (step {kept.step}) in a new run" in message
+    # the last run went on from the second's checkpoint, on the machines that answer
+    outcome = ended.outcome
+    assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved, outcome.record
+    point = lost[1].point
+    assert point is not None and outcome.record.resumed_from == point
+    assert runs.load(second.run_id).resumed_from == lost[0].point
+    last = PoolPlacement.load(runs, outcome.record.id)
+    assert last is not None and last.lost is None
+    answering = sorted(f"box{i}" for i in range(3) if f"box{i}" != gone)
+    assert sorted(second.nodes) == answering and sorted(last.nodes) == answering
+    told = []
+    for rank, name in enumerate(last.nodes):
+        run_dir = work_of(tmp_path, int(name[-1])) / outcome.record.id
+        assert (run_dir / "resume" / f"checkpoint-{point.step}" / f"rank-{rank}.pt").is_file()
+        told.append(json.loads((run_dir / f"rank-{rank}.json").read_text()))
+        assert told[rank]["resumed_at"] == point.step and told[rank]["world_size"] == 2
+        assert len(told[rank]["losses"]) == steps - point.step
+    assert told[0]["weights_sha256"] == told[1]["weights_sha256"]
+    progress = [m.step for m in outcome.summary.metrics]
+    assert progress == list(range(point.step + 1, steps + 1))
+    paths = {f.path for f in outcome.files}  # every node's files, each verified on its node
+    end = f"output/checkpoint-{steps}"
+    assert {f"{end}/rank-0.pt", f"nodes/1/{end}/rank-1.pt", "nodes/1/job.log"} <= paths
+    listed = json.loads((runs.run_dir(outcome.record.id) / "nodes.json").read_text())
+    assert {f["path"] for f in listed["files"]} == paths
+    for i in range(3):
+        if f"box{i}" != gone:  # the machines that answer are free again
+            assert not (work_of(tmp_path, i) / host_claim.LEASE_FILE).exists()
 
 
 def test_more_nodes_than_machines_is_refused_in_one_line_before_anything(

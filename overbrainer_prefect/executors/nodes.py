@@ -11,12 +11,22 @@ Each node's job gets `PET_NNODES`, `PET_NODE_RANK`, `PET_MASTER_ADDR` and
 and a port free on it at the start, node ranks 0..N-1. No node trains alone:
 when a node's job ends badly or is lost while rank 0 runs, every node's job
 is cancelled, and the job's status is that node's (its exit code, or lost);
-once rank 0 ended, any node still running is cancelled.
+once rank 0 ended, any node still running is cancelled. A node is lost when
+its job is gone without an exit code, or when its machine does not answer
+NODE_GONE_LOOKS looks in a row while rank 0's does (at once when rank 0's
+job already failed or was lost): the job's status is then `lost`, said first to
+`lost` (the node's rank and why), and every node's job still running is
+cancelled.
+
+Files uploaded under `nodes/<rank>/` of the run's local directory (a node's
+part of the checkpoint a run resumes from) go to that node only, into its
+run directory; everything else goes to every node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -39,6 +49,8 @@ NODES_MANIFEST = "nodes.json"
 """Beside a run's manifest: every retrieved file with the node (rank, machine) it came from."""
 RANK_ENV = "PET_NODE_RANK"
 """A node's rank (0..N-1) in its job's environment, as torchrun reads it."""
+NODE_GONE_LOOKS = 3
+"""Looks in a row a node's machine does not answer, rank 0's does, before the node is lost."""
 FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 """Printed by the first node's Python: a port free there for the rendezvous."""
 
@@ -48,9 +60,11 @@ class NodesExecutor:
     `master_addr`; `python` is the job venv's Python (the same path on each).
     `jobs` are the nodes' jobs of a job started before (from its record);
     `spawned` is told the nodes' jobs once all started, before the job's
-    record is saved (so another process finds every node's job again).
-    Every method raises ExecError (TargetUnreachable when a node cannot be
-    reached), naming the node."""
+    record is saved (so another process finds every node's job again);
+    `lost` is told the rank of a node lost and why, before the other nodes'
+    jobs are cancelled (an error it raises is ignored: the job is lost all
+    the same). Every method raises ExecError (TargetUnreachable when a node
+    cannot be reached), naming the node."""
 
     def __init__(
         self,
@@ -60,6 +74,7 @@ class NodesExecutor:
         *,
         jobs: Sequence[JobId] = (),
         spawned: Callable[[list[JobId]], None] | None = None,
+        lost: Callable[[int, str], None] | None = None,
     ) -> None:
         if not nodes:
             raise ExecError("connect", "a job across nodes needs at least one node")
@@ -68,6 +83,11 @@ class NodesExecutor:
         self.python = python
         self.jobs = list(jobs)
         self._spawned = spawned
+        self._lost = lost
+        self._silent = [0] * len(self.nodes)
+        """Looks in a row each node's machine did not answer."""
+        self._ended: JobStatus | None = None
+        """The job's status once a node was lost: said again without asking."""
 
     @property
     def workdir(self) -> str:
@@ -93,10 +113,17 @@ class NodesExecutor:
         return await self.nodes[0].run(argv, timeout, stdin)
 
     async def upload(self, local: Path, remote: str, skip: Sequence[str] = ()) -> None:
-        """Copies the run directory to every node, at once."""
-        await asyncio.gather(
-            *(node.upload(local, self.on(k, remote), skip) for k, node in enumerate(self.nodes))
-        )
+        """Copies the run directory to every node, at once, less `nodes/`;
+        then `nodes/<rank>/` (when there is one) into the run directory of
+        the node `rank` alone."""
+
+        async def one(rank: int, node: Executor) -> None:
+            await node.upload(local, self.on(rank, remote), [*skip, NODES_DIR])
+            own = local / NODES_DIR / str(rank)
+            if rank and own.is_dir():
+                await node.upload(own, self.on(rank, remote), skip)
+
+        await asyncio.gather(*(one(k, node) for k, node in enumerate(self.nodes)))
 
     async def spawn(self, job: JobSpec) -> JobId:
         """Starts the job on every node with the rendezvous in its environment
@@ -140,25 +167,70 @@ class NodesExecutor:
     async def status(self, job: JobId) -> JobStatus:
         """The job's status across its nodes (see the module): running while
         every node runs (a node other than rank 0 that ended well waits for
-        rank 0); else that of the node that ended it (lost, or its exit
-        code), every node still running cancelled. Read again, it says the
-        same: the node that ended it keeps its status."""
+        rank 0); `lost` once a node is lost, every node still running
+        cancelled; else that of the node that ended it (its exit code),
+        every node still running cancelled. Read again, it says the same: the
+        node that ended it keeps its status. Raises TargetUnreachable when
+        rank 0's machine does not answer, or another's does not yet count as
+        lost."""
+        if self._ended is not None:
+            return self._ended
         if len(self.jobs) != len(self.nodes):
             return await self.nodes[0].status(job)
-        found = await asyncio.gather(
-            *(node.status(each) for node, each in zip(self.nodes, self.jobs, strict=True))
+        looks = await asyncio.gather(
+            *(node.status(each) for node, each in zip(self.nodes, self.jobs, strict=True)),
+            return_exceptions=True,
         )
-        first, others = found[0], found[1:]
+        for look in looks:
+            if isinstance(look, BaseException) and not isinstance(look, ExecError):
+                raise look
+        first = looks[0]
+        if isinstance(first, BaseException):
+            raise first
+        silent: dict[int, ExecError] = {}
+        for rank, look in enumerate(looks):
+            self._silent[rank] = self._silent[rank] + 1 if isinstance(look, ExecError) else 0
+            if isinstance(look, ExecError):
+                silent[rank] = look
+        found = {rank: look for rank, look in enumerate(looks) if isinstance(look, JobStatus)}
+        # rank 0 failed or lost (not cancelled: a cancel is no loss): a silent node is lost now
+        ended_badly = first.kind == "lost" or (first.kind == "exited" and first.code != 0)
+        gone = [
+            (rank, f"it does not answer ({error})")
+            for rank, error in silent.items()
+            if ended_badly or self._silent[rank] >= NODE_GONE_LOOKS
+        ] + [
+            (rank, "its job is gone without an exit code")
+            for rank, look in found.items()
+            if look.kind == "lost"
+        ]
+        if gone and first != JobStatus.exited(0):
+            return await self._lose(*min(gone), found)
+        if silent and first.kind == "running":
+            raise next(iter(silent.values()))  # not lost yet: looked at again
+        others = [found[rank] for rank in sorted(found) if rank]
         failed = next((s for s in others if _failed(s)), None)
         cancelled = any(s.kind == "cancelled" for s in others)
         if first.kind == "running" and failed is None and not cancelled:
             return first
-        running = [rank for rank, s in enumerate(found) if s.kind == "running"]
+        running = [rank for rank, s in found.items() if s.kind == "running"]
         if running:
             await self._cancel_all([self.jobs[rank] for rank in running], running)
         if failed is not None and first.kind in ("running", "cancelled", "lost"):
             return failed
         return JobStatus.cancelled() if first.kind == "running" else first
+
+    async def _lose(self, rank: int, why: str, found: dict[int, JobStatus]) -> JobStatus:
+        """The job lost with its node `rank` (`why`): said to `lost` first,
+        then every node's job still running cancelled; `lost` from now on."""
+        self._ended = JobStatus.lost()
+        if self._lost is not None:
+            with contextlib.suppress(Exception):  # lost all the same; its target says less of it
+                self._lost(rank, f"node {rank} ({self.nodes[rank].description}): {why}")
+        running = [k for k, s in found.items() if s.kind == "running" and k != rank]
+        if running:
+            await self._cancel_all([self.jobs[k] for k in running], running)
+        return self._ended
 
     async def cancel(self, job: JobId) -> None:
         """Cancels the job on every node."""

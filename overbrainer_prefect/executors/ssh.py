@@ -242,11 +242,15 @@ class SshExecutor:
         """Where `job` stands, read on the host from its exit file, its process
         and its cancel marker (see `jobscript.parse_status`).
 
-        Raises TargetUnreachable when the host cannot be reached or does not
-        answer within `COMMAND_TIMEOUT_S`.
+        Raises TargetUnreachable when the host cannot be reached, does not
+        answer within `COMMAND_TIMEOUT_S`, or cuts its answer short (its sshd
+        gone while it answered: the job is not lost for that).
         """
         result = await self._short("status", status_command(job))
-        return parse_status(job, _text(result.stdout))
+        text = _text(result.stdout)
+        if "cancelled:" not in text:  # the last section: an answer without it was cut
+            raise TargetUnreachable("status", f"{self.description} cut its answer short")
+        return parse_status(job, text)
 
     async def cancel(self, job: JobId) -> None:
         """Cancels `job` when it is still the process it was: writes its cancel

@@ -17,13 +17,13 @@ from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.export import ExportResult, gguf_markdown
 from overbrainer_prefect.kinds.files import FileEntry
 from overbrainer_prefect.kinds.registry import recorded_end, trainer_of
+from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.kinds.training import (
-    FROM_STEP_0,
     LostRun,
     RunResult,
     check_before_anything,
+    go_on_after_lost_machines,
     lost_markdown,
-    lost_point,
     next_step,
     result_line,
     result_of,
@@ -31,15 +31,13 @@ from overbrainer_prefect.kinds.training import (
     resumed_spec,
     stage_checkpoint,
 )
-from overbrainer_prefect.kinds.training import NAME as TRAINING
 from overbrainer_prefect.runs.lock import RunBusy, follow_lock, holder_of, is_followed
-from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunsError, RunState
+from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
 from overbrainer_prefect.runs_dir import runs_at
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
-from overbrainer_prefect.store.records import RecordError
-from overbrainer_prefect.targets.base import JobNeed, Logger, Target
+from overbrainer_prefect.targets.base import JobNeed, Target
 from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.export import ExportSpec
@@ -113,7 +111,13 @@ async def train(
     spec = training
     await check_before_anything(spec, place, logger)
     finished = await run_new(place, _training_job(runs, place, spec, point), logger)
-    finished, lost = await _go_on_after_lost_machines(runs, place, finished, logger)
+
+    async def again(
+        spec: TrainingSpec, point: ResumedFrom | None, attempt: int, usd: float
+    ) -> Finished:
+        return await run_new(place, _training_job(runs, place, spec, point, attempt, usd), logger)
+
+    finished, lost = await go_on_after_lost_machines(runs, place, finished, logger, again)
     outcome = finished.outcome
     if export is None or outcome.record.state != RunState.SUCCEEDED:
         return await run_result(runs, outcome, finished.where, lost=lost)
@@ -148,73 +152,6 @@ def _training_job(
         spec=spec.model_dump(mode="json"),
         attempt=attempt,
     )
-
-
-async def _go_on_after_lost_machines(
-    runs: Runs, place: Target, finished: Finished, logger: Logger
-) -> tuple[Finished, list[LostRun]]:
-    """While the training was lost with its machine (a pod terminated, its
-    container restarted), it goes on in a new run on a new machine, up to the
-    target's max_restarts: from its last checkpoint kept in the store, or,
-    lost before its first, from where it started itself (step 0, or the
-    checkpoint it was resumed from); returns how the last run ended and each
-    run lost on the way. No restart past max_restarts, or when the next
-    machine cannot be had (its budget refuses it): the last lost run's
-    failure stands, with why."""
-    lost: list[LostRun] = []
-    while finished.outcome.record.state == RunState.FAILED:
-        record = finished.outcome.record
-        why = place.lost_machine(runs, record)
-        if why is None:
-            break
-        point = lost_point(runs, record)
-        lost.append(LostRun(record=record, why=why, point=point, where=finished.where))
-        if len(lost) > place.max_restarts:
-            stop = f"max_restarts ({place.max_restarts}) reached"
-            logger.warning("run %s: %s; it is not resumed: %s", record.id, why, stop)
-            lost[-1].stop = stop
-            if point is not None:
-                again = f"resume it from {point.checkpoint} with the train flow "
-                _note(runs, record, f"{record.message}; {again}(resume_from={record.id})", logger)
-            else:
-                again = "start it again from step 0 with the train flow"
-                _note(runs, record, f"{why}; no checkpoint of it was kept: {again}", logger)
-            break
-        start = FROM_STEP_0 if point is None else f"{point.checkpoint} (step {point.step})"
-        logger.warning(
-            "run %s: %s; it goes on from %s in a new run on a new machine (restart %d of %d)",
-            record.id,
-            why,
-            start,
-            len(lost),
-            place.max_restarts,
-        )
-        went_on = f"it went on from {start} in a new run"
-        _note(runs, record, f"{why}; {went_on} on a new machine", logger)
-        spec = resumed_spec(runs, record)
-        spent_usd = sum(spent(runs, run.record) or 0.0 for run in lost)
-        try:
-            finished = await run_new(
-                place, _training_job(runs, place, spec, point, len(lost), spent_usd), logger
-            )
-        except Exception as error:  # the next machine cannot be had: the loss stands
-            logger.warning("run %s: it cannot go on: %s", record.id, error)
-            lost[-1].stop = f"no new machine: {error}"
-            break
-    return finished, lost
-
-
-def _note(runs: Runs, record: RunRecord, message: str, logger: Logger) -> None:
-    """Gives the lost run `record` (and its saved record) `message`: where it
-    went on, or how to resume it, instead of advice to start it again. A
-    record that cannot be saved keeps its saved message (logged)."""
-    record.message = message
-    try:
-        saved = runs.load(record.id)
-        saved.message = message
-        runs.save(saved)
-    except (RunsError, RecordError) as error:
-        logger.warning("run %s: cannot record where it goes on: %s", record.id, error)
 
 
 async def _export_after(run_id: str, spec: ExportSpec, runs_dir: str | None) -> ExportResult | str:

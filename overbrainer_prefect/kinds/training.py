@@ -6,22 +6,29 @@ is made again from its record."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from pydantic import Field
 
 from overbrainer_prefect.executors.base import FileDigest
-from overbrainer_prefect.kinds.base import JobKind, JobResult
+from overbrainer_prefect.executors.nodes import node_dir, node_rank
+from overbrainer_prefect.kinds.base import Finished, JobKind, JobResult
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.files import FileEntry
-from overbrainer_prefect.runs.checkpoints import KeptCheckpoint, last_kept, load_kept
+from overbrainer_prefect.runs.checkpoints import (
+    KeptCheckpoint,
+    in_checkpoint,
+    last_kept,
+    load_kept,
+)
 from overbrainer_prefect.runs.manifest import load_manifest
-from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
+from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunsError, RunState
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.steps.errors import RunError
 from overbrainer_prefect.store import StoreError
+from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.base import Logger, Target
 from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer, data_copies, launch_summary
@@ -76,18 +83,23 @@ def resume_point(runs: Runs, stopped: RunRecord) -> ResumedFrom:
 def _checkpoint_files(
     runs: Runs, run_id: str, checkpoint: str
 ) -> tuple[list[FileDigest], KeptCheckpoint | None]:
-    """The files of a run's checkpoint as its verified manifest lists them, or,
+    """The files of a run's checkpoint (across nodes, every node's part: the
+    others' under `nodes/<rank>/`) as its verified manifest lists them, or,
     when its files were never retrieved (its machine was lost), as they were
     verified when it was kept while the job trained; with, for one kept on a
     network volume (not in the store), how it was kept there."""
-    prefix = f"{checkpoint.rstrip('/')}/"
-    listed = [entry for entry in load_manifest(runs, run_id) if entry.path.startswith(prefix)]
+    listed = [
+        entry for entry in load_manifest(runs, run_id) if in_checkpoint(entry.path, checkpoint)
+    ]
     if listed:
         return listed, None
-    kept = [p for p in load_kept(runs, run_id).checkpoints if p.path.rstrip("/") == prefix[:-1]]
+    kept = [
+        p
+        for p in load_kept(runs, run_id).checkpoints
+        if p.path.rstrip("/") == checkpoint.rstrip("/")
+    ]
     on_volume = kept[-1] if kept and kept[-1].volume is not None and kept[-1].remote else None
-    # rank 0's part of a checkpoint across nodes (the others' are under nodes/<rank>/)
-    files = [f.digest() for point in kept for f in point.files if f.path.startswith(prefix)]
+    files = [f.digest() for point in kept for f in point.files if in_checkpoint(f.path, checkpoint)]
     return files, on_volume
 
 
@@ -111,8 +123,10 @@ def stage_checkpoint(runs: Runs, point: ResumedFrom, record: RunRecord) -> str:
     (from the runs' store: hard links from a local one, fetched by the job from
     an object store; one kept on a network volume and never retrieved, linked
     in by the job from there) and returns its path there, relative to the run
-    directory (what the trainer resumes from). Raises TrainError when a file
-    of it is not in the store."""
+    directory (what the trainer resumes from). Across nodes, each other
+    node's part is staged under `nodes/<rank>/` at that path, which the
+    upload puts in that node's run directory alone (`executors.nodes`).
+    Raises TrainError when a file of it is not in the store."""
     relative = resume_path(point)
     again = f"retrieve it with the attach flow (run_id={point.run_id})"
     local = runs.run_dir(record.id)
@@ -131,10 +145,12 @@ def stage_checkpoint(runs: Runs, point: ResumedFrom, record: RunRecord) -> str:
         stage_on_volume(local, linked)
         return relative
     for entry in files:
-        inside = entry.path[start:]
+        own = node_dir(node_rank(entry.path))  # a node's part goes to its own nodes/<rank>/
+        inside = entry.path[len(own) + start :]
         key = runs.key(point.run_id, entry.path)
         missing = f"{runs.store.where(key)} is missing: {again}"
-        stage_stored(runs, key, local, f"{relative}/{inside}", entry.size, entry.sha256, missing)
+        staged = f"{own}{relative}/{inside}"
+        stage_stored(runs, key, local, staged, entry.size, entry.sha256, missing)
     return relative
 
 
@@ -334,3 +350,78 @@ def lost_markdown(
         lines.append(f"| {last.id} | {where} | {last.state} | - | {shown} |")
     lines += ["", f"Every machine together cost ${total:.2f}.", ""]
     return "\n".join(lines)
+
+
+Again = Callable[[TrainingSpec, ResumedFrom | None, int, float], Awaitable[Finished]]
+"""Runs a training again in a new run on a new machine: its spec, the
+checkpoint it goes on from (None: step 0), its attempt, and what its lost
+machines cost (its cost cap counts it); returns how it ended."""
+
+
+async def go_on_after_lost_machines(
+    runs: Runs, place: Target, finished: Finished, logger: Logger, again: Again
+) -> tuple[Finished, list[LostRun]]:
+    """While the training was lost with its machine (a pod terminated, its
+    container restarted, a node of a training across nodes lost), it goes
+    on in a new run on a new machine (`again`), up to the target's
+    max_restarts: from its last checkpoint kept in the store (across nodes,
+    the last with every node's part), or, lost before its first, from where
+    it started itself (step 0, or the checkpoint it was resumed from);
+    returns how the last run ended and each run lost on the way. Each loss
+    is said in one line, and in the lost run's message. No restart past
+    max_restarts, or when the next machine cannot be had (its budget
+    refuses it): the last lost run's failure stands, with why and the
+    command that goes on."""
+    lost: list[LostRun] = []
+    while finished.outcome.record.state == RunState.FAILED:
+        record = finished.outcome.record
+        why = place.lost_machine(runs, record)
+        if why is None:
+            break
+        point = lost_point(runs, record)
+        lost.append(LostRun(record=record, why=why, point=point, where=finished.where))
+        if len(lost) > place.max_restarts:
+            stop = f"max_restarts ({place.max_restarts}) reached"
+            logger.warning("run %s: %s; it is not resumed: %s", record.id, why, stop)
+            lost[-1].stop = stop
+            if point is not None:
+                go_on = f"resume it from {point.checkpoint} with the train flow "
+                _note(runs, record, f"{record.message}; {go_on}(resume_from={record.id})", logger)
+            else:
+                go_on = "start it again from step 0 with the train flow"
+                _note(runs, record, f"{why}; no checkpoint of it was kept: {go_on}", logger)
+            break
+        start = FROM_STEP_0 if point is None else f"{point.checkpoint} (step {point.step})"
+        spec = resumed_spec(runs, record)
+        machine = "new machines" if spec.nodes > 1 else "a new machine"
+        logger.warning(
+            "run %s: %s; it goes on from %s in a new run on %s (restart %d of %d)",
+            record.id,
+            why,
+            start,
+            machine,
+            len(lost),
+            place.max_restarts,
+        )
+        _note(runs, record, f"{why}; it went on from {start} in a new run on {machine}", logger)
+        spent_usd = sum(spent(runs, run.record) or 0.0 for run in lost)
+        try:
+            finished = await again(spec, point, len(lost), spent_usd)
+        except Exception as error:  # the next machine cannot be had: the loss stands
+            logger.warning("run %s: it cannot go on: %s", record.id, error)
+            lost[-1].stop = f"no new machine: {error}"
+            break
+    return finished, lost
+
+
+def _note(runs: Runs, record: RunRecord, message: str, logger: Logger) -> None:
+    """Gives the lost run `record` (and its saved record) `message`: where it
+    went on, or how to resume it, instead of advice to start it again. A
+    record that cannot be saved keeps its saved message (logged)."""
+    record.message = message
+    try:
+        saved = runs.load(record.id)
+        saved.message = message
+        runs.save(saved)
+    except (RunsError, RecordError) as error:
+        logger.warning("run %s: cannot record where it goes on: %s", record.id, error)

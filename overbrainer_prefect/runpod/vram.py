@@ -19,7 +19,9 @@ On N GPUs, DDP keeps all of it on each GPU; DeepSpeed ZeRO-1 shards the
 optimizer state across them (for a full fine-tune DeepSpeed's bf16 keeps an
 fp32 master copy and fp32 moments: 12 bytes a parameter), ZeRO-2 the
 gradients too, and ZeRO-3 or FSDP the weights as well (plus one layer gathered
-at a time). Activations and logits stay per GPU.
+at a time). Activations and logits stay per GPU. A training across N nodes
+of G GPUs each (`nodes`) is one group of N × G GPUs: the states are sharded
+over all of them, and each GPU needs the same again under DDP.
 
 It is an estimate to pick a GPU type by, not a promise: the floor is rounded
 up to whole GB.
@@ -57,6 +59,11 @@ class FineTune(Protocol):
     def gradient_checkpointing(self) -> bool: ...
     @property
     def sharding(self) -> Sharding: ...
+    @property
+    def nodes(self) -> int:
+        """Machines the training runs on at once, each with the same GPUs."""
+        ...
+
     @property
     def extra(self) -> Mapping[str, object]:
         """Further axolotl keys (`gradient_checkpointing` may be among them)."""
@@ -224,9 +231,10 @@ def estimate_vram(
 
 
 def training_vram(shape: ModelShape, spec: FineTune, gpus: int = 1) -> VramEstimate:
-    """The VRAM each of `gpus` GPUs needs to run the fine-tune `spec` of a model
-    of `shape`: its adapter, sequence length, micro-batch, LoRA rank, gradient
-    checkpointing (the field, or `extra`'s) and sharding."""
+    """The VRAM each of `gpus` GPUs (of each of its `nodes`) needs to run the
+    fine-tune `spec` of a model of `shape`: its adapter, sequence length,
+    micro-batch, LoRA rank, gradient checkpointing (the field, or `extra`'s)
+    and sharding, its states sharded over every node's GPUs."""
     checkpointing = spec.gradient_checkpointing or bool(spec.extra.get("gradient_checkpointing"))
     return estimate_vram(
         shape,
@@ -235,7 +243,7 @@ def training_vram(shape: ModelShape, spec: FineTune, gpus: int = 1) -> VramEstim
         micro_batch_size=spec.micro_batch_size,
         lora_r=spec.lora_r,
         gradient_checkpointing=checkpointing,
-        gpus=gpus,
+        gpus=max(1, gpus) * spec.nodes,
         sharding=spec.sharding,
     )
 

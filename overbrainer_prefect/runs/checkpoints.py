@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from overbrainer_prefect.executors.base import FileDigest
+from overbrainer_prefect.executors.nodes import node_dir, node_rank
 from overbrainer_prefect.runs.store import Runs
 from overbrainer_prefect.store.records import RecordError
 
@@ -106,6 +107,13 @@ def save_kept(runs: Runs, record_id: str, kept: KeptCheckpoints) -> None:
     runs.write_bytes(record_id, CHECKPOINTS_FILE, kept.model_dump_json(indent=2).encode() + b"\n")
 
 
+def in_checkpoint(path: str, checkpoint: str) -> bool:
+    """Whether the run's file `path` belongs to the checkpoint directory
+    `checkpoint`: under it, or, for a training across nodes, under it in a
+    node's `nodes/<rank>/` (that node's part)."""
+    return path[len(node_dir(node_rank(path))) :].startswith(checkpoint.rstrip("/") + "/")
+
+
 def last_kept(runs: Runs, record_id: str) -> KeptCheckpoint | None:
     """The last checkpoint of the record `record_id` kept in its store, None
     when none was."""
@@ -116,15 +124,15 @@ def sorted_against(
     kept: KeptCheckpoints, manifest: Sequence[FileDigest]
 ) -> tuple[list[str], list[str], list[str]]:
     """The directories of the kept checkpoints as a final retrieval with
-    `manifest` finds them: (the same, every file as kept: not copied again;
-    gone from the target, e.g. removed by `save_total_limit`: left as kept;
-    changed since they were kept: copied again)."""
+    `manifest` finds them (across nodes, every node's part): (the same,
+    every file as kept: not copied again; gone from the target, e.g. removed
+    by `save_total_limit`: left as kept; changed since they were kept:
+    copied again)."""
     same: list[str] = []
     gone: list[str] = []
     changed: list[str] = []
     for point in kept.checkpoints:
-        prefix = point.path.rstrip("/") + "/"
-        listed = {f for f in manifest if f.path.startswith(prefix)}
+        listed = {f for f in manifest if in_checkpoint(f.path, point.path)}
         if not listed:
             gone.append(point.path)
         elif listed == {f.digest() for f in point.files}:

@@ -9,7 +9,11 @@ kept yet goes to the run's store where the final retrieval would put it
 (`output/checkpoint-N/`): downloaded and hashed here into a local runs
 directory, put by the target itself into an object store (`direct.put_files`).
 It counts as kept once every file's SHA-256 is verified against the
-target's own, and is then added to the run's `checkpoints.json`. On a pod
+target's own (across nodes: every node's part, rank 0's under its path and
+each other node's under `nodes/<rank>/`; one missing a node's part is not
+complete: under axolotl every process writes at least its
+`rng_state_<rank>.pth` there, and its shards under DeepSpeed ZeRO), and is
+then added to the run's `checkpoints.json`. On a pod
 whose run directory is on a network volume that keeps the checkpoints
 (`RunContext.checkpoints_volume`), nothing moves: the pod hashes it where
 the job wrote it, and that is what is recorded. One keep at
@@ -28,6 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.manifest import verify
+from overbrainer_prefect.executors.nodes import NodesExecutor, node_rank
 from overbrainer_prefect.runs.checkpoints import (
     KeptCheckpoint,
     KeptFile,
@@ -125,6 +130,14 @@ async def keep(
     manifest = await executor.manifest(remote, [path])
     if not any(PurePosixPath(f.path).name == COMPLETE_MARK for f in manifest):
         raise ExecError("keep the checkpoint", f"{path} is gone or incomplete on the target")
+    if isinstance(executor, NodesExecutor):  # complete only with every node's part
+        have = {node_rank(f.path) for f in manifest}
+        lacking = [str(rank) for rank in range(len(executor.nodes)) if rank not in have]
+        if lacking:
+            raise ExecError(
+                "keep the checkpoint",
+                f"{path} has no part on node {', '.join(lacking)}: it is not complete",
+            )
     parts: dict[str, list[str]] = {}
     if volume is None and runs.store.direct:
         parts = await put_files(executor, python, runs, record_id, remote, manifest)

@@ -19,8 +19,14 @@ from overbrainer_prefect.executors.base import (
     FileDigest,
 )
 from overbrainer_prefect.executors.manifest import verify
-from overbrainer_prefect.executors.nodes import NODES_MANIFEST, NodesExecutor
-from overbrainer_prefect.runs.checkpoints import KeptFile, load_kept, save_kept, sorted_against
+from overbrainer_prefect.executors.nodes import NODES_MANIFEST, NodesExecutor, node_dir, node_rank
+from overbrainer_prefect.runs.checkpoints import (
+    KeptFile,
+    in_checkpoint,
+    load_kept,
+    save_kept,
+    sorted_against,
+)
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE, load_manifest, manifest_bytes
 from overbrainer_prefect.runs.metrics import stored_summary
 from overbrainer_prefect.runs.store import (
@@ -121,9 +127,12 @@ async def _replace_verified(
     old = local / f".replaced-{secrets.token_hex(6)}"
     try:
         await executor.download(remote, staging, changed, exclude)
-        listed = [f for f in manifest if any(f.path.startswith(f"{p}/") for p in changed)]
+        listed = [f for f in manifest if any(in_checkpoint(f.path, p) for p in changed)]
         await asyncio.to_thread(verify, staging, changed, exclude, listed)
-        for path in changed:
+        ranks = sorted({node_rank(f.path) for f in listed})  # across nodes, every node's part
+        for path in (node_dir(rank) + each for each in changed for rank in ranks):
+            if not (staging / path).exists():
+                continue
             (old / path).parent.mkdir(parents=True, exist_ok=True)
             if (local / path).exists():
                 os.replace(local / path, old / path)
@@ -159,7 +168,7 @@ def _record_changed(
                     parts=list(parts.get(f.path, [])) if len(parts.get(f.path, [])) > 1 else [],
                 )
                 for f in manifest
-                if f.path.startswith(f"{point.path}/")
+                if in_checkpoint(f.path, point.path)
             ]
     try:
         save_kept(runs, record_id, kept)

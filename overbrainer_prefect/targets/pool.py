@@ -87,6 +87,10 @@ class PoolPlacement(StoredRecord):
     """A training across nodes: its machines' names, rank 0 first (`host`)."""
     jobs: list[JobId] = Field(default_factory=list)
     """A training across nodes: each node's job, by rank, once all started."""
+    lost: str | None = None
+    """A training across nodes: the node lost under it and why (its job was
+    then ended on every node), written before the other nodes' jobs were
+    cancelled; None while none was."""
 
     @classmethod
     def load(cls, store: Runs, run_id: str) -> PoolPlacement | None:
@@ -192,9 +196,11 @@ class PoolTarget(BlockTarget):
         log: Logger,
         claim_s: float = host_claim.CLAIM_S,
         poll_s: float = FREE_POLL_S,
+        max_restarts: int = 0,
     ) -> None:
         super().__init__(ref, bounds, secrets=secrets, cpu_threads=cpu_threads, log=log)
         self.hosts = list(hosts)
+        self._max_restarts = max_restarts
         problem = pool_problem(ref, [(h.name, h.address) for h in self.hosts])
         if problem is not None:
             raise ValueError(problem)
@@ -372,12 +378,17 @@ class PoolTarget(BlockTarget):
             placement.jobs = jobs
             placement.save(store)
 
+        def lost(rank: int, why: str) -> None:
+            placement.lost = f"{why}; it was machine {claims[rank][0].shown} of pool {self.ref}"
+            placement.save(store)
+
         return NodesExecutor(
             [executor for _, executor in claims],
             claims[0][0].reach_at or claims[0][0].address.rpartition("@")[2].rpartition(":")[0],
             self.python,
             jobs=placement.jobs,
             spawned=spawned,
+            lost=lost,
         )
 
     async def _claim(self, record: RunRecord, count: int) -> list[tuple[PoolHost, Executor]]:
@@ -549,6 +560,25 @@ class PoolTarget(BlockTarget):
             finally:
                 await executor.close()
         return freed
+
+    @property
+    def max_restarts(self) -> int:
+        """How many times a training across nodes that lost a node goes on
+        from its last complete checkpoint on free machines of the pool."""
+        return self._max_restarts
+
+    def lost_machine(self, store: Runs, record: RunRecord) -> str | None:
+        """Why the ended training across nodes `record` was lost with a node
+        (its job gone, or its machine silent), from `pool.json`; None for
+        one that ended otherwise, a job on one machine (a machine you own
+        is not replaced), or a placement that cannot be read."""
+        try:
+            placement = PoolPlacement.load(store, record.id)
+        except Exception:  # an unreadable placement: not resumed on a guess
+            return None
+        if placement is None or len(placement.nodes) < 2 or placement.lost is None:
+            return None
+        return f"a node of the training was lost ({placement.lost})"
 
     def lost(self, store: Runs, record: RunRecord) -> str:
         """A machine you own is never gone; said for completeness."""

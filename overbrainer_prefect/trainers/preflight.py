@@ -7,7 +7,8 @@ model's context length; the `extra` and dataset keys are checked when the spec
 is validated) and, when the GPUs the job will have are known (a Runpod pod's
 `gpu_count`, or the probe of an SSH box), the checks of the spec against them:
 QLoRA, bf16/fp16, flash attention and sample packing need a GPU; DeepSpeed and
-FSDP shard across two GPUs or more; FSDP cannot shard 8-bit weights. The
+FSDP shard across two GPUs or more (all nodes' GPUs together); a training
+across nodes needs a GPU on every node; FSDP cannot shard 8-bit weights. The
 trainer runs the same target checks again once the target is probed.
 """
 
@@ -58,8 +59,22 @@ def preflight(
 def target_problem(
     spec: TrainingSpec, gpus: int, compute_capability: tuple[int, int] | None = None
 ) -> str | None:
-    """One line saying why a job with `gpus` GPUs (0: a CPU) of
-    `compute_capability` (None: not known) cannot run `spec`, or None."""
+    """One line saying why a job with `gpus` GPUs (0: a CPU) on each of its
+    nodes, of `compute_capability` (None: not known), cannot run `spec`, or
+    None.
+
+    Every sharding runs across nodes under torchrun, with any adapter
+    (axolotl checks no sharding against the node count: DDP replicates the
+    model on every GPU, ZeRO and FSDP shard it over all of them), so nodes
+    refuse none of them; but axolotl, once WORLD_SIZE > 1, maps each
+    process's model to the GPU of its LOCAL_RANK (`device_map {"": rank}` in
+    its normalize_config), so a training across nodes needs a GPU on each."""
+    if gpus == 0 and spec.nodes > 1:
+        return (
+            f"nodes={spec.nodes} runs axolotl as one process per GPU, each loading the model "
+            "onto its own GPU (axolotl's device_map {'': LOCAL_RANK} once WORLD_SIZE > 1), and "
+            "this target's machines have none: use machines with a GPU each, or set nodes to 1"
+        )
     if gpus == 0:
         if spec.adapter == "qlora":
             return (
@@ -77,11 +92,11 @@ def target_problem(
                     f"{name} needs an NVIDIA GPU and this target has none: turn {name} off, "
                     "or use a target with a GPU"
                 )
-    if spec.sharding != "ddp" and gpus < 2:
+    if spec.sharding != "ddp" and gpus * spec.nodes < 2:
         what = sharding_label(spec.sharding)
         return (
             f"sharding {spec.sharding} ({what}) splits the work across GPUs and this target has "
-            f"{gpus}: use sharding ddp, or a target with 2 or more GPUs"
+            f"{gpus}: use sharding ddp, or a target with 2 or more GPUs (or nodes=2 or more)"
         )
     if spec.sharding == "fsdp" and spec.extra.get("load_in_8bit"):
         return (
