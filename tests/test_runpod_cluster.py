@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -27,7 +29,13 @@ from prefect import flow, get_run_logger
 
 from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.driver import run_new
-from overbrainer_prefect.kinds.base import NewJob
+from overbrainer_prefect.kinds.base import Finished, NewJob
+from overbrainer_prefect.kinds.training import (
+    LostRun,
+    go_on_after_lost_machines,
+    resume_path,
+    stage_checkpoint,
+)
 from overbrainer_prefect.money.ledger import Ask, Entry
 from overbrainer_prefect.money.pods import cost_facts
 from overbrainer_prefect.money.reconcile import reconcile
@@ -36,11 +44,13 @@ from overbrainer_prefect.money.view import pod_row
 from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.errors import PodError
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
-from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
+from overbrainer_prefect.runs.checkpoints import last_kept
+from overbrainer_prefect.runs.store import ResumedFrom, RunRecord, Runs, RunState
 from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import reporters
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, Target
+from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.conftest import job_venv
@@ -353,3 +363,134 @@ def test_a_node_whose_job_fails_ends_the_job_on_every_pod_and_the_cluster_with_i
     assert pod.rate is not None  # admitted at both pods' most: max_hours and the checkpoint hold
     assert entry.max_usd == pytest.approx(pod.rate * (1 + 90 / 3600))
     assert pod_row(entry).pod_id == f"cluster {cluster.id}: 2 pods ({', '.join(cluster.pod_ids)})"
+
+
+def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_on_a_new_one(
+    prefect_server: None,
+    sim: RunpodSim,
+    pods_of: SimPods,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Runpod terminates the rank-1 pod of a 2-pod cluster once a complete
+    checkpoint (both nodes' parts) is kept: its follower, whose SSH lost the
+    node's job while Runpod shows the pod gone, ends the job on every node
+    and deletes the whole cluster; within max_restarts the training goes on
+    from that checkpoint on a new 2-pod cluster, and succeeds there."""
+    caplog.set_level(logging.WARNING)
+    runs = Runs(tmp_path / "runs")
+    target = runpod(sim, max_cost_usd=2.0, max_restarts=1)
+    training = TrainingSpec(datasets=["data/train.jsonl"], nodes=2)
+    steps = 12
+    terminated: list[str] = []
+
+    def terminate_node_1_once_kept() -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not terminated:
+            for record in runs.list(skipped=lambda _name, _error: None):
+                pod = PodRecord.load(runs, record.id)
+                if pod is not None and len(pod.node_jobs) == 2 and last_kept(runs, record.id):
+                    sim.terminate(pod.nodes[1].pod_id)  # as Runpod does: nobody asked
+                    terminated.append(record.id)
+                    break
+            time.sleep(0.2)
+
+    def job(point: ResumedFrom | None, attempt: int = 0, usd: float = 0.0) -> NewJob:
+        pause, save = (0.5, 3) if point is None else (0.05, steps)  # lost first: 6 s at most
+        trainer = DdpTrainer(steps, pause, save, resume_path(point) if point else None)
+
+        def prepare(record: RunRecord) -> DdpTrainer:
+            if point is not None:
+                stage_checkpoint(runs, point, record)  # each node's part for that node alone
+                record.resumed_from = point
+                runs.save(record)
+            return trainer
+
+        need = JobNeed(what="the training", training=training, spent_usd=usd)
+        spec = training.model_dump(mode="json")
+        return NewJob(
+            store=runs, need=need, kind="training", prepare=prepare, spec=spec, attempt=attempt
+        )
+
+    spent_before: list[float] = []
+
+    @flow(name="cluster-training-restart", persist_result=False)
+    async def training_flow() -> tuple[Finished, list[LostRun]]:
+        logger = get_run_logger()
+        finished = await run_new(target, job(None), logger)
+
+        async def again(spec: TrainingSpec, point: Any, attempt: int, usd: float) -> Finished:
+            assert spec.nodes == 2
+            spent_before.append(usd)
+            return await run_new(target, job(point, attempt, usd), logger)
+
+        return await go_on_after_lost_machines(runs, target, finished, logger, again)
+
+    watcher = threading.Thread(target=terminate_node_1_once_kept, daemon=True)
+    watcher.start()
+    ended, lost = asyncio.run(training_flow())
+    watcher.join(timeout=5)
+    assert len(terminated) == 1, "no checkpoint was kept before node 1 could be lost"
+    [first_id] = terminated
+    [run_lost] = lost
+    assert run_lost.record.id == first_id and run_lost.stop is None
+    # the loss: both witnesses, the job ended on every node, the whole cluster deleted
+    first = PodRecord.load(runs, first_id)
+    assert first is not None and first.gone and first.deleted_by == "client", first
+    told = first.node_lost or ""
+    assert f"node 1 of cluster {first.cluster_id} was lost" in told, told
+    assert "the follower's SSH lost its job" in told and "Runpod shows its pod" in told, told
+    rank0 = pods_of.workspace_of(first.nodes[0].pod_id) / "overbrainer" / first_id
+    assert not pods_of.running(first.nodes[0].pod_id)  # rank 0 did not train alone
+    assert (rank0 / "metrics.jsonl").is_file()
+    clusters = sim.clusters(include_deleted=True)
+    assert len(clusters) == 2 and all(c.deleted_at is not None for c in clusters), clusters
+    assert clusters[0].id == first.cluster_id
+    # it went on from its last complete checkpoint, said in one line
+    kept = last_kept(runs, first_id)
+    point = run_lost.point
+    assert (
+        kept is not None
+        and point is not None
+        and (point.checkpoint, point.step)
+        == (
+            kept.path,
+            kept.step,
+        )
+    )
+    assert {f.path for f in kept.files} >= {
+        f"{kept.path}/rank-0.pt",
+        f"{kept.path}/trainer_state.json",
+        f"nodes/1/{kept.path}/rank-1.pt",
+    }  # complete: every node's part, each verified
+    said = [r.getMessage() for r in caplog.records if "goes on from" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    on = f"{kept.path} (step {kept.step}) in a new run on new machines (restart 1 of 1)"
+    assert f"goes on from {on}" in said[0] and "node 1 of cluster" in said[0], said
+    assert f"it went on from {kept.path}" in (runs.load(first_id).message or "")
+    # the new run: a new cluster of two pods, from that checkpoint, every node's files verified
+    outcome = ended.outcome
+    record = outcome.record
+    assert record.state == RunState.SUCCEEDED and outcome.retrieved, record
+    assert record.resumed_from == point
+    second = PodRecord.load(runs, record.id)
+    assert second is not None and second.cluster_id == clusters[1].id and second.gone
+    assert len(second.nodes) == 2 and second.deleted_by == "client"
+    for node in second.nodes:
+        run_dir = pods_of.workspace_of(node.pod_id) / "overbrainer" / record.id
+        own = run_dir / "resume" / f"checkpoint-{point.step}" / f"rank-{node.rank}.pt"
+        assert own.is_file()
+        state = json.loads((run_dir / f"rank-{node.rank}.json").read_text())
+        assert state["resumed_at"] == point.step and state["world_size"] == 2
+    assert [m.step for m in outcome.summary.metrics] == list(range(point.step + 1, steps + 1))
+    end = f"output/checkpoint-{steps}"
+    paths = {f.path for f in outcome.files}
+    assert {f"{end}/rank-0.pt", f"nodes/1/{end}/rank-1.pt", "nodes/1/job.log"} <= paths
+    # both clusters' cost counted: the second's cap counts the first's, each in the ledger
+    assert spent_before == [pytest.approx(spent(runs, run_lost.record) or 0.0)]
+    assert spent_before[0] > 0
+    entries = LedgerFile.of(runs).read().entries
+    assert sorted((e.run_id, e.cluster_id) for e in entries) == sorted(
+        [(first_id, clusters[0].id), (record.id, clusters[1].id)]
+    )
+    assert all(e.ended for e in entries)

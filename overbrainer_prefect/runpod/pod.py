@@ -214,6 +214,12 @@ class PodRecord(StoredRecord):
         description="When the client took its host for lost and deleted it (RFC 3339): its "
         "SSH stayed silent for the timing's `lost_host_s` while Runpod showed it running.",
     )
+    node_lost: str | None = Field(
+        default=None,
+        description="Of an instant cluster: why a node of it was lost (the follower's SSH lost "
+        "its job, and Runpod showed its pod gone or not running); the job was then ended on "
+        "every node and the whole cluster deleted.",
+    )
     cluster_id: str | None = Field(
         default=None,
         description="The instant cluster made for a training across nodes: deleted as one "

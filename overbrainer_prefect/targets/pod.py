@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from pydantic import SecretStr
@@ -59,6 +59,7 @@ from overbrainer_prefect.targets.base import Budget, JobNeed, Logger, Reservatio
 from overbrainer_prefect.targets.disk import fit_disk
 from overbrainer_prefect.targets.host import BlockTarget, Bounds
 from overbrainer_prefect.targets.runpod.cluster import (
+    node_gone,
     nodes_executor,
     provision_cluster,
     reach_nodes,
@@ -137,6 +138,9 @@ class PodPlaced:
     `RunContext.checkpoints_volume`), when the target keeps them there."""
     nodes: NodesExecutor | None = None
     """On an instant cluster: every pod's executor as one (`ssh` is the primary's)."""
+    nodes_lost: dict[int, str] = field(default_factory=dict)
+    """On an instant cluster: the node whose job the follower's SSH lost (its
+    rank: how), told by `nodes` (see `cluster.node_gone`)."""
 
     @property
     def executor(self) -> Executor:
@@ -156,13 +160,18 @@ class PodPlaced:
         """The job's context on its pod (its pod record, keys and watchdog log
         never uploaded): its probe must see the GPUs the pod bills for
         (`targets.runpod.gpucheck`), and a job found lost is asked of Runpod: a pod
-        deleted under it ends the watch unreachable, `settle` says why."""
+        deleted under it (on a cluster, any of its pods gone or not running)
+        ends the watch unreachable, `settle` says why."""
         pod = self.pod
         return replace(
             self.bounds.context(store, self.executor, reporter),
             local_only=LOCAL_RECORDS,
             check_facts=lambda facts: check_gpus(pod, facts),
-            host_gone=lambda: is_gone(self.ctx, pod),
+            host_gone=lambda: (
+                node_gone(self.ctx, pod, self.nodes_lost)
+                if self.nodes is not None
+                else is_gone(self.ctx, pod)
+            ),
             checkpoints_volume=self.checkpoints_volume,
         )
 
@@ -776,6 +785,7 @@ class PodTarget(BlockTarget):
                 ctx, record, plan, api_url=self._api_url, name=self.ref, steps=steps
             )
             await sweep_others(ctx, ready.pod)  # a twin of an answer lost on the way: at once
+            said: dict[int, str] = {}
             placed = PodPlaced(
                 ctx,
                 ready.pod,
@@ -784,9 +794,10 @@ class PodTarget(BlockTarget):
                 settings.retrieve_grace_s,
                 remote_dir_here=ready.remote_dir,
                 checkpoints_volume=settings.checkpoints_volume,
-                nodes=nodes_executor(ctx, ready.pod, ready.nodes, self.python)
+                nodes=nodes_executor(ctx, ready.pod, ready.nodes, self.python, said)
                 if ready.nodes
                 else None,
+                nodes_lost=said,
             )
             sharing = current()
             if sharing is not None and self.ref not in sharing.held and not ready.nodes:
@@ -898,6 +909,7 @@ class PodTarget(BlockTarget):
             except BaseException:
                 await executor.close()
                 raise
+            said: dict[int, str] = {}
             try:
                 yield PodPlaced(
                     ctx,
@@ -909,7 +921,8 @@ class PodTarget(BlockTarget):
                     owner=owner if linked else None,
                     share=None if pod.is_cluster else self._share_of(home, owner, pod),
                     checkpoints_volume=self.settings.checkpoints_volume,
-                    nodes=nodes_executor(ctx, pod, nodes, self.python) if cluster else None,
+                    nodes=nodes_executor(ctx, pod, nodes, self.python, said) if cluster else None,
+                    nodes_lost=said,
                 )
             finally:
                 for each in nodes:
@@ -970,9 +983,10 @@ class PodTarget(BlockTarget):
         return self.settings.max_restarts
 
     def lost_machine(self, store: Runs, record: RunRecord) -> str | None:
-        """Why the job `record` was lost with its pod: its container restarted
-        under it, or Runpod terminated the pod (not a bound of its watchdog,
-        nor a delete of this side). None otherwise, or when unknown."""
+        """Why the job `record` was lost with its pod: a node of its cluster
+        lost (its cluster then deleted), its container restarted under it,
+        or Runpod terminated the pod (not a bound of its watchdog, nor a
+        delete of this side). None otherwise, or when unknown."""
         try:
             _, pod = self._pod_of(store, record)
         except Exception:  # an unreadable pod record: not resumed on a guess
@@ -980,6 +994,8 @@ class PodTarget(BlockTarget):
         if pod is None or pod.keep:
             return None
         step = f" at step {pod.lost_step}" if pod.lost_step is not None else ""
+        if pod.node_lost is not None and pod.gone:
+            return f"{pod.node_lost}{step}"
         if pod.restarted is not None:
             return f"the container of pod {pod.name} restarted at {pod.restarted}{step}"
         if pod.host_lost is not None and pod.gone:

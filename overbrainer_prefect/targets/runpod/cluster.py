@@ -27,7 +27,7 @@ import asyncio
 import posixpath
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from overbrainer_prefect.executors.base import ExecError, JobId
@@ -41,6 +41,7 @@ from overbrainer_prefect.runpod.bootstrap import (
     disk_per_hour,
     pod_env,
 )
+from overbrainer_prefect.runpod.deletion import look_up
 from overbrainer_prefect.runpod.errors import NoCapacity, PodError, RunpodError
 from overbrainer_prefect.runpod.gpus import LaunchPlan, overpriced
 from overbrainer_prefect.runpod.models import ClusterRequest, Pod, secret_ref
@@ -48,7 +49,7 @@ from overbrainer_prefect.runpod.pod import ClusterNode, PodRecord, PodState, Ssh
 from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.store import RunRecord
 from overbrainer_prefect.targets.runpod.context import PodContext
-from overbrainer_prefect.targets.runpod.ending import fetch_watchdog_log
+from overbrainer_prefect.targets.runpod.ending import fetch_watchdog_log, is_gone
 from overbrainer_prefect.targets.runpod.keys import PodKeys, write_ssh_config
 from overbrainer_prefect.targets.runpod.names import pod_name
 from overbrainer_prefect.targets.runpod.provision import (
@@ -357,10 +358,13 @@ def nodes_executor(
     pod: PodRecord,
     executors: Sequence[SshExecutor],
     python: str,
+    said: dict[int, str] | None = None,
 ) -> NodesExecutor:
     """One executor over every pod of the cluster `pod` (rank 0 first), its
     rendezvous at the primary's private address; the nodes' jobs, once all
-    started, are recorded in `pod.json` (`node_jobs`) before the job's record."""
+    started, are recorded in `pod.json` (`node_jobs`) before the job's record;
+    a node whose job the follower's SSH lost is told in `said` (its rank: how),
+    for `node_gone`."""
     master = pod.nodes[0].address if pod.nodes else None
     if master is None:
         raise PodError(f"cluster {pod.cluster_id} of run {pod.run_id} has no private address")
@@ -369,7 +373,39 @@ def nodes_executor(
         pod.node_jobs = jobs
         pod.save(ctx.runs)
 
-    return NodesExecutor(executors, master, python, jobs=pod.node_jobs, spawned=spawned)
+    lost = said.__setitem__ if said is not None else None
+    return NodesExecutor(executors, master, python, jobs=pod.node_jobs, spawned=spawned, lost=lost)
+
+
+async def node_gone(ctx: PodContext, pod: PodRecord, said: Mapping[int, str]) -> bool:
+    """Whether the job across the cluster `pod`, found lost by the follower's
+    SSH (`said`: the node it lost, and how), is lost with a pod of it: its
+    primary gone (`is_gone`), or another pod of it that Runpod shows gone
+    or not RUNNING, the second witness. That node's loss, both witnesses in
+    one line, is then recorded in `pod.json` (`node_lost`): its follower
+    ends the job on every node and deletes the whole cluster. False while
+    Runpod shows every pod of it running, or cannot be asked (logged)."""
+    if await is_gone(ctx, pod):
+        return True
+    if not said:
+        return False
+    for node in pod.nodes[1:]:
+        try:
+            found = await look_up(ctx.client, node.pod_id, interval_s=ctx.timing.gone_interval_s)
+        except RunpodError as error:
+            ctx.log.warning("cannot look pod %s (node %d) up: %s", node.pod_id, node.rank, error)
+            return False
+        if found is not None and found.status == "RUNNING":
+            continue
+        shown = "no longer exists" if found is None else f"is {found.status}"
+        ssh = said.get(node.rank) or next(iter(said.values()))
+        pod.node_lost = (
+            f"node {node.rank} of cluster {pod.cluster_id} was lost: the follower's SSH lost "
+            f"its job ({ssh}) and Runpod shows its pod {node.pod_id} {shown}"
+        )
+        pod.save(ctx.runs)
+        return True
+    return False
 
 
 def reachable(pod: PodRecord) -> bool:

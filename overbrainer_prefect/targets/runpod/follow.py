@@ -296,14 +296,19 @@ async def watch_pod(
     once (`SILENCE`: this side's network); then the pod is deleted
     (confirmed), `pod.json` says when and at which step (`host_lost`,
     `lost_step`), and the Watched says why. Otherwise the follower says why
-    it waits, and watches the job again. Raises PodError when that delete is
-    refused (the pod may still bill)."""
+    it waits, and watches the job again. A node of a cluster found lost by
+    both witnesses while the job was followed (`pod.node_lost`, see
+    `cluster.node_gone`) has the whole cluster deleted at once
+    (`drop_lost_node`). Raises PodError when that delete is refused (the pod
+    may still bill)."""
     timing = pod_ctx.timing
     with SILENCE.following(pod.name):
         watched = await watch_leased(ctx, trainer, record, pod, timing, ctx.stall_s, pod_dir)
         for _ in range(MAX_WATCHES):
             if not isinstance(watched.error, Unreachable) or pod.keep:
                 return watched
+            if pod.node_lost is not None:  # a node of its cluster: both witnesses agreed
+                return await drop_lost_node(pod_ctx, pod, watched, pod.node_lost)
             SILENCE.mark(pod.name, True)
             try:
                 first = await _looked_up(pod_ctx, pod)
@@ -403,6 +408,21 @@ async def drop_lost_host(
         f"(silent {ctx.timing.lost_host_s:g} s more after the follower's tries{agreed}){step}: "
         "a lost host"
     )
+    await remove(ctx, pod, reason)
+    pod.host_lost = rfc3339()
+    pod.lost_step = watched.last_step
+    pod.save(ctx.runs)
+    return dataclasses.replace(watched, host_lost=reason)
+
+
+async def drop_lost_node(ctx: PodContext, pod: PodRecord, watched: Watched, lost: str) -> Watched:
+    """Deletes the whole cluster of a node lost (`lost`: why, both witnesses;
+    its job already ended on every node), confirmed for each of its pods,
+    then records when and the last step its job logged; returns `watched`
+    with why. Raises PodError when the delete is refused (nothing recorded
+    lost: it may still bill)."""
+    step = f", its job lost at step {watched.last_step}" if watched.last_step is not None else ""
+    reason = f"{lost}{step}: the job was ended on every node and the cluster deleted"
     await remove(ctx, pod, reason)
     pod.host_lost = rfc3339()
     pod.lost_step = watched.last_step
