@@ -1,10 +1,10 @@
 """What a training across nodes on a pool does once a node was lost, from
 its records alone (no machine is reached): the pool says why it was lost
-(`pool.json`), the training goes on from its last complete checkpoint, or
-from step 0 when none was kept, or, past max_restarts, fails with one line
-naming the command that goes on; each node's part of the checkpoint is
-staged for the node of its rank. The run itself, on three real sshd, is in
-tests/test_ssh_pool.py."""
+(`pool.json`; a Runpod cluster in its `pod.json`), the training goes on
+from its last complete checkpoint, or from step 0 when none was kept, or,
+past max_restarts, fails with one line naming the command that goes on;
+each node's part of the checkpoint is staged for the node of its rank. The
+run itself, on three real sshd, is in tests/test_ssh_pool.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.executors.base import FileDigest
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.kinds.base import Finished
@@ -25,6 +26,7 @@ from overbrainer_prefect.kinds.training import (
     resume_path,
     stage_checkpoint,
 )
+from overbrainer_prefect.runpod.pod import ClusterNode, PodRecord
 from overbrainer_prefect.runs.checkpoints import (
     KeptCheckpoint,
     KeptCheckpoints,
@@ -195,3 +197,56 @@ def test_a_kept_checkpoint_across_nodes_found_unchanged_is_not_copied_again() ->
     assert sorted_against(kept, changed) == ([], [], ["output/checkpoint-6"])  # node 1's differs
     assert in_checkpoint("nodes/1/output/checkpoint-6/rank-1.pt", "output/checkpoint-6")
     assert not in_checkpoint("nodes/1/output/checkpoint-60/rank-1.pt", "output/checkpoint-6")
+
+
+def test_a_cluster_that_lost_a_node_goes_on_from_its_records_alone_within_max_restarts(
+    tmp_path: Path,
+) -> None:
+    """On a Runpod target: a training whose cluster lost a node (both
+    witnesses, recorded in pod.json as `node_lost`) is a lost machine only
+    once its cluster was deleted; past max_restarts it fails with one line
+    naming the command that goes on from its last complete checkpoint."""
+    runs = Runs(tmp_path / "runs")
+    record = start_step.create(
+        runs,
+        target="runpod/c",
+        target_kind="runpod",
+        workdir="/w",
+        spec=SPEC.model_dump(mode="json"),
+    )
+    why = "node 1 of cluster c1 was lost: the follower's SSH lost its job (it does not answer)"
+    pod = PodRecord(
+        run_id=record.id,
+        host_key="k",
+        pod_id="p0",
+        cluster_id="c1",
+        cluster_pods=2,
+        nodes=[ClusterNode(pod_id="p0", rank=0), ClusterNode(pod_id="p1", rank=1)],
+        node_lost=why,
+        lost_step=7,
+    )
+    pod.save(runs)
+    lost = end_step.fail(runs, record.id, "its job was lost")
+    assert lost is not None
+    block = RunpodTarget(
+        credentials=RunpodCredentials(api_key="k"), job_venv="/v", gpu_types=["A"], max_restarts=0
+    )
+    target = block.target("runpod/c", LOG)
+    assert target.lost_machine(runs, lost) is None  # its cluster not deleted: not lost yet
+    pod.mark_deleted("client", "a lost node")
+    pod.save(runs)
+    assert target.lost_machine(runs, lost) == f"{why} at step 7"
+    kept = keep_checkpoint(runs, lost, 6)
+
+    async def again(spec: TrainingSpec, point: ResumedFrom | None, n: int, usd: float) -> Finished:
+        raise AssertionError("max_restarts 0: never again")
+
+    ended, runs_lost = asyncio.run(
+        go_on_after_lost_machines(runs, target, finished(lost), LOG, again)
+    )
+    assert ended.outcome.record.id == lost.id and runs_lost[0].stop == "max_restarts (0) reached"
+    message = runs.load(lost.id).message
+    assert "\n" not in message
+    assert message.endswith(
+        f"resume it from {kept.path} with the train flow (resume_from={lost.id})"
+    )

@@ -9,7 +9,9 @@ What is shown: both pods are real members of one process group, the run's
 progress is rank 0's, every node's files are retrieved and verified, the
 cluster is deleted as one only after that, and it is priced, capped and
 recorded as its two pods; a cluster the simulator cannot place fails in one
-line with nothing created."""
+line with nothing created; a cluster that loses a pod (Runpod terminates it)
+is deleted as one and the training goes on from its last complete
+checkpoint on a new cluster."""
 
 from __future__ import annotations
 
