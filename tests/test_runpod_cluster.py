@@ -20,7 +20,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,6 +33,7 @@ from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
 from overbrainer_prefect.driver import run_new
 from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.training import (
+    Again,
     LostRun,
     go_on_after_lost_machines,
     resume_path,
@@ -382,55 +383,25 @@ def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_o
     caplog.set_level(logging.WARNING)
     runs = Runs(tmp_path / "runs")
     target = runpod(sim, max_cost_usd=2.0, max_restarts=1)
-    training = TrainingSpec(datasets=["data/train.jsonl"], nodes=2)
-    steps = 12
+    steps = 24
     terminated: list[str] = []
-
-    def terminate_node_1_once_kept() -> None:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not terminated:
-            for record in runs.list(skipped=lambda _name, _error: None):
-                pod = PodRecord.load(runs, record.id)
-                if pod is not None and len(pod.node_jobs) == 2 and last_kept(runs, record.id):
-                    sim.terminate(pod.nodes[1].pod_id)  # as Runpod does: nobody asked
-                    terminated.append(record.id)
-                    break
-            time.sleep(0.2)
-
-    def job(point: ResumedFrom | None, attempt: int = 0, usd: float = 0.0) -> NewJob:
-        pause, save = (0.5, 3) if point is None else (0.05, steps)  # lost first: 6 s at most
-        trainer = DdpTrainer(steps, pause, save, resume_path(point) if point else None)
-
-        def prepare(record: RunRecord) -> DdpTrainer:
-            if point is not None:
-                stage_checkpoint(runs, point, record)  # each node's part for that node alone
-                record.resumed_from = point
-                runs.save(record)
-            return trainer
-
-        need = JobNeed(what="the training", training=training, spent_usd=usd)
-        spec = training.model_dump(mode="json")
-        return NewJob(
-            store=runs, need=need, kind="training", prepare=prepare, spec=spec, attempt=attempt
-        )
-
     spent_before: list[float] = []
 
-    @flow(name="cluster-training-restart", persist_result=False)
-    async def training_flow() -> tuple[Finished, list[LostRun]]:
-        logger = get_run_logger()
-        finished = await run_new(target, job(None), logger)
+    def job(point: ResumedFrom | None, attempt: int = 0, usd: float = 0.0) -> NewJob:
+        pause, save = (0.5, 3) if point is None else (0.05, steps)  # lost first: 12 s at most
+        trainer = DdpTrainer(steps, pause, save, resume_path(point) if point else None)
+        return training_job(runs, trainer, point, attempt, usd)
 
-        async def again(spec: TrainingSpec, point: Any, attempt: int, usd: float) -> Finished:
-            assert spec.nodes == 2
-            spent_before.append(usd)
-            return await run_new(target, job(point, attempt, usd), logger)
+    async def again(spec: TrainingSpec, point: Any, attempt: int, usd: float) -> Finished:
+        assert spec.nodes == 2
+        spent_before.append(usd)
+        return await run_new(target, job(point, attempt, usd), get_run_logger())
 
-        return await go_on_after_lost_machines(runs, target, finished, logger, again)
+    def kept(record: RunRecord) -> bool:
+        return last_kept(runs, record.id) is not None
 
-    watcher = threading.Thread(target=terminate_node_1_once_kept, daemon=True)
-    watcher.start()
-    ended, lost = asyncio.run(training_flow())
+    watcher = terminate_once(sim, runs, 1, kept, terminated)
+    ended, lost = asyncio.run(restarting(runs, target, job(None), again))
     watcher.join(timeout=5)
     assert len(terminated) == 1, "no checkpoint was kept before node 1 could be lost"
     [first_id] = terminated
@@ -496,3 +467,101 @@ def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_o
         [(first_id, clusters[0].id), (record.id, clusters[1].id)]
     )
     assert all(e.ended for e in entries)
+
+
+def test_a_cluster_whose_primary_is_terminated_is_deleted_and_past_max_restarts_fails(
+    prefect_server: None, sim: RunpodSim, pods_of: SimPods, tmp_path: Path
+) -> None:
+    """Runpod terminates the primary (rank 0) of a 2-pod cluster once the job
+    started on both, no checkpoint kept: the follower cannot reach the job and Runpod shows that
+    pod gone while node 1 runs on, a lost node: the whole cluster is deleted
+    (node 1 with it); with max_restarts 0 the run fails with one line naming
+    the command that goes on (from step 0)."""
+    runs = Runs(tmp_path / "runs")
+    target = runpod(sim, max_restarts=0)
+    terminated: list[str] = []
+
+    async def again(spec: TrainingSpec, point: Any, attempt: int, usd: float) -> Finished:
+        raise AssertionError("max_restarts 0: never again")
+
+    watcher = terminate_once(sim, runs, 0, lambda _: True, terminated)  # once both started
+    job = training_job(runs, DdpTrainer(steps=600, pause_s=0.1), None)
+    ended, lost = asyncio.run(restarting(runs, target, job, again))
+    watcher.join(timeout=5)
+    [run_id] = terminated
+    [run_lost] = lost
+    record = runs.load(run_id)
+    assert ended.outcome.record.id == run_id and record.state == RunState.FAILED, record
+    assert run_lost.point is None and run_lost.stop == "max_restarts (0) reached"
+    pod = PodRecord.load(runs, run_id)
+    assert pod is not None and pod.gone and pod.deleted_by == "client", pod
+    told = pod.node_lost or ""
+    assert f"node 0 of cluster {pod.cluster_id} was lost" in told, told
+    assert "could not reach it" in told and f"its pod {pod.nodes[0].pod_id} no longer" in told
+    [cluster] = sim.clusters(include_deleted=True)
+    assert cluster.deleted_at is not None and all(sim.pod(i).deleted for i in cluster.pod_ids)
+    assert not pods_of.running(pod.nodes[1].pod_id)  # node 1 did not train on alone
+    message = record.message or ""
+    assert "\n" not in message and message.startswith(told), message
+    assert message.endswith(
+        "no checkpoint of it was kept: start it again from step 0 with the train flow"
+    ), message
+
+
+def training_job(
+    runs: Runs, trainer: DdpTrainer, point: ResumedFrom | None, attempt: int = 0, usd: float = 0.0
+) -> NewJob:
+    """A training across two nodes with `trainer`, from the checkpoint of
+    `point` (each node's part staged for that node alone) when given."""
+    training = TrainingSpec(datasets=["data/train.jsonl"], nodes=2)
+
+    def prepare(record: RunRecord) -> DdpTrainer:
+        if point is not None:
+            stage_checkpoint(runs, point, record)
+            record.resumed_from = point
+            runs.save(record)
+        return trainer
+
+    need = JobNeed(what="the training", training=training, spent_usd=usd)
+    spec = training.model_dump(mode="json")
+    return NewJob(
+        store=runs, need=need, kind="training", prepare=prepare, spec=spec, attempt=attempt
+    )
+
+
+async def restarting(
+    runs: Runs, target: Target, first: NewJob, again: Again
+) -> tuple[Finished, list[LostRun]]:
+    """`first` run through the job driver in a flow run, then gone on with
+    `again` after each lost machine, as the train flow does."""
+
+    @flow(name="cluster-training-restart", persist_result=False)
+    async def training() -> tuple[Finished, list[LostRun]]:
+        logger = get_run_logger()
+        finished = await run_new(target, first, logger)
+        return await go_on_after_lost_machines(runs, target, finished, logger, again)
+
+    return await training()
+
+
+def terminate_once(
+    sim: RunpodSim, runs: Runs, rank: int, ready: Callable[[RunRecord], bool], done: list[str]
+) -> threading.Thread:
+    """A thread that terminates the pod of node `rank` of the first run whose
+    every node's job started and which is `ready`, as Runpod does on its own
+    (nobody asked), noting the run in `done`."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not done:
+            for record in runs.list(skipped=lambda _name, _error: None):
+                pod = PodRecord.load(runs, record.id)
+                if pod is not None and len(pod.node_jobs) == 2 and ready(record):
+                    sim.terminate(pod.nodes[rank].pod_id)
+                    done.append(record.id)
+                    break
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread

@@ -379,33 +379,45 @@ def nodes_executor(
 
 async def node_gone(ctx: PodContext, pod: PodRecord, said: Mapping[int, str]) -> bool:
     """Whether the job across the cluster `pod`, found lost by the follower's
-    SSH (`said`: the node it lost, and how), is lost with a pod of it: its
-    primary gone (`is_gone`), or another pod of it that Runpod shows gone
-    or not RUNNING, the second witness. That node's loss, both witnesses in
-    one line, is then recorded in `pod.json` (`node_lost`): its follower
-    ends the job on every node and deletes the whole cluster. False while
-    Runpod shows every pod of it running, or cannot be asked (logged)."""
-    if await is_gone(ctx, pod):
-        return True
-    if not said:
+    SSH (`said`: the node it lost, and how), is lost with a pod of it: a
+    lost node (`lost_node`), or the whole cluster gone (`is_gone`: its
+    record then says by whom). False while Runpod shows every pod of it
+    running, or cannot be asked (logged)."""
+    ssh = " ".join("; ".join(said[rank] for rank in sorted(said)).split()) or "its job is gone"
+    return await lost_node(ctx, pod, ssh) or await is_gone(ctx, pod)
+
+
+async def lost_node(ctx: PodContext, pod: PodRecord, ssh: str) -> bool:
+    """Whether a pod of the cluster `pod` whose job the follower's SSH lost
+    (`ssh`: how) is a lost node: Runpod, the second witness, shows that pod
+    gone or not RUNNING while another pod of the cluster still runs. Its
+    loss, both witnesses in one line, is then recorded in `pod.json`
+    (`node_lost`), and its follower ends the job on every node and deletes
+    the whole cluster. False when Runpod shows every pod running, or none
+    (the whole cluster gone: its record says by whom, see `is_gone`), or
+    cannot be asked (logged). Raises RecordIoError when `pod.json` cannot
+    be saved."""
+    if not pod.nodes or pod.state == PodState.DELETED:
         return False
-    for node in pod.nodes[1:]:
+    shown: list[tuple[ClusterNode, Pod | None]] = []
+    for node in pod.nodes:
         try:
             found = await look_up(ctx.client, node.pod_id, interval_s=ctx.timing.gone_interval_s)
         except RunpodError as error:
             ctx.log.warning("cannot look pod %s (node %d) up: %s", node.pod_id, node.rank, error)
             return False
-        if found is not None and found.status == "RUNNING":
-            continue
-        shown = "no longer exists" if found is None else f"is {found.status}"
-        ssh = said.get(node.rank) or next(iter(said.values()))
-        pod.node_lost = (
-            f"node {node.rank} of cluster {pod.cluster_id} was lost: the follower's SSH lost "
-            f"its job ({ssh}) and Runpod shows its pod {node.pod_id} {shown}"
-        )
-        pod.save(ctx.runs)
-        return True
-    return False
+        shown.append((node, found))
+    gone = [(node, found) for node, found in shown if found is None or found.status != "RUNNING"]
+    if not gone or len(gone) == len(shown):
+        return False
+    node, found = gone[0]
+    status = "no longer exists" if found is None else f"is {found.status}"
+    pod.node_lost = (
+        f"node {node.rank} of cluster {pod.cluster_id} was lost: the follower's SSH lost its "
+        f"job ({ssh}) and Runpod shows its pod {node.pod_id} {status}"
+    )
+    pod.save(ctx.runs)
+    return True
 
 
 def reachable(pod: PodRecord) -> bool:

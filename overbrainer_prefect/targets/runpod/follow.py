@@ -33,6 +33,7 @@ from overbrainer_prefect.steps.context import Outcome, RunContext
 from overbrainer_prefect.steps.errors import Unreachable
 from overbrainer_prefect.steps.reporters import Reporter
 from overbrainer_prefect.store.records import RecordError
+from overbrainer_prefect.targets.runpod.cluster import lost_node
 from overbrainer_prefect.targets.runpod.context import PodContext
 from overbrainer_prefect.targets.runpod.ending import is_gone, look_up_pod, remove
 from overbrainer_prefect.targets.runpod.fate import Restart, lost_to_restart, restart_lost_message
@@ -214,6 +215,8 @@ async def watch_leased(
     return Watched(error=error, last_step=progress.last_step)
 
 
+UNREACHED = "the follower could not reach it"
+"""How the follower's SSH lost the job of a cluster whose primary went silent."""
 LOOK_AGAIN_S = 5.0  # between two tries of a silent pod's SSH
 MAX_WATCHES = 20  # watches of one job whose pod fell silent and answered again
 STALLED_SHARE = 0.5  # a runtime that went on for less than this share of the wall clock stalled
@@ -296,10 +299,11 @@ async def watch_pod(
     once (`SILENCE`: this side's network); then the pod is deleted
     (confirmed), `pod.json` says when and at which step (`host_lost`,
     `lost_step`), and the Watched says why. Otherwise the follower says why
-    it waits, and watches the job again. A node of a cluster found lost by
-    both witnesses while the job was followed (`pod.node_lost`, see
-    `cluster.node_gone`) has the whole cluster deleted at once
-    (`drop_lost_node`). Raises PodError when that delete is refused (the pod
+    it waits, and watches the job again. On a cluster, a node lost with both
+    witnesses (the follower's SSH lost its job, or the job could not be
+    reached; Runpod shows its pod gone or not RUNNING while another runs:
+    `cluster.lost_node`, `pod.node_lost`) has the whole cluster deleted at
+    once (`drop_lost_node`). Raises PodError when that delete is refused (the pod
     may still bill)."""
     timing = pod_ctx.timing
     with SILENCE.following(pod.name):
@@ -307,6 +311,8 @@ async def watch_pod(
         for _ in range(MAX_WATCHES):
             if not isinstance(watched.error, Unreachable) or pod.keep:
                 return watched
+            if pod.is_cluster and pod.node_lost is None:  # its primary silent: Runpod's view
+                await lost_node(pod_ctx, pod, UNREACHED)
             if pod.node_lost is not None:  # a node of its cluster: both witnesses agreed
                 return await drop_lost_node(pod_ctx, pod, watched, pod.node_lost)
             SILENCE.mark(pod.name, True)
