@@ -115,3 +115,11 @@ async def started_job(
             record = await start_step.start(ctx, trainer, record)
             placed.started(runs, record)
             yield placed, ctx, record
+
+
+ESCAPED = (
+    # a child in a session of its own that ignores SIGTERM, as torchrun's workers are started
+    "setsid sh -c 'trap \"\" TERM; sleep 60 & echo $! > escaped.pid; wait' & "
+    "sleep 30 & echo $! > child.pid; wait"
+)
+"""A job whose tree leaves its process group: what a cancel must end too."""

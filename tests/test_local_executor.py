@@ -36,6 +36,7 @@ from overbrainer_prefect.executors import (
 from overbrainer_prefect.executors.jobscript import JOB_SCRIPT, parse_launch
 from tests import procs
 from tests.procs import alive
+from tests.shelljobs import ESCAPED
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -213,16 +214,14 @@ def test_the_first_failing_command_ends_the_job_with_its_exit_code(
     assert (run_dir / JOB_LOG).read_text() == "first\n"
 
 
-def test_a_cancelled_job_loses_its_whole_process_group_and_reads_cancelled(
+def test_a_cancelled_job_loses_its_whole_process_tree_and_reads_cancelled(
     executor: LocalExecutor, jobs: list[JobId]
 ) -> None:
-    job = spawn(executor, jobs, [["sh", "-c", "sleep 30 & echo $! > child.pid; wait"]])
-    child_pid_file = Path(job.dir) / "child.pid"
-    wait_until(
-        lambda: child_pid_file.exists() and child_pid_file.read_text().strip() != "", "the child"
-    )
-    child = int(child_pid_file.read_text())
-    assert alive(child)
+    job = spawn(executor, jobs, [["sh", "-c", ESCAPED]])
+    pid_files = [Path(job.dir) / name for name in ("child.pid", "escaped.pid")]
+    wait_until(lambda: all(f.exists() and f.read_text().strip() for f in pid_files), "children")
+    child, escaped = (int(f.read_text()) for f in pid_files)
+    assert alive(child) and alive(escaped) and os.getpgid(escaped) != job.pid
     assert run(executor.status(job)) == JobStatus.running()
 
     run(executor.cancel(job))
@@ -230,6 +229,7 @@ def test_a_cancelled_job_loses_its_whole_process_group_and_reads_cancelled(
     assert run(executor.status(job)) == JobStatus.cancelled()
     assert not alive(job.pid)
     wait_until(lambda: not alive(child), "the child to be gone", timeout=2)
+    wait_until(lambda: not alive(escaped), "the escaped child to be gone", timeout=2)
     assert (Path(job.dir) / CANCEL_FILE).exists()
     run(executor.cancel(job))  # a job already gone is left alone
     assert run(executor.status(job)) == JobStatus.cancelled()

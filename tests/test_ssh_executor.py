@@ -41,6 +41,7 @@ from overbrainer_prefect.executors.jobscript import JOB_SCRIPT
 from overbrainer_prefect.executors.ssh import SshExecutor
 from tests import procs
 from tests.procs import alive
+from tests.shelljobs import ESCAPED
 from tests.sshd import SSH_KEYGEN, Sshd
 
 T = TypeVar("T")
@@ -210,17 +211,21 @@ def test_a_command_past_its_timeout_fails_naming_it_and_the_next_command_runs(
     assert with_executor(sshd, tmp_path / "remote", scenario) == "next\n"
 
 
-def test_a_cancelled_job_reads_cancelled_and_its_whole_process_group_is_gone(
+def test_a_cancelled_job_reads_cancelled_and_its_whole_process_tree_is_gone(
     sshd: Sshd, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "remote" / "run1"
     child_pid = run_dir / "child.pid"
+    escaped_pid = run_dir / "escaped.pid"  # in a session of its own, deaf to SIGTERM
 
     async def scenario(executor: SshExecutor) -> tuple[JobId, JobStatus]:
-        job = await executor.spawn(shell_job(run_dir, "sleep 60 & echo $! > child.pid; wait"))
+        job = await executor.spawn(shell_job(run_dir, ESCAPED))
         deadline = time.monotonic() + WAIT_S
-        while not child_pid.exists() and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not all(
+            f.exists() and f.read_text().strip() for f in (child_pid, escaped_pid)
+        ):
             await asyncio.sleep(0.05)
+        assert os.getpgid(int(escaped_pid.read_text())) != job.pid
         assert await executor.status(job) == JobStatus.running()
         await executor.cancel(job)
         return job, await executor.status(job)
@@ -231,6 +236,7 @@ def test_a_cancelled_job_reads_cancelled_and_its_whole_process_group_is_gone(
     assert not (run_dir / EXIT_FILE).exists()
     assert not alive(job.pid)
     assert not alive(int(child_pid.read_text()))
+    assert not alive(int(escaped_pid.read_text()))
 
 
 def test_secrets_reach_the_job_and_appear_in_no_file_log_or_process_argument(

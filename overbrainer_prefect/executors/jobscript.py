@@ -109,11 +109,28 @@ def parse_status(job: JobId, output: str) -> JobStatus:
     return JobStatus.lost()
 
 
+TREE_AWK = (
+    "{p[NR]=$1; q[NR]=$2; s[NR]=$4; t[NR]=$5; if ($3 == g) m[$1] = 1} "
+    "END {do {c = 0; for (i = 1; i <= NR; i++) if (!(p[i] in m) && (q[i] in m)) "
+    "{m[p[i]] = 1; c = 1}} while (c); "
+    'for (i = 1; i <= NR; i++) if ((p[i] in m) && s[i] != "Z") print p[i] ":" t[i]}'
+)
+"""Of `pid ppid pgrp state start` lines: the live processes of group `g` and
+every descendant of them, as `pid:start`."""
+
+
 def cancel_command(job: JobId, grace_s: float = CANCEL_GRACE_S) -> str:
     """A shell command that cancels the job's process group, when the job is
     still the process it was: writes `CANCEL_FILE`, sends SIGTERM to the group,
     waits up to `grace_s` for every process of it to end (zombies count as
-    ended: a container's PID 1 may never reap them), then sends SIGKILL."""
+    ended: a container's PID 1 may never reap them), then sends SIGKILL.
+
+    A descendant in a session of its own (torchrun starts each worker so: a
+    SIGTERM reaches them through torchrun, which may itself be killed before
+    they end) is part of the job too: the job's tree is taken before the
+    SIGTERM (a child loses its parent when it dies) and again before the
+    SIGKILL, and each of its processes still there (the same PID and start
+    time) is waited for and killed with the group."""
     run_dir = shlex.quote(job.dir)
     checks = int(grace_s * 10)
     started = shlex.quote(job.started or "")
@@ -125,9 +142,18 @@ def cancel_command(job: JobId, grace_s: float = CANCEL_GRACE_S) -> str:
         "alive() { for f in /proc/[0-9]*/stat; do "
         'read -r l < "$f" 2>/dev/null || continue; r=${l##*) }; set -- $r; '
         f'[ "$3" = {pgid} ] && [ "$1" != Z ] && return 0; done; return 1; }}; '
-        f": > {CANCEL_FILE}; kill -TERM -{pgid} 2>/dev/null; i=0; "
-        f"while alive && [ $i -lt {checks} ]; do sleep 0.1; i=$((i+1)); done; "
-        f"kill -KILL -{pgid} 2>/dev/null; exit 0"
+        "tree() { for f in /proc/[0-9]*/stat; do "
+        'read -r l < "$f" 2>/dev/null || continue; p=${f#/proc/}; r=${l##*) }; set -- $r; '
+        'echo "${p%/stat} $2 $3 $1 ${20}"; done | '
+        f"awk -v g={pgid} {shlex.quote(TREE_AWK)}; }}; "
+        "still() { for e in $*; do read -r l < /proc/${e%%:*}/stat 2>/dev/null || continue; "
+        'r=${l##*) }; set -- $r; [ "$1" != Z ] && [ "${20}" = "${e#*:}" ] && echo "$e"; '
+        "done; }; "
+        f"t=$(tree); : > {CANCEL_FILE}; kill -TERM -{pgid} 2>/dev/null; i=0; "
+        f'while {{ alive || [ -n "$(still $t)" ]; }} && [ $i -lt {checks} ]; do '
+        "sleep 0.1; i=$((i+1)); done; "
+        f't="$t $(tree)"; kill -KILL -{pgid} 2>/dev/null; '
+        'for e in $(still $t); do kill -KILL "${e%%:*}" 2>/dev/null; done; exit 0'
     )
 
 

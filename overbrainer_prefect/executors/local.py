@@ -355,9 +355,11 @@ def _status_output(job: JobId) -> str:
 
 
 def _cancel(job: JobId, run_dir: Path, grace_s: float) -> None:
-    """`jobscript.cancel_command`, done directly, except that a group whose
-    processes are all zombies counts as ended (a PID 1 that does not reap
-    orphans must not make every cancel wait out its grace)."""
+    """`jobscript.cancel_command`, done directly (the job's tree, descendants in
+    sessions of their own included, taken before the SIGTERM and again before
+    the SIGKILL), except that a group whose processes are all zombies counts
+    as ended (a PID 1 that does not reap orphans must not make every cancel
+    wait out its grace)."""
     if (run_dir / EXIT_FILE).exists():
         return
     stat_line = _read_text(Path(f"/proc/{job.pid}/stat"))
@@ -369,12 +371,17 @@ def _cancel(job: JobId, run_dir: Path, grace_s: float) -> None:
         return
     if job.started is not None and now.started != job.started:
         return  # the PID now belongs to another process
+    tree = _tree(job.pid)
     (run_dir / CANCEL_FILE).touch()
     _signal_group(job.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while _group_alive(job.pid) and time.monotonic() < deadline:
+    while (_group_alive(job.pid) or _still(tree)) and time.monotonic() < deadline:
         time.sleep(POLL_S)
+    tree |= _tree(job.pid)
     _signal_group(job.pid, signal.SIGKILL)
+    for pid, _ in _still(tree):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -386,20 +393,62 @@ def _kill_group(pgid: int) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Process:
+    """A process as /proc/<pid>/stat shows it."""
+
+    pid: int
+    parent: int
+    group: int
+    state: str
+    start: str  # its start time in clock ticks since boot: with the PID, which process it is
+
+
+def _stat_of(pid: int) -> _Process | None:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rpartition(")")[2].split()
+    except OSError:
+        return None  # it ended while we looked
+    # fields[0] is the state (field 3), [1] the parent (4), [2] the group (5), [19] the start (22)
+    if len(fields) < 20:
+        return None
+    return _Process(pid, int(fields[1]), int(fields[2]), fields[0], fields[19])
+
+
+def _processes() -> list[_Process]:
+    """Every process of this machine that runs or is a zombie, now."""
+    found = (_stat_of(int(e.name)) for e in os.scandir("/proc") if e.name.isdigit())
+    return [p for p in found if p is not None]
+
+
+def _tree(pgid: int) -> set[tuple[int, str]]:
+    """The live processes of group `pgid` and all their descendants, as (PID, start)."""
+    processes = _processes()
+    members = {p.pid for p in processes if p.group == pgid}
+    grown = True
+    while grown:
+        grown = False
+        for process in processes:
+            if process.pid not in members and process.parent in members:
+                members.add(process.pid)
+                grown = True
+    return {(p.pid, p.start) for p in processes if p.pid in members and p.state not in ("Z", "X")}
+
+
+def _still(tree: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """The processes of `tree` still running (the same PID and start time, not a zombie)."""
+    still = set()
+    for pid, start in tree:
+        now = _stat_of(pid)
+        if now is not None and now.start == start and now.state not in ("Z", "X"):
+            still.add((pid, start))
+    return still
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of group `pgid` runs (zombies do not count)."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as file:
-                fields = file.read().rpartition(")")[2].split()
-        except OSError:
-            continue  # it ended while we looked
-        # fields[0] is the state (field 3), fields[2] the process group (field 5)
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            return True
-    return False
+    return any(p.group == pgid and p.state not in ("Z", "X") for p in _processes())
 
 
 def _read_from(path: Path, offset: int, limit: int) -> bytes:
