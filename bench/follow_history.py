@@ -177,7 +177,9 @@ def measure(root: Path, endpoint: str) -> None:
         time.sleep(0.01)  # distinct IDs (one a second, four random letters)
     # their followers: another store (client) of this process, leases long enough to need
     # no renewal while the pass is measured
-    others = Runs(S3Store(BUCKET, PREFIX, lambda: default_client(endpoint), endpoint))
+    others = Runs(
+        S3Store(BUCKET, PREFIX, lambda config: default_client(endpoint, config), endpoint)
+    )
     os.environ[TTL_ENV] = "3600"
 
     @flow(name="bench-follow-pass")
