@@ -10,12 +10,14 @@ instead of each starting Prefect's temporary one).
 Prints each script's lines as it goes, a `BENCH-ERROR <script> exited <code>`
 line for a script that failed without printing its own (any exit but 0 and
 ERROR_EXIT), a `#` line with each script's seconds, and the total last:
-`# make bench: <seconds> s`. A server that stops answering between two
-scripts is started again (once each time)."""
+`# make bench: <seconds> s`; on stderr, after each script, its seconds, the
+CPU seconds of the processes it reaped and the load average. A server that
+stops answering between two scripts is started again (once each time)."""
 
 from __future__ import annotations
 
 import compileall
+import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,7 @@ REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
 from kit.lines import ERROR_EXIT  # noqa: E402
+from kit.process import children_cpu_seconds  # noqa: E402
 from kit.server import (  # noqa: E402
     SHARED_ENV,
     SHARED_PID_ENV,
@@ -62,13 +65,20 @@ def main() -> int:
                 if not healthy(server.api_url):
                     stack.close()  # stops the one that no longer answers
                     server = stack.enter_context(started_server(root / f"server-{number}"))
-                start = time.monotonic()
+                start, cpu = time.monotonic(), children_cpu_seconds()
                 code = subprocess.call(
                     [sys.executable, str(script)],
                     cwd=REPO,
                     env=shared_env(server, root / "client-home"),
                 )
-                took.append(f"{script.stem} {time.monotonic() - start:.0f}")
+                seconds = time.monotonic() - start
+                took.append(f"{script.stem} {seconds:.0f}")
+                print(  # on stderr, as the scripts' own progress lines
+                    f"[run_all] {script.name}: {seconds:.0f} s, {children_cpu_seconds() - cpu:.0f}"
+                    f" CPU s reaped, load average {os.getloadavg()[0]:.1f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if code not in (0, ERROR_EXIT):
                     print(f"BENCH-ERROR {script.name} exited {code}", flush=True)
     finally:
