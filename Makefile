@@ -47,11 +47,10 @@ demo: setup
 
 # Every figure a ratio against a reference measured side by side (see bench/*.py);
 # each script makes its own fixtures and prints BENCH lines, or one BENCH-ERROR line.
+# bench/kit/run_all.py runs them in turn against one shared Prefect server (a script
+# run alone starts its own), the package compiled first as for the tests.
 bench: setup
-	@start=$$(date +%s); for script in bench/*.py; do \
-		$(VENV)/bin/python $$script; code=$$?; \
-		[ $$code -eq 0 ] || [ $$code -eq 3 ] || echo "BENCH-ERROR $$(basename $$script) exited $$code"; \
-	done; echo "# make bench: $$(( $$(date +%s) - start )) s"
+	@$(VENV)/bin/python bench/kit/run_all.py
 
 clean:
 	rm -rf $(VENV) $(JOB_VENV) $(JOB_VENV).new .cache

@@ -34,8 +34,11 @@ Counted as violations, after that collect:
 
 Prints `BENCH chaos-violations <n> count goal <= 0`, a `# seed N` line (give
 it back as the first argument or CHAOS_SEED to replay the same chaos) and one
-`#` line per kind of violation. About four minutes on a 2-core machine
-(its first half-minute starting the servers).
+`#` line per kind of violation. About three minutes on a 2-core machine, as
+issue 36 asks: the soak is TRAIN_UNTIL_S of trainings and COLLECT_UNTIL_S of
+collects (they were 150 and 180 s, with jobs of 3 to 8 s: the same 10
+trainings a machine now fit in the shorter soak, their jobs 2 to 5 s, and
+the same faults fall in it; the `#` lines say how many trainings started).
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ SEED_ENV = "CHAOS_SEED"
 MACHINES = ("a", "b")
 TRAININGS = 10  # per machine at most: none starts past TRAIN_UNTIL_S
 TTL_S = 4.0  # the lease TTL of every process: stalls of 2 to 3 TTLs lose every lease
-TRAIN_UNTIL_S = 150.0  # no training starts after this (seconds into the soak)
-COLLECT_UNTIL_S = 180.0  # the workers collect until then
+TRAIN_UNTIL_S = 120.0  # no training starts after this (seconds into the soak)
+COLLECT_UNTIL_S = 140.0  # the workers collect until then
 JOIN_S = 90.0  # then each worker is waited for this long at most, then killed
 STALLS = 3
 BURSTS = 4  # 503 bursts
@@ -77,7 +80,7 @@ KILLS = 2
 POD_GRACE_S = 15.0  # for the deletes under way when the final collect ends
 FINAL_COLLECT_S = 240.0
 BOOT_S = 3.0
-JOB_S = (3.0, 8.0)  # how long each shell job runs
+JOB_S = (2.0, 5.0)  # how long each shell job runs
 GPU = "NVIDIA RTX A4000"
 POD_TIMING = (
     "watch_interval_s=1,lease_ttl_s=6,lease_renew_s=1,lease_tick_s=0.5,deadline_margin_s=4,"

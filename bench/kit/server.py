@@ -1,7 +1,12 @@
 """A private `prefect server` for one bench script: its own PREFECT_HOME (a
-fresh SQLite database), 127.0.0.1 and a free port, its own session, stopped by
-its process group. The script's own environment is pointed at it before
-Prefect is imported."""
+copy of an already migrated SQLite database), 127.0.0.1 and a free port, its
+own session, stopped by its process group. The script's own environment is
+pointed at it before Prefect is imported.
+
+Under `make bench` (bench/kit/run_all.py) one such server serves every
+script: its API URL and PID are in SHARED_ENV and SHARED_PID_ENV, and
+`prefect_server` points the script at it instead of starting one (a script
+run alone still starts its own)."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +26,8 @@ from tests.ports import free_port
 
 START_TIMEOUT_S = 180.0  # a fresh server migrates its SQLite database first, on a busy machine
 STOP_GRACE_S = 15.0  # between SIGTERM and SIGKILL of the server's process group
+SHARED_ENV = "BENCH_PREFECT_API_URL"  # the API URL of the server of a whole `make bench`
+SHARED_PID_ENV = "BENCH_PREFECT_SERVER_PID"  # and the PID leading its process group
 
 
 def server_env(home: Path, api_url: str | None = None) -> dict[str, str]:
@@ -71,23 +78,40 @@ class Server:
     pid: int
 
 
+def healthy(api_url: str) -> bool:
+    """Whether the server at `api_url` answers its health check now."""
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 @contextmanager
-def prefect_server(root: Path) -> Iterator[Server]:
-    """Starts the server under `root`, waits for it to answer, points this
-    process's environment at it, yields it, then stops it.
+def started_server(root: Path) -> Iterator[Server]:
+    """Starts a server under `root` on a copy of the migrated SQLite database
+    (tests/prefect_server.py's `migrated_sqlite`: no migration at each start),
+    waits for it to answer, yields it, then stops it. This process's
+    environment is left as it is.
 
     Raises RuntimeError (with the end of its log) when it exits or does not
     answer within START_TIMEOUT_S."""
+    from tests.prefect_server import migrated_sqlite
+
     home = root / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
+    database = migrated_sqlite(root / "prefect-server.db")
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     log = root / "prefect-server.log"
     prefect = Path(sys.executable).parent / "prefect"
+    env = server_env(home) | {
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database}"
+    }
     with log.open("wb") as out:
         server = subprocess.Popen(
             [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=server_env(home),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -95,24 +119,40 @@ def prefect_server(root: Path) -> Iterator[Server]:
         )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
+        while not healthy(api_url):
             if server.poll() is not None:
                 raise RuntimeError(f"prefect server exited ({server.returncode}): {_tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{api_url}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"prefect server not healthy after {START_TIMEOUT_S:.0f} s")
             time.sleep(0.5)
-        os.environ.clear()
-        os.environ.update(server_env(home, api_url))
         yield Server(api_url, server.pid)
+    finally:
+        stop_group(server)
+
+
+@contextmanager
+def prefect_server(root: Path) -> Iterator[Server]:
+    """Points this process's environment (PREFECT_HOME under `root`) at a
+    server, yields it, then sends the flows' last logs: the shared server of
+    a whole `make bench` where SHARED_ENV names one, else one started under
+    `root` (`started_server`) and stopped after.
+
+    Raises RuntimeError when the shared server does not answer, or as
+    `started_server` does."""
+    home = root / "prefect-home"
+    home.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        shared = os.environ.get(SHARED_ENV)
+        if shared:
+            if not healthy(shared):
+                raise RuntimeError(f"the shared prefect server {shared} does not answer")
+            server = Server(shared, int(os.environ[SHARED_PID_ENV]))
+        else:
+            server = stack.enter_context(started_server(root))
+        os.environ.clear()
+        os.environ.update(server_env(home, server.api_url))  # SHARED_ENV kept, passed on
+        yield server
         if "prefect.logging.handlers" in sys.modules:  # the flows' last logs, sent first
             from prefect.logging.handlers import APILogWorker
 
             APILogWorker.drain_all(timeout=10)
-    finally:
-        stop_group(server)
