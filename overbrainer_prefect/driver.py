@@ -56,6 +56,7 @@ from overbrainer_prefect.steps.errors import INTERRUPTED, RunError, failure_reas
 from overbrainer_prefect.steps.hooks import cancel_recorded, crashed_recorded
 from overbrainer_prefect.steps.reporters import JobReporter, Reporter
 from overbrainer_prefect.store import LeaseLost
+from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.targets.base import Logger, Placed, Reservation, Target
 from overbrainer_prefect.trainers.base import Trainer
 
@@ -378,6 +379,9 @@ async def follow_again(
     try:
         with follow_lock(store, record.id, flow_run.id):
             record = store.load(record.id)  # as its last follower left it
+            # a read slower than the lease (a stalled store) may come back after another
+            # follower took the run and ended it: nothing is done or said from it then
+            check_guarded(record.id)
             if record.job is None:
                 return await _abandoned(target, store, record)
             trainer = trainer_of(runs, record, target.cpu_threads)

@@ -172,7 +172,8 @@ def test_a_training_across_two_nodes_runs_on_one_instant_cluster_deleted_as_one_
     assert (local / "manifest.json").stat().st_mtime <= cluster.deleted_at
     assert pod.state == PodState.DELETED and pod.deleted_by == "client" and pod.gone
     deletes = [r for r in sim.requests if r.method == "DELETE"]
-    assert [(r.path, r.status) for r in deletes if "/clusters/" in r.path] == [
+    # (a pod's watchdog that tries too, once its pod is gone, is refused: 401, nothing done)
+    assert [(r.path, r.status) for r in deletes if "/clusters/" in r.path and r.status < 300] == [
         (f"/v2/clusters/{cluster.id}", 204)
     ]
     assert not any(r.path.startswith("/v2/pods/") for r in deletes)
