@@ -33,10 +33,10 @@ lint: $(VENV)/.ok
 # The system packages the tests need (sshd, PostgreSQL, Chromium) are installed when missing.
 # Most tests wait (sshd, simulated boots, Prefect servers), so TEST_WORKERS pytest-xdist
 # workers overlap the waits, one module (or one shared session fixture) per worker
-# (tests/scheduling.py). Four on 2 cores: with three, the cores idled about a quarter of the
-# suite's 21 minutes (its processes took about 32 core-minutes of the 42 there were).
+# (tests/scheduling.py). Three on 2 cores: four were tried (2026-12-05) and the whole suite
+# took 23.5 min on a quiet machine where three took 20 (each CPU-bound test slower).
 # The package and the tests are compiled first, as the venv is (PYTHONDONTWRITEBYTECODE).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 test: setup lint
 	scripts/test-deps.sh
 	$(VENV)/bin/python -m compileall -q overbrainer_prefect tests bench demo > /dev/null
