@@ -182,7 +182,13 @@ def test_a_train_run_waits_suspended_while_followers_die_and_the_server_restarts
     keys = artifacts_of(deployed, flow_run_id)
     assert "<svg" in keys[curve] or "data:image/svg" in keys[curve], keys[curve][:300]
     assert f"run-{record.id}-summary".lower() in keys
-    log = logs_of(deployed, flow_run_id)
+    # the resumed run's last lines reach the server after its state (its logs are sent
+    # in batches): read again until they are there
+    log = wait_until(
+        lambda: "its follower recorded its end" in (t := logs_of(deployed, flow_run_id)) and t,
+        60,
+        "the resumed run's last log lines",
+    )
     assert "waits suspended" in log and "its follower recorded its end" in log, log[-3000:]
     assert f"run {record.id}: step" in log, "the follower's progress lines, in the run's own log"
     # resumed, it ran again in the follower's process (claimed by it, no worker's process)

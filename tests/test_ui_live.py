@@ -229,7 +229,17 @@ def assert_the_ui_shows_a_finished_train_run(
         assert str(last["loss"]) not in text
 
     progress = artifacts[f"run-{run_id}-progress"]
-    text = text_of(browse(f"{ui}/artifacts/artifact/{progress.id}", profile))
+    # the page may render before the artifact's markdown: browse again until it shows
+    text = wait_until(
+        lambda: (
+            (t := text_of(browse(f"{ui}/artifacts/artifact/{progress.id}", profile)))
+            and f"Training progress of run {run_id}" in t
+            and t
+        ),
+        60,
+        "the progress artifact's page",
+        every=2.0,
+    )
     (tmp_path / "progress.txt").write_text(text)
     assert f"Training progress of run {run_id}" in text
     assert "Progress: 100%" in text
