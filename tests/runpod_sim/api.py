@@ -1059,11 +1059,17 @@ class RunpodSim:
                 self._fail_after_create -= 1
         return None, cluster, fail
 
-    async def _cluster_endpoint(self, request: Request) -> Response:
+    def _cluster_gate(self, request: Request) -> tuple[str, str, Response | None]:
+        """The cluster a call names, who calls, and the answer that ends it here
+        (`_gate`'s, or 403 for a pod key of another cluster)."""
         cluster_id = request.path_params["cluster_id"]
         scope, answer = self._gate(request)
         if answer is None and not self._cluster_scope(scope, cluster_id):
             answer = _problem(403, "access denied")
+        return cluster_id, scope, answer
+
+    async def _cluster_endpoint(self, request: Request) -> Response:
+        cluster_id, scope, answer = self._cluster_gate(request)
         if answer is not None:
             return self._done(request, answer, scope)
         with self._lock:
@@ -1081,10 +1087,7 @@ class RunpodSim:
         return self._done(request, Response(status_code=204), scope)
 
     async def _cluster_pods(self, request: Request) -> Response:
-        cluster_id = request.path_params["cluster_id"]
-        scope, answer = self._gate(request)
-        if answer is None and not self._cluster_scope(scope, cluster_id):
-            answer = _problem(403, "access denied")
+        cluster_id, scope, answer = self._cluster_gate(request)
         if answer is not None:
             return self._done(request, answer, scope)
         with self._lock:
