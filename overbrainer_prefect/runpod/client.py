@@ -26,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -181,56 +181,9 @@ class RunpodClient:
         RunpodError for any other refusal, or when Runpod stays unreachable
         (its hint then says a pod of that name may exist).
         """
-        body = request.to_api()
-        ambiguous = 0
-        while True:
-            capacity_detail = ""
-            try:
-                response = await self._request("POST", self._url("/pods"), json=body, retry=False)
-            except RunpodError as error:
-                if error.status is not None:
-                    raise
-                last: RunpodError = error
-            else:
-                if response.status_code in (200, 201):
-                    pod = Pod.model_validate(self._json(response))
-                    if ambiguous:
-                        await self._delete_twins(request.name, keep=pod.id)
-                    log.info("created pod %s (%s) on %s", pod.id, pod.name, request.gpu_type_id)
-                    return pod
-                last = self._error(response, gpu_type=request.gpu_type_id)
-                if response.status_code < 500:
-                    raise last
-                if isinstance(last, NoCapacity):
-                    capacity_detail = last.detail
-            ambiguous += 1
-            found = await self._reconcile(request.name, last)
-            if found is not None:
-                log.warning(
-                    "%s to the create of pod %s, but the pod exists: %s",
-                    last.run_message,
-                    request.name,
-                    found.id,
-                )
-                return found
-            if capacity_detail:
-                raise NoCapacity(request.gpu_type_id, 500, detail=capacity_detail)
-            if ambiguous >= self.retry.create_attempts:
-                raise RunpodError(
-                    last.status,
-                    last.reason,
-                    f"no pod named {request.name} shows after {ambiguous} tries: try again "
-                    "later, and check with the pods flow that no pod of the run is left",
-                    detail=last.detail,
-                )
-            wait = self.retry.backoff(ambiguous)
-            log.warning(
-                "%s to the create of pod %s, which does not show; sending it again in %.1f s",
-                last.run_message,
-                request.name,
-                wait,
-            )
-            await asyncio.sleep(wait)
+        return await self._create_one(
+            self._pods, request.name, request.to_api(), request.gpu_type_id, request.gpu_type_id
+        )
 
     async def get_pod(self, pod_id: str) -> Pod | None:
         """The pod `pod_id`, or None when Runpod answers 404 (it may still exist:
@@ -325,64 +278,13 @@ class RunpodClient:
         type, and RunpodError for any other refusal, or when Runpod stays
         unreachable (its hint then says a cluster of that name may exist).
         """
-        body = request.to_api()
-        ambiguous = 0
-        while True:
-            capacity_detail = ""
-            try:
-                response = await self._request(
-                    "POST", self._url("/clusters"), json=body, retry=False
-                )
-            except RunpodError as error:
-                if error.status is not None:
-                    raise
-                last: RunpodError = error
-            else:
-                if response.status_code in (200, 201):
-                    cluster = Cluster.model_validate(self._json(response))
-                    if ambiguous:
-                        await self._delete_twin_clusters(request.name, keep=cluster.id)
-                    log.info(
-                        "created cluster %s (%s): %d pods on %s",
-                        cluster.id,
-                        cluster.name,
-                        request.pod_count,
-                        request.gpu_type_id,
-                    )
-                    return cluster
-                last = self._error(response, gpu_type=request.gpu_type_id)
-                if response.status_code < 500:
-                    raise last
-                if isinstance(last, NoCapacity):
-                    capacity_detail = last.detail
-            ambiguous += 1
-            found = await self._reconcile_cluster(request.name, last)
-            if found is not None:
-                log.warning(
-                    "%s to the create of cluster %s, but the cluster exists: %s",
-                    last.run_message,
-                    request.name,
-                    found.id,
-                )
-                return found
-            if capacity_detail:
-                raise NoCapacity(request.gpu_type_id, 500, detail=capacity_detail)
-            if ambiguous >= self.retry.create_attempts:
-                raise RunpodError(
-                    last.status,
-                    last.reason,
-                    f"no cluster named {request.name} shows after {ambiguous} tries: try again "
-                    "later, and check with the pods flow that no pod of the run is left",
-                    detail=last.detail,
-                )
-            wait = self.retry.backoff(ambiguous)
-            log.warning(
-                "%s to the create of cluster %s, which does not show; sending it again in %.1f s",
-                last.run_message,
-                request.name,
-                wait,
-            )
-            await asyncio.sleep(wait)
+        return await self._create_one(
+            self._clusters,
+            request.name,
+            request.to_api(),
+            request.gpu_type_id,
+            f"{request.gpu_type_id} ({request.pod_count} pods)",
+        )
 
     async def get_cluster(self, cluster_id: str) -> Cluster | None:
         """The cluster `cluster_id`, or None when Runpod answers 404. Raises
@@ -429,44 +331,6 @@ class RunpodClient:
             log.info("cluster %s was already gone", cluster_id)
             return False
         raise self._error(response)
-
-    async def _reconcile_cluster(self, name: str, cause: RunpodError) -> Cluster | None:
-        """The cluster named `name` after an ambiguous create, looked for as
-        `_reconcile` looks for a pod; the others of that name are deleted.
-        Raises RunpodError when the clusters cannot be listed."""
-        policy = self.retry
-        loop = asyncio.get_running_loop()
-        until = loop.time() + policy.reconcile_window_s
-        look = 0
-        while look < policy.reconcile_looks or loop.time() < until:
-            if look:
-                await asyncio.sleep(policy.reconcile_interval_s)
-            look += 1
-            try:
-                named = [c for c in await self.list_clusters() if c.name == name]
-            except RunpodError as error:
-                raise RunpodError(
-                    cause.status,
-                    cause.reason,
-                    f"the create of cluster {name} got no clear answer and the clusters cannot "
-                    f"be listed ({error.run_message}): a cluster of that name may exist; check "
-                    "with the pods flow",
-                    detail=cause.detail,
-                ) from None
-            if named:
-                await self._delete_twin_clusters(name, keep=named[0].id, listed=named)
-                return named[0]
-        return None
-
-    async def _delete_twin_clusters(
-        self, name: str, keep: str, listed: list[Cluster] | None = None
-    ) -> None:
-        """Deletes every cluster named `name` but `keep`: earlier tries of one create."""
-        clusters = listed if listed is not None else await self.list_clusters()
-        for twin in clusters:
-            if twin.name == name and twin.id != keep:
-                log.warning("deleting cluster %s, a second cluster named %s", twin.id, name)
-                await self.delete_cluster(twin.id)
 
     # Billing
 
@@ -747,11 +611,90 @@ class RunpodClient:
             response.status_code, detail=detail, retry_after=retry_after, hint=hint
         )
 
-    async def _reconcile(self, name: str, cause: RunpodError) -> Pod | None:
-        """The pod named `name` after an ambiguous create, looked for until the
-        reconcile window has passed (lists can lag behind a create); the others
-        of that name are deleted. Raises RunpodError when the pods cannot be
-        listed: sending the create again could then leave two pods."""
+    @property
+    def _pods(self) -> _Kind[Pod]:
+        async def live(name: str) -> list[Pod]:
+            return [pod for pod in await self.pods_named(name) if pod.status != "TERMINATED"]
+
+        return _Kind("pod", "/pods", Pod.model_validate, live, self.delete_pod)
+
+    @property
+    def _clusters(self) -> _Kind[Cluster]:
+        async def named(name: str) -> list[Cluster]:
+            return [cluster for cluster in await self.list_clusters() if cluster.name == name]
+
+        return _Kind("cluster", "/clusters", Cluster.model_validate, named, self.delete_cluster)
+
+    async def _create_one(
+        self, kind: _Kind[_Thing], name: str, body: JsonValue, gpu_type_id: str, where: str
+    ) -> _Thing:
+        """Creates one `kind` named `name` (a pod, a cluster) and returns it.
+
+        After a 5xx or a lost answer, the thing is looked up by its name
+        (`_reconcile`) before the create is sent again, and when a retry
+        succeeds the other things of that name are deleted: exactly one of
+        that name is left. Raises NoCapacity when Runpod has no machine for
+        `gpu_type_id`, and RunpodError for any other refusal, or when Runpod
+        stays unreachable (its hint then says one of that name may exist).
+        """
+        ambiguous = 0
+        while True:
+            capacity_detail = ""
+            try:
+                response = await self._request("POST", self._url(kind.path), json=body, retry=False)
+            except RunpodError as error:
+                if error.status is not None:
+                    raise
+                last: RunpodError = error
+            else:
+                if response.status_code in (200, 201):
+                    made = kind.parse(self._json(response))
+                    if ambiguous:
+                        await self._delete_twins(kind, name, keep=made.id)
+                    log.info("created %s %s (%s) on %s", kind.word, made.id, made.name, where)
+                    return made
+                last = self._error(response, gpu_type=gpu_type_id)
+                if response.status_code < 500:
+                    raise last
+                if isinstance(last, NoCapacity):
+                    capacity_detail = last.detail
+            ambiguous += 1
+            found = await self._reconcile(kind, name, last)
+            if found is not None:
+                log.warning(
+                    "%s to the create of %s %s, but the %s exists: %s",
+                    last.run_message,
+                    kind.word,
+                    name,
+                    kind.word,
+                    found.id,
+                )
+                return found
+            if capacity_detail:
+                raise NoCapacity(gpu_type_id, 500, detail=capacity_detail)
+            if ambiguous >= self.retry.create_attempts:
+                raise RunpodError(
+                    last.status,
+                    last.reason,
+                    f"no {kind.word} named {name} shows after {ambiguous} tries: try again "
+                    "later, and check with the pods flow that no pod of the run is left",
+                    detail=last.detail,
+                )
+            wait = self.retry.backoff(ambiguous)
+            log.warning(
+                "%s to the create of %s %s, which does not show; sending it again in %.1f s",
+                last.run_message,
+                kind.word,
+                name,
+                wait,
+            )
+            await asyncio.sleep(wait)
+
+    async def _reconcile(self, kind: _Kind[_Thing], name: str, cause: RunpodError) -> _Thing | None:
+        """The `kind` named `name` after an ambiguous create, looked for until
+        the reconcile window has passed (lists can lag behind a create); the
+        others of that name are deleted. Raises RunpodError when they cannot be
+        listed: sending the create again could then leave two."""
         policy = self.retry
         loop = asyncio.get_running_loop()
         until = loop.time() + policy.reconcile_window_s
@@ -761,29 +704,55 @@ class RunpodClient:
                 await asyncio.sleep(policy.reconcile_interval_s)
             look += 1
             try:
-                named = [p for p in await self.pods_named(name) if p.status != "TERMINATED"]
+                named = await kind.named(name)
             except RunpodError as error:
                 raise RunpodError(
                     cause.status,
                     cause.reason,
-                    f"the create of pod {name} got no clear answer and the pods cannot be "
-                    f"listed ({error.run_message}): a pod of that name may exist; check with "
-                    "the pods flow",
+                    f"the create of {kind.word} {name} got no clear answer and the "
+                    f"{kind.word}s cannot be listed ({error.run_message}): a {kind.word} of "
+                    "that name may exist; check with the pods flow",
                     detail=cause.detail,
                 ) from None
             if named:
-                keep = named[0]
-                await self._delete_twins(name, keep=keep.id, listed=named)
-                return keep
+                await self._delete_twins(kind, name, keep=named[0].id, listed=named)
+                return named[0]
         return None
 
-    async def _delete_twins(self, name: str, keep: str, listed: list[Pod] | None = None) -> None:
-        """Deletes every pod named `name` but `keep`: earlier tries of one create."""
-        pods = listed if listed is not None else await self.pods_named(name)
-        for twin in pods:
-            if twin.id != keep and twin.status != "TERMINATED":
-                log.warning("deleting pod %s, a second pod named %s", twin.id, name)
-                await self.delete_pod(twin.id)
+    async def _delete_twins(
+        self, kind: _Kind[_Thing], name: str, keep: str, listed: list[_Thing] | None = None
+    ) -> None:
+        """Deletes every `kind` named `name` but `keep`: earlier tries of one create."""
+        for twin in listed if listed is not None else await kind.named(name):
+            if twin.id != keep:
+                log.warning(
+                    "deleting %s %s, a second %s named %s", kind.word, twin.id, kind.word, name
+                )
+                await kind.delete(twin.id)
+
+
+class _Named(Protocol):
+    """What `_create_one` needs of what it creates."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+_Thing = TypeVar("_Thing", bound=_Named)
+
+
+@dataclass(frozen=True)
+class _Kind(Generic[_Thing]):
+    """What a create of exactly one thing of a name needs to know of its kind."""
+
+    word: str  # "pod", "cluster": in log lines and messages
+    path: str  # the REST path its create is POSTed to
+    parse: Callable[[JsonValue], _Thing]
+    named: Callable[[str], Awaitable[list[_Thing]]]  # the live ones of a name
+    delete: Callable[[str], Awaitable[bool]]
 
 
 def _segment(value: str) -> str:
