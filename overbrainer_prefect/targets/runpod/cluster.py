@@ -58,6 +58,7 @@ from overbrainer_prefect.targets.runpod.provision import (
     check_claim,
     pod_executor,
     pod_workdir,
+    store_host_key,
     wait_ready,
 )
 from overbrainer_prefect.timestamps import rfc3339
@@ -86,13 +87,7 @@ async def provision_cluster(
     Raises NoCapacity (one line: no GPU type of the plan can place the
     cluster now), RunpodError or PodError; `provision` then deletes the
     cluster and fails the run."""
-    host_secret = pod.host_key_secret
-    assert host_secret is not None
-    await ctx.client.create_secret(
-        host_secret,
-        keys.host_private_b64,
-        description=f"SSH host key of the cluster of overbrainer run {run.id}",
-    )
+    host_secret = await store_host_key(ctx, pod, keys, f"the cluster of overbrainer run {run.id}")
     created, choice, refused = None, plan.first, []
     sent_at = time.monotonic()
     for choice in plan.choices:

@@ -176,6 +176,17 @@ async def _abandon(ctx: PodContext, run: RunRecord, pod: PodRecord, message: str
         )
 
 
+async def store_host_key(ctx: PodContext, pod: PodRecord, keys: PodKeys, whose: str) -> str:
+    """Puts the SSH host key of `whose` (a pod, a cluster) into the account's
+    secret the pod record names, for the pods' sshd, and returns the secret's
+    name. Raises RunpodError when Runpod refuses it."""
+    assert pod.host_key_secret is not None
+    await ctx.client.create_secret(
+        pod.host_key_secret, keys.host_private_b64, description=f"SSH host key of {whose}"
+    )
+    return pod.host_key_secret
+
+
 async def _provision(
     ctx: PodContext,
     run: RunRecord,
@@ -187,13 +198,7 @@ async def _provision(
     api_url: str,
     name: str,
 ) -> Provisioned:
-    host_secret = pod.host_key_secret
-    assert host_secret is not None
-    await ctx.client.create_secret(
-        host_secret,
-        keys.host_private_b64,
-        description=f"SSH host key of the pod of overbrainer run {run.id}",
-    )
+    host_secret = await store_host_key(ctx, pod, keys, f"the pod of overbrainer run {run.id}")
     sent_at = [time.monotonic()]  # when the last create request was sent: boot_grace counts from it
 
     def request(choice: GpuChoice) -> PodRequest:
