@@ -38,8 +38,13 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.targets.runpod.context import PodContext
-from overbrainer_prefect.targets.runpod.fate import RESTART_REASON, RETRIEVED_REASON, found_gone
-from overbrainer_prefect.targets.runpod.follow import Silence, runpod_agrees
+from overbrainer_prefect.targets.runpod.fate import (
+    RESTART_REASON,
+    RETRIEVED_REASON,
+    found_gone,
+    runpod_agrees,
+)
+from overbrainer_prefect.targets.runpod.follow import Silence
 from overbrainer_prefect.targets.runpod.gpucheck import gpu_mismatch
 from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.targets.runpod.orphans import PodRow, orphan_warnings, pod_rows

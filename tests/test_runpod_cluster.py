@@ -66,7 +66,7 @@ from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, started_j
 FAST = (
     "watch_interval_s=1,lease_ttl_s=6,lease_renew_s=1,lease_tick_s=0.5,deadline_margin_s=4,"
     "arm_timeout_s=30,ready_poll_s=0.3,gone_interval_s=0.3,confirm_timeout_s=30,"
-    "checkpoint_hold_s=90"
+    "checkpoint_hold_s=90,lost_host_s=4"
 )
 A4000 = "NVIDIA RTX A4000"
 LOG = logging.getLogger("cluster")
@@ -376,11 +376,15 @@ def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_o
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Runpod terminates the rank-1 pod of a 2-pod cluster once a complete
-    checkpoint (both nodes' parts) is kept: its follower, whose SSH lost the
-    node's job while Runpod shows the pod gone, ends the job on every node
+    """The host of the rank-1 pod of a 2-pod cluster is lost (frozen, its SSH
+    refused) once a complete checkpoint (both nodes' parts) is kept, while
+    Runpod still shows the pod RUNNING: its follower, whose SSH lost the
+    node's job, looks at Runpod's runtime of it again `lost_host_s` later
+    and sees it stalled (the second witness), ends the job on every node
     and deletes the whole cluster; within max_restarts the training goes on
-    from that checkpoint on a new 2-pod cluster, and succeeds there."""
+    from that checkpoint on a new 2-pod cluster, and succeeds there. What
+    billed: the first cluster until about lost_host_s after the node went
+    silent, not until its watchdog's retrieve grace."""
     caplog.set_level(logging.WARNING)
     runs = Runs(tmp_path / "runs")
     target = runpod(sim, max_cost_usd=2.0, max_restarts=1)
@@ -401,7 +405,10 @@ def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_o
     def kept(record: RunRecord) -> bool:
         return last_kept(runs, record.id) is not None
 
-    watcher = terminate_once(sim, runs, 1, kept, terminated)
+    def freeze(pod_id: str) -> None:
+        pods_of.lose_host(sim.pod(pod_id))
+
+    watcher = terminate_once(sim, runs, 1, kept, terminated, lose=freeze)
     ended, lost = asyncio.run(restarting(runs, target, job(None), again))
     watcher.join(timeout=5)
     assert len(terminated) == 1, "no checkpoint was kept before node 1 could be lost"
@@ -413,7 +420,8 @@ def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_o
     assert first is not None and first.gone and first.deleted_by == "client", first
     told = first.node_lost or ""
     assert f"node 1 of cluster {first.cluster_id} was lost" in told, told
-    assert "the follower's SSH lost its job" in told and "Runpod shows its pod" in told, told
+    assert "the follower's SSH lost its job" in told and "it does not answer" in told, told
+    assert f"of its pod {first.nodes[1].pod_id}, Runpod's runtime of it stalled" in told, told
     rank0 = pods_of.workspace_of(first.nodes[0].pod_id) / "overbrainer" / first_id
     assert not pods_of.running(first.nodes[0].pod_id)  # rank 0 did not train alone
     assert (rank0 / "metrics.jsonl").is_file()
@@ -546,11 +554,17 @@ async def restarting(
 
 
 def terminate_once(
-    sim: RunpodSim, runs: Runs, rank: int, ready: Callable[[RunRecord], bool], done: list[str]
+    sim: RunpodSim,
+    runs: Runs,
+    rank: int,
+    ready: Callable[[RunRecord], bool],
+    done: list[str],
+    lose: Callable[[str], None] | None = None,
 ) -> threading.Thread:
     """A thread that terminates the pod of node `rank` of the first run whose
     every node's job started and which is `ready`, as Runpod does on its own
-    (nobody asked), noting the run in `done`."""
+    (nobody asked), or loses it otherwise (`lose`, given the pod's id),
+    noting the run in `done`."""
 
     def watch() -> None:
         deadline = time.monotonic() + 90
@@ -558,7 +572,7 @@ def terminate_once(
             for record in runs.list(skipped=lambda _name, _error: None):
                 pod = PodRecord.load(runs, record.id)
                 if pod is not None and len(pod.node_jobs) == 2 and ready(record):
-                    sim.terminate(pod.nodes[rank].pod_id)
+                    (lose or sim.terminate)(pod.nodes[rank].pod_id)
                     done.append(record.id)
                     break
             time.sleep(0.2)

@@ -50,6 +50,7 @@ from overbrainer_prefect.runpod.settings import RunpodTargetSettings
 from overbrainer_prefect.runs.store import RunRecord
 from overbrainer_prefect.targets.runpod.context import PodContext
 from overbrainer_prefect.targets.runpod.ending import fetch_watchdog_log, is_gone
+from overbrainer_prefect.targets.runpod.fate import runpod_agrees
 from overbrainer_prefect.targets.runpod.keys import PodKeys, write_ssh_config
 from overbrainer_prefect.targets.runpod.names import pod_name
 from overbrainer_prefect.targets.runpod.provision import (
@@ -377,42 +378,99 @@ async def node_gone(ctx: PodContext, pod: PodRecord, said: Mapping[int, str]) ->
     SSH (`said`: the node it lost, and how), is lost with a pod of it: a
     lost node (`lost_node`), or the whole cluster gone (`is_gone`: its
     record then says by whom). False while Runpod shows every pod of it
-    running, or cannot be asked (logged)."""
+    running on, or cannot be asked (logged)."""
     ssh = " ".join("; ".join(said[rank] for rank in sorted(said)).split()) or "its job is gone"
-    return await lost_node(ctx, pod, ssh) or await is_gone(ctx, pod)
+    return await lost_node(ctx, pod, ssh, silent=sorted(said)) or await is_gone(ctx, pod)
 
 
-async def lost_node(ctx: PodContext, pod: PodRecord, ssh: str) -> bool:
+async def lost_node(ctx: PodContext, pod: PodRecord, ssh: str, silent: Sequence[int] = ()) -> bool:
     """Whether a pod of the cluster `pod` whose job the follower's SSH lost
-    (`ssh`: how) is a lost node: Runpod, the second witness, shows that pod
-    gone or not RUNNING while another pod of the cluster still runs. Its
-    loss, both witnesses in one line, is then recorded in `pod.json`
-    (`node_lost`), and its follower ends the job on every node and deletes
-    the whole cluster. False when Runpod shows every pod running, or none
-    (the whole cluster gone: its record says by whom, see `is_gone`), or
-    cannot be asked (logged). Raises RecordIoError when `pod.json` cannot
-    be saved."""
+    (`ssh`: how; `silent`: the ranks of the nodes it lost) is a lost node:
+    Runpod, the second witness, shows that pod gone or not RUNNING while
+    another pod of the cluster still runs, or, when it shows them all
+    RUNNING, the runtime of a `silent` node stalled over the timing's
+    `lost_host_s` (its host frozen: `fate.runpod_agrees`). Its loss, both
+    witnesses in one line, is then recorded in `pod.json` (`node_lost`), and
+    its follower ends the job on every node and deletes the whole cluster.
+    False when Runpod shows every pod running on, or none (the whole cluster
+    gone: its record says by whom, see `is_gone`), or cannot be asked
+    (logged). Raises RecordIoError when `pod.json` cannot be saved."""
     if not pod.nodes or pod.state == PodState.DELETED:
         return False
+    shown = await _nodes_shown(ctx, pod)
+    if shown is None:
+        return False
+    gone = [(node, found) for node, found in shown if found is None or found.status != "RUNNING"]
+    if len(gone) == len(shown):
+        return False
+    if gone:
+        node, found = gone[0]
+        status = "no longer exists" if found is None else f"is {found.status}"
+        why = f"Runpod shows its pod {node.pod_id} {status}"
+    else:
+        stalled = await _stalled_node(ctx, pod, shown, silent)
+        if stalled is None:
+            return False
+        node, why = stalled
+    pod.node_lost = (
+        f"node {node.rank} of cluster {pod.cluster_id} was lost: the follower's SSH lost its "
+        f"job ({ssh}) and {why}"
+    )
+    pod.save(ctx.runs)
+    return True
+
+
+async def _nodes_shown(
+    ctx: PodContext, pod: PodRecord
+) -> list[tuple[ClusterNode, Pod | None]] | None:
+    """Every node of the cluster `pod` with its pod as Runpod shows it now
+    (None: gone); None when Runpod cannot be asked (logged)."""
     shown: list[tuple[ClusterNode, Pod | None]] = []
     for node in pod.nodes:
         try:
             found = await look_up(ctx.client, node.pod_id, interval_s=ctx.timing.gone_interval_s)
         except RunpodError as error:
             ctx.log.warning("cannot look pod %s (node %d) up: %s", node.pod_id, node.rank, error)
-            return False
+            return None
         shown.append((node, found))
-    gone = [(node, found) for node, found in shown if found is None or found.status != "RUNNING"]
-    if not gone or len(gone) == len(shown):
-        return False
-    node, found = gone[0]
-    status = "no longer exists" if found is None else f"is {found.status}"
-    pod.node_lost = (
-        f"node {node.rank} of cluster {pod.cluster_id} was lost: the follower's SSH lost its "
-        f"job ({ssh}) and Runpod shows its pod {node.pod_id} {status}"
+    return shown
+
+
+async def _stalled_node(
+    ctx: PodContext,
+    pod: PodRecord,
+    first: Sequence[tuple[ClusterNode, Pod | None]],
+    silent: Sequence[int],
+) -> tuple[ClusterNode, str] | None:
+    """A node among the `silent` ranks whose runtime, as Runpod shows it,
+    stalled between `first` and a look the timing's `lost_host_s` later, and
+    why; None when each went on (this side's network, not their hosts), or
+    Runpod cannot be asked (logged)."""
+    if not silent:
+        return None
+    wait = ctx.timing.lost_host_s
+    ctx.log.warning(
+        "node(s) %s of cluster %s do not answer SSH while Runpod shows every pod of it "
+        "running: their runtime is looked at again in %g s before a node is taken for lost",
+        ", ".join(map(str, silent)),
+        pod.cluster_id,
+        wait,
     )
-    pod.save(ctx.runs)
-    return True
+    began = time.monotonic()
+    await asyncio.sleep(wait)
+    last = await _nodes_shown(ctx, pod)
+    if last is None:
+        return None
+    elapsed = time.monotonic() - began
+    for (node, before), (_, after) in zip(first, last, strict=True):
+        if node.rank not in silent or before is None:
+            continue
+        if after is None:
+            return node, f"Runpod shows its pod {node.pod_id} no longer exists"
+        agrees = runpod_agrees(before, after, elapsed)
+        if agrees is not None:
+            return node, f"of its pod {node.pod_id}, {agrees}"
+    return None
 
 
 def reachable(pod: PodRecord) -> bool:

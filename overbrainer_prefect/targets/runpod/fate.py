@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from overbrainer_prefect.runpod.bootstrap import WATCHDOG_LOG
+from overbrainer_prefect.runpod.models import Pod
 from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.store import Runs, RunsError
 from overbrainer_prefect.store.records import RecordError
@@ -255,3 +256,27 @@ def restart_reason(restart: Restart, step: int | None) -> str:
         f"{RESTART_REASON} (at {restart.at}, {lost_step_text(step)}); what the job left was "
         "retrieved"
     )
+
+
+STALLED_SHARE = 0.5  # a runtime that went on for less than this share of the wall clock stalled
+
+
+def runpod_agrees(first: Pod, last: Pod, elapsed_s: float) -> str | None:
+    """Why Runpod's own view of a pod whose SSH stayed silent `elapsed_s`
+    seconds (looked up at the start, `first`, and at the end, `last`) agrees
+    that its host is lost: the pod not RUNNING, no runtime shown, its
+    container started again, or its uptime stalled (it went on for less than
+    STALLED_SHARE of the wall clock). None when Runpod shows its container
+    running on: the silence is this side's."""
+    if last.status != "RUNNING":
+        return f"Runpod shows it {last.status}"
+    if last.uptime_s is None:
+        return "Runpod shows no runtime for it"
+    if first.uptime_s is None:
+        return None  # nothing to compare yet: its runtime shows now
+    went_on = last.uptime_s - first.uptime_s
+    if went_on < 0:
+        return "Runpod shows its container started again"
+    if went_on < STALLED_SHARE * elapsed_s:
+        return f"Runpod's runtime of it stalled ({went_on:.0f} s of uptime in {elapsed_s:.0f} s)"
+    return None

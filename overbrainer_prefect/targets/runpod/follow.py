@@ -36,7 +36,12 @@ from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.runpod.cluster import lost_node
 from overbrainer_prefect.targets.runpod.context import PodContext
 from overbrainer_prefect.targets.runpod.ending import is_gone, look_up_pod, remove
-from overbrainer_prefect.targets.runpod.fate import Restart, lost_to_restart, restart_lost_message
+from overbrainer_prefect.targets.runpod.fate import (
+    Restart,
+    lost_to_restart,
+    restart_lost_message,
+    runpod_agrees,
+)
 from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import Trainer
 
@@ -219,7 +224,6 @@ UNREACHED = "the follower could not reach it"
 """How the follower's SSH lost the job of a cluster whose primary went silent."""
 LOOK_AGAIN_S = 5.0  # between two tries of a silent pod's SSH
 MAX_WATCHES = 20  # watches of one job whose pod fell silent and answered again
-STALLED_SHARE = 0.5  # a runtime that went on for less than this share of the wall clock stalled
 
 
 class Silence:
@@ -253,27 +257,6 @@ class Silence:
 
 SILENCE = Silence()
 """The pods this process follows (one event loop follows them all)."""
-
-
-def runpod_agrees(first: Pod, last: Pod, elapsed_s: float) -> str | None:
-    """Why Runpod's own view of a pod whose SSH stayed silent `elapsed_s`
-    seconds (looked up at the start, `first`, and at the end, `last`) agrees
-    that its host is lost: the pod not RUNNING, no runtime shown, its
-    container started again, or its uptime stalled (it went on for less than
-    STALLED_SHARE of the wall clock). None when Runpod shows its container
-    running on: the silence is this side's."""
-    if last.status != "RUNNING":
-        return f"Runpod shows it {last.status}"
-    if last.uptime_s is None:
-        return "Runpod shows no runtime for it"
-    if first.uptime_s is None:
-        return None  # nothing to compare yet: its runtime shows now
-    went_on = last.uptime_s - first.uptime_s
-    if went_on < 0:
-        return "Runpod shows its container started again"
-    if went_on < STALLED_SHARE * elapsed_s:
-        return f"Runpod's runtime of it stalled ({went_on:.0f} s of uptime in {elapsed_s:.0f} s)"
-    return None
 
 
 async def _looked_up(pod_ctx: PodContext, pod: PodRecord) -> Pod | None:
