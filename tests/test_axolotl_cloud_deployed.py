@@ -30,6 +30,8 @@ from tests.prefect_server import Stack, training_now, wait_until
 from tests.test_axolotl_cloud import axolotl_env, axolotl_train, ours, tiny_config, visible
 from tests.test_train_flow import kill
 
+STEPS = 1000  # about 11 s of the tiny model's training on a quiet machine: past the answer
+
 __all__ = ["visible"]  # the fixture, shared with tests/test_axolotl_cloud.py
 
 pytest_plugins = ["tests.prefect_server"]
@@ -105,7 +107,7 @@ def test_ctrl_c_then_leave_ends_the_command_3_and_the_deployments_worker_ends_th
     and its flow run on the worker follows it to its end: succeeded, not
     cancelled."""
     known = {record.id for record in Runs(deployed.runs).list()}
-    config = laptop_yaml(tiny, tmp_path) | {"max_steps": 40}
+    config = laptop_yaml(tiny, tmp_path) | {"max_steps": STEPS}
     cloud = {"target": deployed.target, "deployment": "train/local", "python": sys.executable}
     (tmp_path / "config.yml").write_text(yaml.safe_dump(config))
     (tmp_path / "cloud.yml").write_text(yaml.safe_dump({"provider": "overbrainer", **cloud}))
@@ -131,6 +133,7 @@ def test_ctrl_c_then_leave_ends_the_command_3_and_the_deployments_worker_ends_th
         command.stdin.flush()
         code = command.wait(timeout=60)
         left_at = Runs(deployed.runs).load(record.id)
+        metrics = (Path(record.remote_dir) / "metrics.jsonl").read_text()
     finally:
         kill(command)
     said = err.read_text()
@@ -140,6 +143,7 @@ def test_ctrl_c_then_leave_ends_the_command_3_and_the_deployments_worker_ends_th
         f"follow it again with the attach flow (run_id={record.id})"
     ) in said, said[-3000:]
     assert left_at.state == RunState.RUNNING, left_at.message  # it went on without the command
+    assert '"event": "end"' not in metrics  # its job was still training when the command ended
     ends = time.monotonic() + 300
     while time.monotonic() < ends and not Runs(deployed.runs).load(record.id).state.ended:
         time.sleep(1)
