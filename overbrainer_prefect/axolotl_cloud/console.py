@@ -10,7 +10,7 @@ checkpoint (s), cancel (c), or leave it running (l)?" and does that with the
 cancelled at `s`).
 `axolotl preprocess --cloud` is the same with a spec that only prepares the
 datasets; `axolotl lm-eval --cloud` runs the `evaluate` flow on a trained run
-and prints its verdict (`lm_eval_from_axolotl`).
+and prints its verdict (`lm_eval_from_axolotl`; Ctrl-C cancels it at once).
 
 Exit codes: 0 the run succeeded; 1 it did not (failed, cancelled, stopped);
 2 bad input, nothing created; 3 left running.
@@ -43,12 +43,13 @@ from prefect.deployments.flow_runs import arun_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.flow_engine import run_flow_async
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
-from prefect.states import Cancelling
+from prefect.states import Cancelled, Cancelling
 from pydantic import ValidationError
 
 from overbrainer_prefect.axolotl_cloud.cloud import CloudConfig, CloudConfigError, read_cloud
 from overbrainer_prefect.axolotl_cloud.mapping import MappingError, local_model, spec_from_axolotl
 from overbrainer_prefect.blocks import AmbiguousTarget, UnknownTarget, target_named
+from overbrainer_prefect.driver import on_cancelled
 from overbrainer_prefect.evaluation.results import EvaluationResult
 from overbrainer_prefect.evaluation.spec import BadEvaluationInput, EvaluationSpec
 from overbrainer_prefect.evaluation.verdict import verdict
@@ -642,9 +643,16 @@ async def lm_eval_from_axolotl(request_file: Path) -> int:
     async with get_client() as client:
         flow_run = await client.create_flow_run(evaluate, parameters=params)
     say(f"evaluating run {run_id}: {ui_link(flow_run.id)}")
-    state = await run_flow_async(
-        evaluate, flow_run=flow_run, parameters=params, return_type="state"
-    )
+    running = run_flow_async(evaluate, flow_run=flow_run, parameters=params, return_type="state")
+    flow_task: asyncio.Task[Any] = asyncio.create_task(running)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, _cancel_at_ctrl_c, flow_task)
+    try:
+        state = await flow_task
+    except asyncio.CancelledError:
+        return await _evaluation_cancelled(flow_run.id)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
     assert isinstance(state, State)
     if not state.is_completed():
         message = (state.message or "no message").strip().splitlines()[0]
@@ -656,6 +664,29 @@ async def lm_eval_from_axolotl(request_file: Path) -> int:
         return NOT_SUCCEEDED
     say(f"run {run_id}: {verdict(result)}")
     return SUCCEEDED
+
+
+def _cancel_at_ctrl_c(flow_task: asyncio.Task[Any]) -> None:
+    """SIGINT during an evaluation: it keeps nothing to go on from, so it is
+    cancelled at once (a second SIGINT, the launcher's echo, does nothing)."""
+    if flow_task.done() or flow_task.cancelling():
+        return
+    say("Ctrl-C: cancelling the evaluation: its job is cancelled, what it ran on ended")
+    flow_task.cancel()
+
+
+async def _evaluation_cancelled(flow_run_id: UUID) -> int:
+    """Ends what the evaluation's flow run started (the `on_cancellation`
+    hook a worker's cancellation runs: its jobs cancelled, what they ran on
+    ended) and records the flow run cancelled; the exit code (1)."""
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(flow_run_id)
+    ended: State[Any] = Cancelled(message="cancelled at Ctrl-C in the terminal")
+    await on_cancelled(evaluate, flow_run, ended)
+    async with get_client() as client:
+        await client.set_flow_run_state(flow_run_id, ended, force=True)
+    say("the evaluation was cancelled: run `axolotl lm-eval` again to evaluate the run")
+    return NOT_SUCCEEDED
 
 
 COMMANDS = ("train", "preprocess", "lm_eval")
