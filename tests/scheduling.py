@@ -40,6 +40,8 @@ GROUPS = {
     "tests/test_export.py": "tiny-run",
     "tests/test_runpod_pipeline.py": "tiny-run",
     "tests/test_deployments.py": "deployed",
+    # two tiny trainings through axolotl's CLI as runs of the local train deployment (~100 s)
+    "tests/test_axolotl_cloud_deployed.py": "deployed",
     "tests/test_ui_live.py": "deployed-ui",
     "tests/test_suspended_runs.py": "deployed-ui",
 }

@@ -34,6 +34,7 @@ from overbrainer_prefect.axolotl_cloud.mapping import AXOLOTL_DEFAULTS, spec_fro
 from tests.conftest import REPO, job_venv
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
+from tests.s3server import S3Server
 from tests.test_runpod_flows import LONG, fast, pods_of, running_on_pod, sim
 from tests.test_runpod_flows import target as runpod_target
 from tests.test_train_flow import kill, wait_until
@@ -683,3 +684,181 @@ def test_lm_eval_runs_the_evaluate_flow_on_the_newest_training_of_the_yamls_mode
     )
     assert named.returncode == 1, named.stderr
     assert ours(named.stderr)[-1].endswith("(run_id=20260101-000000-aaaa, quant=q8_0)")
+
+
+def test_local_inputs_go_into_the_store_and_come_back_only_as_they_were_put(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a deployment's worker reads instead of the laptop's paths: from an
+    object store, fetched into its staging directory; from a local one, where
+    it is; a file changed in the store since is refused in one line."""
+    from overbrainer_prefect.runs import Runs
+    from overbrainer_prefect.runs.store import STAGING_ENV
+    from overbrainer_prefect.trainers.uploads import UploadError, fetched_spec, local_inputs, upload
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "weights.bin").write_bytes(b"w" * 1000)
+    (tmp_path / "chat.jsonl").write_text('{"messages": []}\n')
+    config = {
+        "base_model": str(tmp_path / "model"),
+        "datasets": [str(tmp_path / "chat.jsonl"), "org/hub-data"],
+        "learning_rate": 1e-4,
+    }
+    spec, _ = spec_from_axolotl(config)
+    assert local_inputs(spec) == [str(tmp_path / "chat.jsonl"), str(tmp_path / "model")]
+    monkeypatch.setenv(STAGING_ENV, str(tmp_path / "worker"))
+    for runs in (Runs(s3.bucket_url()), Runs(tmp_path / "runs")):
+        uploads = [upload(runs, local) for local in local_inputs(spec)]
+        assert upload(runs, str(tmp_path / "chat.jsonl")) == uploads[0]  # one upload per content
+        read = fetched_spec(runs, spec, uploads)
+        dataset, model = Path(read.datasets[0].path), Path(read.base_model)
+        assert (
+            dataset.read_text() == '{"messages": []}\n' and read.datasets[1].path == "org/hub-data"
+        )
+        assert sorted(p.name for p in model.iterdir()) == ["config.json", "weights.bin"]
+        assert str(dataset).startswith(str(runs.root / ".uploads"))
+        assert fetched_spec(runs, spec, uploads) == read  # a copy still the same is kept
+        runs.store.write(f"{uploads[0].key}/chat.jsonl", b'{"messages": [1]}\n')
+        if runs.store.local_path(uploads[0].key) is None:
+            dataset.unlink()  # the worker's copy from an object store: read again
+        with pytest.raises(UploadError, match=r"chat.jsonl differs from the file uploaded \("):
+            fetched_spec(runs, spec, uploads)
+
+
+def test_get_local_dirs_names_what_the_running_commands_yaml_names_here(
+    visible: Path, tmp_path: Path
+) -> None:
+    """axolotl calls it before `train`, with only the working directory: the
+    YAML is the one its click command was given."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chat.jsonl").write_text("{}\n")
+    config = {
+        "base_model": "./model",
+        "datasets": [{"path": "data/chat.jsonl"}, "org/hub-data", {"path": "./data"}],
+    }
+    (tmp_path / "config.yml").write_text(yaml.safe_dump(config))
+    code = (
+        "import json, click\n"
+        "from overbrainer_prefect.axolotl_cloud.launcher import OverbrainerLauncher\n"
+        "launcher = OverbrainerLauncher.from_config({'provider': 'overbrainer', 'target': 't'})\n"
+        "print(json.dumps(launcher.get_local_dirs('.')))\n"
+        "with click.Context(click.Command('train')) as context:\n"
+        "    context.params['config'] = 'config.yml'\n"
+        "    print(json.dumps(launcher.get_local_dirs('.')))\n"
+    )
+    done = subprocess.run(
+        [str(job_venv() / "bin" / "python"), "-c", code],
+        cwd=tmp_path,
+        env=axolotl_env(visible),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    outside, inside = (json.loads(line) for line in done.stdout.splitlines())
+    assert outside == {}
+    assert inside == {
+        "datasets/0": str(tmp_path / "data" / "chat.jsonl"),
+        "datasets/2": str(tmp_path / "data"),
+        "base_model": str(tmp_path / "model"),
+    }
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_stop_during_a_preprocessing_cancels_it_in_one_line(
+    prefect_server: None, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A preprocessing keeps no checkpoint (axolotl's preprocess never reads
+    the stop request): `s` cancels its job instead, and says so. Without
+    axolotl's CLI before it (what it hands over is the same)."""
+    from prefect.settings import PREFECT_API_URL
+
+    from overbrainer_prefect.runs import Runs, RunState
+
+    runs_dir = tmp_path / "runs"
+    cloud = {"target": saved_local_target(tmp_path), "runs_dir": str(runs_dir)}
+    request = {
+        "cloud": cloud,
+        "config_dir": str(tmp_path),
+        "config_yaml": yaml.safe_dump(tiny_config(*tiny)),
+    }
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    err = tmp_path / "stderr.txt"
+    env = dict(os.environ, PYTHONPATH=str(REPO), PREFECT_API_URL=str(PREFECT_API_URL.value()))
+    with err.open("w") as stderr:
+        command = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "overbrainer_prefect.axolotl_cloud",
+                "preprocess",
+                "request.json",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+
+    def started() -> Any:
+        found = [r for r in Runs(runs_dir).list() if r.job is not None] if runs_dir.exists() else []
+        return found[0] if found else None
+
+    try:
+        wait_until(started, 240, "the preprocessing's job to start")
+        record = started()
+        assert record.state == RunState.RUNNING, record.state
+        command.send_signal(signal.SIGINT)
+        wait_until(lambda: QUESTION.strip() in err.read_text(), 30, "the question")
+        assert command.stdin is not None
+        command.stdin.write("s\n")
+        command.stdin.flush()
+        code = command.wait(timeout=240)
+    finally:
+        kill(command)
+    said = err.read_text()
+    assert code == 1, said[-3000:]
+    assert (
+        "overbrainer: a preprocessing keeps no checkpoint to go on from: it is cancelled instead"
+        in ours(said)
+    ), said[-3000:]
+    assert Runs(runs_dir).load(record.id).state == RunState.CANCELLED
+
+
+def test_a_local_dataset_for_a_deployment_whose_runs_directory_is_unknown_ends_in_one_line(
+    prefect_server: None, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A deployment deployed without OVERBRAINER_RUNS_DIR (its worker's own
+    `runs/`) and no `runs_dir:` in cloud.yml: nowhere both sides reach, so
+    nothing is uploaded and no flow run made."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    name = f"unreachable-{uuid.uuid4().hex[:6]}"
+
+    async def deploy() -> None:
+        async with get_client() as client:
+            flow_id = await client.create_flow_from_name("train")
+            await client.create_deployment(flow_id, name, job_variables={"env": {}})
+
+    asyncio.run(deploy())
+    done = orchestrate(
+        tmp_path,
+        tiny_config(*tiny),
+        {"target": saved_local_target(tmp_path), "deployment": f"train/{name}"},
+        PREFECT_API_URL=str(PREFECT_API_URL.value()),
+    )
+    assert done.returncode == 2, done.stderr
+    assert ours(done.stderr)[1:] == [
+        f"overbrainer: {tiny[1]} is here, which a deployment's worker cannot read, and the runs "
+        f"directory of train/{name} is not known here: set `runs_dir:` in cloud.yml to the one "
+        "its workers use (a bucket, or a directory both reach), and it is uploaded there"
+    ]
+    assert not (tmp_path / "work").exists() and "the flow run:" not in done.stderr

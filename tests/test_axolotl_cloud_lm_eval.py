@@ -6,9 +6,15 @@ the other modules of its unit, see tests/scheduling.py) evaluated by the
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from tests.test_axolotl_cloud import COMMAND_BOUND_S, orchestrate, ours, tiny_config
 from tests.tiny_runs import TinyRun
@@ -46,3 +52,67 @@ def test_lm_eval_prints_the_evaluate_flows_verdict_on_the_run_axolotl_trained(
     result = EvaluationResult.model_validate_json(scored.read_text())
     assert result.heldout.tuned.total >= 1
     assert lines[-1] == f"overbrainer: run {copy.run_id}: {verdict(result)}"
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_lm_eval_cancels_the_evaluations_job_in_one_line(
+    tiny_run: TinyRun, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """An evaluation keeps nothing to go on from: Ctrl-C cancels its job at
+    once (the cancellation hook a worker would run), exit 1, and its record
+    says so."""
+    from prefect.settings import PREFECT_API_URL
+
+    from overbrainer_prefect.runs import Runs, RunState
+    from tests.test_axolotl_cloud import REPO
+    from tests.test_train_flow import kill, wait_until
+
+    copy = tiny_run.copied(tmp_path)
+    items = [{"prompt": f"Count to {n}.", "expected": "1", "scorer": "contains"} for n in range(40)]
+    (tmp_path / "evals.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    cloud = {
+        "target": copy.target,
+        "runs_dir": str(copy.runs_dir),
+        "evaluation": {"eval_file": "evals.jsonl", "quant": "q8_0", "max_tokens": 64},
+    }
+    request = {
+        "cloud": cloud,
+        "config_dir": str(tmp_path),
+        "config_yaml": yaml.safe_dump(tiny_config(*tiny)),
+    }
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    err = tmp_path / "stderr.txt"
+    env = dict(os.environ, PYTHONPATH=str(REPO), PREFECT_API_URL=str(PREFECT_API_URL.value()))
+    evaluations = Runs(copy.runs_dir).children(copy.run_id, "evaluation")
+
+    def started() -> Any:
+        found = [r for r in evaluations.list() if r.job is not None]
+        return found[0] if found else None
+
+    with err.open("w") as stderr:
+        command = subprocess.Popen(
+            [sys.executable, "-m", "overbrainer_prefect.axolotl_cloud", "lm_eval", "request.json"],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+    try:
+        wait_until(started, 240, "the evaluation's job to start")
+        record = started()
+        command.send_signal(signal.SIGINT)
+        code = command.wait(timeout=240)
+    finally:
+        kill(command)
+    said = err.read_text()
+    assert code == 1, said[-3000:]
+    assert ours(said)[-2:] == [
+        "overbrainer: Ctrl-C: cancelling the evaluation: its job is cancelled, what it ran on "
+        "ended",
+        "overbrainer: the evaluation was cancelled: run `axolotl lm-eval` again to evaluate the "
+        "run",
+    ], said[-3000:]
+    assert evaluations.load(record.id).state == RunState.CANCELLED

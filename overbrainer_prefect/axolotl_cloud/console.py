@@ -1,13 +1,16 @@
 """What `axolotl train config.yml --cloud cloud.yml` does in the orchestrator's
 Python (`python -m overbrainer_prefect.axolotl_cloud train REQUEST`, started by
 the launcher): checks everything before anything is created, runs the `train`
-flow (in this process, or as a run of cloud.yml's deployment) and streams it to
-the terminal: the flow run's UI link, the job's progress lines, then the
-verified files. Ctrl-C asks once "stop with a checkpoint (s), cancel (c), or
-leave it running (l)?" and does that with the `stop` and `cancel` flows.
+flow (in this process, or as a run of cloud.yml's deployment, its local datasets
+and base model folder uploaded first into the deployment's runs directory for
+its worker to read) and streams it to the terminal: the flow run's UI link, the
+job's progress lines, then the verified files. Ctrl-C asks once "stop with a
+checkpoint (s), cancel (c), or leave it running (l)?" and does that with the
+`stop` and `cancel` flows (a preprocessing, which keeps no checkpoint, is
+cancelled at `s`).
 `axolotl preprocess --cloud` is the same with a spec that only prepares the
 datasets; `axolotl lm-eval --cloud` runs the `evaluate` flow on a trained run
-and prints its verdict (`lm_eval_from_axolotl`).
+and prints its verdict (`lm_eval_from_axolotl`; Ctrl-C cancels it at once).
 
 Exit codes: 0 the run succeeded; 1 it did not (failed, cancelled, stopped);
 2 bad input, nothing created; 3 left running.
@@ -40,12 +43,13 @@ from prefect.deployments.flow_runs import arun_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.flow_engine import run_flow_async
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
-from prefect.states import Cancelling
+from prefect.states import Cancelled, Cancelling
 from pydantic import ValidationError
 
 from overbrainer_prefect.axolotl_cloud.cloud import CloudConfig, CloudConfigError, read_cloud
 from overbrainer_prefect.axolotl_cloud.mapping import MappingError, local_model, spec_from_axolotl
 from overbrainer_prefect.blocks import AmbiguousTarget, UnknownTarget, target_named
+from overbrainer_prefect.driver import on_cancelled
 from overbrainer_prefect.evaluation.results import EvaluationResult
 from overbrainer_prefect.evaluation.spec import BadEvaluationInput, EvaluationSpec
 from overbrainer_prefect.evaluation.verdict import verdict
@@ -54,13 +58,16 @@ from overbrainer_prefect.flows.evaluate import evaluate
 from overbrainer_prefect.flows.train import RunResult, cancel, stop, train
 from overbrainer_prefect.kinds.training import check_before_anything as training_checks
 from overbrainer_prefect.runpod.settings import SettingsError
+from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.runs_dir import runs_at
-from overbrainer_prefect.store import StoreError
+from overbrainer_prefect.store import StoreError, is_url
+from overbrainer_prefect.store.where import RUNS_ROOT_ENV
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.keys import CONFIG_KEYS
 from overbrainer_prefect.trainers.spec import TrainingSpec
+from overbrainer_prefect.trainers.uploads import Upload, UploadError, local_inputs, upload
 
 SUCCEEDED, NOT_SUCCEEDED, BAD_INPUT, LEFT_RUNNING = 0, 1, 2, 3
 """The exit codes (see the module's docstring)."""
@@ -96,11 +103,16 @@ def say(line: str) -> None:
 
 @dataclass
 class Request:
-    """What the launcher handed over."""
+    """What the launcher handed over; with a deployment, the runs directory
+    its worker records runs in (cloud.yml's, else the deployment's own when
+    this machine can reach it: an object store or an absolute path) and the
+    local inputs put there for it (`stage_inputs`)."""
 
     cloud: CloudConfig
     spec: TrainingSpec
     notes: list[str]
+    runs_dir: str | None = None
+    uploads: list[Upload] = field(default_factory=list)
 
 
 def read_files(path: Path) -> tuple[CloudConfig, dict[str, object], dict[str, object]]:
@@ -173,26 +185,31 @@ async def check_before_anything(request: Request) -> None:
     exists, and the `train` flow's own pre-flight checks pass (local datasets
     and their rows, the model's context, what the target's GPUs can run), and,
     on a machine you own, its job venv's axolotl knows every key (the probe).
+    With a deployment, notes the runs directory its worker records runs in
+    (`Request.runs_dir`): local inputs need one this machine reaches.
     Raises BadInput with one line."""
     await check_server()
     async with get_client() as client:
         if request.cloud.deployment is not None:
             try:
-                await client.read_deployment_by_name(request.cloud.deployment)
+                found = await client.read_deployment_by_name(request.cloud.deployment)
             except ObjectNotFound:
                 raise BadInput(
                     f"no deployment {request.cloud.deployment}: deploy it (`prefect deploy`) "
                     "or fix `deployment:` in cloud.yml"
                 ) from None
+            request.runs_dir = request.cloud.runs_dir or deployment_runs_dir(found.job_variables)
     try:
         place = await target_named(request.cloud.target, TERMINAL, request.cloud.bounds())
     except (UnknownTarget, AmbiguousTarget, SettingsError) as error:
         raise BadInput(str(error)) from None
-    if request.cloud.deployment is not None and request.spec.local_datasets():
-        local = request.spec.local_datasets()[0].path
+    inputs = local_inputs(request.spec)
+    if request.cloud.deployment is not None and inputs and request.runs_dir is None:
         raise BadInput(
-            f"dataset {local} is a file here, which a deployment's worker cannot read: run "
-            "without `deployment:` (the flow runs here and uploads it), or give a Hub dataset"
+            f"{inputs[0]} is here, which a deployment's worker cannot read, and the runs "
+            f"directory of {request.cloud.deployment} is not known here: set `runs_dir:` in "
+            "cloud.yml to the one its workers use (a bucket, or a directory both reach), and "
+            "it is uploaded there"
         )
     try:  # the flow's own checks, then what the target's axolotl would refuse
         facts = await training_checks(request.spec, place, TERMINAL)
@@ -202,11 +219,50 @@ async def check_before_anything(request: Request) -> None:
         raise BadInput(str(error).splitlines()[0]) from None
 
 
+def deployment_runs_dir(job_variables: dict[str, Any] | None) -> str | None:
+    """The runs directory a deployment's flow runs record runs in (its job
+    variables' OVERBRAINER_RUNS_DIR) when this machine can reach it too: an
+    object store's URL or an absolute path; else None (its worker's own
+    `runs/`, or a path relative to its clone)."""
+    env = (job_variables or {}).get("env")
+    named = env.get(RUNS_ROOT_ENV) if isinstance(env, dict) else None
+    if not isinstance(named, str) or not named.strip():
+        return None
+    named = named.strip()
+    return named if is_url(named) or Path(named).is_absolute() else None
+
+
+async def stage_inputs(request: Request) -> None:
+    """With a deployment, puts the local datasets and base model folder of the
+    request's spec into its runs directory (`trainers.uploads`), each checked
+    there, for its worker to read (`Request.uploads`, the `train` flow's
+    `uploads`); one line each on the terminal. Raises BadInput with one line
+    when the store cannot be used or refuses one."""
+    if request.cloud.deployment is None or request.runs_dir is None:
+        return
+    inputs = local_inputs(request.spec)
+    if not inputs:
+        return
+    try:
+        runs = await runs_at(request.runs_dir)
+        for local in inputs:
+            made = await asyncio.to_thread(upload, runs, local)
+            request.uploads.append(made)
+            size, count = sum(each.size for each in made.files), len(made.files)
+            say(
+                f"uploaded {local} ({count} file{'s' if count != 1 else ''}, {size} bytes, "
+                f"SHA-256 checked) to {runs.store.where(made.key)}"
+            )
+    except (StoreError, UploadError) as error:
+        raise BadInput(str(error).splitlines()[0]) from None
+
+
 @dataclass
 class Following:
     """The flow run being followed, what it said, and the Ctrl-C question."""
 
     cloud: CloudConfig
+    preprocess: bool = False
     flow_run_id: UUID | None = None
     run_id: str | None = None
     asked_at: float | None = None
@@ -254,6 +310,9 @@ class Following:
             say("no run exists yet: the flow run is cancelled before it creates one")
             await self._cancel_flow_run()
             return
+        if answer == "s" and self.preprocess:
+            say("a preprocessing keeps no checkpoint to go on from: it is cancelled instead")
+            answer = "c"
         if answer == "c":
             say(f"cancelling run {run_id}: its job is cancelled, what it left retrieved")
             if self.cloud.deployment is not None:
@@ -362,6 +421,8 @@ def parameters(request: Request) -> dict[str, object]:
         found["resume_from"] = request.cloud.resume_from
     if request.cloud.bounds():
         found["bounds"] = request.cloud.bounds()
+    if request.uploads:
+        found["uploads"] = [made.model_dump(mode="json") for made in request.uploads]
     return found
 
 
@@ -404,6 +465,7 @@ async def run_deployed(request: Request, following: Following) -> int:
     following.flow_run_id = flow_run.id
     say(f"the flow run: {ui_link(flow_run.id)}")
     seen = flow_run.created
+    printed: set[UUID] = set()
     succeeded_line = False
     ends = time.monotonic() + FOLLOW_BOUND_S
     async with get_client() as client:
@@ -416,26 +478,47 @@ async def run_deployed(request: Request, following: Following) -> int:
                 sort=LogSort.TIMESTAMP_ASC,
                 limit=200,
             )
+            logs = [log for log in logs if log.id not in printed]  # `after_` is inclusive
             for log in logs:
+                if log.timestamp != seen:
+                    printed.clear()  # only those of the newest timestamp can come again
                 seen = log.timestamp
+                printed.add(log.id)
                 following.heard(log.message)
                 succeeded_line |= f" {RunState.SUCCEEDED}:" in log.message
                 level = logging.getLevelName(log.level)
                 print(f"{log.timestamp:%H:%M:%S} | {level:<7} | {log.message}", flush=True)
             current = await client.read_flow_run(flow_run.id)
             if current.state is not None and current.state.is_final() and not logs:
-                return _deployed_end(current.state, succeeded_line)
+                return await _deployed_end(current.state, succeeded_line, request, following)
             await asyncio.sleep(POLL_S)
     say(f"still running after {FOLLOW_BOUND_S / 86400:.0f} days: left to its worker")
     return LEFT_RUNNING
 
 
-def _deployed_end(state: State, succeeded: bool) -> int:
-    if state.is_completed() and succeeded:
+async def _deployed_end(
+    state: State, succeeded: bool, request: Request, following: Following
+) -> int:
+    """How a deployment's run ended, with its verified files when it
+    succeeded and its runs directory is reachable here; its exit code."""
+    if not (state.is_completed() and succeeded):
+        message = (state.message or "no message").strip().splitlines()[0]
+        say(f"the flow run ended {state.name}: {RAISED.sub('', message)}")
+        return NOT_SUCCEEDED
+    run_id = following.run_id
+    if request.runs_dir is None or run_id is None:
         say("the run succeeded; its files are in its run directory on the deployment's side")
         return SUCCEEDED
-    say(f"the flow run ended {state.name}: {state.message or 'no message'}")
-    return NOT_SUCCEEDED
+    try:
+        runs = await runs_at(request.runs_dir)
+        files = await asyncio.to_thread(load_manifest, runs, run_id)
+    except StoreError as error:
+        say(f"run {run_id} succeeded; its files cannot be listed here: {error}")
+        return SUCCEEDED
+    say(f"run {run_id} succeeded: {len(files)} files verified in {runs.where_of(run_id)}")
+    for entry in files:
+        print(f"  {entry.sha256}  {entry.size:>12}  {entry.path}", flush=True)
+    return SUCCEEDED
 
 
 async def _ended(state: State) -> int:
@@ -473,10 +556,11 @@ async def train_from_axolotl(request_file: Path, *, preprocess: bool = False) ->
         for note in request.notes:
             say(note)
         await check_before_anything(request)
+        await stage_inputs(request)
     except BadInput as error:
         say(str(error))
         return BAD_INPUT
-    following = Following(cloud=request.cloud)
+    following = Following(cloud=request.cloud, preprocess=preprocess)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, following.interrupted)
     try:
@@ -559,9 +643,16 @@ async def lm_eval_from_axolotl(request_file: Path) -> int:
     async with get_client() as client:
         flow_run = await client.create_flow_run(evaluate, parameters=params)
     say(f"evaluating run {run_id}: {ui_link(flow_run.id)}")
-    state = await run_flow_async(
-        evaluate, flow_run=flow_run, parameters=params, return_type="state"
-    )
+    running = run_flow_async(evaluate, flow_run=flow_run, parameters=params, return_type="state")
+    flow_task: asyncio.Task[Any] = asyncio.create_task(running)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, _cancel_at_ctrl_c, flow_task)
+    try:
+        state = await flow_task
+    except asyncio.CancelledError:
+        return await _evaluation_cancelled(flow_run.id)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
     assert isinstance(state, State)
     if not state.is_completed():
         message = (state.message or "no message").strip().splitlines()[0]
@@ -573,6 +664,29 @@ async def lm_eval_from_axolotl(request_file: Path) -> int:
         return NOT_SUCCEEDED
     say(f"run {run_id}: {verdict(result)}")
     return SUCCEEDED
+
+
+def _cancel_at_ctrl_c(flow_task: asyncio.Task[Any]) -> None:
+    """SIGINT during an evaluation: it keeps nothing to go on from, so it is
+    cancelled at once (a second SIGINT, the launcher's echo, does nothing)."""
+    if flow_task.done() or flow_task.cancelling():
+        return
+    say("Ctrl-C: cancelling the evaluation: its job is cancelled, what it ran on ended")
+    flow_task.cancel()
+
+
+async def _evaluation_cancelled(flow_run_id: UUID) -> int:
+    """Ends what the evaluation's flow run started (the `on_cancellation`
+    hook a worker's cancellation runs: its jobs cancelled, what they ran on
+    ended) and records the flow run cancelled; the exit code (1)."""
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(flow_run_id)
+    ended: State[Any] = Cancelled(message="cancelled at Ctrl-C in the terminal")
+    await on_cancelled(evaluate, flow_run, ended)
+    async with get_client() as client:
+        await client.set_flow_run_state(flow_run_id, ended, force=True)
+    say("the evaluation was cancelled: run `axolotl lm-eval` again to evaluate the run")
+    return NOT_SUCCEEDED
 
 
 COMMANDS = ("train", "preprocess", "lm_eval")

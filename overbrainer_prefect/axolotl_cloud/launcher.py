@@ -27,6 +27,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import click
+import yaml
 from axolotl.cli.cloud.base import CloudLauncher
 
 PYTHON_ENV = "OVERBRAINER_PYTHON"
@@ -54,9 +56,19 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
         return cls(dict(config), config_dir)
 
     def get_local_dirs(self, cwd: Path | str | None) -> dict[str, str]:
-        """None: the local datasets the YAML names are uploaded with the run
-        (the working directory is not mounted anywhere)."""
-        return {}
+        """What the axolotl YAML of the running command (`axolotl train
+        config.yml`: click's context names it) names on this machine, uploaded
+        with the run (see `local_dirs_of`); empty when no such YAML is known.
+        The working directory itself is not mounted anywhere."""
+        context = click.get_current_context(silent=True)
+        named = context.params.get("config") if context is not None else None
+        if not isinstance(named, str) or not Path(named).is_file():
+            return {}
+        try:
+            config = yaml.safe_load(Path(named).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return {}  # the orchestrator says what is wrong with it, in one line
+        return local_dirs_of(config, Path(cwd) if cwd else Path.cwd())
 
     def train(
         self,
@@ -133,6 +145,31 @@ class OverbrainerLauncher(CloudLauncher):  # type: ignore[misc]  # axolotl's, un
                 signal.signal(signal.SIGINT, previous)
         if code != 0:
             raise SystemExit(code)
+
+
+def local_dirs_of(config: object, cwd: Path) -> dict[str, str]:
+    """The files and folders the axolotl YAML `config` names that exist on
+    this machine (relative paths from `cwd`), by where they land in the run:
+    `datasets/<index>` for a local dataset (a file or a folder), `base_model`
+    for a local model folder. The same the orchestrator uploads for a
+    deployment's worker (`trainers.uploads.local_inputs`); a Hub id is none
+    of them."""
+    if not isinstance(config, dict):
+        return {}
+    found: dict[str, str] = {}
+    datasets = config.get("datasets")
+    for index, entry in enumerate(datasets if isinstance(datasets, list) else []):
+        path = entry.get("path") if isinstance(entry, dict) else entry
+        if isinstance(path, str) and path.strip():
+            local = cwd / Path(path.strip()).expanduser()
+            if local.exists():
+                found[f"datasets/{index}"] = str(local.resolve())
+    model = config.get("base_model")
+    if isinstance(model, str) and model.strip():
+        local = cwd / Path(model.strip()).expanduser()
+        if local.is_dir():
+            found["base_model"] = str(local.resolve())
+    return found
 
 
 def orchestrator_python(cloud: dict[str, object], config_dir: Path) -> str:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
@@ -42,6 +44,7 @@ from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.axolotl import AxolotlTrainer
 from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
+from overbrainer_prefect.trainers.uploads import Upload, fetched_spec
 
 __all__ = ["FileEntry", "RunFailed", "RunResult", "attach", "cancel", "stop", "train"]
 
@@ -85,6 +88,7 @@ async def train(
     runs_dir: str | None = None,
     export: ExportSpec | None = None,
     bounds: dict[str, float] | None = None,
+    uploads: list[Upload] | None = None,
 ) -> RunResult | AnyState:
     """Fine-tunes a model with axolotl on `target` (a target block's name): creates
     a run, starts its job, follows it live, then retrieves and verifies its files.
@@ -94,7 +98,11 @@ async def train(
     succeeded run is then exported to a GGUF on the same target (the `export`
     flow, as a subflow), which joins the run's summary and result. `bounds`
     (`max_hours`, `max_cost_usd`) replace the target block's own for this run.
-    Fails before
+    `uploads` are the local datasets and base model folder of `training` as
+    the machine that asked for the run put them into the runs directory
+    (`trainers.uploads`, e.g. `axolotl train --cloud` with a deployment): they
+    are read from there, each file checked by SHA-256, instead of the paths
+    `training` names. Fails before
     any run exists when the target block or a dataset file is missing; fails with
     the run's message when its job fails, or the export's when it fails.
     """
@@ -109,6 +117,8 @@ async def train(
     if training is None:
         raise ValueError("give the training spec (training=...), or a stopped run to resume_from")
     spec = training
+    if uploads:
+        spec = await asyncio.to_thread(fetched_spec, runs, spec, uploads)
     await check_before_anything(spec, place, logger)
     finished = await run_new(place, _training_job(runs, place, spec, point), logger)
 
