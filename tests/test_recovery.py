@@ -30,9 +30,10 @@ from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR, host_ke
 from tests import test_runpod_flows as on_pods
 from tests.conftest import job_venv
 from tests.flowrun import run
+from tests.runpod_fixtures import target
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
-from tests.test_runpod_flows import start_in_child, target
+from tests.test_runpod_flows import start_in_child
 from tests.test_train_flow import kill, spec, wait_until
 
 fast, sim, pods_of = on_pods.fast, on_pods.sim, on_pods.pods_of  # the simulator's fixtures

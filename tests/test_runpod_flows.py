@@ -22,7 +22,6 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,64 +46,17 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.targets.runpod.listing import PodsError
 from overbrainer_prefect.trainers.spec import TrainingSpec
-from tests.conftest import job_venv
 from tests.flowrun import run
-from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_fixtures import A4000, A5000, FAST, fast, pods_of, sim, target
+from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods, deleted_once_verified
 from tests.test_train_flow import kill, spec, wait_until
 
+__all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures (tests/runpod_fixtures.py)
+
 pytestmark = pytest.mark.slow
 
-FAST = (
-    "watch_interval_s=1,lease_ttl_s=6,lease_renew_s=1,lease_tick_s=0.5,deadline_margin_s=4,"
-    "arm_timeout_s=30,ready_poll_s=0.3,gone_interval_s=0.3,confirm_timeout_s=30,"
-    "checkpoint_hold_s=90"
-)
-"""Timings short enough for tests: the watchdog looks every second, a lease
-holds 6 s."""
-
 LONG = 100_000  # steps of a job that runs until something ends it (the tiny model is quick)
-A4000 = "NVIDIA RTX A4000"
-A5000 = "NVIDIA RTX A5000"
-
-
-@pytest.fixture
-def fast(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TIMING_ENV, FAST)
-
-
-@pytest.fixture
-def sim(fast: None, tmp_path: Path) -> Iterator[RunpodSim]:
-    with running_sim() as simulator:
-        yield simulator
-
-
-@pytest.fixture
-def pods_of(sim: RunpodSim, tmp_path: Path) -> Iterator[SimPods]:
-    with SimPods(tmp_path / "pods").attached(sim) as simulated:
-        yield simulated
-
-
-def target(sim: RunpodSim, **changes: Any) -> str:
-    """Saves a Runpod target on the simulator and returns its name."""
-    values: dict[str, Any] = {
-        "credentials": RunpodCredentials(
-            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
-        ),
-        "job_venv": str(job_venv()),
-        "gpu_types": [A4000],
-        "image": "overbrainer/test:1",
-        "max_hours": 1.0,
-        "boot_grace_s": 60.0,
-        "retrieve_grace_s": 120.0,
-        "poll_seconds": 0.5,
-        "stall_minutes": 1.0,
-        "cpu_threads": 1,
-    }
-    values.update(changes)
-    name = f"pod-{uuid.uuid4().hex[:8]}"
-    RunpodTarget(**values).save(name)
-    return name
 
 
 def only_run(runs_dir: Path) -> Any:
