@@ -35,7 +35,7 @@ from overbrainer_prefect.server_budget import (
     set_budgets,
 )
 from overbrainer_prefect.targets.base import JobNeed
-from tests import test_runpod_flows as on_pods
+from tests import runpod_fixtures as on_pods
 from tests.flowrun import run
 from tests.runpod_fixtures import target
 from tests.runpod_sim import RunpodSim

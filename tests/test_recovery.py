@@ -27,7 +27,7 @@ from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR, host_key_secret
-from tests import test_runpod_flows as on_pods
+from tests import runpod_fixtures as on_pods
 from tests.conftest import job_venv
 from tests.flowrun import run
 from tests.runpod_fixtures import target
