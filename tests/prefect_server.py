@@ -504,11 +504,15 @@ def start_stack(
     database_url: str | None = None,
     names: list[str] | None = None,
     runs: str | None = None,
+    worker: bool = True,
 ) -> Stack:
     """A server on `database_url` (SQLite by default), the deployments deployed
     from the repository root with the shared runs root `root/runs` (or `runs`,
     an `s3://` URL) (all of them, or those `names` selects), a local target
-    block and one worker."""
+    block and one worker (none with `worker=False`: the test starts its own)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from overbrainer_prefect.blocks import LocalTarget
     from tests.conftest import job_venv
 
     server = PrefectServer(root / "server", database_url)
@@ -530,20 +534,17 @@ def start_stack(
         )
         stack.deploy_output = deployed.stdout + deployed.stderr
         server.call(quiet_follower)
-        save = (
-            "import sys\n"
-            "from overbrainer_prefect.blocks import LocalTarget\n"
-            "LocalTarget(job_venv=sys.argv[2], work_dir=sys.argv[3], poll_seconds=0.5,\n"
-            "            cpu_threads=1).save(sys.argv[1])\n"
-        )
-        subprocess.run(
-            [sys.executable, "-c", save, stack.target, str(job_venv()), str(stack.work_dir)],
-            env=server.env(),
-            check=True,
-            timeout=120,
-            capture_output=True,
-        )
-        stack.worker()
+        # saved from this process (as `save_runpod_target` does): a Python process of its own
+        # to import Prefect and save one block cost seconds of every stack's start
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            LocalTarget(
+                job_venv=str(job_venv()),
+                work_dir=str(stack.work_dir),
+                poll_seconds=0.5,
+                cpu_threads=1,
+            ).save(stack.target)
+        if worker:
+            stack.worker()
     except BaseException:
         stack.stop()
         raise

@@ -37,9 +37,9 @@ from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR, generat
 from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.flowrun import run
+from tests.runpod_fixtures import target
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.s3server import S3Server
-from tests.test_runpod_flows import target
 from tests.test_watchdog import A4000
 
 BOOT_GRACE_S = 60.0

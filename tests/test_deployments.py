@@ -42,9 +42,9 @@ from tests.prefect_server import (
     wait_until,
 )
 from tests.procs import group_alive
+from tests.runpod_fixtures import A4000, FAST
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods
-from tests.test_runpod_flows import A4000, FAST
 
 pytest_plugins = ["tests.prefect_server"]
 pytestmark = pytest.mark.slow

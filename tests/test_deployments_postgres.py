@@ -78,11 +78,12 @@ def test_on_postgresql_a_suspended_run_of_a_killed_worker_is_finished_by_another
     postgres: Any, s3: S3Server, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     url = s3.bucket_url()
-    stack = start_stack(tmp_path / "pg", postgres.url, names=["train/local", FOLLOWER], runs=url)
+    # no worker of the stack's own (it would share this process's HOME): A and B have theirs
+    stack = start_stack(
+        tmp_path / "pg", postgres.url, names=["train/local", FOLLOWER], runs=url, worker=False
+    )
     runs = Runs(url)
     try:
-        for started in stack.workers:
-            started.stop()  # the stack's own shares this process's HOME: A and B have theirs
         a = own_worker(stack, "a", "b", tmp_path)
         start_follower(stack)
         flow_run_id = stack.run_deployment(

@@ -29,13 +29,14 @@ from overbrainer_prefect.targets.base import JobNeed
 from overbrainer_prefect.targets.pod import _after_lost_pods
 from overbrainer_prefect.trainers.staging import stored_inputs
 from tests.flowrun import run
+from tests.runpod_fixtures import FAST, fast, pods_of, sim, target
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
 from tests.test_money_ledger import plan
-from tests.test_runpod_flows import FAST, artifacts_of, fast, pods_of, sim, target
+from tests.test_runpod_flows import artifacts_of
 from tests.test_train_flow import spec
 
-__all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures, shared with the Runpod flow tests
+__all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures (tests/runpod_fixtures.py)
 
 pytestmark = pytest.mark.slow
 

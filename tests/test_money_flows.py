@@ -35,11 +35,12 @@ from overbrainer_prefect.server_budget import (
     set_budgets,
 )
 from overbrainer_prefect.targets.base import JobNeed
-from tests import test_runpod_flows as on_pods
+from tests import runpod_fixtures as on_pods
 from tests.flowrun import run
+from tests.runpod_fixtures import target
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
-from tests.test_runpod_flows import follower_killed_while_training, target
+from tests.test_runpod_flows import follower_killed_while_training
 from tests.test_train_flow import spec
 
 pytestmark = pytest.mark.slow

@@ -40,7 +40,7 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.store import S3Store, StoreRefused, StoreUnreachable
 from overbrainer_prefect.store.lease import TTL_ENV
 from overbrainer_prefect.store.s3 import OUTAGE_ENV
-from tests import test_runpod_flows as on_pods
+from tests import runpod_fixtures as on_pods
 from tests.conftest import job_venv
 from tests.flowrun import run
 from tests.ports import free_port

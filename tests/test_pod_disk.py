@@ -25,7 +25,6 @@ from overbrainer_prefect.blocks import HuggingFaceCredentials
 from overbrainer_prefect.executors.base import JobStatus
 from overbrainer_prefect.finetune import CompareSettings, FineTuneSpec, PipelineFailed
 from overbrainer_prefect.flows import fine_tune
-from overbrainer_prefect.runpod.bootstrap import TIMING_ENV
 from overbrainer_prefect.runpod.settings import SettingsError, settings_from
 from overbrainer_prefect.runs.failure import DISK_FULL, failure_cause
 from overbrainer_prefect.runs.metrics import MetricsSummary
@@ -45,10 +44,13 @@ from overbrainer_prefect.targets.disk import DiskTooSmall, fit_disk, sized_gb
 from overbrainer_prefect.targets.sharing import after_training
 from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
-from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_fixtures import fast, sim
+from tests.runpod_fixtures import target as sim_target
+from tests.runpod_sim import RunpodSim
 from tests.standins.hub_server import HubStandIn, Repo
-from tests.test_runpod_flows import FAST, run
-from tests.test_runpod_flows import target as sim_target
+from tests.test_runpod_flows import run
+
+__all__ = ["fast", "sim"]  # the simulator's fixtures (tests/runpod_fixtures.py)
 
 MODEL = "org/llama-8b"
 PARAMS = 8_030_261_248  # Llama-3.1-8B's parameters, all BF16
@@ -257,13 +259,6 @@ def test_container_disk_gb_takes_a_size_or_auto() -> None:
 
 
 # through the pipeline, on the Runpod simulator
-
-
-@pytest.fixture
-def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[RunpodSim]:
-    monkeypatch.setenv(TIMING_ENV, FAST)
-    with running_sim() as simulator:
-        yield simulator
 
 
 def test_a_fine_tune_of_an_8b_model_is_refused_on_50_gb_and_given_a_disk_that_fits_with_auto(

@@ -27,12 +27,13 @@ from overbrainer_prefect.runpod.pod import PodRecord, PodState
 from overbrainer_prefect.runs.manifest import MANIFEST_FILE
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
 from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR, host_key_secret
-from tests import test_runpod_flows as on_pods
+from tests import runpod_fixtures as on_pods
 from tests.conftest import job_venv
 from tests.flowrun import run
+from tests.runpod_fixtures import target
 from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods
-from tests.test_runpod_flows import start_in_child, target
+from tests.test_runpod_flows import start_in_child
 from tests.test_train_flow import kill, spec, wait_until
 
 fast, sim, pods_of = on_pods.fast, on_pods.sim, on_pods.pods_of  # the simulator's fixtures

@@ -20,7 +20,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 from prefect import flow, get_run_logger
 
-from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.blocks import RunpodTarget
 from overbrainer_prefect.driver import run_new
 from overbrainer_prefect.kinds.base import Finished, NewJob
 from overbrainer_prefect.kinds.training import (
@@ -56,52 +56,22 @@ from overbrainer_prefect.targets.base import JobNeed, Target
 from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.spec import TrainingSpec
-from tests.conftest import job_venv
 from tests.ddpjob import DdpTrainer
-from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_fixtures import A4000, FAST, fast, pods_of, sim, target_values
+from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.api import SimRequest
 from tests.runpod_sim.pods import SimPods
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer, started_job, wait_for
 
-FAST = (
-    "watch_interval_s=1,lease_ttl_s=6,lease_renew_s=1,lease_tick_s=0.5,deadline_margin_s=4,"
-    "arm_timeout_s=30,ready_poll_s=0.3,gone_interval_s=0.3,confirm_timeout_s=30,"
-    "checkpoint_hold_s=90,lost_host_s=4"
-)
-A4000 = "NVIDIA RTX A4000"
+__all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures (tests/runpod_fixtures.py)
+
 LOG = logging.getLogger("cluster")
 
 
-@pytest.fixture
-def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[RunpodSim]:
-    monkeypatch.setenv(TIMING_ENV, FAST)
-    with running_sim() as simulator:
-        yield simulator
-
-
-@pytest.fixture
-def pods_of(sim: RunpodSim, tmp_path: Path) -> Iterator[SimPods]:
-    with SimPods(tmp_path / "pods").attached(sim) as simulated:
-        yield simulated
-
-
 def runpod(sim: RunpodSim, **changes: Any) -> Target:
-    values: dict[str, Any] = {
-        "credentials": RunpodCredentials(
-            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
-        ),
-        "job_venv": str(job_venv()),
-        "gpu_types": [A4000],
-        "image": "overbrainer/test:1",
-        "max_hours": 1.0,
-        "boot_grace_s": 60.0,
-        "retrieve_grace_s": 120.0,
-        "poll_seconds": 0.5,
-        "stall_minutes": 1.0,
-        "cpu_threads": 1,
-    }
-    values.update(changes)
-    return RunpodTarget.model_validate(values).target("runpod-target/cluster", LOG)
+    return RunpodTarget.model_validate(target_values(sim, **changes)).target(
+        "runpod-target/cluster", LOG
+    )
 
 
 def nodes_need(nodes: int) -> JobNeed:
@@ -375,6 +345,7 @@ def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_o
     pods_of: SimPods,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The host of the rank-1 pod of a 2-pod cluster is lost (frozen, its SSH
     refused) once a complete checkpoint (both nodes' parts) is kept, while
@@ -386,6 +357,7 @@ def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_o
     billed: the first cluster until about lost_host_s after the node went
     silent, not until its watchdog's retrieve grace."""
     caplog.set_level(logging.WARNING)
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},lost_host_s=4")
     runs = Runs(tmp_path / "runs")
     target = runpod(sim, max_cost_usd=2.0, max_restarts=1)
     steps = 24

@@ -20,9 +20,11 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,64 +49,17 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.targets.runpod.listing import PodsError
 from overbrainer_prefect.trainers.spec import TrainingSpec
-from tests.conftest import job_venv
 from tests.flowrun import run
+from tests.runpod_fixtures import A4000, A5000, FAST, fast, pods_of, sim, target
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, deleted_once_verified
 from tests.test_train_flow import kill, spec, wait_until
 
+__all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures (tests/runpod_fixtures.py)
+
 pytestmark = pytest.mark.slow
 
-FAST = (
-    "watch_interval_s=1,lease_ttl_s=6,lease_renew_s=1,lease_tick_s=0.5,deadline_margin_s=4,"
-    "arm_timeout_s=30,ready_poll_s=0.3,gone_interval_s=0.3,confirm_timeout_s=30,"
-    "checkpoint_hold_s=90"
-)
-"""Timings short enough for tests: the watchdog looks every second, a lease
-holds 6 s."""
-
 LONG = 100_000  # steps of a job that runs until something ends it (the tiny model is quick)
-A4000 = "NVIDIA RTX A4000"
-A5000 = "NVIDIA RTX A5000"
-
-
-@pytest.fixture
-def fast(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TIMING_ENV, FAST)
-
-
-@pytest.fixture
-def sim(fast: None, tmp_path: Path) -> Iterator[RunpodSim]:
-    with running_sim() as simulator:
-        yield simulator
-
-
-@pytest.fixture
-def pods_of(sim: RunpodSim, tmp_path: Path) -> Iterator[SimPods]:
-    with SimPods(tmp_path / "pods").attached(sim) as simulated:
-        yield simulated
-
-
-def target(sim: RunpodSim, **changes: Any) -> str:
-    """Saves a Runpod target on the simulator and returns its name."""
-    values: dict[str, Any] = {
-        "credentials": RunpodCredentials(
-            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
-        ),
-        "job_venv": str(job_venv()),
-        "gpu_types": [A4000],
-        "image": "overbrainer/test:1",
-        "max_hours": 1.0,
-        "boot_grace_s": 60.0,
-        "retrieve_grace_s": 120.0,
-        "poll_seconds": 0.5,
-        "stall_minutes": 1.0,
-        "cpu_threads": 1,
-    }
-    values.update(changes)
-    name = f"pod-{uuid.uuid4().hex[:8]}"
-    RunpodTarget(**values).save(name)
-    return name
 
 
 def only_run(runs_dir: Path) -> Any:
@@ -295,8 +250,19 @@ def follower_killed_while_training(
     step on its pod, then SIGKILLs that process (no hook runs: the job and its
     pod keep going); returns the run's record."""
     child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, tmp_path / "child.log")
+    return killed_once_training(child, runs_dir)
+
+
+def killed_once_training(child: Any, runs_dir: Path, abandon: threading.Event | None = None) -> Any:
+    """SIGKILLs the follower `child` once its job logged a step on its pod (or
+    once `abandon` is set); returns the run's record (None when abandoned)."""
+    given_up = abandon or threading.Event()
     try:
-        wait_until(lambda: running_on_pod(runs_dir) is not None, 240, "the job to train")
+        wait_until(
+            lambda: given_up.is_set() or running_on_pod(runs_dir) is not None,
+            240,
+            "the job to train",
+        )
     finally:
         kill(child)
     return running_on_pod(runs_dir)
@@ -309,56 +275,6 @@ def running_on_pod(runs_dir: Path) -> Any:
             if metrics.exists() and '"log"' in metrics.read_text():
                 return record
     return None
-
-
-def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth(
-    prefect_server: None,
-    sim: RunpodSim,
-    pods_of: SimPods,
-    tiny: tuple[Path, Path],
-    tmp_path: Path,
-) -> None:
-    runs_dir = tmp_path / "runs"
-    # 144 s after the create, a checkpoint asked 14 s before: the job must train by then, and
-    # on a busy machine its first step comes about 90 s after the create (72 s was too short)
-    name = target(sim, max_hours=0.04)
-    # SIGKILL: no hook runs, the job and its pod keep going
-    record = follower_killed_while_training(name, tiny, runs_dir, tmp_path)
-    pod = PodRecord.load(Runs(runs_dir), record.id)
-    assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
-    assert pod.deadline_unix is not None
-    # Until the watchdog asks for its checkpoint, the job waits stopped (SIGSTOP to its
-    # process group), as a job in one long step would: nothing on the pod waits on its
-    # steps before then, and the cores it leaves go to the rest of the suite.
-    assert record.job is not None
-    os.killpg(record.job.pid, signal.SIGSTOP)
-    try:
-        wait_until(
-            lambda: (
-                "asked the job for a checkpoint" in pods_of.watchdog_log(str(pod.pod_id), record.id)
-            ),
-            150,
-            "the watchdog to ask for a checkpoint before max_hours",
-        )
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # a deleted pod's job is gone
-            os.killpg(record.job.pid, signal.SIGCONT)
-    wait_until(
-        lambda: "hold: max_hours passed" in pods_of.watchdog_log(str(pod.pod_id), record.id),
-        150,
-        "max_hours, and the checkpoint the watchdog asked for",
-    )
-    assert not sim.pod(pod.pod_id).deleted  # the checkpoint is not destroyed seconds after
-    log = pods_of.watchdog_log(pod.pod_id, record.id)
-    assert log.index("asked the job for a checkpoint") < log.index("hold: max_hours passed")
-    result = run(attach(run_id=record.id, runs_dir=str(runs_dir)))  # within the hold
-    assert isinstance(result, RunResult) and result.state == RunState.STOPPED
-    saved = Runs(runs_dir).load(record.id)
-    assert saved.checkpoint and (Runs(runs_dir).run_dir(record.id) / saved.checkpoint).is_dir()
-    assert saved.message is not None and f"resume_from={record.id}" in saved.message
-    pod = PodRecord.load(Runs(runs_dir), record.id)
-    assert pod is not None and deleted_once_verified(pod), pod
-    assert not (Runs(runs_dir).run_dir(record.id) / SSH_DIR / CLIENT_KEY).exists()
 
 
 def test_a_flow_killed_before_the_job_leaves_nothing_billing_past_boot_grace(
@@ -930,3 +846,137 @@ def test_pods_tells_when_the_files_of_a_job_nobody_follows_are_lost_and_remove_s
     assert any("never retrieved" in w for w in removed.warnings)
     pod = PodRecord.load(runs, run_id)
     assert pod is not None and pod.deleted_by == "pods flow"
+
+
+# The killed flow's pod waits 144 s for its watchdog's max_hours: that wait runs beside the
+# module's other tests (started by `killed_flow` at the module's first test), and the test
+# that reads what came of it is the module's last.
+
+KILLED = "test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth"
+KILLED_TIMING = f"{FAST},checkpoint_hold_s=1800"
+"""The killed flow's pod's timings: its checkpoint hold lasts until the module's last
+test attaches (a test in between may take minutes)."""
+
+
+@dataclass
+class KilledFlow:
+    """A train flow on the simulator killed once its job trained, its pod left to its
+    watchdog, followed in a thread of its own (`follow`) until the watchdog held the
+    pod for the checkpoint it asked for past max_hours."""
+
+    sim: RunpodSim
+    pods: SimPods
+    runs_dir: Path
+    abandon: threading.Event = field(default_factory=threading.Event)
+    record: Any = None
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+    def follow(self, child: Any) -> None:
+        """What the test saw of the killed flow's pod until its hold, noted in
+        `record` (or the failure in `error`)."""
+        try:
+            self.watch(child)
+        except BaseException as error:  # re-raised by the test
+            self.error = error
+
+    def watch(self, child: Any) -> None:
+        # SIGKILL: no hook runs, the job and its pod keep going
+        record = killed_once_training(child, self.runs_dir, self.abandon)
+        if self.abandon.is_set():
+            return
+        sim, pods_of = self.sim, self.pods
+        pod = PodRecord.load(Runs(self.runs_dir), record.id)
+        assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
+        assert pod.deadline_unix is not None
+        # Until the watchdog asks for its checkpoint, the job waits stopped (SIGSTOP to its
+        # process group), as a job in one long step would: nothing on the pod waits on its
+        # steps before then, and the cores it leaves go to the rest of the suite.
+        assert record.job is not None
+        os.killpg(record.job.pid, signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: (
+                    self.abandon.is_set()
+                    or "asked the job for a checkpoint"
+                    in pods_of.watchdog_log(str(pod.pod_id), record.id)
+                ),
+                150,
+                "the watchdog to ask for a checkpoint before max_hours",
+            )
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # a deleted pod's job is gone
+                os.killpg(record.job.pid, signal.SIGCONT)
+        wait_until(
+            lambda: (
+                self.abandon.is_set()
+                or "hold: max_hours passed" in pods_of.watchdog_log(str(pod.pod_id), record.id)
+            ),
+            150,
+            "max_hours, and the checkpoint the watchdog asked for",
+        )
+        assert not sim.pod(pod.pod_id).deleted  # the checkpoint is not destroyed seconds after
+        self.record = record
+
+
+@pytest.fixture(scope="module", autouse=True)
+def killed_flow(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KilledFlow | None]:
+    """At the module's first test, when `KILLED` is among the tests to run: a
+    train flow on a simulator of its own (max_hours 144 s after the create, a
+    checkpoint asked 14 s before: the job must train by then, and on a busy
+    machine its first step comes about 90 s after the create; 72 s was too
+    short), in a child process that a thread kills and follows (`KilledFlow`)."""
+    if not any(item.name == KILLED for item in request.session.items):
+        yield None
+        return
+    request.getfixturevalue("prefect_server")
+    tiny = request.getfixturevalue("tiny")
+    root = tmp_path_factory.mktemp("killed-flow")
+    runs_dir = root / "runs"
+    with (
+        running_sim() as simulator,
+        SimPods(root / "pods").attached(simulator) as simulated,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setenv(TIMING_ENV, KILLED_TIMING)  # the child's, and the pod's it creates
+        # retrieve_grace as long as the hold: the job ended minutes before the last test
+        name = target(simulator, max_hours=0.04, retrieve_grace_s=1800.0)
+        child = start_in_child(name, spec(*tiny, max_steps=LONG), runs_dir, root / "child.log")
+        patch.undo()
+        killed = KilledFlow(sim=simulator, pods=simulated, runs_dir=runs_dir)
+        killed.thread = threading.Thread(target=killed.follow, args=(child,), daemon=True)
+        killed.thread.start()
+        try:
+            yield killed
+        finally:
+            killed.abandon.set()
+            kill(child)
+            killed.thread.join(timeout=30)
+
+
+def test_a_killed_flow_leaves_its_pod_to_the_watchdog_and_attach_tells_the_truth(
+    killed_flow: KilledFlow | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert killed_flow is not None and killed_flow.thread is not None
+    monkeypatch.setenv(TIMING_ENV, KILLED_TIMING)
+    killed_flow.thread.join(timeout=600)  # its own waits are bounded: 540 s at most
+    assert not killed_flow.thread.is_alive(), "the killed flow's pod was not held in time"
+    if killed_flow.error is not None:
+        raise killed_flow.error
+    sim, pods_of, runs_dir = killed_flow.sim, killed_flow.pods, killed_flow.runs_dir
+    record = killed_flow.record
+    assert record is not None
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and pod.pod_id is not None and not sim.pod(pod.pod_id).deleted
+    log = pods_of.watchdog_log(pod.pod_id, record.id)
+    assert log.index("asked the job for a checkpoint") < log.index("hold: max_hours passed")
+    result = run(attach(run_id=record.id, runs_dir=str(runs_dir)))  # within the hold
+    assert isinstance(result, RunResult) and result.state == RunState.STOPPED
+    saved = Runs(runs_dir).load(record.id)
+    assert saved.checkpoint and (Runs(runs_dir).run_dir(record.id) / saved.checkpoint).is_dir()
+    assert saved.message is not None and f"resume_from={record.id}" in saved.message
+    pod = PodRecord.load(Runs(runs_dir), record.id)
+    assert pod is not None and deleted_once_verified(pod), pod
+    assert not (Runs(runs_dir).run_dir(record.id) / SSH_DIR / CLIENT_KEY).exists()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,37 +41,25 @@ from overbrainer_prefect.runs.ids import new_run_id
 from overbrainer_prefect.runs.store import BASES_DIR, Runs, RunState
 from overbrainer_prefect.trainers.export import ExportSpec
 from overbrainer_prefect.trainers.spec import TrainingSpec
-from tests.runpod_sim import RunpodSim, running_sim
+from tests.runpod_fixtures import FAST, fast, pods_of, sim, target
+from tests.runpod_sim import RunpodSim
 from tests.runpod_sim.pods import SimPods, deleted_once_verified
 from tests.test_runpod_flows import (
-    FAST,
     assert_no_secret_in_files,
     cancel_through_prefect,
     flow_logs,
     run,
     secrets_of,
-    target,
 )
 from tests.test_train_flow import kill, python_in_child, spec, wait_until
 from tests.tiny_runs import TinyRun
+
+__all__ = ["fast", "pods_of", "sim"]  # the simulator's fixtures (tests/runpod_fixtures.py)
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What colour is the sky?", "Name a fruit."]
 COMPARE_IMAGE = "overbrainer/compare:2"
-
-
-@pytest.fixture
-def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[RunpodSim]:
-    monkeypatch.setenv(TIMING_ENV, FAST)
-    with running_sim() as simulator:
-        yield simulator
-
-
-@pytest.fixture
-def pods_of(sim: RunpodSim, tmp_path: Path) -> Iterator[SimPods]:
-    with SimPods(tmp_path / "pods").attached(sim) as simulated:
-        yield simulated
 
 
 def pods_of_store(store: Runs) -> list[PodRecord]:
