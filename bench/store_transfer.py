@@ -27,8 +27,9 @@ Prints:
     BENCH store-record-update-p95 <s> s goal <= 0.2
     BENCH store-lost-updates <count> count goal <= 0
 
-The servers are stopped by their PIDs; every file is removed. About three
-minutes on a 2-core machine.
+The servers are stopped by their PIDs; every file is removed. About two
+minutes on a 2-core machine (107 s at load 3.8: the retrieval 73 s, the
+records 27 s).
 """
 
 from __future__ import annotations
