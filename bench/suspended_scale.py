@@ -62,7 +62,14 @@ Prints:
 About seven minutes on a 2-core machine, most of it the 100 flow-run starts
 (each is two Python processes that import Prefect: Prefect 3.9's process
 worker starts a workspace supervisor, then the engine; the resumed runs are
-run again in the follower, no new process each). `python
+run again in the follower, no new process each). Neither the worker's poll
+(2 s) nor the pool's limit bounds those starts: the CPU does, about 4 s of
+a core a flow run, of which 1.3 s the workspace supervisor's imports of
+Prefect before it execs the engine, which imports Prefect again (2.1 s with
+this package's flows; measured alone). A pool whose job template sets
+`command` (`<worker's python> -m prefect.engine`) starts the engine alone and
+would save the supervisor's share; the stack here keeps Prefect's default.
+Measured under `make bench` at load 3 to 10: 758 s, 847 CPU seconds. `python
 bench/suspended_scale.py 20` runs 20 runs (5 of them the reference) to try
 it. Every process is stopped by its PID or process group; everything listens
 on 127.0.0.1.

@@ -12,7 +12,11 @@ line for a script that failed without printing its own (any exit but 0 and
 ERROR_EXIT), a `#` line with each script's seconds, and the total last:
 `# make bench: <seconds> s`; on stderr, after each script, its seconds, the
 CPU seconds of the processes it reaped and the load average. A server that
-stops answering between two scripts is started again (once each time)."""
+stops answering between two scripts is started again (once each time).
+
+`python bench/kit/run_all.py <name> ...` runs only the scripts named (with or
+without `.py`), in that order, the same way: to time a few as `make bench`
+runs them."""
 
 from __future__ import annotations
 
@@ -51,8 +55,25 @@ def shared_env(server: Server, home: Path) -> dict[str, str]:
     }
 
 
+def scripts(names: list[str]) -> list[Path]:
+    """The scripts named (every `bench/*.py` when none is), in order; SystemExit
+    naming the scripts there are for a name that is none of them."""
+    every = sorted(BENCH.glob("*.py"))
+    if not names:
+        return every
+    by_name = {script.stem: script for script in every}
+    unknown = [name for name in names if name.removesuffix(".py") not in by_name]
+    if unknown:
+        raise SystemExit(
+            f"no bench script {', '.join(unknown)}: choose among {', '.join(sorted(by_name))}"
+        )
+    return [by_name[name.removesuffix(".py")] for name in names]
+
+
 def main() -> int:
-    """Runs every script; returns 0 (a failed script has its BENCH-ERROR line)."""
+    """Runs every script (or those named on the command line); returns 0 (a
+    failed script has its BENCH-ERROR line)."""
+    chosen = scripts(sys.argv[1:])
     began = time.monotonic()
     for tree in ("overbrainer_prefect", "flows", "tests", "bench"):
         compileall.compile_dir(REPO / tree, quiet=1)
@@ -61,7 +82,7 @@ def main() -> int:
     try:
         with ExitStack() as stack:
             server = stack.enter_context(started_server(root / "server"))
-            for number, script in enumerate(sorted(BENCH.glob("*.py"))):
+            for number, script in enumerate(chosen):
                 if not healthy(server.api_url):
                     stack.close()  # stops the one that no longer answers
                     server = stack.enter_context(started_server(root / f"server-{number}"))

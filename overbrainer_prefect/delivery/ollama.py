@@ -13,8 +13,12 @@ ours, over httpx, although the official `create_blob` streams too. Measured
 pushing a 1,000 MiB GGUF (the stand-in server of tests/standins on 127.0.0.1
 in its own process, 2 shared cores; `bench/ollama_blob.py` repeats it), each
 client in a fresh process: the official `create_blob` then `create` peaked at
-60 MiB RSS, what it held after its imports; ours at 61 to 63 MiB (1 MiB
-pieces): neither holds the file, so memory is no reason; but `create_blob`
+50 MiB RSS (44 after its imports); ours at 51 MiB in 256 KiB pieces (46
+after its imports)
+(56 MiB in 1 MiB pieces: a few pieces are alive at once, the one read and
+its copies on the way to the socket, and the allocator keeps what they
+left; 50 MiB in 128 KiB pieces, 1 s slower of 7 under load): neither holds
+the file, so memory is no reason; but `create_blob`
 
 - has no existence check and sends the whole file every time: 30 to 33 s to send
   the same 1,000 MiB again where ours takes 0.07 to 0.4 s and sends nothing
@@ -47,7 +51,7 @@ from overbrainer_prefect.delivery import DeliveryError, public_url
 DEFAULT_URL = "http://127.0.0.1:11434"
 """Where `ollama serve` listens by default."""
 
-CHUNK = 1 << 20  # bytes read from the GGUF per piece of a blob upload
+CHUNK = 256 << 10  # bytes read from the GGUF per piece of a blob upload (see above)
 TIMEOUT = httpx.Timeout(connect=10.0, read=600.0, write=600.0, pool=10.0)
 """A blob of gigabytes takes minutes to write and the server hashes it before
 answering; a create parses the whole GGUF before its first status line."""
