@@ -1,7 +1,9 @@
 """`axolotl lm-eval config.yml --cloud cloud.yml`'s work in the orchestrator's
-Python, to its verdict: the session's tiny fine-tune (`tiny_run`, shared with
-the other modules of its unit, see tests/scheduling.py) evaluated by the
-`evaluate` flow on its local target."""
+Python, to its verdict: the session's tiny fine-tune (`tiny_compared`: the
+`tiny_run` with its first compare, shared with the other modules of its unit,
+see tests/scheduling.py) evaluated by the `evaluate` flow on its local target;
+the base model's q8_0 GGUF its compare made is reused, as every evaluation of
+a run of that base does (`overbrainer_prefect/kinds/base_export.py`)."""
 
 from __future__ import annotations
 
@@ -17,12 +19,12 @@ import pytest
 import yaml
 
 from tests.test_axolotl_cloud import COMMAND_BOUND_S, orchestrate, ours, tiny_config
-from tests.tiny_runs import TinyRun
+from tests.tiny_runs import TinyCompared
 
 
 @pytest.mark.slow
 def test_lm_eval_prints_the_evaluate_flows_verdict_on_the_run_axolotl_trained(
-    tiny_run: TinyRun, tiny: tuple[Path, Path], tmp_path: Path
+    tiny_compared: TinyCompared, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """The session's tiny fine-tune (with its q8_0 export) found by its YAML's
     base model, asked an eval file's item against its base model on the local
@@ -32,7 +34,7 @@ def test_lm_eval_prints_the_evaluate_flows_verdict_on_the_run_axolotl_trained(
     from overbrainer_prefect.evaluation.results import SCORED_FILE, EvaluationResult
     from overbrainer_prefect.evaluation.verdict import verdict
 
-    copy = tiny_run.copied(tmp_path)
+    copy = tiny_compared.run.copied(tmp_path)
     item = {"prompt": "Say hi.", "expected": "hi", "scorer": "contains"}
     (tmp_path / "evals.jsonl").write_text(json.dumps(item) + "\n")
     evaluation = {"eval_file": "evals.jsonl", "quant": "q8_0", "max_tokens": 4}
@@ -56,7 +58,7 @@ def test_lm_eval_prints_the_evaluate_flows_verdict_on_the_run_axolotl_trained(
 
 @pytest.mark.slow
 def test_ctrl_c_during_lm_eval_cancels_the_evaluations_job_in_one_line(
-    tiny_run: TinyRun, tiny: tuple[Path, Path], tmp_path: Path
+    tiny_compared: TinyCompared, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """An evaluation keeps nothing to go on from: Ctrl-C cancels its job at
     once (the cancellation hook a worker would run), exit 1, and its record
@@ -67,7 +69,7 @@ def test_ctrl_c_during_lm_eval_cancels_the_evaluations_job_in_one_line(
     from tests.test_axolotl_cloud import REPO
     from tests.test_train_flow import kill, wait_until
 
-    copy = tiny_run.copied(tmp_path)
+    copy = tiny_compared.run.copied(tmp_path)
     items = [{"prompt": f"Count to {n}.", "expected": "1", "scorer": "contains"} for n in range(40)]
     (tmp_path / "evals.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
     cloud = {
