@@ -51,13 +51,14 @@ MEASURED_S: dict[str, float] = {
     # the demo on a busy machine: first, while the rest of the suite keeps every core busy
     "tests/test_demo_busy.py": 650,
     "tests/test_train_flow.py": 339,  # a stop and its resume: two real trainings in a row
-    # axolotl's CLI imports torch: ~30 s a command; + a preprocessing through it (~70 s)
-    "tests/test_axolotl_cloud.py": 334,
+    # axolotl's CLI imports torch: ~30 s a command; five of them start together (a module
+    # fixture), the others one by one
+    "tests/test_axolotl_cloud.py": 200,
     "deployed-ui": 309,
     # the killed flow's 144 s of pod life run beside its other tests (2026-12-05: 417 s -> 264 s)
     "tests/test_runpod_flows.py": 168,
     "tests/test_deployments_postgres.py": 251,
-    "deployed": 227,
+    "deployed": 350,  # + axolotl --cloud with deployment: and its Ctrl-C then l (~125 s)
     "tests/test_lost_pod.py": 214,  # + a restart from step 0
     "tiny-run": 208,
     "tests/test_object_store.py": 175,
