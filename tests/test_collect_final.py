@@ -315,3 +315,33 @@ def test_a_record_another_process_changes_under_the_collect_is_read_again_and_th
     assert [(r.run_id, r.state) for r in rows] == [(record.id, RunState.FAILED)], rows
     saved = assert_final_and_clean(sim, runs, record)
     assert saved.message == "interrupted before the job started"
+
+
+def test_a_client_key_whose_removal_failed_is_removed_by_the_next_collect(
+    prefect_server: None, sim: RunpodSim, tmp_path: Path
+) -> None:
+    """Seen in the chaos soak (seed 838930): a run ended, its pod deleted and
+    its host key secret too, but the removal of its private client key from
+    the store failed (a stall, a 503): the key stayed in the bucket for ever,
+    since the run no longer counted as holding anything. Now pod.json says
+    whether the key was removed (`client_key_removed`), the run stays in the
+    live index until it is, and the next collect removes it."""
+    runs = Runs(tmp_path / "runs")
+    name = target(sim, boot_grace_s=BOOT_GRACE_S)
+    verified = next(p for p in POINTS if p.name == "after verify")
+    record = left_by_a_dead_follower(sim, runs, name, verified)
+    run(collect(runs_dir=str(runs.root)))
+    assert_final_and_clean(sim, runs, record)
+    pod = PodRecord.load(runs, record.id)
+    assert pod is not None and pod.client_key_removed and pod.forgotten, pod
+    # as the end of that collect would have left it had the key's removal failed
+    generate(runs, record.id)
+    pod.client_key_removed = False
+    pod.save(runs)
+    runs.mark_live(record.id)
+    assert (runs.run_dir(record.id) / SSH_DIR / CLIENT_KEY).exists()
+    run(collect(runs_dir=str(runs.root)))
+    assert_final_and_clean(sim, runs, record)
+    pod = PodRecord.load(runs, record.id)
+    assert pod is not None and pod.client_key_removed, pod
+    assert runs.load(record.id).state == RunState.SUCCEEDED

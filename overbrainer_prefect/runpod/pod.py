@@ -164,6 +164,11 @@ class PodRecord(StoredRecord):
         default=None, description="The Runpod secret holding the host key (its name)."
     )
     secret_deleted: bool = False
+    client_key_removed: bool = Field(
+        default=False,
+        description="Whether the run's private client key was removed (here and from its "
+        "store) once no pod of it could be left.",
+    )
     ssh: SshAddress | None = None
     workdir: str | None = Field(
         default=None, description="The run directories' directory on the pod."
@@ -281,6 +286,12 @@ class PodRecord(StoredRecord):
     def is_cluster(self) -> bool:
         """Whether this is the record of an instant cluster (asked for, or made)."""
         return self.cluster_pods > 1
+
+    @property
+    def forgotten(self) -> bool:
+        """Whether the run's keys are gone: its host key secret deleted (or
+        never made) and its private client key removed."""
+        return (self.host_key_secret is None or self.secret_deleted) and self.client_key_removed
 
     @property
     def gone(self) -> bool:

@@ -1023,7 +1023,7 @@ class PodTarget(BlockTarget):
             return False
         if pod.pipeline_job is not None and not pod.gone and _held_by_its_pipeline(pod, record):
             return _next_job_grace_passed(pod)  # looked up (never deleted) once its bound passed
-        return not pod.gone or (pod.host_key_secret is not None and not pod.secret_deleted)
+        return not pod.gone or not pod.forgotten
 
     def holds(self, store: Runs, record: RunRecord) -> bool:
         """Whether a pod of the job may still exist, its pipeline's or not
@@ -1035,7 +1035,7 @@ class PodTarget(BlockTarget):
             return True
         if pod is None:
             return False
-        return not pod.gone or (pod.host_key_secret is not None and not pod.secret_deleted)
+        return not pod.gone or not pod.forgotten
 
     def detached(self, store: Runs, record: RunRecord) -> str:
         """What bounds a started job's pod with nobody following it, and how

@@ -190,8 +190,9 @@ def _sent_ago_s(at: str) -> float:
 
 async def forget_if_gone(ctx: PodContext, pod: PodRecord) -> None:
     """Once no pod of the run may be left: deletes its host key secret and
-    removes its private client key, best effort (failures are logged)."""
-    if not pod.gone:
+    removes its private client key, best effort (failures are logged; `pod.json`
+    says what is gone, so that a collect tries the rest again)."""
+    if not pod.gone or pod.forgotten:
         return
     if pod.host_key_secret and not pod.secret_deleted:
         try:
@@ -202,7 +203,9 @@ async def forget_if_gone(ctx: PodContext, pod: PodRecord) -> None:
             ctx.log.warning(
                 "cannot delete the secret %s of run %s: %s", pod.host_key_secret, pod.run_id, error
             )
-    forget_client_key(ctx.runs, pod.run_id)
+    if forget_client_key(ctx.runs, pod.run_id) and not pod.client_key_removed:
+        pod.client_key_removed = True
+        pod.save(ctx.runs)
 
 
 async def release(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = None) -> None:
@@ -243,6 +246,7 @@ async def look_up_pod(
     Raises PodError when Runpod cannot be asked: the pod is undetermined.
     """
     if pod.pod_id is None or pod.state == PodState.DELETED:
+        await forget_if_gone(ctx, pod)  # what an earlier end could not remove
         return None
     try:
         found = await look_up(ctx.client, pod.pod_id, interval_s=ctx.timing.gone_interval_s)

@@ -112,18 +112,23 @@ def client_key_path(runs: Runs, run_id: str) -> Path:
     return path
 
 
-def forget_client_key(runs: Runs, run_id: str) -> None:
+def forget_client_key(runs: Runs, run_id: str) -> bool:
     """Removes the private client key of a run whose pods are all gone (here,
-    and from an object store), best effort (a failure is logged)."""
+    and from an object store), best effort: True when it is gone from both,
+    False when a removal failed (logged; the next collect tries again)."""
+    removed = True
     try:
         (runs.run_dir(run_id) / SSH_DIR / CLIENT_KEY).unlink(missing_ok=True)
     except OSError as error:
         log.warning("cannot remove the client key of run %s: %s", run_id, error.strerror)
+        removed = False
     if runs.store.direct:
         try:
             runs.remove(run_id, f"{SSH_DIR}/{CLIENT_KEY}")
         except RecordError as error:
             log.warning("cannot remove the client key of run %s from the store: %s", run_id, error)
+            removed = False
+    return removed
 
 
 def write_ssh_config(
