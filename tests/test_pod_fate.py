@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from overbrainer_prefect.blocks import RunpodCredentials, RunpodTarget
+from overbrainer_prefect.blocks import RunpodTarget
 from overbrainer_prefect.executors.base import JobId
 from overbrainer_prefect.runpod import Pod, PodRequest, RunpodClient
 from overbrainer_prefect.runpod.boot import START_MARK, ContainerWatch, log_verdict
@@ -51,7 +51,7 @@ from overbrainer_prefect.targets.runpod.orphans import PodRow, orphan_warnings, 
 from overbrainer_prefect.targets.runpod.reaper import BY, REAPER_LOG
 from overbrainer_prefect.timestamps import rfc3339
 from overbrainer_prefect.trainers.base import TargetFacts, TrainError
-from tests.conftest import job_venv
+from tests.runpod_fixtures import target_values
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, deleted_once_verified
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
@@ -97,19 +97,7 @@ def bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bed]:
 
 def pod_target(sim: RunpodSim, **changes: Any) -> Target:
     """A Runpod target on the simulator (its block not saved: no Prefect)."""
-    values: dict[str, Any] = {
-        "credentials": RunpodCredentials(
-            api_key=sim.api_key, rest_url=sim.rest_url, graphql_url=sim.graphql_url
-        ),
-        "job_venv": str(job_venv()),
-        "gpu_types": [A4000],
-        "image": "overbrainer/test:1",
-        "max_hours": 1.0,
-        "boot_grace_s": 60.0,
-        "retrieve_grace_s": 120.0,
-        "poll_seconds": 0.3,
-    }
-    values.update(changes)
+    values = target_values(sim, **{"poll_seconds": 0.3, **changes})
     return RunpodTarget(**values).target("overbrainer-runpod-target/fate", LOG)
 
 
