@@ -1,22 +1,46 @@
 """`make bench`: the package, its flows, tests and benches compiled to
 bytecode (as `make test` does: where PYTHONDONTWRITEBYTECODE is set, each
 flow-run process would otherwise compile them again), then every
-`bench/*.py` in turn, alone, against one shared Prefect server
-(kit/server.py's `started_server`, started once here instead of once per
-script: its URL and PID in SHARED_ENV and SHARED_PID_ENV, and the scripts
-that call flows with no server of their own get it as PREFECT_API_URL
-instead of each starting Prefect's temporary one).
+`bench/*.py` against one shared Prefect server (kit/server.py's
+`started_server`, started once here instead of once per script: its URL and
+PID in SHARED_ENV and SHARED_PID_ENV, and the scripts that call flows with
+no server of their own get it as PREFECT_API_URL instead of each starting
+Prefect's temporary one).
 
-Prints each script's lines as it goes, a `BENCH-ERROR <script> exited <code>`
-line for a script that failed without printing its own (any exit but 0 and
+Every script runs alone, in turn, except the scripts of TOGETHER: they run
+as one block, at the place of the first of them, with nothing else beside
+them: each lane of TOGETHER is a sequence of scripts run in turn, and the
+lanes run at the same time. They are the scripts that mostly wait (on
+simulated boots, stalls, leases, fixed windows; about a third of a core
+each, measured alone) and whose figures cannot be biased by another
+script's load beside them:
+- counts of broken guarantees, which a slower machine does not make
+  (chaos-violations, two-followers-under-stall, ledger-entries-*): their
+  faults are timed by their own clocks, and a count is the same whenever a
+  step takes place;
+- a request count over a fixed window and a pass's seconds against a goal
+  more than three times what it measures alone
+  (store-requests-per-idle-minute-history10k, follow-pass-s-history10k);
+- ratios of two sides timed in turn, alternating, within one script
+  (pool-placement-s, multinode-overhead: no goal): both sides see the same
+  neighbours, so the ratio stays side by side.
+The ratios of the CPU-bound scripts (compare_speed, train_job,
+manifest_verify, ssh_transfer, store_transfer, ollama_blob, flows_vs_jobs'
+export, ...) and every timing against a tight goal run alone, as before.
+
+Prints each script's lines whole when it ends (a script of the block has
+its stdout held until then, so that its lines stay together; a script run
+alone prints them as it goes), a `BENCH-ERROR <script> exited <code>` line
+for a script that failed without printing its own (any exit but 0 and
 ERROR_EXIT), a `#` line with each script's seconds, and the total last:
 `# make bench: <seconds> s`; on stderr, after each script, its seconds, the
-CPU seconds of the processes it reaped and the load average. A server that
-stops answering between two scripts is started again (once each time).
+CPU seconds of its process tree (its own and what it reaped, from wait4)
+and the load average, and the block's seconds. A server that stops
+answering before a script or the block is started again (once each time).
 
 `python bench/kit/run_all.py <name> ...` runs only the scripts named (with or
-without `.py`), in that order, the same way: to time a few as `make bench`
-runs them."""
+without `.py`), in that order, the same way (those of TOGETHER named
+together, in their lanes): to time a few as `make bench` runs them."""
 
 from __future__ import annotations
 
@@ -26,8 +50,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1]
@@ -35,7 +61,6 @@ REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
 from kit.lines import ERROR_EXIT  # noqa: E402
-from kit.process import children_cpu_seconds  # noqa: E402
 from kit.server import (  # noqa: E402
     SHARED_ENV,
     SHARED_PID_ENV,
@@ -44,6 +69,18 @@ from kit.server import (  # noqa: E402
     server_env,
     started_server,
 )
+
+TOGETHER: tuple[tuple[str, ...], ...] = (
+    ("chaos_soak",),  # about 150 s, a third of a core
+    (  # about 130 s in turn, a quarter of a core
+        "follow_history",
+        "multinode_overhead",
+        "two_followers_under_stall",
+        "pool_placement",
+        "ledger_held",
+    ),
+)
+"""The lanes of the block of scripts run at the same time (see the docstring)."""
 
 
 def shared_env(server: Server, home: Path) -> dict[str, str]:
@@ -70,6 +107,54 @@ def scripts(names: list[str]) -> list[Path]:
     return [by_name[name.removesuffix(".py")] for name in names]
 
 
+def plan(chosen: list[Path]) -> list[list[list[Path]]]:
+    """The steps in order: each a list of lanes, each lane scripts run in
+    turn; a script alone is a step of one lane of one script. The chosen
+    scripts of TOGETHER make one step, at the place of the first of them."""
+    by_name = {script.stem: script for script in chosen}
+    block = [[by_name[n] for n in lane if n in by_name] for lane in TOGETHER]
+    block = [lane for lane in block if lane]
+    grouped = {script for lane in block for script in lane}
+    steps: list[list[list[Path]]] = []
+    for script in chosen:
+        if script not in grouped:
+            steps.append([[script]])
+        elif block:
+            steps.append(block)
+            block = []
+    return steps
+
+
+@dataclass
+class Ran:
+    """One script's end: its exit code, wall and CPU seconds, held stdout."""
+
+    code: int
+    seconds: float
+    cpu: float
+    out: bytes | None
+
+
+def run_script(script: Path, env: dict[str, str], hold: bool) -> Ran:
+    """Runs `script` and waits for it; its stdout held (returned) when `hold`,
+    else printed as it goes. The CPU seconds are its process's and those of
+    every process it reaped (wait4's rusage)."""
+    start = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if hold else None,
+    )
+    out = process.stdout.read() if process.stdout is not None else None
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    if process.stdout is not None:
+        process.stdout.close()
+    return Ran(process.returncode, time.monotonic() - start, usage.ru_utime + usage.ru_stime, out)
+
+
 def main() -> int:
     """Runs every script (or those named on the command line); returns 0 (a
     failed script has its BENCH-ERROR line)."""
@@ -78,33 +163,56 @@ def main() -> int:
     for tree in ("overbrainer_prefect", "flows", "tests", "bench"):
         compileall.compile_dir(REPO / tree, quiet=1)
     root = Path(tempfile.mkdtemp(prefix="bench-shared-"))
-    took: list[str] = []
+    took: dict[str, float] = {}
+    printing = threading.Lock()
+
+    def ended(script: Path, ran: Ran) -> None:
+        with printing:
+            if ran.out is not None:
+                sys.stdout.buffer.write(ran.out)
+            if ran.code not in (0, ERROR_EXIT):
+                sys.stdout.buffer.write(f"BENCH-ERROR {script.name} exited {ran.code}\n".encode())
+            sys.stdout.flush()
+            took[script.stem] = ran.seconds
+            print(  # on stderr, as the scripts' own progress lines
+                f"[run_all] {script.name}: {ran.seconds:.0f} s, {ran.cpu:.0f} CPU s,"
+                f" load average {os.getloadavg()[0]:.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
+
     try:
         with ExitStack() as stack:
             server = stack.enter_context(started_server(root / "server"))
-            for number, script in enumerate(chosen):
+            for number, lanes in enumerate(plan(chosen)):
                 if not healthy(server.api_url):
                     stack.close()  # stops the one that no longer answers
                     server = stack.enter_context(started_server(root / f"server-{number}"))
-                start, cpu = time.monotonic(), children_cpu_seconds()
-                code = subprocess.call(
-                    [sys.executable, str(script)],
-                    cwd=REPO,
-                    env=shared_env(server, root / "client-home"),
-                )
-                seconds = time.monotonic() - start
-                took.append(f"{script.stem} {seconds:.0f}")
-                print(  # on stderr, as the scripts' own progress lines
-                    f"[run_all] {script.name}: {seconds:.0f} s, {children_cpu_seconds() - cpu:.0f}"
-                    f" CPU s reaped, load average {os.getloadavg()[0]:.1f}",
+                env = shared_env(server, root / "client-home")
+                if len(lanes) == 1 and len(lanes[0]) == 1:
+                    ended(lanes[0][0], run_script(lanes[0][0], env, hold=False))
+                    continue
+                start = time.monotonic()
+
+                def lane_of(lane: list[Path], env: dict[str, str] = env) -> None:
+                    for script in lane:
+                        ended(script, run_script(script, env, hold=True))
+
+                threads = [threading.Thread(target=lane_of, args=(lane,)) for lane in lanes]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                names = " | ".join(", ".join(s.stem for s in lane) for lane in lanes)
+                print(
+                    f"[run_all] together ({names}): {time.monotonic() - start:.0f} s",
                     file=sys.stderr,
                     flush=True,
                 )
-                if code not in (0, ERROR_EXIT):
-                    print(f"BENCH-ERROR {script.name} exited {code}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"# seconds of each script: {', '.join(took)}", flush=True)
+    shown = ", ".join(f"{name} {seconds:.0f}" for name, seconds in sorted(took.items()))
+    print(f"# seconds of each script: {shown}", flush=True)
     print(f"# make bench: {time.monotonic() - began:.0f} s", flush=True)
     return 0
 
