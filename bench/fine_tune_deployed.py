@@ -56,19 +56,18 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-fine-tune-deployed-"))
     model, dataset = tiny_model(REPO / ".cache"), tiny_dataset(REPO / ".cache")
     progress("a Prefect server with the fine-tune and follower deployments")
-    stack = start_stack(root / "stack", names=["fine-tune/nightly", FOLLOWER])
+    # no worker of the stack's own (it polls every 2 s): one with Prefect's defaults
+    stack = start_stack(root / "stack", names=["fine-tune/nightly", FOLLOWER], worker=False)
     try:
-        for started in stack.workers:
-            started.stop()  # the stack's own polls every 2 s: one with Prefect's defaults
-        worker = Worker(stack.server, f"bench-{uuid.uuid4().hex[:6]}", REPO, **WORKER_POLL)
-        stack.workers.append(worker)
-        worker.start()
         with simulated_pods_and_target(root, "bench-deployed", api_url=stack.server.api_url) as (
             sim,
             _pods,
             target,
         ):
-            stack.run_deployment(FOLLOWER)
+            stack.run_deployment(FOLLOWER)  # before the worker: its first poll takes it
+            worker = Worker(stack.server, f"bench-{uuid.uuid4().hex[:6]}", REPO, **WORKER_POLL)
+            stack.workers.append(worker)
+            worker.start()
             wait_until(
                 lambda: follower_of(Runs(stack.runs)),
                 FOLLOWER_TIMEOUT_S,
