@@ -54,7 +54,7 @@ QUESTIONS = [  # answers enough that a round decodes for a second or more, not a
 ]
 MAX_TOKENS = 256  # long enough for the decoding to dominate
 THREADS = 1  # as the local target's cpu_threads in the other benches
-ROUNDS = 5  # pairs of runs; the median of their ratios is the figure (9 gave the same: 1.00)
+ROUNDS = 9  # pairs of runs; the median of their ratios is the figure
 JOB_TIMEOUT_S = 600.0
 
 MAKE_GGUF = """
