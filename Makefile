@@ -48,7 +48,9 @@ demo: setup
 # Every figure a ratio against a reference measured side by side (see bench/*.py);
 # each script makes its own fixtures and prints BENCH lines, or one BENCH-ERROR line.
 # bench/kit/run_all.py runs them in turn against one shared Prefect server (a script
-# run alone starts its own), the package compiled first as for the tests.
+# run alone starts its own), the package compiled first as for the tests; the scripts
+# that mostly wait and whose figures cannot be flattered by a neighbour's load run as one
+# block beside each other (its TOGETHER, and why, in its docstring).
 bench: setup
 	@$(VENV)/bin/python bench/kit/run_all.py
 
