@@ -1,9 +1,10 @@
 """What a person sees in the Prefect UI, in headless Chromium against the real
-server of the deployment tests: the train flow run's loss curve while its job
-trains and at its end (an image that loaded, whose SVG holds the logged steps),
-the `fine_tune` flow run's own summary linking each step to its subflow run,
-and its train subflow run's page with its run summary, metrics table and
-progress artifacts (`assert_the_ui_shows_a_finished_train_run`), the `runs`
+server of the deployment tests: one `fine_tune` deployment run's train subflow
+run's loss curve while its job trains and at its end (an image that loaded,
+whose SVG holds the logged steps), the `fine_tune` flow run's own summary
+linking each step to its subflow run, and its train subflow run's page with its
+run summary, metrics table and progress artifacts
+(`assert_the_ui_shows_a_finished_train_run`), the `runs`
 flow's table, and table cells that show what they hold. Chromium is Debian's
 `chromium` (`scripts/test-deps.sh`). Screenshots are kept in each test's directory."""
 
@@ -17,6 +18,7 @@ import os
 import re
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -97,17 +99,33 @@ def new_run_id(stack: Stack, before: set[str]) -> str | None:
     return made[0] if made and (stack.runs / made[0] / "run.json").is_file() else None
 
 
-def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its_end(
-    deployed: Stack, tiny: tuple[Path, Path], tmp_path: Path
-) -> None:
+def subflows_of(stack: Stack, flow_run_id: Any) -> dict[str, str]:
+    """The flow run's subflow runs, by their flow's name: their IDs."""
+
+    async def children(client: Any) -> dict[str, str]:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+        found = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
+            )
+        )
+        return {(await client.read_flow(c.flow_id)).name: str(c.id) for c in found}
+
+    return dict(stack.server.call(children))
+
+
+def assert_the_ui_shows_the_loss_curve_while_the_job_trains_and_at_its_end(
+    deployed: Stack, flow_run_id: Any, before: set[str], tmp_path: Path
+) -> str:
+    """The train flow run `flow_run_id` (its run not in `before`) shows its loss
+    curve on its artifact's page while its job trains (the job held stopped,
+    SIGSTOP to its process group, while the page is looked at: mid-training
+    however fast this machine trains) and every logged step once the flow run
+    completed; returns the run's ID."""
     ui = deployed.server.url
-    before = {p.name for p in deployed.runs.glob("*")}
-    training = tiny_training(*tiny, max_steps=LIVE_STEPS, sequence_len=128)
-    flow_run_id = deployed.run_deployment("train/local", target=deployed.target, training=training)
     run_id: str = wait_until(lambda: new_run_id(deployed, before), 300, "the run's record")
     key = f"run-{run_id}-loss-curve"
-    # once it has logged a step, the job is held stopped (SIGSTOP to its process group)
-    # while the page is looked at: mid-training however fast this machine trains
     job = wait_until(lambda: training_now(deployed, before), 300, "the job's first step", every=0.2)
     assert job.id == run_id and job.job is not None
     group = job.job.pid
@@ -145,6 +163,7 @@ def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its
     # (axolotl's "increasing max_position_embeddings" cannot be caused here any more:
     # the pre-flight refuses a sequence_len past the model's context; its surfacing is
     # shown on a real log line in tests/test_artifacts_text.py)
+    return run_id
 
 
 def text_of(dom: str) -> str:
@@ -266,36 +285,39 @@ class _ListLogger:
         self.lines.append(message % args)
 
 
-def test_the_fine_tune_flow_run_shows_its_summary_with_each_step_linked_to_its_subflow_run(
+def test_a_fine_tune_shows_its_loss_curve_while_it_trains_and_its_summary_linking_its_steps(
     deployed: Stack, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     ui = deployed.server.url
+    before = {p.name for p in deployed.runs.glob("*")}
     spec = {
         "target": deployed.target,
-        "training": tiny_training(*tiny),
+        "training": tiny_training(*tiny, max_steps=LIVE_STEPS, sequence_len=128),
         "export": {"quant": "q8_0"},
         "compare": {"questions": ["Say | and `tick`?", "hello"], "max_tokens": 8},
     }
     flow_run_id = deployed.run_deployment("fine-tune/nightly", spec=spec)
+    # its training is a train subflow run, a train flow run like any other: its loss curve
+    # while its job trains and at its end (one training serves both looks)
+    train_flow_run = wait_until(
+        lambda: subflows_of(deployed, flow_run_id).get("train"), 300, "the train subflow run"
+    )
+    (tmp_path / "loss-curve").mkdir()
+    trained_id = assert_the_ui_shows_the_loss_curve_while_the_job_trains_and_at_its_end(
+        deployed, uuid.UUID(train_flow_run), before, tmp_path / "loss-curve"
+    )
+
     final = deployed.wait_final(flow_run_id, timeout=900)
     assert final.state.is_completed(), final.state
     artifacts = artifacts_by_key(deployed, flow_run_id)
     key = next(k for k in artifacts if k.endswith("-pipeline"))
     run_id = key.removeprefix("run-").removesuffix("-pipeline")
+    assert run_id == trained_id
     assert (deployed.runs / run_id / "exports").is_dir(), run_id
 
-    async def children(client: Any) -> dict[str, str]:
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
-        found = await client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
-            )
-        )
-        return {(await client.read_flow(c.flow_id)).name: str(c.id) for c in found}
-
-    subflows: dict[str, str] = deployed.server.call(children)
+    subflows = subflows_of(deployed, flow_run_id)
     assert set(subflows) == {"train", "export", "compare"}
+    assert subflows["train"] == train_flow_run
 
     with Browser(tmp_path / "profile") as browser:
         open_artifact(browser, ui, flow_run_id, key)
