@@ -389,6 +389,25 @@ def clone(into: Path) -> Path:
     return into
 
 
+def cli_text(value: Any) -> str:
+    """How `--param k=<text>` spells a parameter's value: a string as it is,
+    anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def as_the_cli_reads(value: Any) -> Any:
+    """The value `prefect deployment run --param k=<cli_text(value)>` sends:
+    the text parsed as JSON, or a string where it is no JSON and has no `"`
+    (as the CLI's `load_json_key_values` reads it). Fails where the CLI would."""
+    text = cli_text(value)
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        if ("Extra data" in str(error) or "Expecting value" in str(error)) and '"' not in text:
+            return json.loads(f'"{text}"')
+        raise
+
+
 @dataclass
 class Stack:
     """A server with the deployments of `deployments/prefect.yaml`, workers, the
@@ -420,15 +439,54 @@ class Stack:
         self.server.stop()
 
     def run_deployment(self, name: str, **parameters: Any) -> uuid.UUID:
-        """`prefect deployment run <name> --param k=v ...`; returns the flow run's ID."""
+        """A flow run of the deployment `name` (`flow/deployment`) with `parameters`,
+        scheduled now, made through the Prefect client as `prefect deployment run
+        <name> --param k=v ...` makes it (each value as the CLI reads it back, an
+        unknown parameter refused), without a Python process of its own that
+        imports Prefect (3-9 s of a core each); returns the flow run's ID. Fails
+        on an unknown parameter or when the server refuses the parameters.
+        `run_deployment_with_cli` starts one with the CLI itself."""
+        values = {key: as_the_cli_reads(value) for key, value in parameters.items()}
+
+        async def create(client: Any) -> uuid.UUID:
+            deployment = await client.read_deployment_by_name(name)
+            schema = deployment.parameter_openapi_schema or {}
+            unknown = set(values) - set(schema.get("properties", {}))
+            assert not unknown, f"{name} has no parameter {sorted(unknown)}"
+            flow_run = await client.create_flow_run_from_deployment(
+                deployment.id, parameters=values
+            )
+            return uuid.UUID(str(flow_run.id))
+
+        made: uuid.UUID = self.server.call(create)
+        return made
+
+    def run_deployment_with_cli(self, name: str, **parameters: Any) -> uuid.UUID:
+        """`prefect deployment run <name> --param k=v ...`, as a person starts a
+        run; returns the flow run's ID."""
         args = ["deployment", "run", name]
         for key, value in parameters.items():
-            shown = value if isinstance(value, str) else json.dumps(value)
-            args += ["--param", f"{key}={shown}"]
+            args += ["--param", f"{key}={cli_text(value)}"]
         result = self.server.cli(*args)
         found = re.search(r"UUID: ([0-9a-f-]{36})", result.stdout)
         assert found, result.stdout
         return uuid.UUID(found.group(1))
+
+    def cancel(self, flow_run_id: uuid.UUID, check: bool = True) -> None:
+        """Asks the server to cancel the flow run (the state Cancelling), as
+        `prefect flow-run cancel <id>` does, through the client (no process that
+        imports Prefect); fails, when `check`, where the server refuses it."""
+        from prefect.client.schemas.objects import State, StateType
+        from prefect.client.schemas.responses import SetStateStatus
+
+        async def cancel(client: Any) -> Any:
+            return await client.set_flow_run_state(
+                flow_run_id=flow_run_id, state=State(type=StateType.CANCELLING)
+            )
+
+        result = self.server.call(cancel)
+        if check:
+            assert result.status != SetStateStatus.ABORT, result.details
 
     def flow_run(self, flow_run_id: uuid.UUID) -> Any:
         """The flow run as the server has it now."""
@@ -499,6 +557,19 @@ async def quiet_follower(client: Any) -> None:
         await client.delete_flow_run(run.id)
 
 
+async def create_pool(client: Any) -> None:
+    """Creates the process work pool POOL with the process worker's default
+    job template, as `prefect work-pool create POOL --type process` does
+    (without a Python process of its own that imports Prefect)."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    await client.create_work_pool(
+        work_pool=WorkPoolCreate(name=POOL, type="process", base_job_template=template)
+    )
+
+
 def start_stack(
     root: Path,
     database_url: str | None = None,
@@ -525,7 +596,7 @@ def start_stack(
     )
     try:
         server.start()
-        server.cli("work-pool", "create", POOL, "--type", "process")
+        server.call(create_pool)
         # as the README says: from the repository root, whose prefect.yaml is
         # deployments/prefect.yaml
         selection = ["--all"] if names is None else [a for n in names for a in ("-n", n)]
@@ -587,16 +658,19 @@ class Trained:
 
     flow_run: Any
     run_id: str
+    parameters: dict[str, Any]
+    """The parameters given to `prefect deployment run`, as Python values."""
 
 
 @pytest.fixture(scope="session")
 def trained(deployed: Stack, tiny: tuple[Path, Path]) -> Trained:
-    """The local train deployment run once to its end (by `prefect deployment run`)."""
+    """The local train deployment run once to its end, started as a person
+    starts one: by `prefect deployment run` (the one run of the suite so
+    started; the other tests make theirs through the client, `run_deployment`)."""
     before = set(p.name for p in deployed.runs.glob("[!.]*"))  # runs, not the live index
-    flow_run_id = deployed.run_deployment(
-        "train/local", target=deployed.target, training=tiny_training(*tiny)
-    )
+    parameters = {"target": deployed.target, "training": tiny_training(*tiny)}
+    flow_run_id = deployed.run_deployment_with_cli("train/local", **parameters)
     flow_run = deployed.wait_final(flow_run_id)
     made = [p.name for p in deployed.runs.glob("[!.]*") if p.name not in before]
     assert len(made) == 1, (made, flow_run.state)
-    return Trained(flow_run=flow_run, run_id=made[0])
+    return Trained(flow_run=flow_run, run_id=made[0], parameters=parameters)

@@ -54,11 +54,13 @@ MEASURED_S: dict[str, float] = {
     # axolotl's CLI imports torch: ~30 s a command; five of them start together (a module
     # fixture), the others one by one
     "tests/test_axolotl_cloud.py": 200,
-    "deployed-ui": 309,
+    # one fine-tune serves both UI looks; flow runs made and cancelled through the client
+    # (2026-12-05: about 60 s less)
+    "deployed-ui": 250,
     # the killed flow's 144 s of pod life run beside its other tests (2026-12-05: 417 s -> 264 s)
     "tests/test_runpod_flows.py": 168,
     "tests/test_deployments_postgres.py": 251,
-    "deployed": 350,  # + axolotl --cloud with deployment: and its Ctrl-C then l (~125 s)
+    "deployed": 330,  # + axolotl --cloud with deployment: and its Ctrl-C then l (~125 s)
     "tests/test_lost_pod.py": 214,  # + a restart from step 0
     "tiny-run": 208,
     "tests/test_object_store.py": 175,

@@ -1,6 +1,7 @@
 """The deployments of `deployments/prefect.yaml` on a real Prefect server with
 real process workers: `prefect deploy`, `prefect deployment run` of the local
-train deployment to completion, `prefect flow-run cancel` through the
+train deployment to completion, a cancel (asked as `prefect flow-run cancel`
+asks it; the command itself: tests/test_suspended_runs.py) through the
 cancellation hook (also on a simulated Runpod pod: its pod deleted), a worker
 and its flow process SIGKILLed while their job trains on a simulated pod and
 the run finished by the collector on a second worker (another clone, the same
@@ -36,6 +37,8 @@ from tests.prefect_server import (
     Stack,
     Trained,
     Worker,
+    as_the_cli_reads,
+    cli_text,
     clone,
     tiny_training,
     training_now,
@@ -70,6 +73,16 @@ def run_ids(stack: Stack) -> set[str]:
     return {p.name for p in stack.runs.glob("[!.]*")}  # runs, not the live index
 
 
+def test_a_value_is_read_back_as_the_cli_reads_its_param() -> None:
+    from prefect.cli._utilities import load_json_key_values
+
+    values: list[Any] = ["local-ab12cd", "5", "true", "a b", ["succeeded"], 3]
+    values += [None, {"datasets": [{"path": "/x"}], "lr": 5e-3}]
+    for value in values:
+        read = load_json_key_values([f"k={cli_text(value)}"], "parameter")
+        assert read == {"k": as_the_cli_reads(value)}, value
+
+
 def test_prefect_deploy_creates_every_deployment_of_the_yaml(deployed: Stack) -> None:
     config = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     expected = {d["name"] for d in config["deployments"]}
@@ -98,6 +111,10 @@ def test_the_local_train_deployment_runs_a_fine_tune_to_completion(
     assert record.state == RunState.SUCCEEDED and record.message is None
     assert record.flow_run_id == str(trained.flow_run.id)
     assert_verified(deployed.runs, trained.run_id)
+    # the CLI sent what `Stack.run_deployment` sends through the client for the same values
+    # (the other tests' runs are made so)
+    sent = {key: as_the_cli_reads(value) for key, value in trained.parameters.items()}
+    assert trained.flow_run.parameters == sent
 
 
 def test_cancelling_a_deployment_run_cancels_its_job_through_the_hook(
@@ -110,7 +127,7 @@ def test_cancelling_a_deployment_run_cancels_its_job_through_the_hook(
     )
     record = wait_until(lambda: training_now(deployed, known), 240, "the job to train")
     assert record.job is not None and group_alive(record.job.pid)
-    deployed.server.cli("flow-run", "cancel", str(flow_run_id))
+    deployed.cancel(flow_run_id)
     flow_run = deployed.wait_final(flow_run_id, timeout=180)
     assert flow_run.state.is_cancelled(), flow_run.state
     saved = Runs(deployed.runs).load(record.id)
@@ -200,7 +217,7 @@ def test_cancelling_a_deployment_run_on_a_simulated_pod_cancels_its_job_and_dele
     pod_id = pod_of(deployed, record.id).pod_id
     assert on_sim.pods.running(pod_id) and group_alive(record.job.pid)
 
-    deployed.server.cli("flow-run", "cancel", str(flow_run_id))
+    deployed.cancel(flow_run_id)
     flow_run = deployed.wait_final(flow_run_id, timeout=240)
     assert flow_run.state.is_cancelled(), flow_run.state
     saved = Runs(deployed.runs).load(record.id)

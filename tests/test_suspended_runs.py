@@ -75,7 +75,7 @@ def follower(deployed: Stack) -> Iterator[list[uuid.UUID]]:
     finally:
         for flow_run_id in started:
             if not deployed.flow_run(flow_run_id).state.is_final():
-                deployed.server.cli("flow-run", "cancel", str(flow_run_id), check=False)
+                deployed.cancel(flow_run_id, check=False)
         for flow_run_id in started:
             deployed.wait_final(flow_run_id, timeout=120)
         wait_until(lambda: follower_of(Runs(deployed.runs)) is None, 60, "the follower to go")
@@ -210,6 +210,8 @@ def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
     pod_id = pod_of(deployed, record.id).pod_id
     metrics = Path(record.remote_dir) / "metrics.jsonl"
     wait_until(lambda: metrics.exists() and '"log"' in metrics.read_text(), 240, "the job to train")
+    # as a person cancels it: the suite's one `prefect flow-run cancel` (the other tests ask
+    # the server through the client, `Stack.cancel`)
     deployed.server.cli("flow-run", "cancel", str(flow_run_id))
     done = deployed.wait_final(flow_run_id, timeout=120)
     assert done.state.is_cancelled(), done.state

@@ -1,9 +1,10 @@
 """What a person sees in the Prefect UI, in headless Chromium against the real
-server of the deployment tests: the train flow run's loss curve while its job
-trains and at its end (an image that loaded, whose SVG holds the logged steps),
-the `fine_tune` flow run's own summary linking each step to its subflow run,
-and its train subflow run's page with its run summary, metrics table and
-progress artifacts (`assert_the_ui_shows_a_finished_train_run`), the `runs`
+server of the deployment tests: one `fine_tune` deployment run's train subflow
+run's loss curve while its job trains and at its end (an image that loaded,
+whose SVG holds the logged steps), the `fine_tune` flow run's own summary
+linking each step to its subflow run, and its train subflow run's page with its
+run summary, metrics table and progress artifacts
+(`assert_the_ui_shows_a_finished_train_run`), the `runs`
 flow's table, and table cells that show what they hold. Chromium is Debian's
 `chromium` (`scripts/test-deps.sh`). Screenshots are kept in each test's directory."""
 
@@ -16,22 +17,22 @@ import json
 import os
 import re
 import signal
-import subprocess
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from overbrainer_prefect.runs import Runs, RunState
-from tests.browser import HEADLESS, Browser, chromium
+from tests.browser import Browser
 from tests.prefect_server import Stack, tiny_training, training_now, wait_until
 
 pytest_plugins = ["tests.prefect_server"]
 pytestmark = pytest.mark.slow
 
 PAGE_TIMEOUT_S = 90.0  # the UI's scripts and API calls, on a loaded machine
-BROWSER_TIMEOUT_S = 120.0  # one page, its scripts and API calls, on a loaded machine
-RENDER_BUDGET_MS = 15000  # virtual time the page gets to fetch and render
+RELOAD_S = 30.0  # a page that does not show what is looked for is opened again after this
 LIVE_STEPS = 40  # the job is held stopped while the page is looked at mid-training
 
 CURVE_IMAGE = """(() => {
@@ -98,17 +99,33 @@ def new_run_id(stack: Stack, before: set[str]) -> str | None:
     return made[0] if made and (stack.runs / made[0] / "run.json").is_file() else None
 
 
-def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its_end(
-    deployed: Stack, tiny: tuple[Path, Path], tmp_path: Path
-) -> None:
+def subflows_of(stack: Stack, flow_run_id: Any) -> dict[str, str]:
+    """The flow run's subflow runs, by their flow's name: their IDs."""
+
+    async def children(client: Any) -> dict[str, str]:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+        found = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
+            )
+        )
+        return {(await client.read_flow(c.flow_id)).name: str(c.id) for c in found}
+
+    return dict(stack.server.call(children))
+
+
+def assert_the_ui_shows_the_loss_curve_while_the_job_trains_and_at_its_end(
+    deployed: Stack, flow_run_id: Any, before: set[str], tmp_path: Path
+) -> str:
+    """The train flow run `flow_run_id` (its run not in `before`) shows its loss
+    curve on its artifact's page while its job trains (the job held stopped,
+    SIGSTOP to its process group, while the page is looked at: mid-training
+    however fast this machine trains) and every logged step once the flow run
+    completed; returns the run's ID."""
     ui = deployed.server.url
-    before = {p.name for p in deployed.runs.glob("*")}
-    training = tiny_training(*tiny, max_steps=LIVE_STEPS, sequence_len=128)
-    flow_run_id = deployed.run_deployment("train/local", target=deployed.target, training=training)
     run_id: str = wait_until(lambda: new_run_id(deployed, before), 300, "the run's record")
     key = f"run-{run_id}-loss-curve"
-    # once it has logged a step, the job is held stopped (SIGSTOP to its process group)
-    # while the page is looked at: mid-training however fast this machine trains
     job = wait_until(lambda: training_now(deployed, before), 300, "the job's first step", every=0.2)
     assert job.id == run_id and job.job is not None
     group = job.job.pid
@@ -146,36 +163,7 @@ def test_the_train_flow_run_shows_its_loss_curve_while_the_job_trains_and_at_its
     # (axolotl's "increasing max_position_embeddings" cannot be caused here any more:
     # the pre-flight refuses a sequence_len past the model's context; its surfacing is
     # shown on a real log line in tests/test_artifacts_text.py)
-
-
-def browse(url: str, profile: Path, *, screenshot: Path | None = None) -> str:
-    """Renders `url` in headless Chromium; returns its DOM (or takes a screenshot).
-    The browser is killed by PID if it runs past BROWSER_TIMEOUT_S."""
-    args = [
-        chromium(),
-        *HEADLESS,
-        f"--user-data-dir={profile}",
-        "--window-size=1400,2000",
-        f"--virtual-time-budget={RENDER_BUDGET_MS}",
-    ]
-    args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
-    process = subprocess.Popen(
-        [*args, url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        out, _ = process.communicate(timeout=BROWSER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise AssertionError(f"chromium ran past {BROWSER_TIMEOUT_S:g} s on {url}") from None
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, f"chromium failed ({process.returncode}) on {url}"
-    return out.decode(errors="replace")
+    return run_id
 
 
 def text_of(dom: str) -> str:
@@ -184,65 +172,98 @@ def text_of(dom: str) -> str:
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom)))
 
 
+def page_text(browser: Browser, url: str, needles: list[str], what: str) -> str:
+    """Opens `url` and returns the text of its DOM (`text_of`) once it holds every
+    one of `needles`; the page is opened again every RELOAD_S (the UI may render
+    before an artifact's markdown arrives). Fails after PAGE_TIMEOUT_S with the
+    last text seen."""
+    seen = [""]
+    opened = [time.monotonic()]
+    browser.open(url)
+
+    def holds() -> str | None:
+        if time.monotonic() - opened[0] > RELOAD_S:
+            browser.open(url)
+            opened[0] = time.monotonic()
+        with contextlib.suppress(AssertionError):  # a script run while the page navigates
+            seen[0] = text_of(str(browser.evaluate("document.documentElement.outerHTML")))
+        return seen[0] if all(n in seen[0] for n in needles) else None
+
+    try:
+        return str(wait_until(holds, PAGE_TIMEOUT_S, what))
+    except AssertionError as error:
+        raise AssertionError(f"{error}; page: {seen[0][:2000]}") from None
+
+
 def assert_the_ui_shows_a_finished_train_run(
     deployed: Stack, flow_run: Any, run_id: str, tmp_path: Path
 ) -> None:
     """The train flow run's page (its name, Completed, its log line with the run
     ID, a screenshot), and its run summary, metrics table (the last step's row,
     rounded as a person reads it) and progress (100 %) artifacts, each as
-    Chromium renders its page."""
-    profile = tmp_path / "chromium-profile"
+    Chromium renders its page (one browser, each page waited on until it shows
+    what is looked for)."""
     ui = deployed.server.url
-
-    page = text_of(browse(f"{ui}/runs/flow-run/{flow_run.id}", profile))
-    (tmp_path / "flow-run.txt").write_text(page)
-    assert flow_run.name in page and "Completed" in page
-    assert f"run {run_id} succeeded" in page  # its log, with the run ID
-    shot = tmp_path / "flow-run.png"
-    browse(f"{ui}/runs/flow-run/{flow_run.id}", profile, screenshot=shot)
-    assert shot.stat().st_size > 20_000
-
-    artifacts = artifacts_by_key(deployed, flow_run.id)
-    summary = artifacts[f"run-{run_id}-summary"]
-    text = text_of(browse(f"{ui}/artifacts/artifact/{summary.id}", profile))
-    (tmp_path / "summary.txt").write_text(text)
-    assert f"Run {run_id}" in text and "final loss" in text and "succeeded" in text
-    assert "output/adapter_model.safetensors" in text
-    browse(f"{ui}/artifacts/artifact/{summary.id}", profile, screenshot=tmp_path / "summary.png")
-
-    metrics = artifacts[f"run-{run_id}-metrics"]
-    text = text_of(browse(f"{ui}/artifacts/artifact/{metrics.id}", profile))
-    (tmp_path / "metrics.txt").write_text(text)
     local = Runs(deployed.runs).run_dir(run_id)
     logged = [
         json.loads(line)
         for line in (local / "metrics.jsonl").read_text().splitlines()
         if '"log"' in line
     ]
-    assert "step" in text and "loss" in text and "learning_rate" in text
     last = logged[-1]
     # the last step's row, rounded as a person reads it
     loss = float(format(last["loss"], ".4g"))
-    assert f"{last['step']} {loss} " in text
-    assert f"{last['learning_rate']:.2e}" in text
-    if len(str(last["loss"])) > 6:  # the unrounded float is not shown
-        assert str(last["loss"]) not in text
+    artifacts = artifacts_by_key(deployed, flow_run.id)
+    with Browser(tmp_path / "chromium-profile", width=1400, height=2000) as browser:
+        page = page_text(
+            browser,
+            f"{ui}/runs/flow-run/{flow_run.id}",
+            [flow_run.name, "Completed", f"run {run_id} succeeded"],
+            "the train flow run's page",
+        )
+        (tmp_path / "flow-run.txt").write_text(page)
+        assert flow_run.name in page and "Completed" in page
+        assert f"run {run_id} succeeded" in page  # its log, with the run ID
+        shot = browser.screenshot(tmp_path / "flow-run.png")
+        assert shot.stat().st_size > 20_000
 
-    progress = artifacts[f"run-{run_id}-progress"]
-    # the page may render before the artifact's markdown: browse again until it shows
-    text = wait_until(
-        lambda: (
-            (t := text_of(browse(f"{ui}/artifacts/artifact/{progress.id}", profile)))
-            and f"Training progress of run {run_id}" in t
-            and t
-        ),
-        60,
-        "the progress artifact's page",
-        every=2.0,
-    )
-    (tmp_path / "progress.txt").write_text(text)
-    assert f"Training progress of run {run_id}" in text
-    assert "Progress: 100%" in text
+        summary = artifacts[f"run-{run_id}-summary"]
+        text = page_text(
+            browser,
+            f"{ui}/artifacts/artifact/{summary.id}",
+            [f"Run {run_id}", "final loss", "succeeded", "output/adapter_model.safetensors"],
+            "the run summary's page",
+        )
+        (tmp_path / "summary.txt").write_text(text)
+        assert f"Run {run_id}" in text and "final loss" in text and "succeeded" in text
+        assert "output/adapter_model.safetensors" in text
+        browser.screenshot(tmp_path / "summary.png")
+
+        metrics = artifacts[f"run-{run_id}-metrics"]
+        row, rate = f"{last['step']} {loss} ", f"{last['learning_rate']:.2e}"
+        text = page_text(
+            browser,
+            f"{ui}/artifacts/artifact/{metrics.id}",
+            ["step", "loss", "learning_rate", row, rate],
+            "the metrics table's last row",
+        )
+        (tmp_path / "metrics.txt").write_text(text)
+        assert "step" in text and "loss" in text and "learning_rate" in text
+        assert row in text
+        assert rate in text
+        if len(str(last["loss"])) > 6:  # the unrounded float is not shown
+            assert str(last["loss"]) not in text
+
+        progress = artifacts[f"run-{run_id}-progress"]
+        text = page_text(
+            browser,
+            f"{ui}/artifacts/artifact/{progress.id}",
+            [f"Training progress of run {run_id}"],
+            "the progress artifact's page",
+        )
+        (tmp_path / "progress.txt").write_text(text)
+        assert f"Training progress of run {run_id}" in text
+        assert "Progress: 100%" in text
 
 
 def base64_svg(markdown: Any) -> str:
@@ -264,36 +285,39 @@ class _ListLogger:
         self.lines.append(message % args)
 
 
-def test_the_fine_tune_flow_run_shows_its_summary_with_each_step_linked_to_its_subflow_run(
+def test_a_fine_tune_shows_its_loss_curve_while_it_trains_and_its_summary_linking_its_steps(
     deployed: Stack, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     ui = deployed.server.url
+    before = {p.name for p in deployed.runs.glob("*")}
     spec = {
         "target": deployed.target,
-        "training": tiny_training(*tiny),
+        "training": tiny_training(*tiny, max_steps=LIVE_STEPS, sequence_len=128),
         "export": {"quant": "q8_0"},
         "compare": {"questions": ["Say | and `tick`?", "hello"], "max_tokens": 8},
     }
     flow_run_id = deployed.run_deployment("fine-tune/nightly", spec=spec)
+    # its training is a train subflow run, a train flow run like any other: its loss curve
+    # while its job trains and at its end (one training serves both looks)
+    train_flow_run = wait_until(
+        lambda: subflows_of(deployed, flow_run_id).get("train"), 300, "the train subflow run"
+    )
+    (tmp_path / "loss-curve").mkdir()
+    trained_id = assert_the_ui_shows_the_loss_curve_while_the_job_trains_and_at_its_end(
+        deployed, uuid.UUID(train_flow_run), before, tmp_path / "loss-curve"
+    )
+
     final = deployed.wait_final(flow_run_id, timeout=900)
     assert final.state.is_completed(), final.state
     artifacts = artifacts_by_key(deployed, flow_run_id)
     key = next(k for k in artifacts if k.endswith("-pipeline"))
     run_id = key.removeprefix("run-").removesuffix("-pipeline")
+    assert run_id == trained_id
     assert (deployed.runs / run_id / "exports").is_dir(), run_id
 
-    async def children(client: Any) -> dict[str, str]:
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
-        found = await client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
-            )
-        )
-        return {(await client.read_flow(c.flow_id)).name: str(c.id) for c in found}
-
-    subflows: dict[str, str] = deployed.server.call(children)
+    subflows = subflows_of(deployed, flow_run_id)
     assert set(subflows) == {"train", "export", "compare"}
+    assert subflows["train"] == train_flow_run
 
     with Browser(tmp_path / "profile") as browser:
         open_artifact(browser, ui, flow_run_id, key)
