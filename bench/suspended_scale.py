@@ -107,7 +107,7 @@ PACE_S = 1.5  # seconds between two metric lines of a job (a training step's pac
 MAX_STEPS = 2000  # the spec's max_steps: a job writes at most that many lines (50 min)
 WINDOW_S = 20.0  # all jobs training: the processes and the follower's memory sampled
 REFERENCE_WINDOW_S = 8.0  # the reference runs training alone: the follower's memory
-END_EVERY_S = 1.5  # between two jobs told to end
+END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "0.75"))  # between two jobs told to end
 HOLD_S = 1800  # a stand-in job never told to go exits (failed) after this long
 SUSPEND_TIMEOUT_S = 600.0  # for a step's runs to start, suspend and be followed
 FOLLOWER_TIMEOUT_S = 240.0  # for the follower's flow run to start and hold the runs directory
@@ -115,6 +115,7 @@ RESUME_TIMEOUT_S = 300.0  # for every flow run to complete once the last job was
 MAX_REPLACED = 10  # runs that ended before their job started, replaced by new ones
 SAMPLE_EVERY_S = 0.5  # between two looks at the processes while waiting
 CHECK_EVERY_S = 2.0  # between two asks of the server and the runs whether a wait is over
+ENGINE_COMMAND = f"{sys.executable} -m prefect.engine"  # the pool's job command: no supervisor
 
 STANDIN_TRAIN = '''\
 """Stand-in of `axolotl.cli.train` made by bench/suspended_scale.py: reads the
@@ -501,7 +502,13 @@ async def _lift_limits(client: Any) -> None:
 
     found = await client.read_deployment_by_name("train/local")
     await client.update_deployment(found.id, DeploymentUpdate(concurrency_limit=None))
-    await client.update_work_pool(POOL, WorkPoolUpdate(concurrency_limit=POOL_LIMIT))
+    pool = await client.read_work_pool(POOL)
+    template = json.loads(json.dumps(pool.base_job_template))
+    if os.environ.get("SUSP_ENGINE_COMMAND", "1") == "1":
+        template["variables"]["properties"]["command"]["default"] = ENGINE_COMMAND
+    await client.update_work_pool(
+        POOL, WorkPoolUpdate(concurrency_limit=POOL_LIMIT, base_job_template=template)
+    )
     again = await client.read_deployment_by_name("train/local")
     if again.global_concurrency_limit is not None:
         raise RuntimeError("train/local still has its concurrency limit")
