@@ -30,14 +30,22 @@ and the follower holds each job, all of them train for WINDOW_S. Then the
 jobs are told to end one at a time, END_EVERY_S apart (nightlies do not all
 end in the same second), and every flow run is waited for to complete.
 END_EVERY_S was 2 s while each resumed run needed a new flow-run process; the
-follower now runs them again itself (the `#` line says how many), so they end
-1.5 s apart: a third more resumes a second for the same resume-p95 goal, and
-50 s less of the bench (at 2 s apart the follower and the server used 0.7
-of the 2 cores; 1 s apart would leave too little for the rest).
+follower now runs them again itself (the `#` line says how many, MAX_HERE at
+once; the others go to the worker, a new process each), so they end 0.75 s
+apart (1.5 s until resume-p95 measured 1.5 s against its goal of 10 s): 75 s
+less of the bench. `SUSP_END_EVERY_S` sets it for a try.
 
 The work pool runs POOL_LIMIT flow runs at once (the follower's included),
 so that the flow-run processes start in batches; the deployment's own limit
-of one run at a time is lifted for the bench. The worker polls every 2 s
+of one run at a time is lifted for the bench. Its base job template's
+`command` is set to ENGINE_COMMAND (`<this Python> -m prefect.engine`, what
+Prefect runs anyway), which makes Prefect 3.9's process worker start the
+engine alone (`EngineCommandStarter`) instead of a workspace supervisor that
+imports Prefect (1.3 s of a core) before it starts the engine: a pool setting
+a user may choose (`prefect work-pool create --base-job-template`); the
+resumed runs still run again in the follower (its `Here` compares the pull
+steps, job variables and environment, which the command does not change).
+`SUSP_ENGINE_COMMAND=0` keeps Prefect's default for a comparison. The worker polls every 2 s
 (the tests' stack; Prefect's default is 10 s, which resume-p95 would pay).
 A flow run the worker fails to submit (the server answering 503 under this
 load) is replaced by a new one, MAX_REPLACED at most, and said in a `#` line.
@@ -59,17 +67,16 @@ Prints:
   once its files are verified) to its flow run `Completed` (its end time);
   goal <= 10 s.
 
-About seven minutes on a 2-core machine, most of it the 100 flow-run starts
-(each is two Python processes that import Prefect: Prefect 3.9's process
-worker starts a workspace supervisor, then the engine; the resumed runs are
-run again in the follower, no new process each). Neither the worker's poll
-(2 s) nor the pool's limit bounds those starts: the CPU does, about 4 s of
-a core a flow run, of which 1.3 s the workspace supervisor's imports of
-Prefect before it execs the engine, which imports Prefect again (2.1 s with
-this package's flows; measured alone). A pool whose job template sets
-`command` (`<worker's python> -m prefect.engine`) starts the engine alone and
-would save the supervisor's share; the stack here keeps Prefect's default.
-Measured under `make bench` at load 3 to 10: 758 s, 847 CPU seconds. `python
+Most of it is the 100 flow-run starts (the resumed runs are run again in
+the follower, no new process each). Neither the worker's poll (2 s) nor the
+pool's limit bounds those starts: the CPU does. A start was about 4 s of a
+core: 1.3 s the workspace supervisor's imports of Prefect, then the engine's
+2.1 s (Prefect's 1.2 s, and every flow of this package with the libraries
+of all of them: the flows package imported them all); now the engine alone,
+which imports Prefect and the one flow it runs (0.4 s of a core after
+Prefect's, measured alone). Measured under `make bench` at load 3 to 10:
+758 s, 847 CPU seconds (Prefect's supervisor, 1.5 s apart); 546 s, 735 CPU
+seconds (then the supervisor, 1.5 s apart). `python
 bench/suspended_scale.py 20` runs 20 runs (5 of them the reference) to try
 it. Every process is stopped by its PID or process group; everything listens
 on 127.0.0.1.
