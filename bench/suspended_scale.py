@@ -595,20 +595,15 @@ def run_phases(
     when they were read, when each first step was
     logged, each flow run's steps after its pause and how long the second
     step's runs took to suspend."""
-    stack = b.stack
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from overbrainer_prefect.blocks import LocalTarget
+
     b.call(_lift_limits)
-    save = (
-        "import sys\nfrom overbrainer_prefect.blocks import LocalTarget\n"
-        "LocalTarget(job_venv=sys.argv[2], work_dir=sys.argv[3], cpu_threads=1)"
-        ".save(sys.argv[1])\n"
-    )
-    subprocess.run(
-        [sys.executable, "-c", save, b.target, str(venv), str(root / "work")],
-        env=stack.server.env(),
-        check=True,
-        timeout=120,
-        capture_output=True,
-    )
+    # saved from this process, as start_stack saves its own: a Python process of its own to
+    # import Prefect and save one block cost seconds of a core
+    with temporary_settings(updates={PREFECT_API_URL: b.stack.server.api_url}):
+        LocalTarget(job_venv=str(venv), work_dir=str(root / "work"), cpu_threads=1).save(b.target)
     progress("the follower")
     b.start_follower()
 
