@@ -30,14 +30,26 @@ and the follower holds each job, all of them train for WINDOW_S. Then the
 jobs are told to end one at a time, END_EVERY_S apart (nightlies do not all
 end in the same second), and every flow run is waited for to complete.
 END_EVERY_S was 2 s while each resumed run needed a new flow-run process; the
-follower now runs them again itself (the `#` line says how many), so they end
-1.5 s apart: a third more resumes a second for the same resume-p95 goal, and
-50 s less of the bench (at 2 s apart the follower and the server used 0.7
-of the 2 cores; 1 s apart would leave too little for the rest).
+follower now runs them again itself (the `#` line says how many, MAX_HERE at
+once; the others go to the worker, a new process each), so they end 1.5 s
+apart. Closer is slower: each job's end costs the follower and the server
+about 1.4 s of a core (retrieve, verify, resume, run the flow run again), and
+once the follower falls behind, MAX_HERE is full and the rest wait for the
+worker and a new process each: 1 s apart measured resume-p95 54 s at load 2
+to 11 (25 of 100 to the worker), 0.75 s apart 117 s at load 8 to 13 (37),
+against 1.5 s at 1.5 s apart. `SUSP_END_EVERY_S` sets it for a try.
 
 The work pool runs POOL_LIMIT flow runs at once (the follower's included),
 so that the flow-run processes start in batches; the deployment's own limit
-of one run at a time is lifted for the bench. The worker polls every 2 s
+of one run at a time is lifted for the bench. Its base job template's
+`command` is set to ENGINE_COMMAND (`<this Python> -m prefect.engine`, what
+Prefect runs anyway), which makes Prefect 3.9's process worker start the
+engine alone (`EngineCommandStarter`) instead of a workspace supervisor that
+imports Prefect (1.3 s of a core) before it starts the engine: a pool setting
+a user may choose (`prefect work-pool create --base-job-template`); the
+resumed runs still run again in the follower (its `Here` compares the pull
+steps, job variables and environment, which the command does not change).
+`SUSP_ENGINE_COMMAND=0` keeps Prefect's default for a comparison. The worker polls every 2 s
 (the tests' stack; Prefect's default is 10 s, which resume-p95 would pay).
 A flow run the worker fails to submit (the server answering 503 under this
 load) is replaced by a new one, MAX_REPLACED at most, and said in a `#` line.
@@ -59,17 +71,19 @@ Prints:
   once its files are verified) to its flow run `Completed` (its end time);
   goal <= 10 s.
 
-About seven minutes on a 2-core machine, most of it the 100 flow-run starts
-(each is two Python processes that import Prefect: Prefect 3.9's process
-worker starts a workspace supervisor, then the engine; the resumed runs are
-run again in the follower, no new process each). Neither the worker's poll
-(2 s) nor the pool's limit bounds those starts: the CPU does, about 4 s of
-a core a flow run, of which 1.3 s the workspace supervisor's imports of
-Prefect before it execs the engine, which imports Prefect again (2.1 s with
-this package's flows; measured alone). A pool whose job template sets
-`command` (`<worker's python> -m prefect.engine`) starts the engine alone and
-would save the supervisor's share; the stack here keeps Prefect's default.
-Measured under `make bench` at load 3 to 10: 758 s, 847 CPU seconds. `python
+Most of it is the 100 flow-run starts (the resumed runs are run again in
+the follower, no new process each). Neither the worker's poll (2 s) nor the
+pool's limit bounds those starts: the CPU does. A start was about 4 s of a
+core: 1.3 s the workspace supervisor's imports of Prefect, then the engine's
+2.1 s (Prefect's 1.2 s, and every flow of this package with the libraries
+of all of them: the flows package imported them all); now the engine alone,
+which imports Prefect and the one flow it runs (0.4 s of a core after
+Prefect's, measured alone). Measured under `make bench` at load 3 to 10:
+758 s, 847 CPU seconds (Prefect's supervisor, 1.5 s apart); 546 s, 735 CPU
+seconds (then the supervisor, 1.5 s apart); the engine alone and one flow's
+imports, 1 s apart, at load 2 to 11: 508 s, 641 CPU seconds (10 runs in 32 s,
+90 more in 263 s). 20 runs side by side at load 7 to 15: 191 CPU seconds with
+the supervisor and every flow imported, 151 with the engine alone. `python
 bench/suspended_scale.py 20` runs 20 runs (5 of them the reference) to try
 it. Every process is stopped by its PID or process group; everything listens
 on 127.0.0.1.
@@ -107,7 +121,7 @@ PACE_S = 1.5  # seconds between two metric lines of a job (a training step's pac
 MAX_STEPS = 2000  # the spec's max_steps: a job writes at most that many lines (50 min)
 WINDOW_S = 20.0  # all jobs training: the processes and the follower's memory sampled
 REFERENCE_WINDOW_S = 8.0  # the reference runs training alone: the follower's memory
-END_EVERY_S = 1.5  # between two jobs told to end
+END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "1.5"))  # between two jobs told to end
 HOLD_S = 1800  # a stand-in job never told to go exits (failed) after this long
 SUSPEND_TIMEOUT_S = 600.0  # for a step's runs to start, suspend and be followed
 FOLLOWER_TIMEOUT_S = 240.0  # for the follower's flow run to start and hold the runs directory
@@ -115,6 +129,7 @@ RESUME_TIMEOUT_S = 300.0  # for every flow run to complete once the last job was
 MAX_REPLACED = 10  # runs that ended before their job started, replaced by new ones
 SAMPLE_EVERY_S = 0.5  # between two looks at the processes while waiting
 CHECK_EVERY_S = 2.0  # between two asks of the server and the runs whether a wait is over
+ENGINE_COMMAND = f"{sys.executable} -m prefect.engine"  # the pool's job command: no supervisor
 
 STANDIN_TRAIN = '''\
 """Stand-in of `axolotl.cli.train` made by bench/suspended_scale.py: reads the
@@ -501,7 +516,13 @@ async def _lift_limits(client: Any) -> None:
 
     found = await client.read_deployment_by_name("train/local")
     await client.update_deployment(found.id, DeploymentUpdate(concurrency_limit=None))
-    await client.update_work_pool(POOL, WorkPoolUpdate(concurrency_limit=POOL_LIMIT))
+    pool = await client.read_work_pool(POOL)
+    template = json.loads(json.dumps(pool.base_job_template))
+    if os.environ.get("SUSP_ENGINE_COMMAND", "1") == "1":
+        template["variables"]["properties"]["command"]["default"] = ENGINE_COMMAND
+    await client.update_work_pool(
+        POOL, WorkPoolUpdate(concurrency_limit=POOL_LIMIT, base_job_template=template)
+    )
     again = await client.read_deployment_by_name("train/local")
     if again.global_concurrency_limit is not None:
         raise RuntimeError("train/local still has its concurrency limit")
@@ -581,20 +602,15 @@ def run_phases(
     when they were read, when each first step was
     logged, each flow run's steps after its pause and how long the second
     step's runs took to suspend."""
-    stack = b.stack
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from overbrainer_prefect.blocks import LocalTarget
+
     b.call(_lift_limits)
-    save = (
-        "import sys\nfrom overbrainer_prefect.blocks import LocalTarget\n"
-        "LocalTarget(job_venv=sys.argv[2], work_dir=sys.argv[3], cpu_threads=1)"
-        ".save(sys.argv[1])\n"
-    )
-    subprocess.run(
-        [sys.executable, "-c", save, b.target, str(venv), str(root / "work")],
-        env=stack.server.env(),
-        check=True,
-        timeout=120,
-        capture_output=True,
-    )
+    # saved from this process, as start_stack saves its own: a Python process of its own to
+    # import Prefect and save one block cost seconds of a core
+    with temporary_settings(updates={PREFECT_API_URL: b.stack.server.api_url}):
+        LocalTarget(job_venv=str(venv), work_dir=str(root / "work"), cpu_threads=1).save(b.target)
     progress("the follower")
     b.start_follower()
 

@@ -15,10 +15,10 @@ from typing import ClassVar
 from prefect.blocks.core import Block
 from pydantic import BaseModel, Field, HttpUrl, SecretStr, ValidationError
 
+from overbrainer_prefect import executors  # its SshExecutor (asyncssh) imported on first use
 from overbrainer_prefect.envfile import read_env_file
 from overbrainer_prefect.executors.base import Executor
 from overbrainer_prefect.executors.local import LocalExecutor
-from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.client import RunpodClient
 from overbrainer_prefect.runpod.settings import (
     MAX_RESTARTS,
@@ -204,7 +204,7 @@ class SshTarget(TargetBlock):
     def executor(self, name: str) -> Executor:
         """An `SshExecutor` to this host. Raises ExecError when no host key is
         pinned or the client key cannot be read."""
-        return SshExecutor(
+        return executors.SshExecutor(
             self.host,
             port=self.port,
             user=self.user,
@@ -309,7 +309,7 @@ class SshPool(TargetBlock):
         """An `SshExecutor` to `machine`, named `name`. Raises ExecError when
         no host key is pinned or the client key cannot be read."""
         own = machine.private_key is not None or machine.key_file is not None
-        return SshExecutor(
+        return executors.SshExecutor(
             machine.host,
             port=machine.port,
             user=machine.user,

@@ -1,4 +1,12 @@
-"""Executors: where a run's job runs (this machine, an SSH box, a pod)."""
+"""Executors: where a run's job runs (this machine, an SSH box, a pod).
+
+`SshExecutor` is imported when first named: a process that reaches no SSH box
+(a flow run on a local target) does not import asyncssh."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from overbrainer_prefect.executors.base import (
     CANCEL_FILE,
@@ -16,7 +24,9 @@ from overbrainer_prefect.executors.base import (
 )
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.manifest import is_excluded, local_manifest, verify
-from overbrainer_prefect.executors.ssh import SshExecutor
+
+if TYPE_CHECKING:
+    from overbrainer_prefect.executors.ssh import SshExecutor
 
 __all__ = [
     "CANCEL_FILE",
@@ -37,3 +47,10 @@ __all__ = [
     "local_manifest",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`SshExecutor`, imported on first use; AttributeError for any other name."""
+    if name != "SshExecutor":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module("overbrainer_prefect.executors.ssh").SshExecutor

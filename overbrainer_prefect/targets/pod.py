@@ -26,12 +26,12 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
 from overbrainer_prefect.executors.base import ExecError, Executor
 from overbrainer_prefect.executors.nodes import NodesExecutor
-from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.money.limits import BudgetError
 from overbrainer_prefect.money.pods import ask_of, capped, cost_facts_of
 from overbrainer_prefect.runpod.bootstrap import POD_DIR, PodTiming
@@ -96,6 +96,9 @@ from overbrainer_prefect.targets.sharing import current
 from overbrainer_prefect.trainers.axolotl import launch_summary
 from overbrainer_prefect.trainers.base import TargetFacts, Trainer, TrainError
 from overbrainer_prefect.trainers.compare import vram_floor
+
+if TYPE_CHECKING:
+    from overbrainer_prefect.executors.ssh import SshExecutor  # asyncssh: where SSH is used
 
 LOCAL_RECORDS = (POD_RECORD, POD_DIR, SSH_DIR, LINK_FILE, PIPELINE_LINK)
 """What this machine keeps of a job's pod in its run directory: never uploaded."""

@@ -29,10 +29,11 @@ import shlex
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
+from overbrainer_prefect import executors  # its SshExecutor (asyncssh) imported on first use
 from overbrainer_prefect.executors.base import ExecError, JobId
 from overbrainer_prefect.executors.nodes import NodesExecutor
-from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.bootstrap import (
     CLUSTER_FILE,
     NODE_FILE,
@@ -63,6 +64,9 @@ from overbrainer_prefect.targets.runpod.provision import (
     wait_ready,
 )
 from overbrainer_prefect.timestamps import rfc3339
+
+if TYPE_CHECKING:
+    from overbrainer_prefect.executors.ssh import SshExecutor  # asyncssh: where SSH is used
 
 NODE_READS = 20  # reads of a node's claim for its private address (written with its claim)
 NODE_READ_S = 0.25  # between two of them
@@ -248,7 +252,7 @@ async def _all_ready(
         *(_ready(ctx, pod, node, run, within_s, name, settings) for node in pod.nodes),
         return_exceptions=True,
     )
-    ready = [f for f in found if isinstance(f, SshExecutor)]
+    ready = [f for f in found if isinstance(f, executors.SshExecutor)]
     failed = next((f for f in found if isinstance(f, BaseException)), None)
     if failed is not None:
         for executor in ready:

@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import asyncssh
 from pydantic import SecretStr
 
 from overbrainer_prefect.runs.store import Runs
@@ -74,6 +73,8 @@ def generate(runs: Runs, run_id: str) -> PodKeys:
     ssh_dir = runs.run_dir(run_id) / SSH_DIR
     ssh_dir.mkdir(parents=True, exist_ok=True)
     ssh_dir.chmod(0o700)
+    import asyncssh  # here, not at import: a flow run on a local target never needs it
+
     client = asyncssh.generate_private_key("ssh-ed25519", comment=alias(run_id))
     path = ssh_dir / CLIENT_KEY
     private = client.export_private_key("openssh")

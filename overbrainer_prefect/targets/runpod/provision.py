@@ -29,10 +29,10 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from overbrainer_prefect import executors  # its SshExecutor (asyncssh) imported on first use
 from overbrainer_prefect.executors.base import ExecError, TargetUnreachable
-from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.boot import BootWatch
 from overbrainer_prefect.runpod.bootstrap import (
     CAP_FILE,
@@ -65,6 +65,9 @@ from overbrainer_prefect.targets.runpod.keys import (
 from overbrainer_prefect.targets.runpod.names import pod_name
 from overbrainer_prefect.targets.runpod.reaper import start_reaper
 from overbrainer_prefect.timestamps import rfc3339
+
+if TYPE_CHECKING:
+    from overbrainer_prefect.executors.ssh import SshExecutor  # asyncssh: where SSH is used
 
 BANNER_TIMEOUT_S = 5.0  # seconds to read sshd's banner on a starting pod
 BANNER_POLL_S = 0.5  # between two knocks on a pod's sshd once Runpod shows its endpoint (billed)
@@ -307,7 +310,7 @@ def pod_executor(ctx: PodContext, pod: PodRecord, workdir: str, name: str) -> Ss
     the client key cannot be read.
     """
     assert pod.ssh is not None
-    return SshExecutor(
+    return executors.SshExecutor(
         pod.ssh.host,
         port=pod.ssh.port,
         user=pod.ssh.user,

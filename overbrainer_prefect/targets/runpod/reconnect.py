@@ -4,8 +4,9 @@ on another day."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from overbrainer_prefect.executors.base import ExecError
-from overbrainer_prefect.executors.ssh import SshExecutor
 from overbrainer_prefect.runpod.bootstrap import ALIVE_FILE
 from overbrainer_prefect.runpod.errors import PodError
 from overbrainer_prefect.runpod.pod import PodRecord, SshAddress
@@ -14,6 +15,9 @@ from overbrainer_prefect.targets.runpod.context import PodContext
 from overbrainer_prefect.targets.runpod.ending import look_up_pod, remove_hint
 from overbrainer_prefect.targets.runpod.keys import client_key_path, write_ssh_config
 from overbrainer_prefect.targets.runpod.provision import pod_executor
+
+if TYPE_CHECKING:
+    from overbrainer_prefect.executors.ssh import SshExecutor  # asyncssh: where SSH is used
 
 
 async def reconnect(
