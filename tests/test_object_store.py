@@ -32,7 +32,7 @@ from overbrainer_prefect.flows import collect, export, train
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.runpod.pod import PodRecord
-from overbrainer_prefect.runs.lock import holder_of
+from overbrainer_prefect.runs.lock import LOCK_FILE, holder_of
 from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.runs_dir import CREDENTIALS_ENV
@@ -214,7 +214,8 @@ def test_a_worker_killed_mid_training_is_taken_over_by_another_from_the_store(
     (record,) = runs.list()
     assert record.state == RunState.RUNNING
     killed = time.monotonic()
-    time.sleep(LEASE_TTL_S + 1)  # A's follow lease expires
+    lock = runs.key(record.id, LOCK_FILE)  # A's follow lease, renewed no more, lapses
+    wait_until(lambda: runs.store.holder(lock) is None, LEASE_TTL_S + 30, "A's lease to lapse")
     b = worker(COLLECT, [url], b_home, tmp_path / "b.log")
     assert b.wait(timeout=400) == 0, (tmp_path / "b.log").read_text()[-3000:]
     assert [r[0] for r in rows_of(tmp_path / "b.log")] == [record.id]
