@@ -32,6 +32,7 @@ from overbrainer_prefect.flows import collect, export, train
 from overbrainer_prefect.kinds.export import ExportResult
 from overbrainer_prefect.kinds.training import RunResult
 from overbrainer_prefect.runpod.pod import PodRecord
+from overbrainer_prefect.runs.lock import LOCK_FILE, holder_of
 from overbrainer_prefect.runs.manifest import load_manifest
 from overbrainer_prefect.runs.store import Runs, RunState
 from overbrainer_prefect.runs_dir import CREDENTIALS_ENV
@@ -213,7 +214,8 @@ def test_a_worker_killed_mid_training_is_taken_over_by_another_from_the_store(
     (record,) = runs.list()
     assert record.state == RunState.RUNNING
     killed = time.monotonic()
-    time.sleep(LEASE_TTL_S + 1)  # A's follow lease expires
+    lock = runs.key(record.id, LOCK_FILE)  # A's follow lease, renewed no more, lapses
+    wait_until(lambda: runs.store.holder(lock) is None, LEASE_TTL_S + 30, "A's lease to lapse")
     b = worker(COLLECT, [url], b_home, tmp_path / "b.log")
     assert b.wait(timeout=400) == 0, (tmp_path / "b.log").read_text()[-3000:]
     assert [r[0] for r in rows_of(tmp_path / "b.log")] == [record.id]
@@ -266,13 +268,19 @@ def test_two_collects_racing_over_twenty_runs_follow_each_exactly_once(
             ids.append(record.id)
         return ids
 
-    ids = run(start_all())
-    time.sleep(11)  # the collector leaves records younger than its grace to their creator
+    ids = run(start_all())  # each recorded with its job: a collect takes it at once
     logs = [tmp_path / "c1.log", tmp_path / "c2.log"]
     collectors = [
         worker(COLLECT, [url], tmp_path / f"worker-{n}", log) for n, log in enumerate(logs)
     ]
-    time.sleep(8)  # both hold leases and follow
+    pids = [f"pid {collector.pid} " for collector in collectors]
+
+    def racing() -> bool:  # both collects follow, or one took every run's follow lease
+        holders = [holder_of(runs, run_id) for run_id in ids]
+        both = all(any(h.startswith(pid) for h in holders) for pid in pids)
+        return both or all(any(h.startswith(pid) for pid in pids) for h in holders)
+
+    wait_until(racing, 180, "the two collects to follow the runs (hold their follow leases)")
     go.touch()
     for collector, log in zip(collectors, logs, strict=True):
         assert collector.wait(timeout=300) == 0, log.read_text()[-3000:]
