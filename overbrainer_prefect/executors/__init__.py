@@ -1,12 +1,11 @@
 """Executors: where a run's job runs (this machine, an SSH box, a pod).
 
-`SshExecutor` is imported when first named: a process that reaches no SSH box
-(a flow run on a local target) does not import asyncssh."""
+`SshExecutor` is imported when first named (`lazy.lazy_exports`): a process
+that reaches no SSH box (a flow run on a local target) does not import asyncssh."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from overbrainer_prefect.executors.base import (
     CANCEL_FILE,
@@ -24,6 +23,7 @@ from overbrainer_prefect.executors.base import (
 )
 from overbrainer_prefect.executors.local import LocalExecutor
 from overbrainer_prefect.executors.manifest import is_excluded, local_manifest, verify
+from overbrainer_prefect.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from overbrainer_prefect.executors.ssh import SshExecutor
@@ -49,8 +49,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """`SshExecutor`, imported on first use; AttributeError for any other name."""
-    if name != "SshExecutor":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return importlib.import_module("overbrainer_prefect.executors.ssh").SshExecutor
+lazy_exports(__name__, {"overbrainer_prefect.executors.ssh": ("SshExecutor",)})
