@@ -396,16 +396,11 @@ def cli_text(value: Any) -> str:
 
 
 def as_the_cli_reads(value: Any) -> Any:
-    """The value `prefect deployment run --param k=<cli_text(value)>` sends:
-    the text parsed as JSON, or a string where it is no JSON and has no `"`
-    (as the CLI's `load_json_key_values` reads it). Fails where the CLI would."""
-    text = cli_text(value)
-    try:
-        return json.loads(text)
-    except ValueError as error:
-        if ("Extra data" in str(error) or "Expecting value" in str(error)) and '"' not in text:
-            return json.loads(f'"{text}"')
-        raise
+    """The value `prefect deployment run --param k=<cli_text(value)>` sends, read
+    by the CLI's own parser (`load_json_key_values`). Fails where the CLI would."""
+    from prefect.cli._utilities import load_json_key_values
+
+    return load_json_key_values([f"k={cli_text(value)}"], "parameter")["k"]
 
 
 @dataclass

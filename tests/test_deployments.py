@@ -38,7 +38,6 @@ from tests.prefect_server import (
     Trained,
     Worker,
     as_the_cli_reads,
-    cli_text,
     clone,
     tiny_training,
     training_now,
@@ -71,16 +70,6 @@ def assert_verified(runs: Path, run_id: str) -> None:
 
 def run_ids(stack: Stack) -> set[str]:
     return {p.name for p in stack.runs.glob("[!.]*")}  # runs, not the live index
-
-
-def test_a_value_is_read_back_as_the_cli_reads_its_param() -> None:
-    from prefect.cli._utilities import load_json_key_values
-
-    values: list[Any] = ["local-ab12cd", "5", "true", "a b", ["succeeded"], 3]
-    values += [None, {"datasets": [{"path": "/x"}], "lr": 5e-3}]
-    for value in values:
-        read = load_json_key_values([f"k={cli_text(value)}"], "parameter")
-        assert read == {"k": as_the_cli_reads(value)}, value
 
 
 def test_prefect_deploy_creates_every_deployment_of_the_yaml(deployed: Stack) -> None:
