@@ -42,7 +42,11 @@ from prefect.client.schemas.sorting import LogSort
 from prefect.deployments.flow_runs import arun_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.flow_engine import run_flow_async
-from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_LOGGING_TO_API_BATCH_INTERVAL,
+    PREFECT_UI_URL,
+)
 from prefect.states import Cancelled, Cancelling
 from pydantic import ValidationError
 
@@ -76,6 +80,14 @@ QUESTION = "stop with a checkpoint (s), cancel (c), or leave it running (l)? "
 ANSWER_WAIT_S = 300.0  # no answer by then (or no terminal): the run goes on, followed here
 ECHO_S = 2.0  # a second SIGINT this soon after the first is the same Ctrl-C (the launcher's)
 POLL_S = 1.0  # between two looks at a deployment's flow run and its logs
+LATE_LOGS_S = 30.0
+"""The most a deployment's flow run, once final, is read again for its last
+lines: its process (or the follower that ran it again) sends its log to the
+server in batches (`PREFECT_LOGGING_TO_API_BATCH_INTERVAL`, 2 s), so the
+state can reach the server before the line that says the run succeeded (seen
+under load: a succeeded run's command ended 1, 'no message'). A completed
+run is read until that line comes, at most this long; another final state
+until one look finds nothing new after two batch intervals."""
 FOLLOW_BOUND_S = 31 * 24 * 3600.0  # the longest a deployment's run is followed here
 RUN_ID = re.compile(r"\brun (\d{8}-\d{6}-[0-9a-z]{4})\b")
 """A run's ID in the flow's log lines (`run 20261205-031500-ab12: step 3/6 ...`)."""
@@ -467,6 +479,7 @@ async def run_deployed(request: Request, following: Following) -> int:
     seen = flow_run.created
     printed: set[UUID] = set()
     succeeded_line = False
+    final_at: float | None = None  # when its flow run was first seen final
     ends = time.monotonic() + FOLLOW_BOUND_S
     async with get_client() as client:
         while time.monotonic() < ends:
@@ -489,11 +502,21 @@ async def run_deployed(request: Request, following: Following) -> int:
                 level = logging.getLevelName(log.level)
                 print(f"{log.timestamp:%H:%M:%S} | {level:<7} | {log.message}", flush=True)
             current = await client.read_flow_run(flow_run.id)
-            if current.state is not None and current.state.is_final() and not logs:
-                return await _deployed_end(current.state, succeeded_line, request, following)
+            if current.state is not None and current.state.is_final():
+                final_at = final_at or time.monotonic()
+                if not logs and _no_more_logs(current.state, succeeded_line, final_at):
+                    return await _deployed_end(current.state, succeeded_line, request, following)
             await asyncio.sleep(POLL_S)
     say(f"still running after {FOLLOW_BOUND_S / 86400:.0f} days: left to its worker")
     return LEFT_RUNNING
+
+
+def _no_more_logs(state: State, succeeded: bool, final_at: float) -> bool:
+    """Whether a final flow run's log is read whole (see LATE_LOGS_S)."""
+    waited = time.monotonic() - final_at
+    if state.is_completed():
+        return succeeded or waited >= LATE_LOGS_S
+    return waited >= 2 * float(PREFECT_LOGGING_TO_API_BATCH_INTERVAL.value())
 
 
 async def _deployed_end(
