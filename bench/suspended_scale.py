@@ -31,13 +31,16 @@ jobs are told to end one at a time, END_EVERY_S apart (nightlies do not all
 end in the same second), and every flow run is waited for to complete.
 END_EVERY_S was 2 s while each resumed run needed a new flow-run process; the
 follower now runs them again itself (the `#` line says how many, MAX_HERE at
-once; the others go to the worker, a new process each), so they end 1.5 s
-apart. Closer is slower: each job's end costs the follower and the server
-about 1.4 s of a core (retrieve, verify, resume, run the flow run again), and
-once the follower falls behind, MAX_HERE is full and the rest wait for the
-worker and a new process each: 1 s apart measured resume-p95 54 s at load 2
-to 11 (25 of 100 to the worker), 0.75 s apart 117 s at load 8 to 13 (37),
-against 1.5 s at 1.5 s apart. `SUSP_END_EVERY_S` sets it for a try.
+once; the others go to the worker, a new process each), so they end 0.75 s
+apart: a job's end costs the follower, the server and PostgreSQL about 0.8 s
+of a core (retrieve, verify, resume, run the flow run again; measured
+2026-12-05 on a quiet machine: follower 0.37, server 0.61 cores at 0.75 s
+apart), so the 100 ends take 75 s instead of 150 s at 1.5 s apart, with every
+flow run run again in the follower and resume-p95 3.2 s (1.7 s at 1.5 s
+apart). An earlier try at 1 s gave 54 s, and at 0.75 s 117 s, measured
+beside other engineers' work (load 2 to 13), where the follower fell behind
+and MAX_HERE filled: read this figure on a quiet machine, as `make bench`
+runs it. `SUSP_END_EVERY_S` sets it for a try.
 
 The work pool runs POOL_LIMIT flow runs at once (the follower's included),
 so that the flow-run processes start in batches; the deployment's own limit
@@ -82,7 +85,12 @@ Prefect's, measured alone). Measured under `make bench` at load 3 to 10:
 758 s, 847 CPU seconds (Prefect's supervisor, 1.5 s apart); 546 s, 735 CPU
 seconds (then the supervisor, 1.5 s apart); the engine alone and one flow's
 imports, 1 s apart, at load 2 to 11: 508 s, 641 CPU seconds (10 runs in 32 s,
-90 more in 263 s). 20 runs side by side at load 7 to 15: 191 CPU seconds with
+90 more in 263 s); alone on a quiet machine, 1.5 s apart: 432 s (90 runs in
+192 s), 0.75 s apart: 345 s, 495 CPU seconds (90 in 190 s). Of a flow-run
+process's start (py-spy, 2026-12-05), half is imports (this package's flow a
+seventh, Prefect the rest) and a tenth is `ssl.create_default_context`: each
+Prefect client makes an httpx client, which loads certifi's bundle, also
+for an `http://` server. 20 runs side by side at load 7 to 15: 191 CPU seconds with
 the supervisor and every flow imported, 151 with the engine alone. `python
 bench/suspended_scale.py 20` runs 20 runs (5 of them the reference) to try
 it. Every process is stopped by its PID or process group; everything listens
@@ -121,7 +129,7 @@ PACE_S = 1.5  # seconds between two metric lines of a job (a training step's pac
 MAX_STEPS = 2000  # the spec's max_steps: a job writes at most that many lines (50 min)
 WINDOW_S = 20.0  # all jobs training: the processes and the follower's memory sampled
 REFERENCE_WINDOW_S = 8.0  # the reference runs training alone: the follower's memory
-END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "1.5"))  # between two jobs told to end
+END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "0.75"))  # between two jobs told to end
 HOLD_S = 1800  # a stand-in job never told to go exits (failed) after this long
 SUSPEND_TIMEOUT_S = 600.0  # for a step's runs to start, suspend and be followed
 FOLLOWER_TIMEOUT_S = 240.0  # for the follower's flow run to start and hold the runs directory
