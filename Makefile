@@ -33,10 +33,12 @@ lint: $(VENV)/.ok
 # The system packages the tests need (sshd, PostgreSQL, Chromium) are installed when missing.
 # Most tests wait (sshd, simulated boots, Prefect servers), so TEST_WORKERS pytest-xdist
 # workers overlap the waits, one module (or one shared session fixture) per worker
-# (tests/scheduling.py). Three on 2 cores: four were tried (2026-12-05) and the whole suite
-# took 23.5 min on a quiet machine where three took 20 (each CPU-bound test slower).
+# (tests/scheduling.py). Four on 2 cores: on a quiet machine (2026-12-05, later the same day
+# as a try of four that took 23.5 min against three's 20), three took 21:46 and 22:17 and four
+# 21:11 and 21:50 (the second with a sampler of every process's CPU running): the cores are busy
+# about 80% of the time at either count, and a fourth worker fills some of the rest.
 # The package and the tests are compiled first, as the venv is (PYTHONDONTWRITEBYTECODE).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: setup lint
 	scripts/test-deps.sh
 	$(VENV)/bin/python -m compileall -q overbrainer_prefect tests bench demo > /dev/null

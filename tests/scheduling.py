@@ -1,4 +1,4 @@
-"""How `make test` spreads the suite over pytest-xdist workers (`-n 3 --dist
+"""How `make test` spreads the suite over pytest-xdist workers (`-n 4 --dist
 loadscope --no-loadscope-reorder`): most tests wait (on sshd, simulated boots,
 Prefect servers, sleeps), so workers overlap the waits.
 
