@@ -560,6 +560,62 @@ def test_a_deployment_that_does_not_exist_ends_the_command_in_one_line(
     ]
 
 
+def test_a_deployments_run_whose_last_log_lines_reach_the_server_after_its_state_succeeds(
+    prefect_server: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a flow run's process sends its log in batches: its Completed state can reach the server
+    # before the line that says the run succeeded (seen in `make test`: the command ended 1,
+    # "the flow run ended Completed: no message"); the command reads on until that line comes
+    import asyncio
+    from datetime import UTC, datetime
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
+    from prefect.states import Completed
+
+    from overbrainer_prefect.axolotl_cloud.console import (
+        SUCCEEDED,
+        Following,
+        Request,
+        follow_deployed,
+    )
+    from overbrainer_prefect.trainers.spec import TrainingSpec
+
+    @flow(name="late-log")
+    def late_log() -> None:
+        """Never run: its flow run is made and ended through the client."""
+
+    line = "run 20261205-000000-late succeeded: 3 files verified"
+    cloud = read_cloud({"provider": "overbrainer", "target": "t", "deployment": "train/x"})
+    request = Request(cloud=cloud, spec=TrainingSpec.model_construct(), notes=[])
+    following = Following(cloud=cloud)
+
+    async def scenario() -> int:
+        async with get_client() as client:
+            made = await client.create_flow_run(late_log)
+            await client.set_flow_run_state(made.id, Completed(), force=True)
+            ended = asyncio.create_task(follow_deployed(made, request, following))
+            await asyncio.sleep(5.0)  # past two batch intervals: the old loop ended by then
+            assert not ended.done(), "ended before the run's last line reached the server"
+            late = LogCreate(
+                name="prefect.flow_runs",
+                level=20,
+                message=line,
+                timestamp=datetime.now(UTC),
+                flow_run_id=made.id,
+            )
+            await client.create_logs([late])
+            return await asyncio.wait_for(ended, timeout=60.0)
+
+    code = asyncio.run(scenario())
+    printed = capsys.readouterr()
+    assert code == SUCCEEDED, printed
+    assert line in printed.out
+    assert following.run_id == "20261205-000000-late"
+    assert "the run succeeded" in printed.err
+
+
 @pytest.mark.parametrize("what", ["train", "preprocess", "lm_eval"])
 def test_without_an_orchestrator_python_each_command_says_so_in_one_line(
     visible: Path, what: str

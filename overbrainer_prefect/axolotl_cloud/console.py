@@ -476,6 +476,14 @@ async def run_deployed(request: Request, following: Following) -> int:
     assert isinstance(flow_run, FlowRun)
     following.flow_run_id = flow_run.id
     say(f"the flow run: {ui_link(flow_run.id)}")
+    return await follow_deployed(flow_run, request, following)
+
+
+async def follow_deployed(flow_run: FlowRun, request: Request, following: Following) -> int:
+    """Prints the log of a deployment's flow run as the server gets it, until
+    the run is final and its log read whole (LATE_LOGS_S); the exit code of
+    how it ended (`_deployed_end`). A server that cannot be reached raises
+    what the Prefect client raises."""
     seen = flow_run.created
     printed: set[UUID] = set()
     succeeded_line = False
