@@ -84,10 +84,11 @@ LATE_LOGS_S = 30.0
 """The most a deployment's flow run, once final, is read again for its last
 lines: its process (or the follower that ran it again) sends its log to the
 server in batches (`PREFECT_LOGGING_TO_API_BATCH_INTERVAL`, 2 s), so the
-state can reach the server before the line that says the run succeeded (seen
-under load: a succeeded run's command ended 1, 'no message'). A completed
-run is read until that line comes, at most this long; another final state
-until one look finds nothing new after two batch intervals."""
+state can reach the server before the line that says how the run ended ("run
+R succeeded: ...", seen under load: a succeeded run's command ended 1, 'no
+message'). A completed flow run is read until that line comes, at most this
+long; another final state until one look finds nothing new two batch
+intervals after it was first seen final."""
 FOLLOW_BOUND_S = 31 * 24 * 3600.0  # the longest a deployment's run is followed here
 RUN_ID = re.compile(r"\brun (\d{8}-\d{6}-[0-9a-z]{4})\b")
 """A run's ID in the flow's log lines (`run 20261205-031500-ab12: step 3/6 ...`)."""
@@ -486,7 +487,7 @@ async def follow_deployed(flow_run: FlowRun, request: Request, following: Follow
     what the Prefect client raises."""
     seen = flow_run.created
     printed: set[UUID] = set()
-    succeeded_line = False
+    succeeded_line = ended_line = False  # a line "run R succeeded: ...", "run R <end>: ..."
     final_at: float | None = None  # when its flow run was first seen final
     ends = time.monotonic() + FOLLOW_BOUND_S
     async with get_client() as client:
@@ -507,23 +508,25 @@ async def follow_deployed(flow_run: FlowRun, request: Request, following: Follow
                 printed.add(log.id)
                 following.heard(log.message)
                 succeeded_line |= f" {RunState.SUCCEEDED}:" in log.message
+                ended_line |= any(f" {end}:" in log.message for end in RunState if end.ended)
                 level = logging.getLevelName(log.level)
                 print(f"{log.timestamp:%H:%M:%S} | {level:<7} | {log.message}", flush=True)
             current = await client.read_flow_run(flow_run.id)
             if current.state is not None and current.state.is_final():
                 final_at = final_at or time.monotonic()
-                if not logs and _no_more_logs(current.state, succeeded_line, final_at):
+                if not logs and _no_more_logs(current.state, ended_line, final_at):
                     return await _deployed_end(current.state, succeeded_line, request, following)
             await asyncio.sleep(POLL_S)
     say(f"still running after {FOLLOW_BOUND_S / 86400:.0f} days: left to its worker")
     return LEFT_RUNNING
 
 
-def _no_more_logs(state: State, succeeded: bool, final_at: float) -> bool:
-    """Whether a final flow run's log is read whole (see LATE_LOGS_S)."""
+def _no_more_logs(state: State, run_ended: bool, final_at: float) -> bool:
+    """Whether a final flow run's log is read whole (see LATE_LOGS_S):
+    `run_ended`, whether its line saying how its run ended came."""
     waited = time.monotonic() - final_at
     if state.is_completed():
-        return succeeded or waited >= LATE_LOGS_S
+        return run_ended or waited >= LATE_LOGS_S
     return waited >= 2 * float(PREFECT_LOGGING_TO_API_BATCH_INTERVAL.value())
 
 
