@@ -12,6 +12,7 @@ from prefect.blocks.core import Block
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 from prefect.utilities.dispatch import get_registry_for_type
 from prefect.utilities.importtools import to_qualified_name
+from pydantic.json_schema import GenerateJsonSchema
 
 import overbrainer_prefect.blocks
 from overbrainer_prefect.blocks import LOGO_FILE, LOGO_URL
@@ -63,3 +64,28 @@ class TestAllBlocksAdhereToStandards(BlockStandardTestSuite):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
         width, height = struct.unpack(">II", png[16:24])
         assert width == height and 1000 > width > 45, (width, height)
+
+
+@pytest.mark.parametrize("block", package_blocks(), ids=lambda block: block.__name__)
+def test_a_blocks_json_schema_is_prefects_made_once_and_each_caller_gets_its_own_copy(
+    block: type[Block],
+) -> None:
+    """`Branded.model_json_schema` keeps Prefect's schema per class (Prefect asks
+    for it once per field on every save): the same as Prefect's own, made once,
+    and a caller that changes what it got changes nothing for the next."""
+    from overbrainer_prefect.blocks import _BLOCK_SCHEMAS
+
+    prefects = Block.model_json_schema.__func__(block)  # Prefect's own, uncached
+    first = block.model_json_schema()
+    assert first == prefects and "secret_fields" in first
+    assert [key for key in _BLOCK_SCHEMAS if key[0] is block] == [
+        (block, True, "#/definitions/{model}", GenerateJsonSchema, "validation")
+    ]
+    first["properties"].clear()
+    first["secret_fields"].append("changed")
+    assert block.model_json_schema() == prefects
+    assert block.model_json_schema(by_alias=False) == Block.model_json_schema.__func__(
+        block, by_alias=False
+    )
+    with pytest.raises(TypeError, match="no union_format 'primitive_type_array'"):
+        block.model_json_schema(union_format="primitive_type_array")

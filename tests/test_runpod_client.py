@@ -421,6 +421,26 @@ def test_credentials_build_a_client_and_never_show_the_key(sim: RunpodSim) -> No
         RunpodCredentials(api_key=SecretStr(" ")).client()
 
 
+def test_every_runpod_client_of_a_process_verifies_tls_with_one_context_made_once() -> None:
+    """A client is made for each look at the account: they share httpx's default
+    TLS context (certificates and host names checked), made once."""
+    import ssl
+
+    import httpx
+
+    from overbrainer_prefect.runpod.client import RunpodClient, tls_context
+
+    contexts = {
+        id(RunpodClient(SecretStr("k"))._http._transport._pool._ssl_context)
+        for _ in range(3)
+    }
+    assert contexts == {id(tls_context())}
+    context = tls_context()
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    fresh = httpx.create_ssl_context()
+    assert len(context.get_ca_certs()) == len(fresh.get_ca_certs()) > 0
+
+
 def test_the_simulator_calls_its_hooks_and_takes_knobs_over_http(sim: RunpodSim) -> None:
     created: list[str] = []
     deleted: list[str] = []
