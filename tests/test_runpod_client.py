@@ -431,8 +431,7 @@ def test_every_runpod_client_of_a_process_verifies_tls_with_one_context_made_onc
     from overbrainer_prefect.runpod.client import RunpodClient, tls_context
 
     contexts = {
-        id(RunpodClient(SecretStr("k"))._http._transport._pool._ssl_context)
-        for _ in range(3)
+        id(RunpodClient(SecretStr("k"))._http._transport._pool._ssl_context) for _ in range(3)
     }
     assert contexts == {id(tls_context())}
     context = tls_context()
