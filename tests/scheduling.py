@@ -48,51 +48,69 @@ GROUPS = {
 """Module -> its unit, for the modules that share one (every other module is its own)."""
 
 MEASURED_S: dict[str, float] = {
-    # the demo on a busy machine: first, while the rest of the suite keeps every core busy
-    "tests/test_demo_busy.py": 650,
-    "tests/test_train_flow.py": 339,  # a stop and its resume: two real trainings in a row
-    # axolotl's CLI imports torch: ~30 s a command; five of them start together (a module
-    # fixture), the others one by one
-    "tests/test_axolotl_cloud.py": 200,
+    # the demo on a busy machine: first, while the rest of the suite keeps every core busy (129 s)
+    "tests/test_demo_busy.py": 1000,
     # one fine-tune serves both UI looks; flow runs made and cancelled through the client
-    # (2026-12-05: about 60 s less)
-    "deployed-ui": 250,
-    # the killed flow's 144 s of pod life run beside its other tests (2026-12-05: 417 s -> 264 s)
-    "tests/test_runpod_flows.py": 168,
-    "tests/test_deployments_postgres.py": 251,
-    "deployed": 330,  # + axolotl --cloud with deployment: and its Ctrl-C then l (~125 s)
-    "tests/test_lost_pod.py": 214,  # + a restart from step 0
-    "tiny-run": 208,
-    # the collects wait on the follow leases, not fixed sleeps (2026-12-05: about 15 s less)
-    "tests/test_object_store.py": 160,
-    "tests/test_recovery.py": 167,
-    # both axolotl lines' validate_config; the 0.19 venv's first build (cached outside the clone)
-    "tests/test_axolotl_versions.py": 143,
-    "tests/test_watchdog.py": 100,
-    "tests/test_readme.py": 100,
-    "tests/test_ssh_flows.py": 95,
-    "tests/test_pipeline.py": 85,
-    # three sshd, shell jobs, 2-node DDP trainings (one lost twice: three runs) and one tiny
-    # training on a saved pool
-    "tests/test_ssh_pool.py": 110,
-    # three 2-pod clusters of the simulator (one a 2-node DDP training under torchrun), a
-    # Prefect server (46 s alone on a loaded machine, 2026-12-05); + a cluster that loses a
-    # node and goes on on a second one, and one that loses its primary (45 s at load 10)
-    "tests/test_runpod_cluster.py": 110,
-    "tests/test_evaluate_flow.py": 81,
-    "tests/test_pod_fate.py": 78,  # + two lost-host tests (about 40 s)
-    "tests/test_gpu_spec.py": 67,
-    "tests/test_checkpoints.py": 62,
-    "tests/test_store.py": 48,
-    "tests/test_lease_chaos.py": 44,  # stalls longer than a (4 s) lease, waited out
-    "tests/test_money_flows.py": 43,
-    "tests/test_collect_final.py": 37,
-    "tests/test_live_index.py": 13,  # 500 ended runs put into moto, a Prefect server
+    "deployed-ui": 644,
+    # + axolotl --cloud with deployment: and its Ctrl-C then l
+    "deployed": 553,
+    "tiny-run": 491,
+    # the killed flow's 144 s of pod life run beside its other tests
+    "tests/test_runpod_flows.py": 375,
+    # axolotl's CLI imports torch; five commands start together (a module fixture)
+    "tests/test_axolotl_cloud.py": 298,
+    # + a restart from step 0
+    "tests/test_lost_pod.py": 248,
+    # a stop and its resume: two real trainings in a row
+    "tests/test_train_flow.py": 242,
+    "tests/test_recovery.py": 199,
+    "tests/test_watchdog.py": 168,
+    "tests/test_deployments_postgres.py": 144,
+    # the collects wait on the follow leases, not fixed sleeps
+    "tests/test_object_store.py": 140,
+    # three sshd, shell jobs, 2-node DDP trainings and one tiny training on a saved pool
+    "tests/test_ssh_pool.py": 135,
+    "tests/test_pod_fate.py": 114,
+    "tests/test_readme.py": 112,
+    # three 2-pod clusters of the simulator, one a 2-node DDP training under torchrun
+    "tests/test_runpod_cluster.py": 90,
+    "tests/test_pipeline.py": 79,
+    "tests/test_ssh_flows.py": 60,
+    "tests/test_store.py": 58,
+    # + about 100 s when the 0.19 venv is built (cached outside the clone)
+    "tests/test_axolotl_versions.py": 55,
+    "tests/test_collect_final.py": 50,
+    "tests/test_evaluate_flow.py": 49,
+    # stalls longer than a (4 s) lease, waited out
+    "tests/test_lease_chaos.py": 45,
+    "tests/test_gpu_spec.py": 45,
+    "tests/test_checkpoints.py": 30,
+    "tests/test_target_contract.py": 27,
+    "tests/test_money_flows.py": 25,
+    "tests/test_ssh_executor.py": 23,
+    "tests/test_preflight.py": 20,
+    "tests/test_axolotl_trainer.py": 19,
+    "tests/test_collect.py": 17,
+    "tests/test_resume_here.py": 15,
+    "tests/test_local_executor.py": 12,
+    "tests/test_resume_anywhere.py": 11,
+    # 500 ended runs put into moto, a Prefect server
+    "tests/test_live_index.py": 9,
+    "tests/test_money_ledger.py": 9,
+    "tests/test_runpod_client.py": 9,
+    "tests/test_nightly.py": 8,
+    "tests/test_delivery.py": 8,
+    "tests/test_pod_disk.py": 7,
+    "tests/test_run_lifecycle.py": 7,
+    "tests/test_budget.py": 7,
+    "tests/test_faultproxy.py": 7,
 }
 """Unit -> its seconds (setup, call and teardown of its tests): junit times of
-a run of the suite on 3 workers beside other work (2026-12-05), scaled to a
-quiet run's length; a unit not listed counts 5 s a test. Only their order
-matters (and the demo's place: first)."""
+a quiet run of the suite on 4 workers (2026-12-05, 4,814 worker-seconds in
+all); a unit not listed counts 5 s a test. Only their order matters (and the
+demo's place: first). Ordered by the earlier, stale figures, a simulation of
+xdist's loadscope over that run's times gave the workers 1,189-1,236 s; by
+these, 1,203-1,204 s (the ideal split: 1,204 s)."""
 
 UNMEASURED_S_PER_TEST = 5.0
 
