@@ -7,11 +7,12 @@ PID in SHARED_ENV and SHARED_PID_ENV, and the scripts that call flows with
 no server of their own get it as PREFECT_API_URL instead of each starting
 Prefect's temporary one).
 
-Every script runs alone, in turn, except the scripts of TOGETHER: they run
-as one block, at the place of the first of them, with nothing else beside
-them: each lane of TOGETHER is a sequence of scripts run in turn, and the
-lanes run at the same time (about three minutes where they took eight in
-turn). They are the scripts that mostly wait (on simulated boots, store
+Every script runs alone, in turn, except the scripts of each block of
+BLOCKS (TOGETHER, then those of PAIRS): a block runs at the place of the
+first of its scripts, with nothing else beside it: each of its lanes is a
+sequence of scripts run in turn, and the lanes run at the same time. The
+scripts of TOGETHER take about three minutes that way, against eight in
+turn. They are the scripts that mostly wait (on simulated boots, store
 stalls, leases, fixed windows: from a tenth of a core to four fifths each,
 measured alone) and whose figures another script's load beside them cannot
 bias:
@@ -40,25 +41,48 @@ bounds met (fine-tune-pod-seconds-outside-jobs 20.6 and 16.5 s, goal 25;
 pod-billed-before-job-* at most 3.0 s, goal 5), and only
 follow-pass-s-history10k missed (1.9 and 1.8 s, 0.28 s on a quiet machine
 alone); so follow_history runs last in its lane, after the others' starts.
-The ratios of the CPU-bound scripts (compare_speed, train_job,
-manifest_verify, ssh_transfer, store_transfer, ollama_blob, flows_vs_jobs'
-export), every timing against a tight goal (follow_scale's delays and CPU
-share, lost_pod's resume, axolotl_cloud's overhead, flows_vs_jobs'
-overheads) and suspended_scale (the machine's CPU is one of its figures)
-run alone, as before.
+The block keeps the machine's two cores busy (348 CPU seconds of the
+machine in 192 s, 2026-12-05): another script beside it would only share them.
 
-Prints each script's lines whole when it ends (a script of the block has
+The blocks of PAIRS are two lanes each, of scripts that use about a core or
+less, measured alone by the machine's busy seconds (/proc/stat), so that
+each keeps about a core of its own; each pair was read side by side on a
+quiet machine (2026-12-05) with every figure as alone:
+- lost_pod (0.64 of a core) beside follow_scale (0.78): lost-pod-resume-s
+  29.1 s (goal 35; about 23 alone), follow_scale's delays p95 1.8-2.4 s
+  (goal 3; 1.0-2.0 alone), collect-cpu-per-run and the memory the same;
+- store_transfer (0.94: the S3 server answers one request at a time) beside
+  compare_speed (one thread): compare-vs-bare 1.02 and evaluate-vs-bare 1.01
+  (goal >= 0.95), store-record-update-p95 0.060 s (goal 0.2): compare_speed
+  ends before the record updates begin.
+Tried and dropped (2026-12-05): store_transfer beside axolotl_cloud,
+ollama_blob and manifest_verify moved store-record-update-p95 from 0.056 to
+0.204 s (the S3 server, saturated alone by those updates, needs its core);
+follow_scale beside them moved collect-first-metric-delay-p95-n100 to 3.39 s
+(axolotl's CLI start is a core of imports); and three lanes at once,
+follow_scale beside flows_vs_jobs and lost_pod then axolotl_cloud, moved
+fine-tune-overhead to 8.6 s (goal 5) and lost-pod-resume-s to 34.3 s.
+
+The scripts that need a core or more (axolotl_cloud, ollama_blob and
+manifest_verify: 1.0 to 1.2; ssh_transfer 1.5) or whose goal is tight
+beside anything (train_job <= 1 at 0.98, flows_vs_jobs' overheads), and
+suspended_scale (the machine's CPU is one of its figures; its flow-run
+starts keep both cores busy) run alone, as before.
+
+Prints each script's lines whole when it ends (a script of a block has
 its stdout held until then, so that its lines stay together; a script run
 alone prints them as it goes), a `BENCH-ERROR <script> exited <code>` line
 for a script that failed without printing its own (any exit but 0 and
 ERROR_EXIT), a `#` line with each script's seconds, and the total last:
 `# make bench: <seconds> s`; on stderr, after each script, its seconds, the
 CPU seconds of its process tree (its own and what it reaped, from wait4)
-and the load average, and the block's seconds. A server that stops
-answering before a script or the block is started again (once each time).
+and the load average, each block's seconds, and the CPU seconds the
+machine spent during each step (all its processes: /proc/stat). A server
+that stops answering before a script or a block is started again (once
+each time).
 
 `python bench/kit/run_all.py <name> ...` runs only the scripts named (with or
-without `.py`), in that order, the same way (those of TOGETHER named
+without `.py`), in that order, the same way (those of one block named
 together, in their lanes): to time a few as `make bench` runs them."""
 
 from __future__ import annotations
@@ -91,17 +115,21 @@ from kit.server import (  # noqa: E402
 
 TOGETHER: tuple[tuple[str, ...], ...] = (  # seconds and CPU seconds alone, before the block
     ("chaos_soak",),  # 154 s, 54 CPU s
-    (
-        "two_followers_under_stall",  # 39 s, 8 CPU s
-        "multinode_overhead",  # 41 s, 6 CPU s
-        "pool_placement",  # 7 s, 6 CPU s
-        "ledger_held",  # 3 s, 3 CPU s
-        "follow_history",  # 42 s, 11 CPU s (see the docstring)
-    ),
+    ("multinode_overhead", "pool_placement", "ledger_held"),  # 41 s, 6 CPU s; 7 s, 6; 3 s, 3
+    ("two_followers_under_stall", "follow_history"),  # 39 s, 8 CPU s; 42 s, 11 (see the docstring)
     ("fine_tune_pods", "pod_billing"),  # 47 s, 33 CPU s; 57 s, 36 CPU s
     ("fine_tune_deployed",),  # 109 s, 89 CPU s
 )
-"""The lanes of the block of scripts run at the same time (see the docstring)."""
+"""The lanes of the block of scripts that mostly wait (see the docstring)."""
+
+PAIRS: tuple[tuple[tuple[str, ...], ...], ...] = (  # alone: seconds, the machine's CPU seconds
+    (("lost_pod",), ("follow_scale",)),  # 56 s, 36 CPU s; 73 s, 57
+    (("store_transfer",), ("compare_speed",)),  # 93 s, 87 CPU s; 32 s, 33
+)
+"""Blocks of two lanes that use about a core each, measured alone (see the docstring)."""
+
+BLOCKS = (TOGETHER, *PAIRS)
+"""Every block: its lanes run at the same time, at the place of its first script."""
 
 
 def shared_env(server: Server, home: Path) -> dict[str, str]:
@@ -131,18 +159,23 @@ def scripts(names: list[str]) -> list[Path]:
 def plan(chosen: list[Path]) -> list[list[list[Path]]]:
     """The steps in order: each a list of lanes, each lane scripts run in
     turn; a script alone is a step of one lane of one script. The chosen
-    scripts of TOGETHER make one step, at the place of the first of them."""
+    scripts of each block of BLOCKS make one step, at the place of the first
+    of them."""
     by_name = {script.stem: script for script in chosen}
-    block = [[by_name[n] for n in lane if n in by_name] for lane in TOGETHER]
-    block = [lane for lane in block if lane]
-    grouped = {script for lane in block for script in lane}
+    blocks = [
+        [lane for lane in ([by_name[n] for n in lane if n in by_name] for lane in block) if lane]
+        for block in BLOCKS
+    ]
+    block_of = {
+        script: number for number, block in enumerate(blocks) for lane in block for script in lane
+    }
     steps: list[list[list[Path]]] = []
     for script in chosen:
-        if script not in grouped:
+        if script not in block_of:
             steps.append([[script]])
-        elif block:
-            steps.append(block)
-            block = []
+        elif blocks[block_of[script]]:
+            steps.append(blocks[block_of[script]])
+            blocks[block_of[script]] = []
     return steps
 
 
@@ -154,6 +187,14 @@ class Ran:
     seconds: float
     cpu: float
     out: bytes | None
+
+
+def machine_busy_s() -> float:
+    """CPU seconds this machine spent busy (all cores, every process), from
+    /proc/stat: what a step cost the machine, its neighbours included."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def run_script(script: Path, env: dict[str, str], hold: bool) -> Ran:
@@ -210,8 +251,14 @@ def main() -> int:
                     stack.close()  # stops the one that no longer answers
                     server = stack.enter_context(started_server(root / f"server-{number}"))
                 env = shared_env(server, root / "client-home")
+                busy = machine_busy_s()
                 if len(lanes) == 1 and len(lanes[0]) == 1:
                     ended(lanes[0][0], run_script(lanes[0][0], env, hold=False))
+                    print(
+                        f"[run_all] the machine: {machine_busy_s() - busy:.0f} CPU s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     continue
                 start = time.monotonic()
 
@@ -226,7 +273,8 @@ def main() -> int:
                     thread.join()
                 names = " | ".join(", ".join(s.stem for s in lane) for lane in lanes)
                 print(
-                    f"[run_all] together ({names}): {time.monotonic() - start:.0f} s",
+                    f"[run_all] together ({names}): {time.monotonic() - start:.0f} s,"
+                    f" the machine {machine_busy_s() - busy:.0f} CPU s",
                     file=sys.stderr,
                     flush=True,
                 )
