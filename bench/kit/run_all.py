@@ -46,26 +46,29 @@ machine in 192 s, 2026-12-05): another script beside it would only share them.
 
 The blocks of PAIRS are two lanes each, of scripts that use about a core or
 less, measured alone by the machine's busy seconds (/proc/stat), so that
-each keeps about a core of its own; each pair was read side by side on a
-quiet machine (2026-12-05) with every figure as alone:
-- lost_pod (0.64 of a core) beside follow_scale (0.78): lost-pod-resume-s
-  29.1 s (goal 35; about 23 alone), follow_scale's delays p95 1.8-2.4 s
-  (goal 3; 1.0-2.0 alone), collect-cpu-per-run and the memory the same;
-- store_transfer (0.94: the S3 server answers one request at a time) beside
-  compare_speed (one thread): compare-vs-bare 1.02 and evaluate-vs-bare 1.01
-  (goal >= 0.95), store-record-update-p95 0.060 s (goal 0.2): compare_speed
-  ends before the record updates begin.
-Tried and dropped (2026-12-05): store_transfer beside axolotl_cloud,
-ollama_blob and manifest_verify moved store-record-update-p95 from 0.056 to
-0.204 s (the S3 server, saturated alone by those updates, needs its core);
-follow_scale beside them moved collect-first-metric-delay-p95-n100 to 3.39 s
-(axolotl's CLI start is a core of imports); and three lanes at once,
-follow_scale beside flows_vs_jobs and lost_pod then axolotl_cloud, moved
-fine-tune-overhead to 8.6 s (goal 5) and lost-pod-resume-s to 34.3 s.
+each keeps about a core of its own, and whose figures came out as alone
+each time they were read side by side (2026-12-05): store_transfer (0.94 of
+a core: the S3 server answers one request at a time) beside compare_speed
+(one thread), twice: compare-vs-bare 1.02 and evaluate-vs-bare 1.01 (goal
+>= 0.95), store-record-update-p95 0.060 and 0.033 s (goal 0.2):
+compare_speed ends before the record updates begin. About 20 s saved.
+Tried and dropped, each in a whole `make bench` (2026-12-05):
+- lost_pod (0.64) beside follow_scale (0.78): every figure met once (resume
+  29.1 s, goal 35; the delays' p95 at most 2.39 s, goal 3), then on a host
+  slower by a tenth lost-pod-resume-s 38.6 s and collect-first-metric-
+  delay-p95-n100 4.72 s: both wait on a job's start, a core of imports;
+- store_transfer beside axolotl_cloud, ollama_blob and manifest_verify:
+  store-record-update-p95 0.204 s (0.056 alone: the S3 server, saturated
+  alone by those updates, needs its core);
+- follow_scale beside those three: collect-first-metric-delay-p95-n100
+  3.39 s (axolotl's CLI start is a core of imports);
+- three lanes at once, follow_scale beside flows_vs_jobs and lost_pod then
+  axolotl_cloud: fine-tune-overhead 8.6 s (goal 5), lost-pod-resume-s 34.3 s.
 
 The scripts that need a core or more (axolotl_cloud, ollama_blob and
 manifest_verify: 1.0 to 1.2; ssh_transfer 1.5) or whose goal is tight
-beside anything (train_job <= 1 at 0.98, flows_vs_jobs' overheads), and
+beside anything (train_job <= 1 at 0.98, flows_vs_jobs' overheads,
+lost_pod's resume and follow_scale's delays), and
 suspended_scale (the machine's CPU is one of its figures; its flow-run
 starts keep both cores busy) run alone, as before.
 
@@ -123,7 +126,6 @@ TOGETHER: tuple[tuple[str, ...], ...] = (  # seconds and CPU seconds alone, befo
 """The lanes of the block of scripts that mostly wait (see the docstring)."""
 
 PAIRS: tuple[tuple[tuple[str, ...], ...], ...] = (  # alone: seconds, the machine's CPU seconds
-    (("lost_pod",), ("follow_scale",)),  # 56 s, 36 CPU s; 73 s, 57
     (("store_transfer",), ("compare_speed",)),  # 93 s, 87 CPU s; 32 s, 33
 )
 """Blocks of two lanes that use about a core each, measured alone (see the docstring)."""
