@@ -40,7 +40,13 @@ flow run run again in the follower and resume-p95 3.2 s (1.7 s at 1.5 s
 apart). An earlier try at 1 s gave 54 s, and at 0.75 s 117 s, measured
 beside other engineers' work (load 2 to 13), where the follower fell behind
 and MAX_HERE filled: read this figure on a quiet machine, as `make bench`
-runs it. `SUSP_END_EVERY_S` sets it for a try.
+runs it. On a host slower by a tenth (2026-12-05, the whole bench's scripts
+10-20% slower than an hour before), 0.75 s apart left no margin: 20 and 31
+of the 100 resumed runs went to the worker and resume-p95 was 30 s and 72 s
+(0.6 s apart: 21.5 s; 0.5 s: 8.8 s and 12.4 s at most); 1 s apart, the same
+hour: every resumed run ran again in the follower and resume-p95 was
+2.58 s. So 1 s: the ends take 25 s more and keep their margin.
+`SUSP_END_EVERY_S` sets it for a try.
 
 The work pool runs POOL_LIMIT flow runs at once (the follower's included),
 so that the flow-run processes start in batches; the deployment's own limit
@@ -129,7 +135,7 @@ PACE_S = 1.5  # seconds between two metric lines of a job (a training step's pac
 MAX_STEPS = 2000  # the spec's max_steps: a job writes at most that many lines (50 min)
 WINDOW_S = 20.0  # all jobs training: the processes and the follower's memory sampled
 REFERENCE_WINDOW_S = 8.0  # the reference runs training alone: the follower's memory
-END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "0.75"))  # between two jobs told to end
+END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "1.0"))  # between two jobs told to end
 HOLD_S = 1800  # a stand-in job never told to go exits (failed) after this long
 SUSPEND_TIMEOUT_S = 600.0  # for a step's runs to start, suspend and be followed
 FOLLOWER_TIMEOUT_S = 240.0  # for the follower's flow run to start and hold the runs directory
