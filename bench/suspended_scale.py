@@ -126,7 +126,12 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from follow_scale import METRIC_LOG, percentile  # noqa: E402
 from kit.lines import bench, note, progress, run_main  # noqa: E402
-from kit.process import TICK, cpu_seconds, rss_bytes, tree_cpu_seconds  # noqa: E402
+from kit.process import (  # noqa: E402
+    cpu_seconds,
+    machine_busy_s,
+    rss_bytes,
+    tree_cpu_seconds,
+)
 
 RUNS = 100  # train deployment runs at once
 REFERENCE_RUNS = 10  # the first ones: the follower's memory with them alone is the reference
@@ -238,13 +243,6 @@ class Seen:
     breakdown: str = ""
     follower_rss: dict[int, int] = field(default_factory=dict)  # jobs training -> most RSS
     cpu: dict[str, str] = field(default_factory=dict)  # phase -> cores used by each part
-
-
-def machine_busy_s() -> float:
-    """CPU seconds this machine spent busy (all cores), from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / TICK
 
 
 def postgres_cpu_s() -> float:

@@ -20,6 +20,14 @@ def _stat_fields(pid: int) -> list[str]:
     return text.rpartition(")")[2].split()
 
 
+def machine_busy_s() -> float:
+    """CPU seconds this machine spent busy (all cores, every process), from
+    /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / TICK
+
+
 def cpu_seconds(pid: int, reaped: bool = True) -> float:
     """User + system CPU seconds of process `pid`, with those of the children it
     reaped when `reaped`. Raises OSError when the process is gone."""

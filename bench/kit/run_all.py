@@ -107,6 +107,7 @@ REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
 from kit.lines import ERROR_EXIT  # noqa: E402
+from kit.process import machine_busy_s  # noqa: E402
 from kit.server import (  # noqa: E402
     SHARED_ENV,
     SHARED_PID_ENV,
@@ -189,14 +190,6 @@ class Ran:
     seconds: float
     cpu: float
     out: bytes | None
-
-
-def machine_busy_s() -> float:
-    """CPU seconds this machine spent busy (all cores, every process), from
-    /proc/stat: what a step cost the machine, its neighbours included."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def run_script(script: Path, env: dict[str, str], hold: bool) -> Ran:
