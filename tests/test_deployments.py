@@ -260,11 +260,12 @@ def test_a_run_on_a_simulated_pod_whose_worker_was_killed_is_finished_by_the_col
     saved = Runs(deployed.runs).load(record.id)
     assert saved.state == RunState.SUCCEEDED, saved
     assert_verified(deployed.runs, record.id)
-    # the run succeeds once its files are verified; its pod is deleted after that
+    # the run succeeds once its files are verified; its pod is deleted after that, and its
+    # keys forgotten after the sweep of the run's other pods
     wait_until(
-        lambda: pod_of(deployed, record.id).state == PodState.DELETED,
+        lambda: (p := pod_of(deployed, record.id)).state == PodState.DELETED and p.forgotten,
         120,
-        "the pod of the finished run to be deleted",
+        "the pod of the finished run to be deleted and its keys forgotten",
     )
     pod = pod_of(deployed, record.id)
     assert pod.state == PodState.DELETED and pod.deleted_by == "collector", pod

@@ -226,10 +226,12 @@ def test_cancelling_a_suspended_run_cancels_its_job_through_the_follower(
     local = Runs(deployed.runs).run_dir(record.id)
     assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
     # what it left retrieved, its pod deleted: nothing bills, no secret stays in the account
+    # (pod.json says `deleted` once confirmed; the follower then sweeps the run's other pods
+    # and only then forgets its keys: wait for the record to say they are gone too)
     pod = wait_until(
-        lambda: (p := pod_of(deployed, record.id)).state == PodState.DELETED and p,
+        lambda: (p := pod_of(deployed, record.id)).state == PodState.DELETED and p.forgotten and p,
         60,
-        "the follower to delete the pod",
+        "the follower to delete the pod and forget its keys",
     )
     assert pod.pod_id == pod_id and on_sim.sim.pod(pod_id).deleted and on_sim.sim.pods() == []
     assert on_sim.sim.secret_names() == []
@@ -282,7 +284,9 @@ def test_a_suspended_run_on_a_simulated_pod_hands_its_budget_and_its_pod_to_the_
     saved = Runs(deployed.runs).load(record.id)
     assert saved.state == RunState.SUCCEEDED, saved
     assert_verified(deployed.runs, record.id)
-    pod = pod_of(deployed, record.id)
+    pod = wait_until(  # its keys are forgotten after the sweep of the run's other pods
+        lambda: (p := pod_of(deployed, record.id)).forgotten and p, 60, "the keys to go"
+    )
     assert pod.state == PodState.DELETED and pod.deleted_by == "collector", pod
     assert on_sim.sim.pod(pod_id).deleted and on_sim.sim.pods() == []
     assert on_sim.sim.secret_names() == []
