@@ -40,6 +40,30 @@ for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPO
     os.environ.pop(_name, None)
 
 
+def _one_certificate_bundle(directory: Path) -> Path:
+    """A CA file of one certificate (certifi's first) in `directory`.
+
+    Every Prefect client (and Prefect makes one for each block it saves, each
+    result store it sets up, each runtime lookup) builds a TLS context from
+    PREFECT_API_SSL_CERT_FILE, else from certifi's whole bundle: about 16 ms of a
+    core each, also for an `http://` server. Every Prefect server of the tests is
+    plain HTTP on 127.0.0.1, so no test uses the bundle; with one certificate a
+    context costs 0.3 ms (py-spy of an in-process module: half of the pytest
+    process's own CPU went to those contexts). `make bench` does not set it: its
+    figures are Prefect's real cost."""
+    import certifi
+
+    bundle = Path(certifi.where()).read_text()
+    end = "-----END CERTIFICATE-----"
+    path = directory / "one-ca.pem"
+    path.write_text(bundle[: bundle.index(end) + len(end)] + "\n")
+    return path
+
+
+# kept by tests.prefect_server.clean_env for the servers, workers and flow runs it starts
+os.environ["PREFECT_API_SSL_CERT_FILE"] = str(_one_certificate_bundle(Path(_HOME)))
+
+
 def job_venv() -> Path:
     """The job venv the tests run jobs in (`make setup` creates it)."""
     return Path(os.environ.get("OVERBRAINER_TEST_JOB_VENV", REPO / ".venv-job"))

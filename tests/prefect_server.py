@@ -47,9 +47,17 @@ RUN_TIMEOUT_S = 300.0  # a deployment run of the tiny model takes about 30 s alo
 MIGRATE_TIMEOUT_S = 300.0  # Prefect's migrations of a new SQLite database: about 15 s alone
 
 
+KEPT_SETTINGS = frozenset({"PREFECT_API_SSL_CERT_FILE"})
+"""The Prefect settings `clean_env` passes on: the tests' one-certificate CA file
+(tests/conftest.py; unset under `make bench`)."""
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any Prefect setting, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    """This process's environment without any Prefect setting but KEPT_SETTINGS,
+    plus `extra`."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") or k in KEPT_SETTINGS
+    }
     env.update(
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         DO_NOT_TRACK="1",
