@@ -63,6 +63,10 @@ def _one_certificate_bundle(directory: Path) -> Path:
 # kept by tests.prefect_server.clean_env for the servers, workers and flow runs it starts
 os.environ["PREFECT_API_SSL_CERT_FILE"] = str(_one_certificate_bundle(Path(_HOME)))
 
+from tests.prefect_server import UNUSED_SERVICES  # noqa: E402  (imports no Prefect)
+
+os.environ.update(UNUSED_SERVICES)  # the session's harness server (prefect_server below)
+
 
 def job_venv() -> Path:
     """The job venv the tests run jobs in (`make setup` creates it)."""

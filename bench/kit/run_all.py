@@ -5,7 +5,12 @@ flow-run process would otherwise compile them again), then every
 `started_server`, started once here instead of once per script: its URL and
 PID in SHARED_ENV and SHARED_PID_ENV, and the scripts that call flows with
 no server of their own get it as PREFECT_API_URL instead of each starting
-Prefect's temporary one).
+Prefect's temporary one). The steps whose scripts use it run first and the
+server is stopped after the last of them (`needs_server`): it idled
+through the 11 minutes of the scripts that never call it (suspended_scale's
+among them), at 9.3 CPU seconds a minute with every service on and 3.4
+with tests/prefect_server.py's UNUSED_SERVICES off (2026-12-06), beside
+the figures of train_job, compare_speed and store_transfer.
 
 Every script runs alone, in turn, except the scripts of each block of
 BLOCKS (TOGETHER, then those of PAIRS): a block runs at the place of the
@@ -92,6 +97,7 @@ from __future__ import annotations
 
 import compileall
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -163,7 +169,8 @@ def plan(chosen: list[Path]) -> list[list[list[Path]]]:
     """The steps in order: each a list of lanes, each lane scripts run in
     turn; a script alone is a step of one lane of one script. The chosen
     scripts of each block of BLOCKS make one step, at the place of the first
-    of them."""
+    of them. The steps that use the shared server (`needs_server`) go first,
+    each group in that order, so that the server is stopped once they end."""
     by_name = {script.stem: script for script in chosen}
     blocks = [
         [lane for lane in ([by_name[n] for n in lane if n in by_name] for lane in block) if lane]
@@ -179,7 +186,19 @@ def plan(chosen: list[Path]) -> list[list[list[Path]]]:
         elif blocks[block_of[script]]:
             steps.append(blocks[block_of[script]])
             blocks[block_of[script]] = []
-    return steps
+    return sorted(steps, key=lambda step: not needs_server(step))
+
+
+SERVED = re.compile(r"\b(prefect_server|simulated_pods_and_target)\(")
+"""A script that calls kit/server.py's `prefect_server`, itself or through
+pod_billing.py's `simulated_pods_and_target`, uses the shared server (one
+that calls it otherwise, unseen here, starts a private server of its own:
+slower, never wrong)."""
+
+
+def needs_server(step: list[list[Path]]) -> bool:
+    """Whether a script of the step uses the shared Prefect server (`SERVED`)."""
+    return any(SERVED.search(script.read_text()) for lane in step for script in lane)
 
 
 @dataclass
@@ -240,12 +259,20 @@ def main() -> int:
 
     try:
         with ExitStack() as stack:
-            server = stack.enter_context(started_server(root / "server"))
-            for number, lanes in enumerate(plan(chosen)):
-                if not healthy(server.api_url):
-                    stack.close()  # stops the one that no longer answers
+            server: Server | None = None
+            steps = plan(chosen)
+            for number, lanes in enumerate(steps):
+                if not any(needs_server(step) for step in steps[number:]):
+                    stack.close()  # no step left uses it: its idle services take a core's tenth
+                    server = None
+                elif server is None or not healthy(server.api_url):
+                    stack.close()  # stops one that no longer answers
                     server = stack.enter_context(started_server(root / f"server-{number}"))
-                env = shared_env(server, root / "client-home")
+                env = (
+                    shared_env(server, root / "client-home")
+                    if server is not None
+                    else dict(os.environ)
+                )
                 busy = machine_busy_s()
                 if len(lanes) == 1 and len(lanes[0]) == 1:
                     ended(lanes[0][0], run_script(lanes[0][0], env, hold=False))

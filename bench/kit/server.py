@@ -32,9 +32,13 @@ SHARED_PID_ENV = "BENCH_PREFECT_SERVER_PID"  # and the PID leading its process g
 
 def server_env(home: Path, api_url: str | None = None) -> dict[str, str]:
     """This process's environment for Prefect with home `home` (and the server
-    at `api_url`): no analytics, no UI, quiet console, Hugging Face offline."""
+    at `api_url`): no analytics, no UI, quiet console, Hugging Face offline, and
+    the server services no script uses off (tests/prefect_server.py's
+    UNUSED_SERVICES)."""
+    from tests.prefect_server import UNUSED_SERVICES
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env |= {
+    env |= UNUSED_SERVICES | {
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_ENABLED": "false",
