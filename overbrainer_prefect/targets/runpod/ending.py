@@ -375,12 +375,21 @@ async def watchdog_deletes(ctx: PodContext, pod: PodRecord, refused: str) -> Non
         await asyncio.sleep(ctx.timing.gone_interval_s)
 
 
+WATCHDOG_LOG_TIMEOUT_S = 60.0
+"""The most a copy of the watchdog's log may take: it is small, and a transfer
+has no bound of its own (a stuck SFTP server whose connection still answers
+keepalives would hold the pipeline, and its pod billing, on a best effort)."""
+
+
 async def fetch_watchdog_log(runs: Runs, executor: Executor, record: RunRecord) -> None:
     """Copies the watchdog's log of the run into `runs/<id>/.pod/` (its store),
-    best effort: it is small, and says why the pod was deleted."""
+    best effort within WATCHDOG_LOG_TIMEOUT_S: it is small, and says why the
+    pod was deleted. Never raises."""
     local = runs.run_dir(record.id)
-    with contextlib.suppress(ExecError, OSError, RecordError):
-        await executor.download(record.remote_dir, local, [WATCHDOG_LOG])
+    with contextlib.suppress(ExecError, OSError, RecordError, TimeoutError):
+        await asyncio.wait_for(
+            executor.download(record.remote_dir, local, [WATCHDOG_LOG]), WATCHDOG_LOG_TIMEOUT_S
+        )
         if runs.store.local_path(runs.key(record.id, WATCHDOG_LOG)) is None:
             runs.write_bytes(record.id, WATCHDOG_LOG, (local / WATCHDOG_LOG).read_bytes())
 
