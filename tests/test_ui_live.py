@@ -371,12 +371,15 @@ def test_the_runs_flow_lists_the_runs_as_a_table_filtered_by_state(
     assert final.state.is_completed(), final.state
     with Browser(tmp_path / "profile") as browser:
         open_artifact(browser, ui, flow_run_id, "runs")
+        # every row, once as many are drawn as the table says it holds ("8 Items"): on a
+        # loaded machine the rows were read while the table was still being drawn
         rows = browser.wait_for(
             "(() => { const r = [...document.querySelectorAll('.artifact-data-table tbody tr')]"
             ".map(tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()));"
-            " return r.length ? r : null })()",
+            " const n = document.body.innerText.match(/(\\d+) Items?\\b/);"
+            " return r.length && n && r.length === Number(n[1]) ? r : null })()",
             PAGE_TIMEOUT_S,
-            "the runs table's rows",
+            "the runs table's rows, as many as its item count",
         )
         header = browser.evaluate(
             "[...document.querySelectorAll('.artifact-data-table thead th')]"
