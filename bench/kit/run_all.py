@@ -268,10 +268,10 @@ def main() -> int:
                 elif server is None or not healthy(server.api_url):
                     stack.close()  # stops one that no longer answers
                     server = stack.enter_context(started_server(root / f"server-{number}"))
-                env = (
+                env = (  # never the caller's own Prefect profile or server
                     shared_env(server, root / "client-home")
                     if server is not None
-                    else dict(os.environ)
+                    else server_env(root / "client-home")
                 )
                 busy = machine_busy_s()
                 if len(lanes) == 1 and len(lanes[0]) == 1:
