@@ -261,9 +261,10 @@ def main() -> int:
         with ExitStack() as stack:
             server: Server | None = None
             steps = plan(chosen)
+            served = [needs_server(step) for step in steps]  # each script read once
             for number, lanes in enumerate(steps):
-                if not any(needs_server(step) for step in steps[number:]):
-                    stack.close()  # no step left uses it: its idle services take a core's tenth
+                if not any(served[number:]):
+                    stack.close()  # no step left uses it: idle, it still takes CPU
                     server = None
                 elif server is None or not healthy(server.api_url):
                     stack.close()  # stops one that no longer answers
