@@ -11,9 +11,10 @@ Each side is timed from its process's start to its exit; PAIRS pairs,
 alternating which goes first, after one bare job left untimed: the first job
 of the script also fills the jobs' shared HF cache and reads the job env from
 disk after the step before it (2026-12-06: its first pair gave ours 16.43 s
-against bare 14.38, its second 13.72 against 14.34). The plugin writes the metrics and makes
-axolotl's save of the prepared dataset stay in the job's process, which bare
-axolotl spawns a pool of one and its manager for (two more Pythons).
+against bare 14.38, its second 13.72 against 14.34). The plugin writes the
+metrics and makes axolotl's save of the prepared dataset stay in the job's
+process, which bare axolotl spawns a pool of one and its manager for (two
+more Pythons).
 
 Prints `BENCH train-job-vs-bare <ratio> ratio goal <= 1` (ours / bare: the
 job must cost no more than axolotl alone). About three minutes on a 2-core
