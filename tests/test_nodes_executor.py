@@ -38,7 +38,7 @@ from overbrainer_prefect.steps.checkpoints import COMPLETE_MARK, keep
 from overbrainer_prefect.steps.direct import put_files
 from tests import procs
 from tests.s3server import S3Server
-from tests.shelljobs import wait_for
+from tests.shelljobs import ESCAPED, wait_for
 
 WAITS = "i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done"
 """A node's job that runs for 30 s at most, unless it is ended."""
@@ -107,19 +107,28 @@ def test_a_node_that_fails_cancels_every_node_still_running_and_its_code_is_the_
 
 
 def test_a_node_lost_ends_the_job_on_every_node_and_the_job_reads_lost(tmp_path: Path) -> None:
+    """Node 1's job group is killed, as the OOM killer or a user would, and
+    its escaped child (a torchrun worker's session of its own) runs on: it
+    is killed with the loss, so the machine is free for the run that goes on."""
     told: list[tuple[int, str]] = []
     executor = nodes(tmp_path, told)
+    script = f'[ "$PET_NODE_RANK" = 0 ] || {{ {ESCAPED}; }}; {WAITS}'
 
     async def go() -> list[JobStatus]:
-        first = await executor.spawn(job(executor, WAITS))
+        first = await executor.spawn(job(executor, script))
         pid = executor.jobs[1].pid
-        await wait_for(lambda: procs.leads_group(pid), 10, "node 1's job in its own group")
-        os.killpg(pid, signal.SIGKILL)  # node 1 is lost
+        escaped = Path(executor.jobs[1].dir) / "escaped.pid"
+        await wait_for(lambda: escaped.exists() and escaped.read_text().strip() != "", 10, "it")
+        assert procs.leads_group(pid) and procs.alive(int(escaped.read_text()))
+        os.killpg(pid, signal.SIGKILL)  # node 1 is lost; its escaped child runs on
         await wait_for(lambda: not procs.alive(pid), 10, "node 1 gone")
+        assert procs.alive(int(escaped.read_text()))
         return [await executor.status(first) for _ in range(3)]
 
     assert asyncio.run(go()) == [JobStatus.lost()] * 3
     assert (Path(executor.jobs[0].dir) / CANCEL_FILE).exists()
+    assert not (Path(executor.jobs[1].dir) / CANCEL_FILE).exists()  # lost, not cancelled
+    assert not procs.alive(int((Path(executor.jobs[1].dir) / "escaped.pid").read_text()))
     assert told == [(1, "node 1 (local target 'node1'): its job is gone without an exit code")]
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import secrets as tokens
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -237,6 +238,43 @@ def test_a_cancelled_job_reads_cancelled_and_its_whole_process_tree_is_gone(
     assert not alive(job.pid)
     assert not alive(int(child_pid.read_text()))
     assert not alive(int(escaped_pid.read_text()))
+
+
+def test_a_lost_jobs_cancel_kills_what_it_left_running_and_it_still_reads_lost(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    """The job's group is killed by someone else; its child in a session of
+    its own (a torchrun worker) runs on in its run directory and holds the
+    machine. A cancel kills it, writes no cancel marker, and leaves alone a
+    process of the same user working elsewhere."""
+    run_dir = tmp_path / "remote" / "run1"
+    escaped_pid = run_dir / "escaped.pid"
+    elsewhere = subprocess.Popen(["sleep", "60"], cwd=tmp_path, start_new_session=True)
+
+    async def scenario(executor: SshExecutor) -> tuple[JobStatus, int]:
+        job = await executor.spawn(shell_job(run_dir, ESCAPED))
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not (
+            escaped_pid.exists() and escaped_pid.read_text().strip()
+        ):
+            await asyncio.sleep(0.05)
+        escaped = int(escaped_pid.read_text())
+        os.killpg(job.pid, signal.SIGKILL)
+        while time.monotonic() < deadline + WAIT_S and alive(job.pid):
+            await asyncio.sleep(0.05)
+        assert await executor.status(job) == JobStatus.lost() and alive(escaped)
+        await executor.cancel(job)
+        return await executor.status(job), escaped
+
+    try:
+        status, escaped = with_executor(sshd, tmp_path / "remote", scenario)
+        assert status == JobStatus.lost()
+        assert not (run_dir / CANCEL_FILE).exists()
+        assert not alive(escaped)
+        assert alive(elsewhere.pid)
+    finally:
+        elsewhere.kill()
+        elsewhere.wait()
 
 
 def test_secrets_reach_the_job_and_appear_in_no_file_log_or_process_argument(

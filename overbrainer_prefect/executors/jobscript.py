@@ -22,6 +22,7 @@ JOB_SCRIPT = "job.sh"
 """The wrapper, written into the run directory next to the job's files."""
 
 CANCEL_GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL of a cancelled job
+LEFTOVER_WAIT_S = 5.0  # seconds a lost job's killed leftovers are waited for
 
 
 def job_script(job: JobSpec) -> str:
@@ -109,6 +110,20 @@ def parse_status(job: JobId, output: str) -> JobStatus:
     return JobStatus.lost()
 
 
+_LEFTOVERS = (
+    # in the run directory: the processes whose working directory it is (zombies have none)
+    'real=$(pwd -P); cd /; left() { ls -l /proc/[0-9]*/cwd 2>/dev/null | R="$real" awk '
+    + shlex.quote(
+        '{n = index($0, " -> "); if (n && substr($0, n + 4) == ENVIRON["R"]) '
+        '{split(substr($0, 1, n - 1), a, "/"); print a[3]}}'
+    )
+    + '; }; p=$(left); [ -n "$p" ] || exit 0; kill -KILL $p 2>/dev/null; i=0; '
+    + f'while [ -n "$(left)" ] && [ $i -lt {int(LEFTOVER_WAIT_S * 10)} ]; do '
+    + "sleep 0.1; i=$((i+1)); done"
+)
+"""Run in a lost job's run directory: kills what still runs there, and waits
+for it to be gone (see `cancel_command`)."""
+
 TREE_AWK = (
     "{p[NR]=$1; q[NR]=$2; s[NR]=$4; t[NR]=$5; if ($3 == g) m[$1] = 1} "
     "END {do {c = 0; for (i = 1; i <= NR; i++) if (!(p[i] in m) && (q[i] in m)) "
@@ -130,15 +145,23 @@ def cancel_command(job: JobId, grace_s: float = CANCEL_GRACE_S) -> str:
     they end) is part of the job too: the job's tree is taken before the
     SIGTERM (a child loses its parent when it dies) and again before the
     SIGKILL, and each of its processes still there (the same PID and start
-    time) is waited for and killed with the group."""
+    time) is waited for and killed with the group.
+
+    A job whose process is gone without an exit code (lost: its group killed
+    by someone else, or its PID now another process's) may have left such a
+    descendant running in its run directory, holding the machine and its GPU:
+    whatever still runs there is killed at once (the job is lost, nothing of
+    it is waited for), and waited for up to `LEFTOVER_WAIT_S`; no cancel
+    marker is written, so the job still reads lost."""
     run_dir = shlex.quote(job.dir)
     checks = int(grace_s * 10)
     started = shlex.quote(job.started or "")
     pgid = job.pid
     return (
         f"cd {run_dir} || exit 0; [ -e {EXIT_FILE} ] && exit 0; "
-        f"s=$(cat /proc/{pgid}/stat 2>/dev/null | sed 's/.*) //' | cut -d' ' -f20); "
-        f'[ -n "$s" ] || exit 0; [ -z {started} ] || [ "$s" = {started} ] || exit 0; '
+        f"set -- $(sed 's/.*) //' /proc/{pgid}/stat 2>/dev/null); s=${{20:-}}; "
+        f'if [ -z "$s" ] || [ "$1" = Z ] || {{ [ -n {started} ] && [ "$s" != {started} ]; }}; then '
+        f"{_LEFTOVERS}; exit 0; fi; "
         "alive() { for f in /proc/[0-9]*/stat; do "
         'read -r l < "$f" 2>/dev/null || continue; r=${l##*) }; set -- $r; '
         f'[ "$3" = {pgid} ] && [ "$1" != Z ] && return 0; done; return 1; }}; '

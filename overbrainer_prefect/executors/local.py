@@ -33,6 +33,7 @@ from overbrainer_prefect.executors.base import (
 from overbrainer_prefect.executors.jobscript import (
     CANCEL_GRACE_S,
     JOB_SCRIPT,
+    LEFTOVER_WAIT_S,
     job_script,
     launch_command,
     parse_launch,
@@ -231,7 +232,9 @@ class LocalExecutor:
         """Cancels `job` when it is still the process it was: writes its cancel
         marker, sends SIGTERM to its process group, waits up to
         `CANCEL_GRACE_S` for the group to end, then sends SIGKILL. A job that
-        already ended, or whose PID now belongs to another process, is left alone.
+        already ended is left alone; of a lost one (its process gone, or its
+        PID now another process's), what still runs in its run directory is
+        killed, and it still reads lost.
 
         Raises ExecError (`cancel`) when its run directory is outside the work
         directory or the marker cannot be written.
@@ -359,18 +362,13 @@ def _cancel(job: JobId, run_dir: Path, grace_s: float) -> None:
     sessions of their own included, taken before the SIGTERM and again before
     the SIGKILL), except that a group whose processes are all zombies counts
     as ended (a PID 1 that does not reap orphans must not make every cancel
-    wait out its grace)."""
+    wait out its grace). A lost job's leftovers are ended as there."""
     if (run_dir / EXIT_FILE).exists():
         return
-    stat_line = _read_text(Path(f"/proc/{job.pid}/stat"))
-    if not stat_line:
+    now = _stat_of(job.pid)
+    if now is None or now.state in ("Z", "X") or job.started not in (None, now.start):
+        _end_leftovers(run_dir)  # its process is gone, or the PID is another process's now
         return
-    try:
-        now = parse_launch(job.dir, stat_line)
-    except ValueError:
-        return
-    if job.started is not None and now.started != job.started:
-        return  # the PID now belongs to another process
     tree = _tree(job.pid)
     (run_dir / CANCEL_FILE).touch()
     _signal_group(job.pid, signal.SIGTERM)
@@ -382,6 +380,33 @@ def _cancel(job: JobId, run_dir: Path, grace_s: float) -> None:
     for pid, _ in _still(tree):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _end_leftovers(run_dir: Path) -> None:
+    """Kills whatever still runs in the lost job's `run_dir` (its working
+    directory) and waits up to `LEFTOVER_WAIT_S` for it to be gone, as
+    `jobscript.cancel_command` does."""
+    real = str(run_dir.resolve())
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    left = _working_in(real)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    while left and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        left = _working_in(real)
+
+
+def _working_in(directory: str) -> list[int]:
+    """The processes, other than this one, whose working directory is
+    `directory` (a zombie has none)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if os.readlink(entry / "cwd") == directory:
+                    found.append(int(entry.name))
+    return found
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -15,8 +15,10 @@ once rank 0 ended, any node still running is cancelled. A node is lost when
 its job is gone without an exit code, or when its machine does not answer
 NODE_GONE_LOOKS looks in a row while rank 0's does (at once when rank 0's
 job already failed or was lost): the job's status is then `lost`, said first to
-`lost` (the node's rank and why), and every node's job still running is
-cancelled.
+`lost` (the node's rank and why), every node's job still running is
+cancelled, and what a lost job left running on a machine that answers (a
+torchrun worker, in a session of its own) is killed there, so that the run
+that goes on can have that machine.
 
 Files uploaded under `nodes/<rank>/` of the run's local directory (a node's
 part of the checkpoint a run resumes from) go to that node only, into its
@@ -222,11 +224,21 @@ class NodesExecutor:
 
     async def _lose(self, rank: int, why: str, found: dict[int, JobStatus]) -> JobStatus:
         """The job lost with its node `rank` (`why`): said to `lost` first,
-        then every node's job still running cancelled; `lost` from now on."""
+        then every node's job still running cancelled, and what a lost node's
+        job left running on a machine that answers (a torchrun worker in a
+        session of its own, holding the machine the run goes on with) ended;
+        `lost` from now on."""
         self._ended = JobStatus.lost()
         if self._lost is not None:
             with contextlib.suppress(Exception):  # lost all the same; its target says less of it
                 self._lost(rank, f"node {rank} ({self.nodes[rank].description}): {why}")
+        gone = [k for k, s in found.items() if s.kind == "lost"]
+        ended = await asyncio.gather(
+            *(self.nodes[k].cancel(self.jobs[k]) for k in gone), return_exceptions=True
+        )
+        for error in ended:  # not ended: its machine's own claim says so to the next run
+            if isinstance(error, BaseException) and not isinstance(error, ExecError):
+                raise error
         running = [k for k, s in found.items() if s.kind == "running" and k != rank]
         if running:
             await self._cancel_all([self.jobs[k] for k in running], running)

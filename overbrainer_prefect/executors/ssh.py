@@ -256,7 +256,8 @@ class SshExecutor:
         """Cancels `job` when it is still the process it was: writes its cancel
         marker, sends SIGTERM to its process group, waits up to `CANCEL_GRACE_S`
         for the group to end, then sends SIGKILL (see `jobscript.cancel_command`).
-        A job already ended is left alone.
+        A job already ended is left alone; of a lost one, what still runs in
+        its run directory is killed, and it still reads lost.
 
         Raises ExecError (`cancel`) when the run directory is outside the work
         directory or the command fails, TargetUnreachable
