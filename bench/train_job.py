@@ -4,8 +4,9 @@
 - ours: the run directory as `AxolotlTrainer` stages it (its config, its data,
   the metrics plugin), run with the trainer's command and environment;
 - bare: the same directory and environment, its config without the plugin
-  (`plugins:` and the plugin's keys removed): what `axolotl train` does with
-  that config alone.
+  (`plugins:` and the plugin's keys removed), run with `python -m
+  axolotl.cli.train` (not through `overbrainer_run`): what `axolotl train`
+  does with that config alone.
 
 Each side is timed from its process's start to its exit; PAIRS pairs,
 alternating which goes first, after one bare job left untimed: the first job
@@ -73,7 +74,10 @@ def staged(root: Path, name: str, bare: bool) -> tuple[Path, list[list[str]], di
             config.pop(key, None)
         config_path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k in SAFE_ENV or k.startswith("LC_")}
-    return run_dir, trainer.commands(ctx), env | trainer.env(ctx)
+    commands = trainer.commands(ctx)
+    if bare:  # axolotl's own command, without the runner that skips Python's teardown
+        commands = [[ctx.facts.python, "-m", "axolotl.cli.train", "axolotl.yaml"]]
+    return run_dir, commands, env | trainer.env(ctx)
 
 
 def job_seconds(root: Path, bare: bool, count: list[int]) -> float:

@@ -717,7 +717,7 @@ def test_a_preprocessing_runs_axolotls_preprocess_once_and_brings_back_prepared(
         run_id="r", run_dir="/w/r", cache_dir="/hf", facts=TargetFacts(python="/py", gpus=4)
     )
     prepare, ended = AxolotlTrainer(only).commands(ctx)
-    assert prepare == ["/py", "-m", "axolotl.cli.preprocess", "axolotl.yaml"]
+    assert prepare == ["/py", "-m", "overbrainer_run", "axolotl.cli.preprocess", "axolotl.yaml"]
     assert ended[:2] == ["/py", "-c"] and "'event': 'end'" in ended[2]
     assert AxolotlTrainer(spec).commands(ctx)[0][:3] == ["/py", "-m", "torch.distributed.run"]
     artifacts = AxolotlTrainer(only).artifacts()

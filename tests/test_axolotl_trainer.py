@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,8 @@ def test_a_cpu_target_gets_the_cpu_flags_and_the_run_layout(tmp_path: Path) -> N
     plugin = (run_dir / "plugins" / "overbrainer_metrics.py").read_text()
     assert "class MetricsPlugin(BasePlugin)" in plugin
     assert config["plugins"] == ["overbrainer_metrics.MetricsPlugin"]
+    runner = (run_dir / "plugins" / "overbrainer_run.py").read_bytes()
+    assert runner == (Path(overbrainer_jobs.__file__).parent / "overbrainer_run.py").read_bytes()
     assert config["output_dir"] == "output"
     assert config["dataset_prepared_path"] == "prepared"
     assert config["logging_steps"] == 1
@@ -301,7 +304,7 @@ def test_the_job_runs_axolotl_without_telemetry_and_with_the_plugin_on_its_path(
     assert isinstance(trainer, Trainer)
     ctx = context(Path("/work/r1"))
     assert trainer.commands(ctx) == [
-        ["/venv/bin/python", "-m", "axolotl.cli.train", "axolotl.yaml"]
+        ["/venv/bin/python", "-m", "overbrainer_run", "axolotl.cli.train", "axolotl.yaml"]
     ]
     env = trainer.env(ctx)
     assert env["AXOLOTL_DO_NOT_TRACK"] == env["DO_NOT_TRACK"] == "1"
@@ -346,6 +349,53 @@ def test_the_plugin_saves_the_prepared_dataset_in_the_jobs_own_process(
     children_cpu, wrapped = done.stdout.split()
     # datasets would spawn a pool of one and its manager: two Pythons, seconds of a core
     assert float(children_cpu) == 0.0 and wrapped == "save_to_disk"
+
+
+RUN_MODULE = """
+import atexit, sys, threading, time
+print("argv", sys.argv[1:], __name__, flush=True)
+def later():
+    time.sleep(0.3)
+    open("thread.done", "w").write("1")
+threading.Thread(target=later).start()
+atexit.register(lambda: open("atexit.done", "w").write(str(threading.active_count())))
+sys.stdout.write("unflushed")
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("the module failed")
+if how == "exit":
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("how", "code"), [("ok", 0), ("raise", 1), ("exit", 3)])
+def test_the_runner_runs_a_module_as_dash_m_does_and_keeps_its_exit_code_and_end(
+    tmp_path: Path, how: str, code: int
+) -> None:
+    """What `python -m overbrainer_run M ARGS` does with a module that ends
+    well (its threads waited for, its atexit functions run, its output
+    flushed, exit 0), that raises (the traceback, 1) and that exits 3."""
+    (tmp_path / "the_module.py").write_text(RUN_MODULE)
+    jobs = Path(overbrainer_jobs.__file__).parent
+    env = {"PYTHONPATH": f"{jobs}:{tmp_path}", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "overbrainer_run", "the_module", how],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == code, done.stderr
+    assert done.stdout == f"argv ['{how}'] __main__\nunflushed"
+    assert (tmp_path / "thread.done").read_text() == "1"
+    assert (tmp_path / "atexit.done").read_text() == "1"  # after the thread ended
+    assert ("ValueError: the module failed" in done.stderr) == (how == "raise")
+    bare = subprocess.run(
+        [sys.executable, "-m", "overbrainer_run"], env=env, capture_output=True, text=True
+    )
+    assert bare.returncode == 1 and "usage: python -m overbrainer_run MODULE" in bare.stderr
 
 
 # The axolotl of the target

@@ -168,13 +168,15 @@ def test_trackers_are_on_only_when_asked_and_their_keys_never_in_the_job_files()
 def test_every_gpu_is_one_process_launched_by_torchrun() -> None:
     trainer = AxolotlTrainer(spec(sharding="zero2"))
     one = AxolotlTrainer(spec()).commands(context(Path("/w/r1"), gpu(1)))
-    assert one == [["/venv/bin/python", "-m", "axolotl.cli.train", "axolotl.yaml"]]
+    assert one == [
+        ["/venv/bin/python", "-m", "overbrainer_run", "axolotl.cli.train", "axolotl.yaml"]
+    ]
     four = trainer.commands(context(Path("/w/r1"), gpu(4)))
     assert four == [
         [
             "/venv/bin/python",
             *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"),
-            *("-m", "axolotl.cli.train", "axolotl.yaml"),
+            *("-m", "overbrainer_run", "axolotl.cli.train", "axolotl.yaml"),
         ]
     ]
     assert trainer.launch(gpu(4)) == (
@@ -192,7 +194,7 @@ def test_a_training_across_nodes_is_launched_by_torchrun_with_the_nodes_rendezvo
         [
             "/venv/bin/python",
             *("-m", "torch.distributed.run", "--nproc_per_node=4"),  # PET_* from each node
-            *("-m", "axolotl.cli.train", "axolotl.yaml"),
+            *("-m", "overbrainer_run", "axolotl.cli.train", "axolotl.yaml"),
         ]
     ]
     one = AxolotlTrainer(spec(nodes=2)).commands(context(Path("/w/r1"), gpu(1)))
@@ -412,7 +414,9 @@ def test_the_n_gpu_command_is_what_axolotls_torchrun_launcher_runs() -> None:
     ours = AxolotlTrainer(spec()).commands(context(Path("/w/r1"), gpu(4)))[0]
     assert result["argv"][0] == "torchrun"
     assert ours[1:3] == ["-m", "torch.distributed.run"]  # `torchrun` is this module's main
-    assert ours[3:] == result["argv"][1:]
+    runner = ours.index("overbrainer_run")  # runs axolotl's module as `-m` would
+    assert ours[runner - 1 : runner + 2] == ["-m", "overbrainer_run", "axolotl.cli.train"]
+    assert ours[3:runner] + ours[runner + 1 :] == result["argv"][1:]
 
 
 # Real jobs

@@ -57,6 +57,9 @@ DATA_DIR = "data"
 PLUGINS_DIR = "plugins"
 PLUGIN_MODULE = "overbrainer_metrics"
 PLUGIN = f"{PLUGIN_MODULE}.MetricsPlugin"
+RUNNER_MODULE = "overbrainer_run"
+"""Next to the plugin: runs axolotl's CLI module and ends its process without
+the interpreter's teardown (jobs/overbrainer_run.py)."""
 
 DEEPSPEED_DIR = "deepspeed"
 """Where the run's DeepSpeed config sits in its run directory."""
@@ -197,8 +200,9 @@ class AxolotlTrainer(TrainerBase):
         split_heldout(local_run_dir, data_paths, self.spec)  # held-out rows leave data/
         plugins = local_run_dir / PLUGINS_DIR
         plugins.mkdir(parents=True, exist_ok=True)
-        source = resources.files("overbrainer_prefect.jobs").joinpath(f"{PLUGIN_MODULE}.py")
-        (plugins / f"{PLUGIN_MODULE}.py").write_bytes(source.read_bytes())
+        for module in (PLUGIN_MODULE, RUNNER_MODULE):
+            source = resources.files("overbrainer_prefect.jobs").joinpath(f"{module}.py")
+            (plugins / f"{module}.py").write_bytes(source.read_bytes())
         if self.spec.sharding in DEEPSPEED_STAGES:
             name = f"{self.spec.sharding}.json"
             shipped = resources.files("overbrainer_prefect.trainers").joinpath(DEEPSPEED_DIR, name)
@@ -302,15 +306,18 @@ class AxolotlTrainer(TrainerBase):
         return config
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
-        """One process: `python -m axolotl.cli.train axolotl.yaml`, with the job
-        venv's Python (`accelerate` need not be on the PATH). N processes:
-        `python -m torch.distributed.run --standalone --nproc_per_node=N -m
-        axolotl.cli.train axolotl.yaml`, what axolotl's torchrun launcher runs.
-        On several nodes, the same without `--standalone`: each node's target
-        gives it the rendezvous (`executors.nodes`). A preprocessing: `python -m
-        axolotl.cli.preprocess axolotl.yaml`, one process, then, once it
-        succeeded, its end event written to the metrics file (no trainer runs,
-        so the metrics plugin writes none)."""
+        """One process: `python -m overbrainer_run axolotl.cli.train
+        axolotl.yaml`, with the job venv's Python (`accelerate` need not be on
+        the PATH): axolotl's CLI module, run as `-m` runs it, whose process
+        ends without the interpreter's teardown once it succeeded
+        (`RUNNER_MODULE`). N processes: `python -m torch.distributed.run
+        --standalone --nproc_per_node=N -m overbrainer_run axolotl.cli.train
+        axolotl.yaml`, what axolotl's torchrun launcher runs. On several nodes,
+        the same without `--standalone`: each node's target gives it the
+        rendezvous (`executors.nodes`). A preprocessing: `python -m
+        overbrainer_run axolotl.cli.preprocess axolotl.yaml`, one process, then,
+        once it succeeded, its end event written to the metrics file (no
+        trainer runs, so the metrics plugin writes none)."""
         if self.spec.preprocess_only:  # one process: the datasets, tokenized once
             ended = (
                 f"import json, time; open({METRICS_FILE!r}, 'a').write(json.dumps({{'event': "
@@ -318,10 +325,10 @@ class AxolotlTrainer(TrainerBase):
                 " + '\\n')"
             )
             return [
-                [ctx.facts.python, "-m", "axolotl.cli.preprocess", CONFIG_FILE],
+                [ctx.facts.python, "-m", RUNNER_MODULE, "axolotl.cli.preprocess", CONFIG_FILE],
                 [ctx.facts.python, "-c", ended],
             ]
-        train = ["-m", "axolotl.cli.train", CONFIG_FILE]
+        train = ["-m", RUNNER_MODULE, "axolotl.cli.train", CONFIG_FILE]
         processes = self.process_count(ctx.facts)
         if self.spec.nodes > 1:  # the rendezvous comes from each node's environment (PET_*)
             return [[ctx.facts.python, "-m", LAUNCHER, f"--nproc_per_node={processes}", *train]]
