@@ -118,7 +118,8 @@ def test_a_node_lost_ends_the_job_on_every_node_and_the_job_reads_lost(tmp_path:
         first = await executor.spawn(job(executor, script))
         pid = executor.jobs[1].pid
         escaped = Path(executor.jobs[1].dir) / "escaped.pid"
-        await wait_for(lambda: escaped.exists() and escaped.read_text().strip() != "", 10, "it")
+        wrote = lambda: escaped.exists() and escaped.read_text().strip() != ""  # noqa: E731
+        await wait_for(wrote, 10, "node 1's escaped child's PID")
         assert procs.leads_group(pid) and procs.alive(int(escaped.read_text()))
         os.killpg(pid, signal.SIGKILL)  # node 1 is lost; its escaped child runs on
         await wait_for(lambda: not procs.alive(pid), 10, "node 1 gone")

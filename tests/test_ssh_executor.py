@@ -42,7 +42,7 @@ from overbrainer_prefect.executors.jobscript import JOB_SCRIPT
 from overbrainer_prefect.executors.ssh import SshExecutor
 from tests import procs
 from tests.procs import alive
-from tests.shelljobs import ESCAPED
+from tests.shelljobs import ESCAPED, wait_for
 from tests.sshd import SSH_KEYGEN, Sshd
 
 T = TypeVar("T")
@@ -253,15 +253,11 @@ def test_a_lost_jobs_cancel_kills_what_it_left_running_and_it_still_reads_lost(
 
     async def scenario(executor: SshExecutor) -> tuple[JobStatus, int]:
         job = await executor.spawn(shell_job(run_dir, ESCAPED))
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline and not (
-            escaped_pid.exists() and escaped_pid.read_text().strip()
-        ):
-            await asyncio.sleep(0.05)
+        wrote = lambda: escaped_pid.exists() and escaped_pid.read_text().strip() != ""  # noqa: E731
+        await wait_for(wrote, WAIT_S, "the escaped child's PID")
         escaped = int(escaped_pid.read_text())
         os.killpg(job.pid, signal.SIGKILL)
-        while time.monotonic() < deadline + WAIT_S and alive(job.pid):
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: not alive(job.pid), WAIT_S, "the job's own process to end")
         assert await executor.status(job) == JobStatus.lost() and alive(escaped)
         await executor.cancel(job)
         return await executor.status(job), escaped
