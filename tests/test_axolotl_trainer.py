@@ -351,8 +351,17 @@ def test_the_plugin_saves_the_prepared_dataset_in_the_jobs_own_process(
     assert float(children_cpu) == 0.0 and wrapped == "save_to_disk"
 
 
+AT_TEARDOWN = """
+import os
+class Marker:  # its __del__ runs when the interpreter's teardown clears this module
+    def __del__(self, _open=os.open, _close=os.close, _flags=os.O_CREAT | os.O_WRONLY):
+        _close(_open("teardown.done", _flags))
+marker = Marker()
+"""
+
 RUN_MODULE = """
 import atexit, sys, threading, time
+import at_teardown
 print("argv", sys.argv[1:], __name__, flush=True)
 def later():
     time.sleep(0.3)
@@ -365,17 +374,22 @@ if how == "raise":
     raise ValueError("the module failed")
 if how == "exit":
     sys.exit(3)
+if how == "exit0":
+    sys.exit(0)
 """
 
 
-@pytest.mark.parametrize(("how", "code"), [("ok", 0), ("raise", 1), ("exit", 3)])
+@pytest.mark.parametrize(("how", "code"), [("ok", 0), ("exit0", 0), ("raise", 1), ("exit", 3)])
 def test_the_runner_runs_a_module_as_dash_m_does_and_keeps_its_exit_code_and_end(
     tmp_path: Path, how: str, code: int
 ) -> None:
     """What `python -m overbrainer_run M ARGS` does with a module that ends
-    well (its threads waited for, its atexit functions run, its output
-    flushed, exit 0), that raises (the traceback, 1) and that exits 3."""
+    well, by returning or by `sys.exit(0)` (its threads waited for, its atexit
+    functions run, its output flushed, exit 0, and no teardown of the
+    interpreter's modules), that raises (the traceback, 1, and the teardown)
+    and that exits 3 (the teardown too)."""
     (tmp_path / "the_module.py").write_text(RUN_MODULE)
+    (tmp_path / "at_teardown.py").write_text(AT_TEARDOWN)
     jobs = Path(overbrainer_jobs.__file__).parent
     env = {"PYTHONPATH": f"{jobs}:{tmp_path}", "PATH": "/usr/bin:/bin"}
     done = subprocess.run(
@@ -392,6 +406,7 @@ def test_the_runner_runs_a_module_as_dash_m_does_and_keeps_its_exit_code_and_end
     assert (tmp_path / "thread.done").read_text() == "1"
     assert (tmp_path / "atexit.done").read_text() == "1"  # after the thread ended
     assert ("ValueError: the module failed" in done.stderr) == (how == "raise")
+    assert (tmp_path / "teardown.done").exists() == (code != 0)
     bare = subprocess.run(
         [sys.executable, "-m", "overbrainer_run"], env=env, capture_output=True, text=True
     )

@@ -36,6 +36,10 @@ appended to `metrics.jsonl`, each with `time`:
 usage: python scripts/overbrainer_export.py --converter PATH --quant QUANT --name NAME
            [--title TITLE] [--threads N] [--keep-intermediate] [--base MODEL]
 
+(the export trainer runs it as `python scripts/overbrainer_run.py
+overbrainer_export ...`, which ends its process without Python's teardown
+once it exited 0: see overbrainer_run.py)
+
 Exits 2 with one line on stderr when an input is missing (no model, no base
 model, no converter, an unknown quant type), 3 when llama.cpp fails to quantize;
 a failing converter's exit code is returned as is.

@@ -1,23 +1,27 @@
 """Runs a module as `python -m MODULE ARGS...` runs it, and ends the process
 at once once that module has run to its end.
 
-Runs inside the job (`python -m overbrainer_run axolotl.cli.train
-axolotl.yaml`; under torchrun, each process the same): the trainer copies this
-file next to the metrics plugin, in `<run>/plugins/`, which is on the job's
-PYTHONPATH. The module runs as `__main__` with `sys.argv` as `-m` gives it.
+Runs inside the job: a training (`python -m overbrainer_run axolotl.cli.train
+axolotl.yaml`; under torchrun, each process the same), where the trainer
+copies this file next to the metrics plugin, in `<run>/plugins/`, which is on
+the job's PYTHONPATH; an export (`python scripts/overbrainer_run.py
+overbrainer_export ...`), where it is copied next to the job script, in
+`<run>/scripts/`, the directory Python puts first on `sys.path` for it. The
+module runs as `__main__` with `sys.argv` as `-m` gives it.
 
-When it ends well, what Python does before its teardown is done here, in
-Python's order: every thread that is not a daemon is waited for, then every
-`atexit` function runs (logging's flush, a tracker's last upload, the
-cleanups `weakref.finalize` and `multiprocessing` registered); standard
+When it ends well (it returns, or raises `SystemExit` with code 0 or None,
+as `sys.exit(main())` does), what Python does before its teardown is done
+here, in Python's order: every thread that is not a daemon is waited for,
+then every `atexit` function runs (logging's flush, a tracker's last upload,
+the cleanups `weakref.finalize` and `multiprocessing` registered); standard
 output and error are flushed; then the process exits 0 without the
 interpreter's teardown of every module, which costs about 1.4 s of a core
 after a training (torch, transformers and peft: measured 2026-12-06 on the
 tiny model, 12.3 s against 13.6 s a job), seconds a pod bills on every job.
 
 A module that fails is left to Python: its exception (a `SystemExit` with
-its code, a `KeyboardInterrupt`, a traceback) ends the process as it would
-have without this file, teardown included.
+another code, a `KeyboardInterrupt`, a traceback) ends the process as it
+would have without this file, teardown included.
 """
 
 from __future__ import annotations
@@ -32,12 +36,16 @@ import threading
 
 def main() -> None:
     """Runs the module named by the first argument with the rest as its
-    arguments; once it returned, ends the process with code 0 (see the
-    module). Exits 1 with one line when no module is named."""
+    arguments; once it returned or exited 0, ends the process with code 0
+    (see the module). Exits 1 with one line when no module is named."""
     if len(sys.argv) < 2:
         sys.exit("usage: python -m overbrainer_run MODULE [ARGS...]")
     del sys.argv[0]  # the module's own path goes here, as `-m` puts it
-    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
     main_thread = threading.main_thread()
     for thread in threading.enumerate():
         if thread is not main_thread and not thread.daemon:

@@ -49,6 +49,7 @@ from overbrainer_prefect.trainers.keys import (
 )
 from overbrainer_prefect.trainers.preflight import BF16_CAPABILITY, sharding_label, target_problem
 from overbrainer_prefect.trainers.spec import DEEPSPEED_STAGES, DatasetSpec, TrainingSpec
+from overbrainer_prefect.trainers.staging import RUNNER_MODULE
 
 CONFIG_FILE = "axolotl.yaml"
 OUTPUT_DIR = "output"
@@ -57,9 +58,6 @@ DATA_DIR = "data"
 PLUGINS_DIR = "plugins"
 PLUGIN_MODULE = "overbrainer_metrics"
 PLUGIN = f"{PLUGIN_MODULE}.MetricsPlugin"
-RUNNER_MODULE = "overbrainer_run"
-"""Next to the plugin: runs axolotl's CLI module and ends its process without
-the interpreter's teardown (jobs/overbrainer_run.py)."""
 
 DEEPSPEED_DIR = "deepspeed"
 """Where the run's DeepSpeed config sits in its run directory."""

@@ -6,7 +6,8 @@ target) holds what the job reads, with paths relative to it:
     model/          the top-level files of the run's `output/` (adapter or full
                     weights, never a checkpoint)
     axolotl.yaml    the run's config, which names the base model a LoRA is merged into
-    scripts/        the job script, `overbrainer_export.py`
+    scripts/        the job script, `overbrainer_export.py`, and `overbrainer_run.py`,
+                    which runs it and ends its process without Python's teardown
 
 The job (see `overbrainer_prefect/jobs/overbrainer_export.py`) merges, converts
 with llama.cpp's converter and quantizes; it writes `gguf/run-<run-id>-<quant>.gguf`
@@ -37,7 +38,12 @@ from overbrainer_prefect.trainers.base import (
     TrainerBase,
     TrainError,
 )
-from overbrainer_prefect.trainers.staging import SCRIPTS_DIR, copy_job_script, stage_stored
+from overbrainer_prefect.trainers.staging import (
+    RUNNER_MODULE,
+    SCRIPTS_DIR,
+    copy_job_script,
+    stage_stored,
+)
 
 QUANTS: dict[str, float] = {"q4_k_m": 4.89, "q5_k_m": 5.70, "q8_0": 8.50, "f16": 16.0}
 """The quant types an export makes, with their bits per weight (llama.cpp's
@@ -215,14 +221,19 @@ class GgufExport(TrainerBase):
         return base is None or base.startswith(("/", ".", "~"))
 
     def prepare(self, local_run_dir: Path, ctx: JobContext) -> None:
-        """Puts the export job script under `scripts/`."""
+        """Puts the export job script and the runner under `scripts/`."""
         copy_job_script(local_run_dir, JOB_MODULE)
+        copy_job_script(local_run_dir, RUNNER_MODULE)
 
     def commands(self, ctx: JobContext) -> list[list[str]]:
-        """The job script with the job venv's Python and the converter next to it,
-        its quant, its file's name and `options`."""
+        """The job script run by the runner (`python scripts/overbrainer_run.py
+        overbrainer_export ...`: once the export ended well, its process ends
+        without the interpreter's teardown of torch, transformers and peft),
+        with the job venv's Python and the converter next to it, its quant, its
+        file's name and `options`."""
         python = ctx.facts.python
-        command = [python, f"{SCRIPTS_DIR}/{JOB_MODULE}.py", "--converter", converter_path(python)]
+        command = [python, f"{SCRIPTS_DIR}/{RUNNER_MODULE}.py", JOB_MODULE]
+        command += ["--converter", converter_path(python)]
         command += ["--quant", self.quant, "--name", self.gguf_stem]
         if ctx.facts.gpus == 0 and self.cpu_threads is not None:
             command += ["--threads", str(self.cpu_threads)]

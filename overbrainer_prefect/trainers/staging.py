@@ -20,6 +20,10 @@ from overbrainer_prefect.trainers.base import TrainError
 
 SCRIPTS_DIR = "scripts"
 """Where a run directory holds its job scripts."""
+RUNNER_MODULE = "overbrainer_run"
+"""The job script that runs a job's module and, once it ended well, ends its
+process without the interpreter's teardown (jobs/overbrainer_run.py): a
+training's axolotl CLI module, an export's job script."""
 
 
 def copy_job_script(local_run_dir: Path, module: str) -> None:
