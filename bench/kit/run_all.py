@@ -70,12 +70,23 @@ Tried and dropped, each in a whole `make bench` (2026-12-05):
 - three lanes at once, follow_scale beside flows_vs_jobs and lost_pod then
   axolotl_cloud: fine-tune-overhead 8.6 s (goal 5), lost-pod-resume-s 34.3 s.
 
-The scripts that need a core or more (axolotl_cloud, ollama_blob and
-manifest_verify: 1.0 to 1.2; ssh_transfer 1.5) or whose goal is tight
-beside anything (train_job <= 1 at 0.98, flows_vs_jobs' overheads,
-lost_pod's resume and follow_scale's delays), and
-suspended_scale (the machine's CPU is one of its figures; its flow-run
-starts keep both cores busy) run alone, as before.
+The second pair: train_job (one training job at a time, 0.8 of a core:
+its two sides alternate, so a neighbour's load falls on both; its ratio has
+had room since the runner, 0.79 to 0.84 alone) beside axolotl_cloud, then
+manifest_verify and ollama_blob (about a core each, in turn), whose goals
+have room beside it: read on 2026-12-06, the block took 108 s against about
+240 s in turn, train-job-vs-bare 0.84 (0.80 alone the same hour),
+manifest-verify-vs-openssl 0.72 (0.45 alone: our side hashes with two
+threads and the neighbour takes one core of them; goal <= 1.1), the ollama
+ratios as alone (peak RSS 1.05, push 0.14, redeliver 0.01), and
+axolotl-cloud-overhead 13.42 s (12.0 alone on a slower machine; it misses
+its goal of 3 s alone too, by axolotl's own CLI start) with its launcher's
+part 1.67 s (0.95 alone).
+
+The scripts that need a core or more (ssh_transfer 1.5) or whose goal is
+tight beside anything (flows_vs_jobs' overheads, lost_pod's resume and
+follow_scale's delays), and suspended_scale (the machine's CPU is one of its
+figures; its flow-run starts keep both cores busy) run alone, as before.
 
 Prints each script's lines whole when it ends (a script of a block has
 its stdout held until then, so that its lines stay together; a script run
@@ -134,6 +145,8 @@ TOGETHER: tuple[tuple[str, ...], ...] = (  # seconds and CPU seconds alone, befo
 
 PAIRS: tuple[tuple[tuple[str, ...], ...], ...] = (  # alone: seconds, the machine's CPU seconds
     (("store_transfer",), ("compare_speed",)),  # 93 s, 87 CPU s; 32 s, 33
+    # 92 s, 73 CPU s; then in turn 64 s, 63; 18 s, 21; 15 s, 15
+    (("train_job",), ("axolotl_cloud", "manifest_verify", "ollama_blob")),
 )
 """Blocks of two lanes that use about a core each, measured alone (see the docstring)."""
 
