@@ -40,6 +40,7 @@ from overbrainer_prefect.steps import follow
 from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import RunContext
 from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.ending import is_gone
 from overbrainer_prefect.targets.runpod.follow import (
     guard_fires,
     overrun,
@@ -151,7 +152,13 @@ async def ready_pod(ctx: PodContext, bed: Bed, wanted: RunpodTargetSettings) -> 
 
 
 async def start(ctx: PodContext, ready: Provisioned, script: str) -> tuple[RunContext, RunRecord]:
-    run_ctx = RunContext(runs=ctx.runs, executor=ready.executor, poll_s=0.3)
+    # a job found lost is asked of Runpod, as the pod target's own context does
+    run_ctx = RunContext(
+        runs=ctx.runs,
+        executor=ready.executor,
+        poll_s=0.3,
+        host_gone=lambda: is_gone(ctx, ready.pod),
+    )
     record = ctx.runs.load(ready.pod.run_id)
     record = await start_step.start(run_ctx, ShellTrainer(script), record)
     ready.pod.state = PodState.RUNNING
@@ -446,6 +453,10 @@ def test_a_renewed_lease_keeps_a_progressing_job_alive_past_max_hours(bed: Bed) 
 
 @pytest.mark.slow
 def test_a_stalled_job_loses_its_lease_and_its_pod_at_max_hours(bed: Bed) -> None:
+    # the pod's sshd outlives its job by 5 s (a loaded machine, as in a CI run): the
+    # follower finds the job lost on a host that still answers, and asks Runpod
+    bed.pods.sshd_outlives_s = 5.0
+
     async def body(ctx: PodContext) -> tuple[PodRecord, BaseException]:
         ready = await ready_pod(ctx, bed, settings(max_hours=0.004))
         run_ctx, record = await start(ctx, ready, STALLED)
