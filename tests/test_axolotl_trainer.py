@@ -361,8 +361,11 @@ marker = Marker()
 
 RUN_MODULE = """
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 import at_teardown
 print("argv", sys.argv[1:], __name__, flush=True)
+sys.pool = ThreadPoolExecutor(1)  # left running, its idle worker not a daemon
+sys.pool.submit(int).result()
 def later():
     time.sleep(0.3)
     open("thread.done", "w").write("1")
@@ -384,8 +387,9 @@ def test_the_runner_runs_a_module_as_dash_m_does_and_keeps_its_exit_code_and_end
     tmp_path: Path, how: str, code: int
 ) -> None:
     """What `python -m overbrainer_run M ARGS` does with a module that ends
-    well, by returning or by `sys.exit(0)` (its threads waited for, its atexit
-    functions run, its output flushed, exit 0, and no teardown of the
+    well, by returning or by `sys.exit(0)` (its threads waited for, an
+    executor it left running told to end as Python's exit tells it, its
+    atexit functions run, its output flushed, exit 0, and no teardown of the
     interpreter's modules), that raises (the traceback, 1, and the teardown)
     and that exits 3 (the teardown too)."""
     (tmp_path / "the_module.py").write_text(RUN_MODULE)
