@@ -49,7 +49,7 @@ from overbrainer_prefect.trainers.keys import (
 )
 from overbrainer_prefect.trainers.preflight import BF16_CAPABILITY, sharding_label, target_problem
 from overbrainer_prefect.trainers.spec import DEEPSPEED_STAGES, DatasetSpec, TrainingSpec
-from overbrainer_prefect.trainers.staging import RUNNER_MODULE
+from overbrainer_prefect.trainers.staging import RUNNER_MODULE, copy_job_script
 
 CONFIG_FILE = "axolotl.yaml"
 OUTPUT_DIR = "output"
@@ -196,11 +196,8 @@ class AxolotlTrainer(TrainerBase):
         self._check_target(ctx.facts)
         data_paths = self._copy_datasets(local_run_dir)
         split_heldout(local_run_dir, data_paths, self.spec)  # held-out rows leave data/
-        plugins = local_run_dir / PLUGINS_DIR
-        plugins.mkdir(parents=True, exist_ok=True)
         for module in (PLUGIN_MODULE, RUNNER_MODULE):
-            source = resources.files("overbrainer_prefect.jobs").joinpath(f"{module}.py")
-            (plugins / f"{module}.py").write_bytes(source.read_bytes())
+            copy_job_script(local_run_dir, module, PLUGINS_DIR)
         if self.spec.sharding in DEEPSPEED_STAGES:
             name = f"{self.spec.sharding}.json"
             shipped = resources.files("overbrainer_prefect.trainers").joinpath(DEEPSPEED_DIR, name)

@@ -26,9 +26,10 @@ process without the interpreter's teardown (jobs/overbrainer_run.py): a
 training's axolotl CLI module, an export's job script."""
 
 
-def copy_job_script(local_run_dir: Path, module: str) -> None:
-    """Copies the job script `overbrainer_prefect/jobs/<module>.py` under `scripts/`."""
-    scripts = local_run_dir / SCRIPTS_DIR
+def copy_job_script(local_run_dir: Path, module: str, directory: str = SCRIPTS_DIR) -> None:
+    """Copies the job script `overbrainer_prefect/jobs/<module>.py` under
+    `directory` of the run directory (`scripts/` unless told)."""
+    scripts = local_run_dir / directory
     scripts.mkdir(parents=True, exist_ok=True)
     script = resources.files("overbrainer_prefect.jobs").joinpath(f"{module}.py")
     (scripts / f"{module}.py").write_bytes(script.read_bytes())
