@@ -4,6 +4,7 @@ in, whether one waits suspended for its job, and resuming it."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -13,9 +14,9 @@ from prefect.client.schemas.responses import SetStateStatus
 from prefect.exceptions import ObjectNotFound
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, Crashed
+from prefect.states import Cancelled, Crashed, Scheduled
 
-from overbrainer_prefect.resume_here import HERE
+from overbrainer_prefect.resume_here import HERE, RESUME_HOLD_S
 from overbrainer_prefect.runs.store import RunRecord, subject
 from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.targets.base import Logger
@@ -123,13 +124,25 @@ async def resume(record: RunRecord, logger: Logger, left_s: float | None = None)
     recorded, and the next pass of the follower tries again. Raises
     LeaseLost, resuming nothing, when this task lost the job's follow lock."""
     check_guarded(record.id)
+    here = HERE.get()
+    reserved = None
     try:
         waiting = await suspended(record.flow_run_id)
         if waiting is None:
             return False
+        if here is not None and left_s is None:  # in the follower: it runs it itself when it may
+            reserved = await here.reserve(waiting, logger)
         async with get_client() as client:
-            answer = await client.resume_flow_run(waiting.id)
+            if reserved is None:
+                answer = await client.resume_flow_run(waiting.id)
+            else:  # held back from the worker's poll until the follower claims it
+                hold = datetime.now(UTC) + timedelta(seconds=RESUME_HOLD_S)
+                answer = await client.set_flow_run_state(
+                    waiting.id, Scheduled(name="Resuming", scheduled_time=hold)
+                )
     except Exception as error:
+        if here is not None and reserved is not None:
+            here.release(reserved, logger)
         logger.warning(
             "cannot resume flow run %s of %s now (%s); the follower tries again, or resume it "
             "from its page in the Prefect UI",
@@ -139,6 +152,8 @@ async def resume(record: RunRecord, logger: Logger, left_s: float | None = None)
         )
         return False
     if answer.status != SetStateStatus.ACCEPT:
+        if here is not None and reserved is not None:
+            here.release(reserved, logger)
         reason = answer.details.reason if hasattr(answer.details, "reason") else answer.status
         logger.warning(
             "flow run %s of %s cannot be resumed: %s; %s is recorded %s",
@@ -159,7 +174,6 @@ async def resume(record: RunRecord, logger: Logger, left_s: float | None = None)
         )
         return True
     logger.info("%s %s: its flow run %s resumed", subject(record), record.state, record.flow_run_id)
-    here = HERE.get()
-    if here is not None:  # in the follower: it runs the flow run again itself when it may
-        await here.take(waiting, logger)
+    if here is not None and reserved is not None:
+        await here.take(waiting, reserved, logger)
     return True

@@ -5,7 +5,9 @@ job's files are verified, has little left to do: read its job's record and
 end as it ended. Resumed the plain way, it waits for a worker's poll and a new
 Python process (seconds of a core each, minutes when a hundred jobs end
 together on a small machine). So the follower claims it itself, as a worker
-would (Prefect's `Pending`, which a worker cannot take from it), and runs it
+would (Prefect's `Pending`, which a worker cannot take from it; resumed held
+back from the worker's poll, RESUME_HOLD_S, so that no poll takes it between
+the resume and the claim), and runs it
 in a thread of its own process with Prefect's own engine, from its
 beginning, as the worker's process would have: same state, result,
 artifacts and log.
@@ -36,11 +38,12 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 from contextvars import ContextVar
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
 from prefect.client.orchestration import PrefectClient, get_client
-from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.objects import FlowRun, StateDetails, StateType
 from prefect.client.schemas.responses import (
     DeploymentResponse,
     OrchestrationResult,
@@ -64,6 +67,12 @@ HERE_DIR = ".resumed-here"
 CLAIM = "ResumedByFollower"
 """The name of the `Pending` state by which a follower claims a resumed flow run."""
 
+RESUME_HOLD_S = 60.0
+"""How long a flow run the follower resumes to run it itself is held back from
+the worker (its `Scheduled` state's time, past the worker's prefetch): the
+follower claims it at once, so that the worker's poll cannot take it between
+the resume and the claim; one whose claim fails runs on the worker after it."""
+
 JOIN_S = 6 * 3600.0
 """The most a follower at its term's end waits for the flow runs its process
 runs (its successor follows every job meanwhile, and leaves these to it): a
@@ -83,6 +92,16 @@ AnyFlow = Flow[..., Any]
 
 HERE: ContextVar[Here | None] = ContextVar("overbrainer_resume_here", default=None)
 """Set in the follower: where the flow runs it resumes may run again."""
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A suspended flow run made ready to run here before its resume: its
+    flow, its marker and its lock (`held`, released by closing it)."""
+
+    flow: AnyFlow
+    marker: str
+    held: ExitStack
 
 
 class Here:
@@ -111,22 +130,24 @@ class Here:
         self._threads = {k: t for k, t in self._threads.items() if t.is_alive()}
         return len(self._threads)
 
-    async def take(self, waiting: FlowRun, logger: Logger) -> bool:
-        """Claims the flow run `waiting`, just resumed (`Scheduled`), and runs it
-        in a thread of this process when it may run here (see the module);
-        returns whether it does. Raises nothing: a refusal, or a server or a
-        store that cannot be reached, leaves it to the worker."""
+    async def reserve(self, waiting: FlowRun, logger: Logger) -> Reserved | None:
+        """Makes ready to run the suspended flow run `waiting` in a thread of
+        this process, before it is resumed, when it may run here (see the
+        module): its lock taken, its marker written. None when it may not;
+        then it is resumed the plain way, for the worker. Raises nothing: a
+        refusal, or a server or a store that cannot be reached, leaves it to
+        the worker."""
         if self.running() >= MAX_HERE:  # full: no need to ask the server about it
-            return False
+            return None
         if self.held is not None and self.held.lost:  # another follower runs them now
-            return False
+            return None
         held = ExitStack()  # its lock, held from before its marker until its marker is gone
         locked = False
         marker = self.runs.key(HERE_DIR, f"{waiting.id}.json")
         try:
             flow = await self._flow_for(waiting)
             if flow is None:
-                return False
+                return None
             lock = running_lock(self.runs, waiting.id)
             with ExitStack() as taking:  # raises Busy: nothing held, nothing removed
                 taking.enter_context(self.runs.store.lock(lock, {"flow_run_id": self.follower}))
@@ -134,23 +155,47 @@ class Here:
                 held.enter_context(taking.pop_all())
             locked = True
             self.runs.store.write(marker, json.dumps({"follower": self.follower}).encode())
-            async with get_client() as client:
-                answer: OrchestrationResult[object] = await client.set_flow_run_state(
-                    waiting.id,
-                    Pending(name=CLAIM, message=f"run again by the follower {self.follower}"),
-                )
-            if answer.status != SetStateStatus.ACCEPT or answer.state is None:
-                self._let_go(marker, held, logger)
-                return False
         except Exception as error:
             if locked:  # its marker may be written: removed, then its lock
                 self._let_go(marker, held, logger)
             logger.warning("flow run %s is left to the worker: %s", waiting.id, error)
+            return None
+        return Reserved(flow, marker, held)
+
+    def release(self, reserved: Reserved, logger: Logger) -> None:
+        """Lets go of a flow run reserved and not taken (its resume refused)."""
+        self._let_go(reserved.marker, reserved.held, logger)
+
+    async def take(self, waiting: FlowRun, reserved: Reserved, logger: Logger) -> bool:
+        """Claims the flow run `waiting`, reserved before it was resumed and
+        just resumed (`Scheduled`, held back from the worker RESUME_HOLD_S),
+        as a worker would (`Pending`, CLAIM), and runs it in a thread of this
+        process; returns whether it does. Raises nothing: a claim refused or
+        a server that cannot be reached lets it go, and the worker runs it
+        once its hold ends."""
+        try:
+            async with get_client() as client:
+                answer: OrchestrationResult[object] = await client.set_flow_run_state(
+                    waiting.id,
+                    Pending(  # to start now, not at the hold's end its Scheduled state had
+                        name=CLAIM,
+                        message=f"run again by the follower {self.follower}",
+                        state_details=StateDetails.model_validate(
+                            {"scheduled_time": datetime.now(UTC)}
+                        ),
+                    ),
+                )
+        except Exception as error:
+            self.release(reserved, logger)
+            logger.warning("flow run %s is left to the worker: %s", waiting.id, error)
+            return False
+        if answer.status != SetStateStatus.ACCEPT or answer.state is None:
+            self.release(reserved, logger)
             return False
         claimed = waiting.model_copy(update={"state": answer.state})  # as the server has it now
         thread = threading.Thread(
             target=self._run,
-            args=(flow, claimed, marker, held, logger),
+            args=(reserved.flow, claimed, reserved.marker, reserved.held, logger),
             name=f"flow-run-{waiting.id}",
             daemon=True,
         )

@@ -5,7 +5,9 @@ worker claimed, not one that ended, not the live follower's own); one that
 ended its term while it still runs some keeps them (the next follower leaves
 them to its process while it lives, and runs them again once it died, on a
 local and an object store); a flow run that may not run here (not from a
-deployment) is left to the worker, untouched; a suspended flow run whose
+deployment) is left to the worker, untouched; one that may is resumed held
+back from the worker's poll and claimed by the follower (no poll between the
+two can take it); a suspended flow run whose
 job runs past its pause's bound has that bound pushed ahead by its follower,
 and still resumes. The whole way (a deployment
 run resumed and run again by the follower) is tested in
@@ -21,27 +23,32 @@ import signal
 import subprocess
 import sys
 import textwrap
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from uuid import UUID
 
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.settings import PREFECT_WORKER_PREFETCH_SECONDS
 from prefect.states import Completed, Paused, Pending, Running, Scheduled, State, Suspended
 
 from overbrainer_prefect import resume_here
+from overbrainer_prefect.flowruns import resume
 from overbrainer_prefect.resume_here import (
     CLAIM,
+    HERE,
     HERE_DIR,
     Here,
     Recovered,
+    Reserved,
     recover,
     recover_again,
     running_lock,
 )
-from overbrainer_prefect.runs import Runs
+from overbrainer_prefect.runs import RunRecord, Runs, RunState
 from overbrainer_prefect.store.lease import TTL_ENV
 from overbrainer_prefect.suspension import RESUME_MARGIN_S, extend_pause
 
@@ -120,12 +127,87 @@ def test_a_flow_run_not_from_a_deployment_is_left_to_the_worker_untouched(
         waiting = await _run_through(Paused(reschedule=True), Scheduled(name="Resuming"))
         async with get_client() as client:
             found = await client.read_flow_run(waiting)
-        assert not await here.take(found, LOG)
+        assert await here.reserve(found, LOG) is None
         assert await _state_of(waiting) == (StateType.SCHEDULED, "Resuming")
 
     asyncio.run(scenario())
     assert here.running() == 0
     assert not (runs.root / HERE_DIR).exists()
+
+
+class PolledBeforeItsClaim(Here):
+    """A follower's `Here` that, between its resume of a flow run and its
+    claim, polls the work pool as a worker does (`polled`: what it got)."""
+
+    pool = "resumed-here-pool"
+    polled: list[UUID] | None = None
+
+    async def take(self, waiting: FlowRun, reserved: Reserved, logger: logging.Logger) -> bool:
+        soon = datetime.now(UTC) + timedelta(seconds=PREFECT_WORKER_PREFETCH_SECONDS.value())
+        async with get_client() as client:
+            found = await client.get_scheduled_flow_runs_for_work_pool(
+                self.pool, scheduled_before=soon
+            )
+        self.polled = [r.flow_run.id for r in found]
+        return await super().take(waiting, reserved, logger)
+
+
+def test_a_resumed_flow_run_the_follower_runs_is_never_the_workers_to_take(
+    prefect_server: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The follower resumes a suspended flow run of its own work pool held
+    back from the worker's poll (past its prefetch) and claims it at once: a
+    worker polling between the resume and the claim does not get it, the
+    follower runs it to its end (in t8 of stop 46 a worker's poll took one
+    between the two, and it ran in a new process instead)."""
+    runs = Runs(tmp_path / "runs")
+    here = PolledBeforeItsClaim(runs, {"stand-in-resumed": stand_in}, "live")
+    pool = PolledBeforeItsClaim.pool
+
+    async def scenario() -> None:
+        async with get_client() as client:
+            await client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+            flow_id = await client.create_flow(stand_in)
+            made = {}
+            for name in ("follower", "train"):
+                deployment_id = await client.create_deployment(
+                    flow_id=flow_id,
+                    name=name,
+                    work_pool_name=pool,
+                    entrypoint="tests/test_resume_here.py:stand_in",
+                )
+                made[name] = (await client.create_flow_run_from_deployment(deployment_id)).id
+            monkeypatch.setenv("PREFECT__FLOW_RUN_ID", str(made["follower"]))  # the follower's
+            waiting = made["train"]
+            await client.set_flow_run_state(waiting, Running(), force=True)
+            await client.set_flow_run_state(waiting, Suspended(timeout_seconds=600))
+        record = RunRecord(
+            id="r1",
+            target="local",
+            created="2026-12-06T00:00:00Z",
+            remote_dir=str(tmp_path),
+            state=RunState.SUCCEEDED,
+            flow_run_id=str(waiting),
+        )
+        token = HERE.set(here)
+        try:
+            assert await resume(record, LOG)
+        finally:
+            HERE.reset(token)
+        assert here.polled is not None and waiting not in here.polled, here.polled
+        assert await asyncio.to_thread(here.join, 60) == 0
+        async with get_client() as client:
+            states = sorted(await client.read_flow_run_states(waiting), key=lambda s: s.timestamp)
+        after = [(s.type, s.name) for s in states][-4:]
+        assert after == [
+            (StateType.SCHEDULED, "Resuming"),
+            (StateType.PENDING, CLAIM),
+            (StateType.RUNNING, "Running"),
+            (StateType.COMPLETED, "Completed"),
+        ], after
+        assert runs.store.names(runs.key(HERE_DIR)) == []  # its marker and lock are gone
+
+    asyncio.run(scenario())
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +217,7 @@ STILL_RUNNING = textwrap.dedent(
     """
     import sys, time
     from overbrainer_prefect.resume_here import running_lock
-    from overbrainer_prefect.runs import Runs
+    from overbrainer_prefect.runs import RunRecord, Runs, RunState
     runs = Runs(sys.argv[1])
     with runs.store.lock(running_lock(runs, sys.argv[2]), {"flow_run_id": "ended"}):
         print("running", flush=True)  # the flow run runs on in this process
