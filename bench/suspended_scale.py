@@ -415,6 +415,7 @@ class Bench:
         found = {
             "follower": cpu_seconds(self.follower_pid, reaped=False),
             "worker": cpu_seconds(worker.pid, reaped=False),
+            "flow-run processes": cpu_seconds(worker.pid) - cpu_seconds(worker.pid, reaped=False),
             "server": tree_cpu_seconds(server.pid),
             "postgres": postgres_cpu_s(),
             "machine": machine_busy_s(),
@@ -429,7 +430,14 @@ class Bench:
         self.seen.cpu[phase] = (
             ", ".join(
                 f"{name} {(now[name] - before[name]) / wall:.2f}"
-                for name in ("follower", "worker", "server", "postgres", "machine")
+                for name in (
+                    "follower",
+                    "worker",
+                    "flow-run processes",
+                    "server",
+                    "postgres",
+                    "machine",
+                )
             )
             + f" cores over {wall:.0f} s"
         )
@@ -640,6 +648,7 @@ def run_phases(
 
     progress(f"{total - reference} more runs while those train")
     began = time.monotonic()
+    starting = b.cpu_now()
     rest = b.start_runs(total - reference)
     b.wait(
         f"{total} runs suspended",
@@ -648,6 +657,7 @@ def run_phases(
         "start",
     )
     started_s = time.monotonic() - began
+    b.cpu_since(f"{total - reference} runs starting and suspending", starting)
     progress(f"all {total} suspended after {started_s:.0f} s; their jobs train")
     b.go(rest)
     time.sleep(2 * PACE_S)

@@ -4,11 +4,18 @@ in, whether one waits suspended for its job, and resuming it."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
 from prefect.client.schemas.objects import FlowRun, State, StateType
 from prefect.client.schemas.responses import SetStateStatus
 from prefect.exceptions import ObjectNotFound
@@ -42,6 +49,44 @@ async def cancelled_at(flow_run_id: str | None) -> float | None:
     if state is None or state.type not in CANCELLED_FLOW_RUN:
         return None
     return state.timestamp.timestamp()
+
+
+CANCELLED_READ_AT_ONCE = 200
+"""Flow runs asked about in one request by `cancelled_among` (the server's default limit)."""
+
+
+async def cancelled_among(flow_run_ids: Collection[str | None]) -> dict[str, float]:
+    """Which of the flow runs `flow_run_ids` were cancelled (or asked to be),
+    with when (a Unix time), in one request to the server for every
+    CANCELLED_READ_AT_ONCE of them (a follower asks about every job it
+    follows each pass: one request a job would grow the server's load with
+    them). Ids that are not a flow run's are skipped. Raises what the Prefect
+    client raises when the server cannot be reached."""
+    ids = sorted({UUID(i) for i in flow_run_ids if i is not None and _is_uuid(i)}, key=str)
+    found: dict[str, float] = {}
+    async with get_client() as client:
+        for start in range(0, len(ids), CANCELLED_READ_AT_ONCE):
+            chunk = ids[start : start + CANCELLED_READ_AT_ONCE]
+            for run in await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    id=FlowRunFilterId(any_=chunk),
+                    state=FlowRunFilterState(
+                        type=FlowRunFilterStateType(any_=sorted(CANCELLED_FLOW_RUN))
+                    ),
+                ),
+                limit=len(chunk),
+            ):
+                if run.state is not None:
+                    found[str(run.id)] = run.state.timestamp.timestamp()
+    return found
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        UUID(text)
+    except ValueError:
+        return False
+    return True
 
 
 async def settle_flow_run(

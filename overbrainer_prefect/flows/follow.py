@@ -27,7 +27,7 @@ from prefect.deployments.flow_runs import arun_deployment
 from prefect.runtime import deployment, flow_run
 
 from overbrainer_prefect.budget_leases import handed_over, renewed, taken_over
-from overbrainer_prefect.flowruns import cancelled_at, job_logger, suspended
+from overbrainer_prefect.flowruns import cancelled_among, job_logger, suspended
 from overbrainer_prefect.flows.collect import candidates, collect_job
 from overbrainer_prefect.flows.compare import compare
 from overbrainer_prefect.flows.evaluate import evaluate
@@ -201,18 +201,29 @@ async def _take_new(runs: Runs, followed: dict[str, _Followed], logger: Logger) 
 async def _cancel_asked(followed: dict[str, _Followed], logger: Logger) -> None:
     """Cancels the jobs whose suspended flow run was cancelled (`prefect
     flow-run cancel`): no process of theirs is left to do it. The job's
-    follow records it, retrieves what it left and ends what it ran on."""
+    follow records it, retrieves what it left and ends what it ran on. The
+    server is asked about all of them at once (`cancelled_among`)."""
+    asked: list[_Followed] = []
     for job in followed.values():
-        record, target = job.record, job.target
-        if job.cancel_sent or record.job is None or target is None:
+        record = job.record
+        if job.cancel_sent or record.job is None or job.target is None:
             continue
         if not job.waited:  # read once it says so: a flow run that suspended stays so
             job.waited = await asyncio.to_thread(waited_for, job.store, record)
-        if not job.waited:
+        if job.waited:
+            asked.append(job)
+    if not asked:
+        return
+    try:
+        cancelled = await cancelled_among([job.record.flow_run_id for job in asked])
+    except Exception as error:  # the next pass asks again; each job's own follow reads it too
+        logger.warning("cannot ask the server which flow runs were cancelled now: %s", error)
+        return
+    for job in asked:
+        record, target = job.record, job.target
+        if record.flow_run_id not in cancelled or record.job is None or target is None:
             continue
         try:
-            if await cancelled_at(record.flow_run_id) is None:
-                continue
             job.cancel_sent = True
             async with target.reach(job.store, record) as placed:
                 if placed is not None:
