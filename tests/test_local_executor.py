@@ -200,6 +200,24 @@ def test_a_job_runs_detached_and_exits_0_with_its_output_in_the_job_log(
     assert (run_dir / EXIT_FILE).read_text() == "0\n"
 
 
+def test_a_follows_wait_for_a_local_job_ends_when_the_job_exits_not_at_its_poll(
+    executor: LocalExecutor, jobs: list[JobId]
+) -> None:
+    """`wait_exit` waits its seconds while the job runs, and returns once its
+    exit file appears: a follow sees a local job's end then, not a poll later."""
+    job = spawn(executor, jobs, [["sh", "-c", wait_for_go()]])
+    run(executor.wait_exit(job, 0.3))  # a running job: the wait runs out
+    assert run(executor.status(job)) == JobStatus.running()
+
+    async def ended_while_waiting() -> JobStatus:
+        waiting = asyncio.create_task(executor.wait_exit(job, 3600.0))  # a whole poll, and more
+        (Path(job.dir) / "go").touch()
+        await asyncio.wait_for(waiting, WAIT_S)  # returned at the exit, not after an hour
+        return await executor.status(job)
+
+    assert run(ended_while_waiting()) == JobStatus.exited(0)
+
+
 def test_the_first_failing_command_ends_the_job_with_its_exit_code(
     executor: LocalExecutor, jobs: list[JobId]
 ) -> None:

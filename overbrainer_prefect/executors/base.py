@@ -168,6 +168,12 @@ class Executor(Protocol):
         """Where the job stands now."""
         ...
 
+    async def wait_exit(self, job: JobId, seconds: float) -> None:
+        """Waits `seconds` before the next look at the job; returns sooner once
+        its `EXIT_FILE` exists where that is cheap to see (a local target).
+        Raises nothing."""
+        ...
+
     async def cancel(self, job: JobId) -> None:
         """Cancels the job's whole process group: writes `CANCEL_FILE`, sends
         SIGTERM, then SIGKILL after a grace. A job already ended is left alone."""

@@ -68,6 +68,7 @@ environment)."""
 
 LAUNCH_TIMEOUT_S = 30.0  # seconds the detached launch may take before spawn gives up
 POLL_S = 0.05  # seconds between checks that a cancelled job's process group is gone
+EXIT_LOOK_S = 0.2  # seconds between two looks for a job's exit file while a follow waits
 
 
 class LocalExecutor:
@@ -227,6 +228,17 @@ class LocalExecutor:
         except OSError as error:
             raise ExecError("status", f"{job.dir}: {_reason(error)}") from None
         return parse_status(job, output)
+
+    async def wait_exit(self, job: JobId, seconds: float) -> None:
+        """Waits up to `seconds`, looking for the job's exit file every
+        EXIT_LOOK_S (a stat here): a job's end is seen within that, not
+        within a whole poll. Raises nothing."""
+        exit_file = Path(job.dir) / EXIT_FILE
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if exit_file.exists():
+                return
+            await asyncio.sleep(min(EXIT_LOOK_S, left))
 
     async def cancel(self, job: JobId) -> None:
         """Cancels `job` when it is still the process it was: writes its cancel

@@ -244,6 +244,11 @@ class NodesExecutor:
             await self._cancel_all([self.jobs[k] for k in running], running)
         return self._ended
 
+    async def wait_exit(self, job: JobId, seconds: float) -> None:
+        """Waits `seconds`: a look at the job costs a command on the host, made
+        once a poll. Raises nothing."""
+        await asyncio.sleep(seconds)
+
     async def cancel(self, job: JobId) -> None:
         """Cancels the job on every node."""
         await self._cancel_all(self.jobs or [job])

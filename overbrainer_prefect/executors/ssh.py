@@ -252,6 +252,11 @@ class SshExecutor:
             raise TargetUnreachable("status", f"{self.description} cut its answer short")
         return parse_status(job, text)
 
+    async def wait_exit(self, job: JobId, seconds: float) -> None:
+        """Waits `seconds`: a look at the job costs a command on the host, made
+        once a poll. Raises nothing."""
+        await asyncio.sleep(seconds)
+
     async def cancel(self, job: JobId) -> None:
         """Cancels `job` when it is still the process it was: writes its cancel
         marker, sends SIGTERM to its process group, waits up to `CANCEL_GRACE_S`

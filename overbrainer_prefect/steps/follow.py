@@ -254,8 +254,11 @@ async def _follow(
                 except ExecError as error:
                     failures = _retry(ctx, record, failures, error)
                 timed_out = True
-        # once the job wrote its end event it is about to exit: look again sooner
-        await asyncio.sleep(min(ctx.poll_s, ENDING_POLL_S) if summary.ended else ctx.poll_s)
+        # once the job wrote its end event it is about to exit: look again sooner; a local
+        # job's exit file is seen as it appears
+        await ctx.executor.wait_exit(
+            job, min(ctx.poll_s, ENDING_POLL_S) if summary.ended else ctx.poll_s
+        )
     while True:
         check_guarded(record.id)
         before = stream.offset
