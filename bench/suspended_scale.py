@@ -45,7 +45,14 @@ runs it. On a host slower by a tenth (2026-12-05, the whole bench's scripts
 of the 100 resumed runs went to the worker and resume-p95 was 30 s and 72 s
 (0.6 s apart: 21.5 s; 0.5 s: 8.8 s and 12.4 s at most); 1 s apart, the same
 hour: every resumed run ran again in the follower and resume-p95 was
-2.58 s. So 1 s: the ends take 25 s more and keep their margin.
+2.58 s. So 1 s: the ends take 25 s more and keep their margin. Then the
+follower stopped asking the server about each followed job's cancel one
+request at a time (one request a pass for all of them, 2026-12-06: with 100
+jobs, 50 requests a second fewer; the server's CPU while they train 0.35 ->
+0.15 of a core): 0.75 s apart again, twice, 97 and 100 of the 100 resumed
+runs ran again in the follower and resume-p95 was 4.28 and 2.12 s, the
+second on a machine slower than any before (a fixed loop's 0.29-0.34 CPU s,
+0.12-0.26 the day before). So 0.75 s: the ends take 75 s.
 `SUSP_END_EVERY_S` sets it for a try.
 
 The work pool runs POOL_LIMIT flow runs at once (the follower's included),
@@ -140,7 +147,7 @@ PACE_S = 1.5  # seconds between two metric lines of a job (a training step's pac
 MAX_STEPS = 2000  # the spec's max_steps: a job writes at most that many lines (50 min)
 WINDOW_S = 20.0  # all jobs training: the processes and the follower's memory sampled
 REFERENCE_WINDOW_S = 8.0  # the reference runs training alone: the follower's memory
-END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "1.0"))  # between two jobs told to end
+END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "0.75"))  # between two jobs told to end
 HOLD_S = 1800  # a stand-in job never told to go exits (failed) after this long
 SUSPEND_TIMEOUT_S = 600.0  # for a step's runs to start, suspend and be followed
 FOLLOWER_TIMEOUT_S = 240.0  # for the follower's flow run to start and hold the runs directory
