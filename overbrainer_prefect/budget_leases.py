@@ -21,6 +21,7 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency._asyncio import aacquire_concurrency_slots_with_lease
 from prefect.concurrency.context import ConcurrencyContext
 
+from overbrainer_prefect.cancelling import cancel_and_wait
 from overbrainer_prefect.money.limits import LEASE_S
 from overbrainer_prefect.runs.lock import follower_of
 from overbrainer_prefect.runs.store import Runs
@@ -105,8 +106,7 @@ async def renewed(
     try:
         yield
     finally:
-        renewing.cancel()
-        await asyncio.gather(renewing, return_exceptions=True)
+        await cancel_and_wait(renewing)
         if last_on_exit and ids:
             await asyncio.shield(_renew_once(ids, logger, warned))
 

@@ -36,6 +36,7 @@ from prefect.runtime import deployment, flow_run
 
 from overbrainer_prefect.artifacts import PrefectReporter, remember_live_artifacts
 from overbrainer_prefect.budget_leases import Leases
+from overbrainer_prefect.cancelling import cancel_and_wait
 from overbrainer_prefect.runs.lock import follower_of
 from overbrainer_prefect.runs.store import RunRecord, Runs, subject
 from overbrainer_prefect.steps.reporters import Reporter
@@ -269,8 +270,7 @@ async def kept_suspended(store: Runs, record: RunRecord, logger: Logger) -> Asyn
     try:
         yield
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
 
 async def _keep(flow_run_id: str, record: RunRecord, logger: Logger) -> None:

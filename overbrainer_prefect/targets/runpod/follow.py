@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from overbrainer_prefect.cancelling import cancel_and_wait
 from overbrainer_prefect.executors.base import ExecError, Executor, JobStatus
 from overbrainer_prefect.executors.nodes import NodesExecutor
 from overbrainer_prefect.runpod.bootstrap import LEASE_FILE, WATCHDOG_LOG, PodTiming
@@ -205,9 +206,8 @@ async def watch_leased(
         for task in tasks:
             if not task.done():
                 task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        for task in tasks:  # cancelled again while one runs on (a cancel Python 3.11 lost)
+            await cancel_and_wait(task)
     if not watching.done() or watching.cancelled():
         return Watched(deadline_passed=True, last_step=progress.last_step)
     error = watching.exception()
