@@ -236,7 +236,10 @@ class LocalExecutor:
         exit_file = Path(job.dir) / EXIT_FILE
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
-            if exit_file.exists():
+            try:
+                if exit_file.exists():
+                    return
+            except OSError:  # a directory it cannot read: the next look (status) says why
                 return
             await asyncio.sleep(min(EXIT_LOOK_S, left))
 
