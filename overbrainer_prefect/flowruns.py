@@ -62,7 +62,7 @@ async def cancelled_among(flow_run_ids: Collection[str | None]) -> dict[str, flo
     follows each pass: one request a job would grow the server's load with
     them). Ids that are not a flow run's are skipped. Raises what the Prefect
     client raises when the server cannot be reached."""
-    ids = sorted({UUID(i) for i in flow_run_ids if i is not None and _is_uuid(i)}, key=str)
+    ids = list(dict.fromkeys(u for i in flow_run_ids if (u := _uuid(i)) is not None))
     found: dict[str, float] = {}
     async with get_client() as client:
         for start in range(0, len(ids), CANCELLED_READ_AT_ONCE):
@@ -81,12 +81,12 @@ async def cancelled_among(flow_run_ids: Collection[str | None]) -> dict[str, flo
     return found
 
 
-def _is_uuid(text: str) -> bool:
+def _uuid(text: str | None) -> UUID | None:
+    """`text` as a flow run's id, None when it is none or not a UUID."""
     try:
-        UUID(text)
+        return UUID(text) if text is not None else None
     except ValueError:
-        return False
-    return True
+        return None
 
 
 async def settle_flow_run(
