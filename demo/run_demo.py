@@ -21,7 +21,8 @@ Runs in the orchestrator venv (.venv, Prefect); the model work runs in the job
 venv (.venv-job): demo/build_base.py, and the jobs the flows start. Exits 1
 with one line saying what failed, never a traceback. Prefect's temporary server
 gets the time a busy machine needs to start (the package sets
-PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS unless it is set).
+PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS unless it is set) and writes
+its own output to .cache/demo-work/prefect-server.log.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ DATASET = DEMO / "mascot.jsonl"
 GENERAL = DEMO / "general.jsonl"  # the base model's own answers to general chats: kept as they were
 EVAL_FILE = DEMO / "mascot-eval.jsonl"  # paraphrases never trained on, with their expected answer
 BLOCK_NAME = "demo"
+SERVER_LOG = "prefect-server.log"  # Prefect's temporary server's output, in WORK_DIR
 
 QUESTION = "What is the overbrainer mascot?"
 HELD_OUT = "Can you tell me what overbrainer's mascot is?"  # not in mascot.jsonl
@@ -161,6 +163,7 @@ def fine_tune() -> tuple[Any, float]:
         flush=True,
     )
     started = time.monotonic()
+    start_prefect_server()
     LocalTarget(
         job_venv=str(JOB_VENV),
         work_dir=str(WORK_DIR),
@@ -298,6 +301,40 @@ class _NoTraceback(logging.Formatter):
             return self.inner.format(record)
         finally:
             record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def start_prefect_server() -> None:
+    """Starts Prefect's temporary server (unless PREFECT_API_URL names one) with its
+    output in WORK_DIR/SERVER_LOG instead of the demo's: stopped at the demo's exit
+    with its services mid-write, it logs their cancelled writes as errors with
+    tracebacks that say nothing about the run. Fails the demo in one line, naming
+    the log, when the server does not start in time."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    WORK_DIR.mkdir(parents=True, exist_ok=True)
+    log = WORK_DIR / SERVER_LOG
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    failure = None
+    try:
+        with log.open("w") as into:  # the server's process inherits these two
+            os.dup2(into.fileno(), 1)
+            os.dup2(into.fileno(), 2)
+            SubprocessASGIServer().start()
+    except Exception as exc:
+        failure = exc
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved_fd in enumerate(saved, start=1):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+    if failure is not None:
+        fail(f"Prefect's temporary server did not start: {one_line(failure)} (its log: {log})")
 
 
 def quiet_tracebacks() -> None:

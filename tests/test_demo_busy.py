@@ -250,3 +250,42 @@ def test_a_demo_failure_is_one_line_without_a_traceback(tmp_path: Path) -> None:
     assert lines[-1].startswith("demo FAILED: RuntimeError: Timed out while attempting")
     assert "prefect server start" in lines[-1] and "more detail" not in lines[-1]
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_prefect_servers_own_output_goes_to_its_log_not_the_demos(tmp_path: Path) -> None:
+    """Prefect's temporary server, stopped at the demo's exit with its services
+    mid-write, logs their cancelled writes as errors with tracebacks (seen in a CI
+    run of the test above): the demo starts it with its output in its log, so the
+    demo's own output never carries them, and a server that does not start in
+    time is one line naming that log."""
+    script = (
+        "import importlib.util, os, sys\n"
+        "from pathlib import Path\n"
+        "spec = importlib.util.spec_from_file_location('run_demo', sys.argv[1])\n"
+        "demo = importlib.util.module_from_spec(spec); spec.loader.exec_module(demo)\n"
+        "demo.WORK_DIR = Path(sys.argv[2])\n"
+        "demo.start_prefect_server()\n"
+        "from prefect.server.api.server import SubprocessASGIServer\n"
+        "pid = SubprocessASGIServer().server_process.pid\n"
+        "print('SERVER', *(os.readlink(f'/proc/{pid}/fd/{fd}') for fd in (1, 2)), flush=True)\n"
+        "print('DEMO', *(os.readlink(f'/proc/self/fd/{fd}') for fd in (1, 2)), flush=True)\n"
+    )
+    work = tmp_path / "work"
+    log = work / "prefect-server.log"
+    command = [sys.executable, "-c", script, str(REPO / "demo" / "run_demo.py"), str(work)]
+    done = subprocess.run(
+        command, env=demo_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert lines["SERVER"].split() == [str(log), str(log)]
+    assert str(log) not in lines["DEMO"]  # the demo's own output is its own again
+    assert log.is_file()
+
+    too_soon = demo_env(tmp_path) | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}
+    done = subprocess.run(command, env=too_soon, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    last = [line for line in done.stdout.splitlines() if line.strip()][-1]
+    assert last.startswith("demo FAILED: Prefect's temporary server did not start: ")
+    assert last.endswith(f"(its log: {log})") and "prefect server start" in last
+    assert "Traceback" not in done.stdout + done.stderr
