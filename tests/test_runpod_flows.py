@@ -314,8 +314,13 @@ def test_max_cost_usd_reached_deletes_the_pod_and_fails_the_run_with_that_reason
     sim: RunpodSim,
     tiny: tuple[Path, Path],
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runs_dir = tmp_path / "runs"
+    # the watchdog asks the job for a checkpoint a second (a look) before the cap, not a tenth
+    # of it: the job cannot stop and have its files retrieved first, so the cap deletes the pod
+    # (with 3.5 s, an idle machine's job stopped with its checkpoint, retrieved, before the cap)
+    monkeypatch.setenv(TIMING_ENV, f"{FAST},checkpoint_lead_s=1")
     name = target(sim, max_cost_usd=0.0025)  # 35 s at $0.26/h (GPU and container disk)
     # the pod's sshd outlives its job by 5 s (a loaded machine): the follower finds the
     # job lost on a host that still answers, and asks Runpod whether the pod is gone
@@ -332,6 +337,7 @@ def test_max_cost_usd_reached_deletes_the_pod_and_fails_the_run_with_that_reason
     assert pod is not None and pod.state == PodState.DELETED and pod.deleted_by == "watchdog"
     assert pod.pod_id is not None
     log = pods_of.watchdog_log(pod.pod_id, record.id)
+    assert "asked the job for a checkpoint (stop.request): max_cost_usd" in log, log
     assert "max_cost_usd reached: $0.0025 at $0.256944/h" in log, log
     assert sim.spend(pod.pod_id) <= 0.0025  # GPUs and container disk, at deletion
 
