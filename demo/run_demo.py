@@ -308,9 +308,12 @@ def start_prefect_server() -> None:
     output in WORK_DIR/SERVER_LOG instead of the demo's: stopped at the demo's exit
     with its services mid-write, it logs their cancelled writes as errors with
     tracebacks that say nothing about the run. Fails the demo in one line, naming
-    the log, when the server does not start in time."""
+    the log, when the server does not start in time (the package's startup bound,
+    unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS says another)."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
+
+    import overbrainer_prefect  # noqa: F401  (its defaults: the server's startup bound)
 
     if PREFECT_API_URL.value():
         return

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from overbrainer_prefect import EPHEMERAL_STARTUP_S
 from tests.conftest import REPO, job_venv
 from tests.prefect_server import clean_env
 from tests.procs import kill_pids
@@ -269,6 +270,8 @@ def test_prefect_servers_own_output_goes_to_its_log_not_the_demos(tmp_path: Path
         "pid = SubprocessASGIServer().server_process.pid\n"
         "print('SERVER', *(os.readlink(f'/proc/{pid}/fd/{fd}') for fd in (1, 2)), flush=True)\n"
         "print('DEMO', *(os.readlink(f'/proc/self/fd/{fd}') for fd in (1, 2)), flush=True)\n"
+        "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as S\n"
+        "print('BOUND', S.value(), flush=True)\n"
     )
     work = tmp_path / "work"
     log = work / "prefect-server.log"
@@ -280,6 +283,8 @@ def test_prefect_servers_own_output_goes_to_its_log_not_the_demos(tmp_path: Path
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert lines["SERVER"].split() == [str(log), str(log)]
     assert str(log) not in lines["DEMO"]  # the demo's own output is its own again
+    # the package's bound, not Prefect's 20 s (a busy machine's start took longer: seen here)
+    assert lines["BOUND"] == str(EPHEMERAL_STARTUP_S)
     assert log.is_file()
 
     too_soon = demo_env(tmp_path) | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}
