@@ -38,6 +38,7 @@ from overbrainer_prefect.steps import start as start_step
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, NoBudget, Target
 from overbrainer_prefect.targets.runpod.context import PodContext
+from overbrainer_prefect.targets.runpod.ending import remove
 from overbrainer_prefect.targets.runpod.fate import (
     RESTART_REASON,
     RETRIEVED_REASON,
@@ -571,6 +572,44 @@ def pod_of_a_run_here(sim: RunpodSim, runs: Runs, ended_ago_s: float | None) -> 
         cost_per_hour=0.25,
     ).save(runs)
     return record.id, pod_id
+
+
+def test_a_pod_its_watchdog_deleted_on_the_retrieved_marker_first_keeps_the_endings_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client marks a run's files retrieved, then deletes the pod: a watchdog
+    that looks between the two deletes it first (seen under load in a `make
+    test`, with a container restart's reason lost). The pod is already gone
+    at the client's delete: it is recorded deleted by the watchdog, for the
+    reason this ending gave, where the marker alone says less."""
+    monkeypatch.setenv(TIMING_ENV, FAST)
+    runs = Runs(tmp_path / "runs")
+    why = "its container restarted and lost its job (at X, at step 1); what the job left was kept"
+    with running_sim() as sim:
+        ended = {}
+        for after_marking in (True, False):
+            run_id, pod_id = pod_of_a_run_here(sim, runs, None)
+            pod = PodRecord.load(runs, run_id)
+            assert pod is not None
+            pod.retrieved_marked = True
+            sim.terminate(pod_id)  # gone before the client's delete, as its watchdog deletes
+
+            async def end(pod: PodRecord = pod, after_marking: bool = after_marking) -> None:
+                client = RunpodClient(SecretStr(sim.api_key), sim.rest_url, sim.graphql_url)
+                async with client:
+                    ctx = PodContext(client=client, runs=runs, log=LOG)
+                    await remove(ctx, pod, why, after_marking=after_marking)
+
+            asyncio.run(end())
+            ended[after_marking] = PodRecord.load(runs, run_id)
+    told, other = ended[True], ended[False]
+    assert told is not None and told.state == PodState.DELETED
+    assert (told.deleted_by, told.delete_reason) == ("watchdog", why)
+    # another ending (a guard, the pods flow) keeps the watchdog's own reason
+    assert other is not None and (other.deleted_by, other.delete_reason) == (
+        "watchdog",
+        RETRIEVED_REASON,
+    )
 
 
 def listed(sim: RunpodSim, runs: Runs) -> dict[str, PodRow]:

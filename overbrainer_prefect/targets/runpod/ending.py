@@ -26,6 +26,7 @@ from overbrainer_prefect.steps.context import ENDED_BY
 from overbrainer_prefect.store.records import RecordError
 from overbrainer_prefect.targets.runpod.context import PodContext
 from overbrainer_prefect.targets.runpod.fate import (
+    RETRIEVED_REASON,
     Fate,
     container_restart,
     found_gone,
@@ -67,13 +68,24 @@ def attach_hint(record: RunRecord) -> str:
     return f"follow it again with {follow_again(record)}"
 
 
-async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = None) -> None:
+async def remove(
+    ctx: PodContext,
+    pod: PodRecord,
+    reason: str,
+    by: str | None = None,
+    *,
+    after_marking: bool = False,
+) -> None:
     """Deletes the run's pod and confirms it is gone (an "already gone" is
     success), recording each step in `pod.json`: `deleting` before the
     delete, `deleted` once confirmed, by `by` (by default who this process
     is: `client`, or `collector` in the collect flow). Does nothing when
     there is no pod or it is already recorded deleted. The record of an
     instant cluster deletes the cluster, and confirms each of its pods gone.
+    `after_marking`: this process just marked the run's files retrieved on the
+    pod for this ending, so a pod its watchdog deleted first on that marker is
+    recorded deleted by the watchdog for `reason` (why the pod ended: its
+    container's restart, say), not for the marker alone.
 
     Raises PodError when the delete is refused or cannot be confirmed: the pod
     then stays `deleting` in `pod.json`, and may still bill.
@@ -103,6 +115,8 @@ async def remove(ctx: PodContext, pod: PodRecord, reason: str, by: str | None = 
             str(error),
         ) from None
     fate = Fate(by or ENDED_BY.get(), reason, taken_at) if deleted else found_gone(ctx.runs, before)
+    if not deleted and after_marking and fate.reason == RETRIEVED_REASON:
+        fate = Fate(fate.by, reason, fate.at)  # the watchdog acted on this ending's marker
     pod.mark_deleted(fate.by, fate.reason, fate.at)
     pod.save(ctx.runs)
     reason = fate.reason
@@ -313,6 +327,7 @@ async def end_pod(
             restart_reason(restart, pod.lost_step)
             if restart is not None and restart.lost_job
             else "its run's files were retrieved and verified",
+            after_marking=pod.retrieved_marked,
         )
     except DeleteRefused as refused:
         if not pod.retrieved_marked:
