@@ -53,7 +53,7 @@ from overbrainer_prefect.steps import end as end_step
 from overbrainer_prefect.steps import reporters
 from overbrainer_prefect.steps.context import Outcome
 from overbrainer_prefect.targets.base import JobNeed, Target
-from overbrainer_prefect.targets.runpod.fate import RETRIEVED_REASON
+from overbrainer_prefect.targets.runpod.ending import VERIFIED_REASON
 from overbrainer_prefect.targets.spend import spent
 from overbrainer_prefect.trainers.base import TrainError
 from overbrainer_prefect.trainers.spec import TrainingSpec
@@ -143,10 +143,10 @@ def test_a_training_across_two_nodes_runs_on_one_instant_cluster_deleted_as_one_
     assert (local / "manifest.json").stat().st_mtime <= cluster.deleted_at
     assert pod.state == PodState.DELETED and pod.gone, pod
     # this side deletes it once the files are verified; a watchdog that reads the
-    # `.pod/retrieved` this side wrote just before may delete it first (seen under load)
-    assert pod.deleted_by == "client" or (
-        pod.deleted_by == "watchdog" and pod.delete_reason == RETRIEVED_REASON
-    ), pod
+    # `.pod/retrieved` this side wrote just before may delete it first (seen under load):
+    # either way for this ending's reason
+    assert pod.deleted_by in ("client", "watchdog"), pod
+    assert pod.delete_reason == VERIFIED_REASON, pod
     deletes = [r for r in sim.requests if r.method == "DELETE"]
     # (a pod's watchdog that tries too, once its pod is gone, is refused: 401, nothing done)
     assert [(r.path, r.status) for r in deletes if "/clusters/" in r.path and r.status < 300] == [
@@ -435,10 +435,9 @@ def test_a_cluster_that_loses_a_node_goes_on_from_its_last_complete_checkpoint_o
     assert record.resumed_from == point
     second = PodRecord.load(runs, record.id)
     assert second is not None and second.cluster_id == clusters[1].id and second.gone
-    assert len(second.nodes) == 2 and (  # its watchdog may act on `.pod/retrieved` first
-        second.deleted_by == "client"
-        or (second.deleted_by == "watchdog" and second.delete_reason == RETRIEVED_REASON)
-    ), second
+    assert len(second.nodes) == 2, second  # its watchdog may act on `.pod/retrieved` first
+    assert second.deleted_by in ("client", "watchdog"), second
+    assert second.delete_reason == VERIFIED_REASON, second
     for node in second.nodes:
         run_dir = pods_of.workspace_of(node.pod_id) / "overbrainer" / record.id
         own = run_dir / "resume" / f"checkpoint-{point.step}" / f"rank-{node.rank}.pt"

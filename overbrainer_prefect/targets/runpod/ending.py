@@ -58,6 +58,11 @@ class Ending(StrEnum):
     """Its files were not retrieved: it stays for its watchdog's retrieve grace."""
 
 
+VERIFIED_REASON = "its run's files were retrieved and verified"
+"""Why the client's ending deletes a pod whose run's files it verified (and why
+the pod is recorded deleted when its watchdog acted on that ending's marker first)."""
+
+
 def remove_hint(run_id: str) -> str:
     """How to remove a run's pod by hand."""
     return f"remove the pod with the pods flow (action=remove, run_id={run_id})"
@@ -326,7 +331,7 @@ async def end_pod(
             pod,
             restart_reason(restart, pod.lost_step)
             if restart is not None and restart.lost_job
-            else "its run's files were retrieved and verified",
+            else VERIFIED_REASON,
             after_marking=pod.retrieved_marked,
         )
     except DeleteRefused as refused:
