@@ -158,6 +158,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order(items, sort=hasattr(config, "workerinput"))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After pytest's own teardown of `item`: a unit's stack ends with the unit
+    (tests/scheduling.py's `end_unit_fixtures`)."""
+    from tests.scheduling import end_unit_fixtures
+
+    result = yield
+    end_unit_fixtures(item, nextitem)
+    return result
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadscope` with the modules that share a session fixture in one
     scope (tests/scheduling.py)."""

@@ -33,6 +33,15 @@ SHARED = {
 }
 """Session fixture -> the units its modules may be in (each unit makes it once)."""
 
+ENDED_WITH_UNIT = frozenset({"deployed"})
+"""The SHARED fixtures that hold processes (a stack: its Prefect server, with its
+services, and its workers) and that an xdist worker ends as soon as it leaves the
+unit that made them (`end_unit_fixtures`), instead of keeping them to the
+session's end: no later unit of that worker uses them (each unit makes its own),
+and each stack idled there for about ten minutes, at about 3.4 CPU seconds a
+minute for its server alone (tests/prefect_server.py's UNUSED_SERVICES), on the
+two cores the whole suite shares."""
+
 GROUPS = {
     "tests/test_compare.py": "tiny-run",
     "tests/test_axolotl_cloud_lm_eval.py": "tiny-run",  # + one evaluation, about 25 s
@@ -177,3 +186,26 @@ def order(items: list[pytest.Item], sort: bool) -> None:
         return (-MEASURED_S.get(unit, sizes[unit] * UNMEASURED_S_PER_TEST), first_seen[unit])
 
     items.sort(key=key)
+
+
+def end_unit_fixtures(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Ends (tears down, as pytest would at the session's end) every
+    ENDED_WITH_UNIT fixture of `item`'s unit when `nextitem` is of another unit,
+    on an xdist worker (where a unit's tests run together and each unit makes
+    its own; a run without xdist keeps collection order, in which the modules
+    of a unit are apart, and its one stack to the end). A later item that asks
+    for it again gets a new one. At the session's end (`nextitem` None) pytest
+    ends them itself."""
+    unit = unit_of(path_of(item))
+    if nextitem is None or unit_of(path_of(nextitem)) == unit:
+        return
+    if not hasattr(item.config, "workerinput"):
+        return
+    for name in sorted(ENDED_WITH_UNIT):
+        if unit not in SHARED[name]:
+            continue
+        # pytest has no public call to end one fixture early; `finish` is what its
+        # own teardown calls, and runs the finalizers of the fixtures made from it
+        # (tests/prefect_server.py's `trained`) first
+        for fixturedef in item.session._fixturemanager.getfixturedefs(name, item) or ():
+            fixturedef.finish(item._request)
