@@ -97,6 +97,24 @@ def prefect_server() -> Iterator[None]:
         temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
     ):
         yield
+        drain_prefect_services()
+
+
+def drain_prefect_services() -> None:
+    """Sends what this process still queues (Prefect's logs and events) and
+    stops those services, DRAIN_S at most: the harness's own drain at its exit
+    waits for ever on a service that never finishes (a worker's session hung
+    there once, after every test had passed, in a run where a stack of
+    tests/prefect_server.py ended with its unit before the harness did); a
+    service stopped here is out of Prefect's cache, and the harness starts and
+    drains a fresh one."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    from tests.prefect_server import DRAIN_S
+
+    for service in (APILogWorker, EventsWorker):
+        service.drain_all(timeout=DRAIN_S)
 
 
 @pytest.fixture(scope="session")

@@ -426,6 +426,11 @@ def as_the_cli_reads(value: Any) -> Any:
     return load_json_key_values([f"k={cli_text(value)}"], "parameter")["k"]
 
 
+DRAIN_S = 30.0
+"""The most a stack's end waits for this process's queued logs and events to
+reach its server (`Stack.stop`)."""
+
+
 @dataclass
 class Stack:
     """A server with the deployments of `deployments/prefect.yaml`, workers, the
@@ -451,7 +456,12 @@ class Stack:
         return worker
 
     def stop(self) -> None:
-        """Stops every worker, then the server."""
+        """Sends what this process still queues for the server (Prefect's logs and
+        events, tests/conftest.py's `drain_prefect_services`) while it answers,
+        then stops every worker and the server."""
+        from tests.conftest import drain_prefect_services
+
+        drain_prefect_services()
         for worker in self.workers:
             worker.stop()
         self.server.stop()
