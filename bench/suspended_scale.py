@@ -52,7 +52,14 @@ jobs, 50 requests a second fewer; the server's CPU while they train 0.35 ->
 0.15 of a core): 0.75 s apart again, twice, 97 and 100 of the 100 resumed
 runs ran again in the follower and resume-p95 was 4.28 and 2.12 s, the
 second on a machine slower than any before (a fixed loop's 0.29-0.34 CPU s,
-0.12-0.26 the day before). So 0.75 s: the ends take 75 s.
+0.12-0.26 the day before). So 0.75 s: the ends take 75 s. Then a whole
+`make bench` (2026-12-06, 23:01, nothing else running, a fixed loop's 0.13
+CPU s) at 0.75 s: 64 of the 100 ran again in the follower, resume-p95 45.9 s,
+the machine 1.81 cores busy while they ended: once its MAX_HERE threads are
+busy, each further resumed run goes to the worker, a new process of about 3
+CPU seconds, which slows the follower's next ones (a cliff, not a slope). So 1 s
+again (98 and 100 of the 100 in the follower, resume-p95 5.66 and 2.58 s in
+earlier runs): 25 s more, and the figure keeps its margin.
 `SUSP_END_EVERY_S` sets it for a try.
 
 The work pool runs POOL_LIMIT flow runs at once (the follower's included),
@@ -147,7 +154,7 @@ PACE_S = 1.5  # seconds between two metric lines of a job (a training step's pac
 MAX_STEPS = 2000  # the spec's max_steps: a job writes at most that many lines (50 min)
 WINDOW_S = 20.0  # all jobs training: the processes and the follower's memory sampled
 REFERENCE_WINDOW_S = 8.0  # the reference runs training alone: the follower's memory
-END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "0.75"))  # between two jobs told to end
+END_EVERY_S = float(os.environ.get("SUSP_END_EVERY_S", "1"))  # between two jobs told to end
 HOLD_S = 1800  # a stand-in job never told to go exits (failed) after this long
 SUSPEND_TIMEOUT_S = 600.0  # for a step's runs to start, suspend and be followed
 FOLLOWER_TIMEOUT_S = 240.0  # for the follower's flow run to start and hold the runs directory
