@@ -63,7 +63,7 @@ def _one_certificate_bundle(directory: Path) -> Path:
 # kept by tests.prefect_server.clean_env for the servers, workers and flow runs it starts
 os.environ["PREFECT_API_SSL_CERT_FILE"] = str(_one_certificate_bundle(Path(_HOME)))
 
-from tests.prefect_server import UNUSED_SERVICES  # noqa: E402  (imports no Prefect)
+from tests.prefect_server import UNUSED_SERVICES, drain_prefect_services  # noqa: E402  (imports no Prefect)
 
 os.environ.update(UNUSED_SERVICES)  # the session's harness server (prefect_server below)
 
@@ -98,23 +98,6 @@ def prefect_server() -> Iterator[None]:
     ):
         yield
         drain_prefect_services()
-
-
-def drain_prefect_services() -> None:
-    """Sends what this process still queues (Prefect's logs and events) and
-    stops those services, DRAIN_S at most: the harness's own drain at its exit
-    waits for ever on a service that never finishes (a worker's session hung
-    there once, after every test had passed, in a run where a stack of
-    tests/prefect_server.py ended with its unit before the harness did); a
-    service stopped here is out of Prefect's cache, and the harness starts and
-    drains a fresh one."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    from tests.prefect_server import DRAIN_S
-
-    for service in (APILogWorker, EventsWorker):
-        service.drain_all(timeout=DRAIN_S)
 
 
 @pytest.fixture(scope="session")

@@ -431,6 +431,21 @@ DRAIN_S = 30.0
 reach its server (`Stack.stop`)."""
 
 
+def drain_prefect_services() -> None:
+    """Sends what this process still queues (Prefect's logs and events) and
+    stops those services, DRAIN_S at most: the tests' harness's own drain at
+    its exit (tests/conftest.py's `prefect_server`) waits for ever on a service
+    that never finishes (a worker's session hung there once, after every test
+    had passed, in a run where a stack ended with its unit before the harness
+    did); a service stopped here is out of Prefect's cache, and the harness
+    starts and drains a fresh one."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        service.drain_all(timeout=DRAIN_S)
+
+
 @dataclass
 class Stack:
     """A server with the deployments of `deployments/prefect.yaml`, workers, the
@@ -457,10 +472,8 @@ class Stack:
 
     def stop(self) -> None:
         """Sends what this process still queues for the server (Prefect's logs and
-        events, tests/conftest.py's `drain_prefect_services`) while it answers,
-        then stops every worker and the server."""
-        from tests.conftest import drain_prefect_services
-
+        events, `drain_prefect_services`) while it answers, then stops every
+        worker and the server."""
         drain_prefect_services()
         for worker in self.workers:
             worker.stop()
