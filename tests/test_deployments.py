@@ -46,7 +46,7 @@ from tests.prefect_server import (
 from tests.procs import group_alive
 from tests.runpod_fixtures import A4000, FAST
 from tests.runpod_sim import RunpodSim, running_sim
-from tests.runpod_sim.pods import SimPods
+from tests.runpod_sim.pods import SimPods, deleted_once_verified
 
 pytest_plugins = ["tests.prefect_server"]
 pytestmark = pytest.mark.slow
@@ -214,7 +214,7 @@ def test_cancelling_a_deployment_run_on_a_simulated_pod_cancels_its_job_and_dele
     local = Runs(deployed.runs).run_dir(record.id)
     assert (local / "job.log").is_file() and (local / "metrics.jsonl").is_file()
     pod = pod_of(deployed, record.id)
-    assert pod.state == PodState.DELETED and pod.pod_id == pod_id and pod.deleted_by == "client"
+    assert pod.pod_id == pod_id and deleted_once_verified(pod), pod
     assert on_sim.sim.pod(pod_id).deleted
     assert on_sim.sim.pods() == [] and on_sim.sim.secret_names() == []
     assert not on_sim.pods.running(pod_id)  # its sshd and its job went with it

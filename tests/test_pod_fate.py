@@ -718,7 +718,7 @@ def test_a_pod_whose_ssh_is_cut_on_this_side_while_runpod_shows_it_running_is_no
         (billed,) = sim.pods(include_deleted=True)
     assert outcome.record.state == RunState.SUCCEEDED and outcome.retrieved, outcome.record
     pod = the_pod(runs)
-    assert pod.host_lost is None and pod.deleted_by == "client", pod
+    assert pod.host_lost is None and deleted_once_verified(pod), pod
     said = [r.getMessage() for r in caplog.records if "this side's network" in r.getMessage()]
     assert said and "Runpod shows its container running on" in said[0], said
     assert f"pod {billed.id} is not deleted: its job is followed again" in said[0], said
@@ -766,7 +766,7 @@ def test_every_pod_a_follower_follows_going_silent_at_once_deletes_none_of_them(
     assert [o.record.state for o in outcomes] == [RunState.SUCCEEDED] * 2, outcomes
     for store in runs:
         pod = the_pod(store)
-        assert pod.host_lost is None and pod.deleted_by == "client", pod
+        assert pod.host_lost is None and deleted_once_verified(pod), pod
     said = [r.getMessage() for r in caplog.records if "went silent at once" in r.getMessage()]
     assert said and "every pod this process follows (2) went silent at once" in said[0], said
 

@@ -398,12 +398,19 @@ def deleted_once_verified(pod: object) -> bool:
     """Whether a run's pod (a `PodRecord`) was deleted after its client verified the
     run's files: by the client's delete, or by its watchdog at a look that came between
     the client's `retrieved` marker (written first, so that a refused delete still ends
-    the pod) and that delete. Both are the design; which one wins is a race."""
+    the pod) and that delete. Both are the design; which one wins is a race. The
+    watchdog's deletion is recorded for the reason of the ending that marked the files
+    (`VERIFIED_REASON`), or for the marker's own when no ending of this process saw it."""
     from overbrainer_prefect.runpod.pod import PodRecord, PodState
+    from overbrainer_prefect.targets.runpod.ending import VERIFIED_REASON
     from overbrainer_prefect.targets.runpod.fate import RETRIEVED_REASON
 
     assert isinstance(pod, PodRecord), pod
     return pod.state == PodState.DELETED and (
         pod.deleted_by == "client"
-        or (pod.deleted_by == "watchdog" and pod.delete_reason == RETRIEVED_REASON)
+        or (
+            pod.deleted_by == "watchdog"
+            and pod.retrieved_marked
+            and pod.delete_reason in (VERIFIED_REASON, RETRIEVED_REASON)
+        )
     )
