@@ -15,7 +15,8 @@ artifacts and log.
 It does so only where the worker would have run it the same way: a flow of
 this package, from a deployment of the follower's own work pool, with the
 same pull steps and job variables, whose environment is the follower's; at
-most MAX_HERE at once. Any other is left to the worker.
+most MAX_HERE at once (a verified job's flow run waits up to ROOM_WAIT_S for
+one of them to end). Any other is left to the worker.
 
 Each flow run run here leaves a marker in the runs directory and holds a lock
 there (`running_lock`: a kernel lock on a local directory, a lease on an
@@ -61,6 +62,18 @@ from overbrainer_prefect.targets.base import Logger
 MAX_HERE = 4
 """Resumed flow runs a follower runs at once; more are left to the worker."""
 
+ROOM_WAIT_S = 5.0
+"""How long a flow run about to be resumed waits for one of the MAX_HERE flow
+runs already run here to end before it is left to the worker: one run here
+ends in a second or two, while the worker's takes its poll and a new process
+(about 3 s of a core), which slows the follower's next ones. Handing each run
+over as soon as all MAX_HERE were busy made a cliff: jobs ending 0.75 s apart
+sent 36 of 100 resumed runs to the worker and resume-p95 to 45.9 s
+(bench/suspended_scale.py)."""
+
+ROOM_LOOK_S = 0.1
+"""How often a flow run waiting for room here looks again."""
+
 HERE_DIR = ".resumed-here"
 """Under a runs directory: a marker per flow run a follower runs in its process."""
 
@@ -99,6 +112,7 @@ class Reserved:
     """A suspended flow run made ready to run here before its resume: its
     flow, its marker and its lock (`held`, released by closing it)."""
 
+    flow_run_id: UUID
     flow: AnyFlow
     marker: str
     held: ExitStack
@@ -122,6 +136,7 @@ class Here:
         self.flows = dict(flows)
         self.follower = follower
         self._threads: dict[UUID, threading.Thread] = {}
+        self._promised: set[UUID] = set()  # reserved, not yet taken or released
         self._mine: Own | None = None
         self._names: dict[UUID, str] = {}
 
@@ -130,17 +145,48 @@ class Here:
         self._threads = {k: t for k, t in self._threads.items() if t.is_alive()}
         return len(self._threads)
 
+    def _full(self) -> bool:
+        """Whether MAX_HERE flow runs run here or are about to."""
+        return self.running() + len(self._promised) >= MAX_HERE
+
+    async def _room(self, waiting: FlowRun, logger: Logger) -> bool:
+        """Waits up to ROOM_WAIT_S for room for one more flow run here;
+        whether there is (said when there is not)."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while self._full():
+            if time.monotonic() >= deadline:
+                logger.info(
+                    "flow run %s is left to the worker: this follower already runs %d flow "
+                    "runs again (its most at once)",
+                    waiting.id,
+                    MAX_HERE,
+                )
+                return False
+            await asyncio.sleep(ROOM_LOOK_S)
+        return True
+
     async def reserve(self, waiting: FlowRun, logger: Logger) -> Reserved | None:
         """Makes ready to run the suspended flow run `waiting` in a thread of
         this process, before it is resumed, when it may run here (see the
-        module): its lock taken, its marker written. None when it may not;
-        then it is resumed the plain way, for the worker. Raises nothing: a
-        refusal, or a server or a store that cannot be reached, leaves it to
-        the worker."""
-        if self.running() >= MAX_HERE:  # full: no need to ask the server about it
-            return None
+        module): its lock taken, its marker written. When MAX_HERE already
+        run here, it first waits up to ROOM_WAIT_S for one of them to end.
+        None when it may not; then it is resumed the plain way, for the
+        worker. Raises nothing: a refusal, or a server or a store that cannot
+        be reached, leaves it to the worker."""
         if self.held is not None and self.held.lost:  # another follower runs them now
             return None
+        if not await self._room(waiting, logger):  # full: no need to ask the server about it
+            return None
+        if self.held is not None and self.held.lost:
+            return None
+        self._promised.add(waiting.id)  # no await since the room was found
+        reserved = await self._reserve(waiting, logger)
+        if reserved is None:
+            self._promised.discard(waiting.id)
+        return reserved
+
+    async def _reserve(self, waiting: FlowRun, logger: Logger) -> Reserved | None:
+        """`reserve` once there is room here."""
         held = ExitStack()  # its lock, held from before its marker until its marker is gone
         locked = False
         marker = self.runs.key(HERE_DIR, f"{waiting.id}.json")
@@ -160,10 +206,11 @@ class Here:
                 self._let_go(marker, held, logger)
             logger.warning("flow run %s is left to the worker: %s", waiting.id, error)
             return None
-        return Reserved(flow, marker, held)
+        return Reserved(waiting.id, flow, marker, held)
 
     def release(self, reserved: Reserved, logger: Logger) -> None:
         """Lets go of a flow run reserved and not taken (its resume refused)."""
+        self._promised.discard(reserved.flow_run_id)
         self._let_go(reserved.marker, reserved.held, logger)
 
     async def take(self, waiting: FlowRun, reserved: Reserved, logger: Logger) -> bool:
@@ -200,6 +247,7 @@ class Here:
             daemon=True,
         )
         self._threads[waiting.id] = thread
+        self._promised.discard(reserved.flow_run_id)
         thread.start()  # a new thread starts with an empty context: no flow run of this one's
         logger.info("flow run %s runs again in this follower's process", waiting.id)
         return True

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from uuid import UUID
@@ -32,6 +33,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.flows import Flow
 from prefect.settings import PREFECT_WORKER_PREFETCH_SECONDS
 from prefect.states import Completed, Paused, Pending, Running, Scheduled, State, Suspended
 
@@ -135,6 +137,47 @@ def test_a_flow_run_not_from_a_deployment_is_left_to_the_worker_untouched(
     assert not (runs.root / HERE_DIR).exists()
 
 
+async def _suspended_in_pool(
+    pool: str, resumed: Flow[..., object], count: int, monkeypatch: pytest.MonkeyPatch
+) -> list[UUID]:
+    """`count` suspended flow runs of `resumed` from a deployment of the work
+    pool `pool`, made with this process's follower: a flow run of the same
+    flow from another deployment of that pool (PREFECT__FLOW_RUN_ID), so that
+    a follower's `Here` may run them again."""
+    async with get_client() as client:
+        await client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        flow_id = await client.create_flow(resumed)
+        made: dict[str, list[UUID]] = {}
+        for name, runs in (("follower", 1), ("train", count)):
+            deployment_id = await client.create_deployment(
+                flow_id=flow_id,
+                name=name,
+                work_pool_name=pool,
+                entrypoint=f"tests/test_resume_here.py:{resumed.fn.__name__}",
+            )
+            made[name] = [
+                (await client.create_flow_run_from_deployment(deployment_id)).id
+                for _ in range(runs)
+            ]
+        monkeypatch.setenv("PREFECT__FLOW_RUN_ID", str(made["follower"][0]))  # the follower's
+        for waiting in made["train"]:
+            await client.set_flow_run_state(waiting, Running(), force=True)
+            await client.set_flow_run_state(waiting, Suspended(timeout_seconds=600))
+    return made["train"]
+
+
+def _ended_job(tmp_path: Path, waiting: UUID, run_id: str = "r1") -> RunRecord:
+    """The record of a job that succeeded, whose flow run `waiting` waits suspended."""
+    return RunRecord(
+        id=run_id,
+        target="local",
+        created="2026-12-06T00:00:00Z",
+        remote_dir=str(tmp_path),
+        state=RunState.SUCCEEDED,
+        flow_run_id=str(waiting),
+    )
+
+
 class PolledBeforeItsClaim(Here):
     """A follower's `Here` that, between its resume of a flow run and its
     claim, polls the work pool as a worker does (`polled`: what it got)."""
@@ -162,33 +205,10 @@ def test_a_resumed_flow_run_the_follower_runs_is_never_the_workers_to_take(
     between the two, and it ran in a new process instead)."""
     runs = Runs(tmp_path / "runs")
     here = PolledBeforeItsClaim(runs, {"stand-in-resumed": stand_in}, "live")
-    pool = PolledBeforeItsClaim.pool
 
     async def scenario() -> None:
-        async with get_client() as client:
-            await client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-            flow_id = await client.create_flow(stand_in)
-            made = {}
-            for name in ("follower", "train"):
-                deployment_id = await client.create_deployment(
-                    flow_id=flow_id,
-                    name=name,
-                    work_pool_name=pool,
-                    entrypoint="tests/test_resume_here.py:stand_in",
-                )
-                made[name] = (await client.create_flow_run_from_deployment(deployment_id)).id
-            monkeypatch.setenv("PREFECT__FLOW_RUN_ID", str(made["follower"]))  # the follower's
-            waiting = made["train"]
-            await client.set_flow_run_state(waiting, Running(), force=True)
-            await client.set_flow_run_state(waiting, Suspended(timeout_seconds=600))
-        record = RunRecord(
-            id="r1",
-            target="local",
-            created="2026-12-06T00:00:00Z",
-            remote_dir=str(tmp_path),
-            state=RunState.SUCCEEDED,
-            flow_run_id=str(waiting),
-        )
+        [waiting] = await _suspended_in_pool(PolledBeforeItsClaim.pool, stand_in, 1, monkeypatch)
+        record = _ended_job(tmp_path, waiting)
         token = HERE.set(here)
         try:
             assert await resume(record, LOG)
@@ -206,6 +226,76 @@ def test_a_resumed_flow_run_the_follower_runs_is_never_the_workers_to_take(
             (StateType.COMPLETED, "Completed"),
         ], after
         assert runs.store.names(runs.key(HERE_DIR)) == []  # its marker and lock are gone
+
+    asyncio.run(scenario())
+
+
+GATE = threading.Semaphore(0)
+"""Each run of `gated` ends once the test releases this once."""
+
+
+@flow(name="gated-resumed")
+def gated() -> None:
+    """A resumed flow run that runs until the test lets it end (at most a minute)."""
+    GATE.acquire(timeout=60)
+
+
+def test_a_full_follower_makes_a_resumed_flow_run_wait_for_room_then_leaves_it_to_the_worker(
+    prefect_server: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A follower already running its most flow runs again (MAX_HERE, here 1)
+    keeps the next one suspended while it waits for room (ROOM_WAIT_S), and
+    runs it itself once the first ended, instead of handing it to the worker
+    at once (a new process; at 0.75 s between jobs' ends that sent 36 of 100
+    to the worker in bench/suspended_scale.py); one that finds no room within
+    the bound is resumed for the worker, said in one line."""
+    monkeypatch.setattr(resume_here, "MAX_HERE", 1)
+    monkeypatch.setattr(resume_here, "ROOM_WAIT_S", 60.0)
+    runs = Runs(tmp_path / "runs")
+    here = Here(runs, {"gated-resumed": gated}, "live")
+
+    async def states(flow_run_id: UUID) -> list[tuple[StateType, str | None]]:
+        async with get_client() as client:
+            found = await client.read_flow_run_states(flow_run_id)
+        return [(s.type, s.name) for s in sorted(found, key=lambda s: s.timestamp)]
+
+    async def scenario() -> None:
+        first, second, third = await _suspended_in_pool("room-pool", gated, 3, monkeypatch)
+        token = HERE.set(here)
+        try:
+            assert await resume(_ended_job(tmp_path, first, "r1"), LOG)
+            assert here.running() == 1
+            waits = asyncio.create_task(resume(_ended_job(tmp_path, second, "r2"), LOG))
+            await asyncio.sleep(1.5)
+            assert not waits.done()
+            assert (await _state_of(second))[0] == StateType.PAUSED  # not handed to the worker
+            GATE.release()  # the first ends: room for the second
+            assert await asyncio.wait_for(waits, 60)
+            assert (StateType.PENDING, CLAIM) in await states(second)
+            assert here.running() == 1
+
+            monkeypatch.setattr(resume_here, "ROOM_WAIT_S", 0.5)
+            with caplog.at_level(logging.INFO, logger=LOG.name):
+                assert await resume(_ended_job(tmp_path, third, "r3"), LOG)
+            assert await _state_of(third) == (StateType.SCHEDULED, "Resuming")
+            assert (StateType.PENDING, CLAIM) not in await states(third)
+            said = [
+                r.getMessage() for r in caplog.records if "left to the worker" in r.getMessage()
+            ]
+            assert said == [
+                f"flow run {third} is left to the worker: this follower already runs 1 flow "
+                "runs again (its most at once)"
+            ], said
+        finally:
+            HERE.reset(token)
+            GATE.release()  # the second ends
+        assert await asyncio.to_thread(here.join, 60) == 0
+        assert (await _state_of(first))[0] == StateType.COMPLETED
+        assert (await _state_of(second))[0] == StateType.COMPLETED
+        assert runs.store.names(runs.key(HERE_DIR)) == []
 
     asyncio.run(scenario())
 
