@@ -25,6 +25,7 @@ from prefect.states import Cancelled, Crashed, Scheduled
 
 from overbrainer_prefect.resume_here import HERE, RESUME_HOLD_S
 from overbrainer_prefect.runs.store import RunRecord, subject
+from overbrainer_prefect.store import LeaseLost
 from overbrainer_prefect.store.held import check_guarded
 from overbrainer_prefect.targets.base import Logger
 
@@ -177,6 +178,7 @@ async def resume(record: RunRecord, logger: Logger, left_s: float | None = None)
             return False
         if here is not None and left_s is None:  # in the follower: it runs it itself when it may
             reserved = await here.reserve(waiting, logger)
+            check_guarded(record.id)  # it may have waited for room: the job is still this task's
         async with get_client() as client:
             if reserved is None:
                 answer = await client.resume_flow_run(waiting.id)
@@ -185,6 +187,10 @@ async def resume(record: RunRecord, logger: Logger, left_s: float | None = None)
                 answer = await client.set_flow_run_state(
                     waiting.id, Scheduled(name="Resuming", scheduled_time=hold)
                 )
+    except LeaseLost:
+        if here is not None and reserved is not None:
+            here.release(reserved, logger)
+        raise
     except Exception as error:
         if here is not None and reserved is not None:
             here.release(reserved, logger)

@@ -5,10 +5,13 @@ first finds its lease lost before anyone could take it, stops at once and
 says so; the other follows afterwards); a renewal whose answer was lost is
 still its own; a holder whose clock is a minute off neither steals a live
 lease nor keeps a dead one; a store whose `Date` is missing or absurd is
-refused at its check in one line; a local runs directory's lock is never lost."""
+refused at its check in one line; a local runs directory's lock is never lost;
+a resumed flow run whose lease lapses while it waits for room in the follower
+(resume_here.ROOM_WAIT_S) is not resumed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -22,9 +25,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from prefect.client.schemas.objects import StateType
 
+from overbrainer_prefect import resume_here
 from overbrainer_prefect.blocks import LocalTarget
-from overbrainer_prefect.resume_here import HERE_DIR, recover
+from overbrainer_prefect.flowruns import resume
+from overbrainer_prefect.resume_here import HERE, HERE_DIR, Here, recover
 from overbrainer_prefect.runpod.pod import PodRecord
 from overbrainer_prefect.runs.lock import follow_lock, follower_lock, is_followed
 from overbrainer_prefect.runs.store import RunRecord, Runs, RunState
@@ -42,6 +48,7 @@ from tests.s3server import S3Server
 from tests.shelljobs import WRITE_METRICS, WRITE_OUTPUT, ShellTrainer
 from tests.stallfollowers import RUN, lines_of, stall_round
 from tests.test_object_store import COLLECT, rows_of, worker_env
+from tests.test_resume_here import GATE, LOG, ended_job, gated, state_of, suspended_in_pool
 from tests.test_train_flow import kill, wait_until
 
 local_target = on_store.local_target  # a local target block (the shared Prefect server's)
@@ -246,6 +253,54 @@ def test_a_follower_that_lost_the_runs_directory_puts_back_no_flow_run(
         assert run(recover(runs, "me", logger, held=held)).put_back == 0
     assert runs.store.read(marker) is not None  # left to the follower that took over
     assert any("this one stops recovering" in line for line in said), said
+
+
+def test_a_resumed_flow_run_whose_lease_lapses_while_it_waits_for_room_is_not_resumed(
+    prefect_server: None,
+    s3: S3Server,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The follower already runs its most flow runs again (MAX_HERE, here 1);
+    a verified job's flow run waits for room (resume_here.ROOM_WAIT_S) while
+    the store stalls past the TTL and the job's follow lease lapses. When room
+    comes, its flow run is not resumed: LeaseLost, the flow run still
+    suspended for the follower that took the job over, its reservation in
+    the follower released."""
+    monkeypatch.setenv(TTL_ENV, "2")
+    monkeypatch.setattr(resume_here, "MAX_HERE", 1)
+    monkeypatch.setattr(resume_here, "ROOM_WAIT_S", 60.0)
+    runs = Runs(s3.bucket_url(endpoint=proxy.endpoint))
+    _record(runs)
+    here = Here(Runs(tmp_path / "here"), {"gated-resumed": gated}, "live")
+
+    async def scenario() -> None:
+        first, second = await suspended_in_pool("lapsed-pool", gated, 2, monkeypatch)
+        token = HERE.set(here)
+        try:
+            assert await resume(ended_job(tmp_path, first), LOG)  # holds the only room
+            with follow_lock(runs, RUN) as held:
+                waits = asyncio.create_task(resume(ended_job(tmp_path, second, RUN), LOG))
+                await asyncio.sleep(0.5)
+                assert not waits.done()
+                proxy.stall(2.5)
+                deadline = time.monotonic() + 3
+                while not held.lost:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                proxy.release()
+                GATE.release()  # the first ends: room for the second, whose lease is gone
+                with pytest.raises(LeaseLost):
+                    await asyncio.wait_for(waits, 60)
+        finally:
+            HERE.reset(token)
+        assert await asyncio.to_thread(here.join, 60) == 0
+        assert await state_of(first) == (StateType.COMPLETED, "Completed")
+        assert (await state_of(second))[0] == StateType.PAUSED  # never resumed
+        assert here.running() == 0 and here.runs.store.names(here.runs.key(HERE_DIR)) == []
+
+    asyncio.run(scenario())
 
 
 @contextmanager

@@ -72,7 +72,7 @@ async def _run_through(*states: State[object]) -> UUID:
         return made.id
 
 
-async def _state_of(flow_run_id: UUID) -> tuple[StateType, str]:
+async def state_of(flow_run_id: UUID) -> tuple[StateType, str]:
     async with get_client() as client:
         found = await client.read_flow_run(flow_run_id)
     assert found.state is not None
@@ -106,11 +106,11 @@ def test_the_next_follower_puts_back_only_what_a_dead_follower_was_running(
             )
 
         assert await recover(runs, "live", LOG) == Recovered(put_back=2)
-        assert await _state_of(running_here) == (StateType.SCHEDULED, "Resuming")
-        assert await _state_of(pending_here) == (StateType.SCHEDULED, "Resuming")
-        assert await _state_of(by_a_worker) == (StateType.RUNNING, "Running")
-        assert await _state_of(ended) == (StateType.COMPLETED, "Completed")
-        assert await _state_of(live_ones) == (StateType.RUNNING, "Running")
+        assert await state_of(running_here) == (StateType.SCHEDULED, "Resuming")
+        assert await state_of(pending_here) == (StateType.SCHEDULED, "Resuming")
+        assert await state_of(by_a_worker) == (StateType.RUNNING, "Running")
+        assert await state_of(ended) == (StateType.COMPLETED, "Completed")
+        assert await state_of(live_ones) == (StateType.RUNNING, "Running")
         # the dead follower's markers are gone, the live one's stays
         assert runs.store.names(runs.key(HERE_DIR)) == [f"{live_ones}.json"]
         # looked at again: nothing left to put back
@@ -130,14 +130,14 @@ def test_a_flow_run_not_from_a_deployment_is_left_to_the_worker_untouched(
         async with get_client() as client:
             found = await client.read_flow_run(waiting)
         assert await here.reserve(found, LOG) is None
-        assert await _state_of(waiting) == (StateType.SCHEDULED, "Resuming")
+        assert await state_of(waiting) == (StateType.SCHEDULED, "Resuming")
 
     asyncio.run(scenario())
     assert here.running() == 0
     assert not (runs.root / HERE_DIR).exists()
 
 
-async def _suspended_in_pool(
+async def suspended_in_pool(
     pool: str, resumed: Flow[..., object], count: int, monkeypatch: pytest.MonkeyPatch
 ) -> list[UUID]:
     """`count` suspended flow runs of `resumed` from a deployment of the work
@@ -166,7 +166,7 @@ async def _suspended_in_pool(
     return made["train"]
 
 
-def _ended_job(tmp_path: Path, waiting: UUID, run_id: str = "r1") -> RunRecord:
+def ended_job(tmp_path: Path, waiting: UUID, run_id: str = "r1") -> RunRecord:
     """The record of a job that succeeded, whose flow run `waiting` waits suspended."""
     return RunRecord(
         id=run_id,
@@ -207,8 +207,8 @@ def test_a_resumed_flow_run_the_follower_runs_is_never_the_workers_to_take(
     here = PolledBeforeItsClaim(runs, {"stand-in-resumed": stand_in}, "live")
 
     async def scenario() -> None:
-        [waiting] = await _suspended_in_pool(PolledBeforeItsClaim.pool, stand_in, 1, monkeypatch)
-        record = _ended_job(tmp_path, waiting)
+        [waiting] = await suspended_in_pool(PolledBeforeItsClaim.pool, stand_in, 1, monkeypatch)
+        record = ended_job(tmp_path, waiting)
         token = HERE.set(here)
         try:
             assert await resume(record, LOG)
@@ -263,15 +263,15 @@ def test_a_full_follower_makes_a_resumed_flow_run_wait_for_room_then_leaves_it_t
         return [(s.type, s.name) for s in sorted(found, key=lambda s: s.timestamp)]
 
     async def scenario() -> None:
-        first, second, third = await _suspended_in_pool("room-pool", gated, 3, monkeypatch)
+        first, second, third = await suspended_in_pool("room-pool", gated, 3, monkeypatch)
         token = HERE.set(here)
         try:
-            assert await resume(_ended_job(tmp_path, first, "r1"), LOG)
+            assert await resume(ended_job(tmp_path, first, "r1"), LOG)
             assert here.running() == 1
-            waits = asyncio.create_task(resume(_ended_job(tmp_path, second, "r2"), LOG))
+            waits = asyncio.create_task(resume(ended_job(tmp_path, second, "r2"), LOG))
             await asyncio.sleep(1.5)
             assert not waits.done()
-            assert (await _state_of(second))[0] == StateType.PAUSED  # not handed to the worker
+            assert (await state_of(second))[0] == StateType.PAUSED  # not handed to the worker
             GATE.release()  # the first ends: room for the second
             assert await asyncio.wait_for(waits, 60)
             assert (StateType.PENDING, CLAIM) in await states(second)
@@ -279,8 +279,8 @@ def test_a_full_follower_makes_a_resumed_flow_run_wait_for_room_then_leaves_it_t
 
             monkeypatch.setattr(resume_here, "ROOM_WAIT_S", 0.5)
             with caplog.at_level(logging.INFO, logger=LOG.name):
-                assert await resume(_ended_job(tmp_path, third, "r3"), LOG)
-            assert await _state_of(third) == (StateType.SCHEDULED, "Resuming")
+                assert await resume(ended_job(tmp_path, third, "r3"), LOG)
+            assert await state_of(third) == (StateType.SCHEDULED, "Resuming")
             assert (StateType.PENDING, CLAIM) not in await states(third)
             said = [
                 r.getMessage() for r in caplog.records if "left to the worker" in r.getMessage()
@@ -293,8 +293,8 @@ def test_a_full_follower_makes_a_resumed_flow_run_wait_for_room_then_leaves_it_t
             HERE.reset(token)
             GATE.release()  # the second ends
         assert await asyncio.to_thread(here.join, 60) == 0
-        assert (await _state_of(first))[0] == StateType.COMPLETED
-        assert (await _state_of(second))[0] == StateType.COMPLETED
+        assert (await state_of(first))[0] == StateType.COMPLETED
+        assert (await state_of(second))[0] == StateType.COMPLETED
         assert runs.store.names(runs.key(HERE_DIR)) == []
 
     asyncio.run(scenario())
@@ -350,11 +350,11 @@ def test_a_flow_run_an_ended_followers_process_still_runs_is_left_to_it_until_it
             said: set[str] = set()
             first = await recover(runs, "next", LOG, said)
             assert first == Recovered(still_running=1)
-            assert await _state_of(running) == (StateType.RUNNING, "Running")
+            assert await state_of(running) == (StateType.RUNNING, "Running")
             again = asyncio.create_task(recover_again(runs, "next", LOG, first, said))
             await asyncio.sleep(1.0)
             assert not again.done()  # its process lives: left to it, looked at again
-            assert await _state_of(running) == (StateType.RUNNING, "Running")
+            assert await state_of(running) == (StateType.RUNNING, "Running")
             os.kill(ended.pid, signal.SIGKILL)
             ended.wait(timeout=30)
             await asyncio.wait_for(again, 30)  # its lock dropped: it runs again
@@ -362,7 +362,7 @@ def test_a_flow_run_an_ended_followers_process_still_runs_is_left_to_it_until_it
             if ended.poll() is None:
                 ended.kill()
                 ended.wait()
-        assert await _state_of(running) == (StateType.SCHEDULED, "Resuming")
+        assert await state_of(running) == (StateType.SCHEDULED, "Resuming")
         assert runs.store.names(runs.key(HERE_DIR)) == []
         assert runs.store.holder(running_lock(runs, running)) is None
 
@@ -392,7 +392,7 @@ def test_a_suspended_flow_run_whose_job_runs_past_its_bound_still_resumes(
     async def resumed(flow_run_id: UUID) -> tuple[StateType, str]:
         async with get_client() as client:
             await client.resume_flow_run(flow_run_id)
-        return await _state_of(flow_run_id)
+        return await state_of(flow_run_id)
 
     async def scenario() -> None:
         kept, left = await suspended_for(3), await suspended_for(3)
