@@ -187,13 +187,11 @@ async def resume(record: RunRecord, logger: Logger, left_s: float | None = None)
                 answer = await client.set_flow_run_state(
                     waiting.id, Scheduled(name="Resuming", scheduled_time=hold)
                 )
-    except LeaseLost:
+    except BaseException as error:
         if here is not None and reserved is not None:
             here.release(reserved, logger)
-        raise
-    except Exception as error:
-        if here is not None and reserved is not None:
-            here.release(reserved, logger)
+        if isinstance(error, LeaseLost) or not isinstance(error, Exception):
+            raise  # the job is another follower's now, or this task is cancelled
         logger.warning(
             "cannot resume flow run %s of %s now (%s); the follower tries again, or resume it "
             "from its page in the Prefect UI",

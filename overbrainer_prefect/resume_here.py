@@ -180,9 +180,12 @@ class Here:
         if self.held is not None and self.held.lost:
             return None
         self._promised.add(waiting.id)  # no await since the room was found
-        reserved = await self._reserve(waiting, logger)
-        if reserved is None:
-            self._promised.discard(waiting.id)
+        reserved = None
+        try:
+            reserved = await self._reserve(waiting, logger)
+        finally:  # a refusal, or this task cancelled: the room is free again
+            if reserved is None:
+                self._promised.discard(waiting.id)
         return reserved
 
     async def _reserve(self, waiting: FlowRun, logger: Logger) -> Reserved | None:
