@@ -40,6 +40,7 @@ from overbrainer_prefect.store import (
     open_store,
     update,
 )
+from overbrainer_prefect.store.base import join
 from overbrainer_prefect.store.check import check_s3
 from overbrainer_prefect.store.digest import expected_checksum
 from overbrainer_prefect.store.lease import TTL_ENV
@@ -616,3 +617,11 @@ def test_a_put_outlives_the_temporary_credentials_that_signed_its_urls(
     assert hashlib.sha256(back.read_bytes()).hexdigest() == manifest[0].sha256
     unfinished = runs.store.client.list_multipart_uploads(Bucket=bucket)  # type: ignore[attr-defined]
     assert not unfinished.get("Uploads")
+
+
+def test_a_key_joins_its_parts_and_no_part_at_all_is_the_stores_root() -> None:
+    """Keys join their parts with `/`, empty parts and their slashes dropped;
+    a key of only empty parts (a runs directory at a bucket's root asked for
+    its own key) is the root, "", where it raised TypeError."""
+    assert join("runs", "", "/r1/", "run.json") == "runs/r1/run.json"
+    assert join("", "") == "" and join("") == "" and join() == ""

@@ -323,7 +323,8 @@ def check_key(key: str) -> str:
 
 def join(*parts: str) -> str:
     """The key of `parts` joined (empty parts dropped)."""
-    return posixpath.join(*[p.strip("/") for p in parts if p.strip("/")]) if parts else ""
+    kept = [p.strip("/") for p in parts if p.strip("/")]
+    return posixpath.join(*kept) if kept else ""
 
 
 Change = Callable[[bytes | None], bytes | None]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 import boto3
 import botocore.exceptions
+import urllib3.exceptions
 from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 from botocore.credentials import RefreshableCredentials
@@ -216,6 +217,10 @@ _NO_ANSWER = (
     botocore.exceptions.ConnectTimeoutError,
     botocore.exceptions.HTTPClientError,  # a read timeout, a connection closed before its answer
     botocore.exceptions.ResponseStreamingError,
+    # a stall or a cut after an answer's headers, before its body: botocore reads the body of
+    # an answer it parses (`convert_to_response_dict`) without wrapping urllib3's errors
+    urllib3.exceptions.ReadTimeoutError,
+    urllib3.exceptions.ProtocolError,
 )
 """What botocore raises when the store did not answer (or not all of it)."""
 
