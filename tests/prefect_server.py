@@ -564,6 +564,16 @@ def training_now(stack: Stack, known: set[str]) -> Any:
     return None
 
 
+def followed(stack: Stack, run_id: str) -> bool:
+    """Whether a live process holds the follow lock of the run `run_id` (a follower
+    or a collect follows its job)."""
+    from overbrainer_prefect.runs import Runs
+    from overbrainer_prefect.runs.lock import LOCK_FILE
+
+    runs = Runs(stack.runs)
+    return runs.store.holder(runs.key(run_id, LOCK_FILE)) is not None
+
+
 FOLLOWER = "follow/always"
 """The follower's deployment: its schedule is paused in a test stack, so that
 a test chooses when one follows (flow runs suspend only while one does)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +104,20 @@ def leads_group(pid: int) -> bool:
 def group_alive(pgid: int) -> bool:
     """Whether any live process is in the process group `pgid`."""
     return any(p.pgid == pgid and not p.zombie for p in table().values())
+
+
+@contextlib.contextmanager
+def held_stopped(pgid: int) -> Iterator[None]:
+    """The process group `pgid` (a job) stopped (SIGSTOP) inside the block and
+    let go on (SIGCONT) when the block ends, also when it fails: a training held
+    while a test kills, waits and takes it over costs no CPU and cannot end
+    meanwhile, however fast or slow the machine. A group gone by then is no error."""
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGCONT)
 
 
 def with_argv(needle: bytes) -> list[int]:

@@ -27,10 +27,12 @@ from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.trainers.uploads import UPLOADS_DIR
 from tests.conftest import job_venv
 from tests.prefect_server import Stack, training_now, wait_until
+from tests.procs import held_stopped
 from tests.test_axolotl_cloud import axolotl_env, axolotl_train, ours, tiny_config, visible
 from tests.test_train_flow import kill
 
-STEPS = 1000  # about 11 s of the tiny model's training on a quiet machine: past the answer
+STEPS = 300  # about 3 s of the tiny model's training on a quiet machine, held stopped (SIGSTOP)
+# from its first step seen until the command ended
 
 __all__ = ["visible"]  # the fixture, shared with tests/test_axolotl_cloud.py
 
@@ -124,16 +126,16 @@ def test_ctrl_c_then_leave_ends_the_command_3_and_the_deployments_worker_ends_th
             start_new_session=True,  # its own group, as a terminal's foreground job
         )
     try:
-        wait_until(lambda: training_now(deployed, known), 300, "the job to train")
-        record = training_now(deployed, known)
-        os.killpg(command.pid, signal.SIGINT)
-        wait_until(lambda: QUESTION.strip() in err.read_text(), 30, "the question")
-        assert command.stdin is not None
-        command.stdin.write("l\n")
-        command.stdin.flush()
-        code = command.wait(timeout=60)
-        left_at = Runs(deployed.runs).load(record.id)
-        metrics = (Path(record.remote_dir) / "metrics.jsonl").read_text()
+        record = wait_until(lambda: training_now(deployed, known), 300, "the job to train", 0.1)
+        with held_stopped(record.job.pid):  # still training when the command has ended
+            os.killpg(command.pid, signal.SIGINT)
+            wait_until(lambda: QUESTION.strip() in err.read_text(), 30, "the question")
+            assert command.stdin is not None
+            command.stdin.write("l\n")
+            command.stdin.flush()
+            code = command.wait(timeout=60)
+            left_at = Runs(deployed.runs).load(record.id)
+            metrics = (Path(record.remote_dir) / "metrics.jsonl").read_text()
     finally:
         kill(command)
     said = err.read_text()

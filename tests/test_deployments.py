@@ -39,11 +39,12 @@ from tests.prefect_server import (
     Worker,
     as_the_cli_reads,
     clone,
+    followed,
     tiny_training,
     training_now,
     wait_until,
 )
-from tests.procs import group_alive
+from tests.procs import group_alive, held_stopped
 from tests.runpod_fixtures import A4000, FAST
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, deleted_once_verified
@@ -226,31 +227,34 @@ def test_a_run_on_a_simulated_pod_whose_worker_was_killed_is_finished_by_the_col
 ) -> None:
     known = run_ids(deployed)
     flow_run_id = deployed.run_deployment(
-        "train/local", target=on_sim.target, training=tiny_training(*tiny, max_steps=300)
-    )  # about 15 s of training on a quiet machine: a collect follows it to its end, or, when
-    # it ended first, at once (tests/test_collect.py follows one still running)
+        "train/local", target=on_sim.target, training=tiny_training(*tiny, max_steps=30)
+    )
     record = wait_until(lambda: training_now(deployed, known), 300, "the job to train on its pod")
     assert record.target_kind == "runpod" and record.job is not None
     pod_id = pod_of(deployed, record.id).pod_id
-    # the pod's processes are the simulator's, in this process: they outlive the worker
-    killed = on_sim.worker.kill(spare_sessions={record.job.pid})
-    assert len(killed) >= 2, "the worker and its flow-run process"
-    assert on_sim.pods.running(pod_id) and group_alive(record.job.pid)
-    assert not on_sim.sim.pod(pod_id).deleted
-    assert Runs(deployed.runs).load(record.id).state == RunState.RUNNING
-    assert not deployed.flow_run(flow_run_id).state.is_final()  # nobody is left to say
+    # its job held stopped from its first step until a collect follows it: still training
+    # then, however long the worker's death and the collect's start take
+    with held_stopped(record.job.pid):
+        # the pod's processes are the simulator's, in this process: they outlive the worker
+        killed = on_sim.worker.kill(spare_sessions={record.job.pid})
+        assert len(killed) >= 2, "the worker and its flow-run process"
+        assert on_sim.pods.running(pod_id) and group_alive(record.job.pid)
+        assert not on_sim.sim.pod(pod_id).deleted
+        assert Runs(deployed.runs).load(record.id).state == RunState.RUNNING
+        assert not deployed.flow_run(flow_run_id).state.is_final()  # nobody is left to say
 
-    # a second worker, on another clone, sharing the runs root through the deployment
-    other = Worker(
-        deployed.server,
-        f"collector-{uuid.uuid4().hex[:6]}",
-        clone(tmp_path / "clone"),
-        OVERBRAINER_PROJECT_DIR=str(tmp_path / "clone"),
-        **{TIMING_ENV: FAST},
-    )
-    deployed.workers.append(other)
-    other.start()
-    collect_id = deployed.run_deployment("collect/every-5-minutes")
+        # a second worker, on another clone, sharing the runs root through the deployment
+        other = Worker(
+            deployed.server,
+            f"collector-{uuid.uuid4().hex[:6]}",
+            clone(tmp_path / "clone"),
+            OVERBRAINER_PROJECT_DIR=str(tmp_path / "clone"),
+            **{TIMING_ENV: FAST},
+        )
+        deployed.workers.append(other)
+        other.start()
+        collect_id = deployed.run_deployment("collect/every-5-minutes")
+        wait_until(lambda: followed(deployed, record.id), 300, "a collect to follow the job")
     collected = deployed.wait_final(collect_id, timeout=600)
     assert collected.state.is_completed(), collected.state
     # a scheduled collect may have taken the run first: it finishes it then

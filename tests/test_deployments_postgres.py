@@ -31,13 +31,14 @@ from tests.prefect_server import (
     Stack,
     Worker,
     clone,
+    followed,
     hidden_from,
     own_mounts_allowed,
     start_stack,
     tiny_training,
     wait_until,
 )
-from tests.procs import alive, group_alive
+from tests.procs import alive, group_alive, held_stopped
 from tests.s3server import S3Server
 from tests.test_object_store import LEASE_TTL_S, assert_stored_as_manifest, staged_files
 from tests.test_suspended_runs import start_follower, suspended_with_its_job
@@ -87,20 +88,24 @@ def test_on_postgresql_a_suspended_run_of_a_killed_worker_is_finished_by_another
         a = own_worker(stack, "a", "b", tmp_path)
         start_follower(stack)
         flow_run_id = stack.run_deployment(
-            "train/local", target=stack.target, training=tiny_training(*tiny, max_steps=300)
+            "train/local", target=stack.target, training=tiny_training(*tiny, max_steps=30)
         )
         record = suspended_with_its_job(stack, flow_run_id)
         metrics = Path(record.remote_dir) / "metrics.jsonl"
         wait_until(lambda: metrics.exists() and '"log"' in metrics.read_text(), 240, "a step")
 
-        # worker A dies with the follower it ran (SIGKILL: no hook, no release)
-        a.kill(spare_sessions={record.job.pid})
-        assert group_alive(record.job.pid) and stack.flow_run(flow_run_id).state.is_paused()
-        wait_until(lambda: follower_of(runs) is None, LEASE_TTL_S + 60, "A's lease to expire")
+        # its job held stopped from its first step until B follows it: still training when
+        # taken over, however long A's lease takes to expire and B to start
+        with held_stopped(record.job.pid):
+            # worker A dies with the follower it ran (SIGKILL: no hook, no release)
+            a.kill(spare_sessions={record.job.pid})
+            assert group_alive(record.job.pid) and stack.flow_run(flow_run_id).state.is_paused()
+            wait_until(lambda: follower_of(runs) is None, LEASE_TTL_S + 60, "A's lease to expire")
 
-        # worker B, sharing nothing with A but the server and the bucket, takes it over
-        b = own_worker(stack, "b", "a", tmp_path)
-        start_follower(stack)
+            # worker B, sharing nothing with A but the server and the bucket, takes it over
+            b = own_worker(stack, "b", "a", tmp_path)
+            start_follower(stack)
+            wait_until(lambda: followed(stack, record.id), 120, "B's follower to follow the job")
         done = stack.wait_final(flow_run_id, timeout=600)
         assert done.state.is_completed(), done.state
         saved = runs.load(record.id)

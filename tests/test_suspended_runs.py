@@ -29,8 +29,8 @@ from overbrainer_prefect.runs import Runs, RunState
 from overbrainer_prefect.runs.lock import follower_of
 from overbrainer_prefect.server_budget import set_budget
 from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
-from tests.prefect_server import FOLLOWER, Stack, tiny_training, wait_until
-from tests.procs import alive, group_alive
+from tests.prefect_server import FOLLOWER, Stack, followed, tiny_training, wait_until
+from tests.procs import alive, group_alive, held_stopped
 from tests.test_deployments import OnSim, assert_verified, on_sim, pod_of
 
 __all__ = ["on_sim"]  # the simulated pods' fixture, shared with the deployment tests
@@ -147,7 +147,7 @@ def test_a_train_run_waits_suspended_while_followers_die_and_the_server_restarts
     deployed: Stack, follower: list[uuid.UUID], tiny: tuple[Path, Path]
 ) -> None:
     flow_run_id = deployed.run_deployment(
-        "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=120)
+        "train/local", target=deployed.target, training=tiny_training(*tiny, max_steps=60)
     )
     record = suspended_with_its_job(deployed, flow_run_id)
     # its live progress goes to its own artifacts, opened before it suspended
@@ -155,21 +155,25 @@ def test_a_train_run_waits_suspended_while_followers_die_and_the_server_restarts
     curve = f"run-{record.id}-loss-curve".lower()
     assert curve in keys and f"run-{record.id}-progress".lower() in keys
 
-    # the follower dies (SIGKILL: no hook, no release): the job trains on, its lock is free
-    first = pid_of(deployed, follower[0])
-    assert first is not None
-    os.kill(first, signal.SIGKILL)
-    wait_until(lambda: follower_of(Runs(deployed.runs)) is None, 60, "the dead follower's lock")
-    assert group_alive(record.job.pid)
-    assert deployed.flow_run(flow_run_id).state.is_paused()
+    # its job held stopped until the next follower follows it: still training then, however
+    # long the follower's death, the server's restart and the next one's start take
+    with held_stopped(record.job.pid):
+        # the follower dies (SIGKILL: no hook, no release): the job lives on, its lock is free
+        first = pid_of(deployed, follower[0])
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: follower_of(Runs(deployed.runs)) is None, 60, "the dead follower's lock")
+        assert group_alive(record.job.pid)
+        assert deployed.flow_run(flow_run_id).state.is_paused()
 
-    # the server restarts while the run waits: nothing of it is lost
-    deployed.server.stop()
-    deployed.server.start()
-    assert deployed.flow_run(flow_run_id).state.is_paused()
+        # the server restarts while the run waits: nothing of it is lost
+        deployed.server.stop()
+        deployed.server.start()
+        assert deployed.flow_run(flow_run_id).state.is_paused()
 
-    # the next follower takes the job over where it is, and resumes the run at its end
-    follower.append(start_follower(deployed))
+        # the next follower takes the job over where it is, and resumes the run at its end
+        follower.append(start_follower(deployed))
+        wait_until(lambda: followed(deployed, record.id), 120, "the next follower to follow it")
     done = deployed.wait_final(flow_run_id, timeout=600)
     assert done.state.is_completed(), done.state
     saved = Runs(deployed.runs).load(record.id)

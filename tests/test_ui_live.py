@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 PAGE_TIMEOUT_S = 90.0  # the UI's scripts and API calls, on a loaded machine
 RELOAD_S = 30.0  # a page that does not show what is looked for is opened again after this
-LIVE_STEPS = 40  # the job is held stopped while the page is looked at mid-training
+LIVE_STEPS = 12  # the job is held stopped while the page is looked at mid-training
 
 CURVE_IMAGE = """(() => {
   const img = [...document.querySelectorAll('.markdown-renderer img')]
