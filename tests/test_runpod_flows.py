@@ -14,11 +14,8 @@ result or an artifact; bad input fails in one line before any pod exists.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -50,6 +47,7 @@ from overbrainer_prefect.targets.runpod.keys import CLIENT_KEY, SSH_DIR
 from overbrainer_prefect.targets.runpod.listing import PodsError
 from overbrainer_prefect.trainers.spec import TrainingSpec
 from tests.flowrun import run
+from tests.procs import held_stopped
 from tests.runpod_fixtures import A4000, A5000, FAST, fast, pods_of, sim, target
 from tests.runpod_sim import RunpodSim, running_sim
 from tests.runpod_sim.pods import SimPods, deleted_once_verified
@@ -899,8 +897,7 @@ class KilledFlow:
         # process group), as a job in one long step would: nothing on the pod waits on its
         # steps before then, and the cores it leaves go to the rest of the suite.
         assert record.job is not None
-        os.killpg(record.job.pid, signal.SIGSTOP)
-        try:
+        with held_stopped(record.job.pid):  # a deleted pod's job is gone: no error then
             wait_until(
                 lambda: (
                     self.abandon.is_set()
@@ -910,9 +907,6 @@ class KilledFlow:
                 240,
                 "the watchdog to ask for a checkpoint before max_hours",
             )
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # a deleted pod's job is gone
-                os.killpg(record.job.pid, signal.SIGCONT)
 
         def held() -> bool:
             log = pods_of.watchdog_log(str(pod.pod_id), record.id)
