@@ -4,7 +4,7 @@ VENV := .venv
 JOB_VENV := .venv-job
 UV := $(VENV)/bin/uv
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-deps lint bench clean
 
 setup: $(VENV)/.ok $(JOB_VENV)/.ok
 
@@ -30,7 +30,9 @@ lint: $(VENV)/.ok
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The system packages the tests need (sshd, PostgreSQL, Chromium) are installed when missing.
+# The system packages the tests need (sshd, PostgreSQL, Chromium) are installed when missing,
+# while the venvs are made and linted (a sub-make with 3 jobs, each job's output kept whole):
+# apt waits on the network and the disk, the lint needs only the orchestrator's venv.
 # Most tests wait (sshd, simulated boots, Prefect servers), so TEST_WORKERS pytest-xdist
 # workers overlap the waits, one module (or one shared session fixture) per worker
 # (tests/scheduling.py). Four on 2 cores: on a quiet machine (2026-12-05, later the same day
@@ -39,10 +41,13 @@ lint: $(VENV)/.ok
 # about 80% of the time at either count, and a fourth worker fills some of the rest.
 # The package and the tests are compiled first, as the venv is (PYTHONDONTWRITEBYTECODE).
 TEST_WORKERS ?= 4
-test: setup lint
-	scripts/test-deps.sh
+test:
+	@$(MAKE) --no-print-directory -j 3 --output-sync=target setup lint test-deps
 	$(VENV)/bin/python -m compileall -q overbrainer_prefect tests bench demo > /dev/null
 	$(VENV)/bin/pytest -ra --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
+test-deps:
+	scripts/test-deps.sh
 
 demo: setup
 	$(VENV)/bin/python demo/run_demo.py
