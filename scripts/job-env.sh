@@ -81,7 +81,7 @@ install() { "$uv" pip install -q --python "$venv/bin/python" "${links[@]}" -c "$
 compile_all() {
     "$venv/bin/python" -m compileall -q -j 0 -x '/site-packages/oci/' "$@" >/dev/null || true
 }
-purelib() { "$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 check='import torch, axolotl, transformers, peft; assert "+cpu" in torch.__version__ or not torch.cuda.is_available()'
 if [ -n "${JOB_ENV_TRAIN_ONLY:-}" ]; then
     install "axolotl==$axolotl" protobuf sentencepiece  # not compiled: the env of one test's training
@@ -107,38 +107,29 @@ mkdir -p "$cache"
 # backend, and ninja), not in an isolated one per call: pip's download of an sdist prepares
 # its metadata, and each isolated build environment is filled by pip from the index, one
 # requirement after the other (50 s on a new machine before the build could start).
+# It runs in the background, a subshell of its own: its first failing command ends it (set -e),
+# and its EXIT trap removes its scratch directory however it ends.
 build_llama() {
-    local sdist="$cache/llama_cpp_python-$llama_version.tar.gz" src builder
+    local sdist="$cache/llama_cpp_python-$llama_version.tar.gz" wheels="$cache/llama_cpp_python-*.whl"
     local force='set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
-    if [ -f "$sdist" ] && ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-        return 0
-    fi
+    [ -f "$sdist" ] && compgen -G "$wheels" >/dev/null && return 0
     src=$(mktemp -d "${TMPDIR:-/tmp}/llama-cpp-python-src.XXXXXX")
-    builder="$src/builder"
-    "$uv" venv -q --seed --python "$py" "$builder" || { rm -rf "$src"; return 1; }
-    "$uv" pip install -q --python "$builder/bin/python" "scikit-build-core[pyproject]>=0.9.2" ninja \
-        || { rm -rf "$src"; return 1; }
-    if [ ! -f "$sdist" ]; then
-        "$builder/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
-            --no-binary :all: --no-build-isolation -d "$cache" "llama-cpp-python==$llama_version" \
-            || { rm -rf "$src"; return 1; }
-    fi
-    if ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-        rm -rf "$src"
-        return 0
-    fi
+    trap 'rm -rf "$src"' EXIT
+    "$uv" venv -q --seed --python "$py" "$src/builder"
+    "$uv" pip install -q --python "$src/builder/bin/python" "scikit-build-core[pyproject]>=0.9.2" ninja
+    [ -f "$sdist" ] || "$src/builder/bin/python" -m pip download -q --disable-pip-version-check \
+        --no-deps --no-binary :all: --no-build-isolation -d "$cache" "llama-cpp-python==$llama_version"
+    compgen -G "$wheels" >/dev/null && return 0
     tar xzf "$sdist" -C "$src"
     grep -qF "$force" "$src/llama_cpp_python-$llama_version/CMakeLists.txt" || {
         echo "job-env: llama-cpp-python $llama_version's CMakeLists.txt no longer forces LLAMA_BUILD_COMMON on as scripts/job-env.sh expects: check what it builds, then update build_llama" >&2
-        rm -rf "$src"
         return 1
     }
     sed -i 's/set(LLAMA_BUILD_COMMON ON CACHE BOOL/set(LLAMA_BUILD_COMMON OFF CACHE BOOL/' \
         "$src/llama_cpp_python-$llama_version/CMakeLists.txt"
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" "$builder/bin/python" -m pip wheel -q \
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" "$src/builder/bin/python" -m pip wheel -q \
         --disable-pip-version-check --no-cache-dir --no-deps --no-build-isolation -w "$cache" \
-        "$src/llama_cpp_python-$llama_version" || { rm -rf "$src"; return 1; }
-    rm -rf "$src"
+        "$src/llama_cpp_python-$llama_version"
 }
 # the build is stopped, with its compilers, when this script ends before it (a failed install)
 stop_tree() {
@@ -156,7 +147,7 @@ install "axolotl==$axolotl" protobuf sentencepiece gguf
 # compiled while llama.cpp builds (35 s of 2 cores after it, 2026-12-07); its package after.
 # A new machine (2 cores, empty caches): make setup 177 s, 183 before the build venv, 193 before
 # this compile moved, 324 before llama.cpp's common library was left out.
-compile_all "$(purelib)"
+compile_all "$site"
 wait "$llama_build" || { llama_build=; echo "job-env: the llama-cpp-python $llama_version wheel could not be built (its output is above): fix that, then run \`make setup\` again" >&2; exit 1; }
 llama_build=
 install "$cache"/llama_cpp_python-*.whl
@@ -169,6 +160,6 @@ if [ ! -f "$share/convert_hf_to_gguf.py" ]; then
         --wildcards "llama_cpp_python-$llama_version/vendor/llama.cpp/conversion/*"
     rm -rf "$share" && mv "$share.tmp" "$share"
 fi
-compile_all "$(purelib)/llama_cpp" "$share"
+compile_all "$site/llama_cpp" "$share"
 "$venv/bin/python" -c "$check; import llama_cpp; print('job env:', 'llama_cpp', llama_cpp.__version__, 'torch', torch.__version__, 'axolotl', axolotl.__version__, 'transformers', transformers.__version__)"
 finish
